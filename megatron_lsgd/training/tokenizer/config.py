@@ -1,0 +1,44 @@
+"""Typed configuration of the tokenizer (built from argparse in training/arguments.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+TOKENIZER_TYPES = (
+    "NullTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+)
+
+
+@dataclass
+class TokenizerConfig:
+    tokenizer_type: str = "NullTokenizer"
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    vocab_size: Optional[int] = None  # NullTokenizer only
+    make_vocab_size_divisible_by: int = 128
+
+    def validate(self) -> None:
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ValueError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
+        if self.tokenizer_type == "NullTokenizer" and not self.vocab_size:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N")
+        if self.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer") \
+                and not self.tokenizer_model:
+            raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model")
+        if self.tokenizer_type == "GPT2BPETokenizer" and not (self.vocab_file and self.merge_file):
+            raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError("--make-vocab-size-divisible-by must be >= 1")
+
+
+def padded_vocab_size(orig_vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of divisible_by x TP so
+    every tensor-parallel rank holds an equal, aligned slice of the embedding."""
+    multiple = divisible_by * tensor_parallel_size
+    return ((orig_vocab_size + multiple - 1) // multiple) * multiple
