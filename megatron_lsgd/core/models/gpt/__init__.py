@@ -1,0 +1,3 @@
+from megatron_lsgd.core.models.gpt.gpt_model import GPTModel, SyncUnit
+
+__all__ = ["GPTModel", "SyncUnit"]

@@ -1,0 +1,124 @@
+"""Contiguous parameter and gradient storage, split into buckets.
+
+Parameters become views into one flat buffer and accumulate their gradients into views
+(`param.main_grad`) of one flat fp32 buffer. Each bucket is padded to a multiple of the
+number of ZeRO-1 shards so that every shard is an equal contiguous slice: shard r of a
+bucket is what rank r of the site reduces, optimizes and (across sites) exchanges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: List[nn.Parameter]
+    start: int  # offset of the bucket in the flat buffers
+    end: int  # padded end
+    num_shards: int
+    param_data: torch.Tensor = field(repr=False, default=None)
+    grad_data: torch.Tensor = field(repr=False, default=None)
+    # True for buckets of params whose grads first need a model-parallel all-reduce
+    # (tied embeddings across stages, sequence-parallel norms): never reduced early.
+    deferred: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def shard_size(self) -> int:
+        return self.numel // self.num_shards
+
+    def shard_range(self, shard: int) -> Tuple[int, int]:
+        """[lo, hi) of a shard, relative to the bucket start."""
+        return shard * self.shard_size, (shard + 1) * self.shard_size
+
+    def param_shard(self, shard: int) -> torch.Tensor:
+        lo, hi = self.shard_range(shard)
+        return self.param_data[lo:hi]
+
+    def grad_shard(self, shard: int) -> torch.Tensor:
+        lo, hi = self.shard_range(shard)
+        return self.grad_data[lo:hi]
+
+
+def _needs_model_parallel_reduce(p: nn.Parameter) -> bool:
+    return getattr(p, "shared_embedding", False) or getattr(p, "sequence_parallel", False)
+
+
+class ParamAndGradBuffer:
+    def __init__(self, params: List[nn.Parameter], *, bucket_size: int, num_shards: int,
+                 grad_dtype: torch.dtype = torch.float32):
+        if not params:
+            raise ValueError("no trainable parameters on this rank")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters of one buffer must share a dtype, got {dtypes}")
+        self.param_dtype = dtypes.pop()
+        self.grad_dtype = grad_dtype
+        self.num_shards = num_shards
+        device = params[0].device
+
+        # Params arrive in (approximate) backward order; special ones go last, in their
+        # own buckets, so regular buckets can be reduced as soon as backward fills them.
+        regular = [p for p in params if not _needs_model_parallel_reduce(p)]
+        special = [p for p in params if _needs_model_parallel_reduce(p)]
+        layout: List[Tuple[List[nn.Parameter], bool]] = []
+        for group, deferred in ((regular, False), (special, True)):
+            current: List[nn.Parameter] = []
+            size = 0
+            for p in group:
+                current.append(p)
+                size += p.numel()
+                if bucket_size > 0 and size >= bucket_size:
+                    layout.append((current, deferred))
+                    current, size = [], 0
+            if current:
+                layout.append((current, deferred))
+
+        self.buckets: List[Bucket] = []
+        self.param_offsets = {}  # id(param) -> (start, end) in the flat buffers
+        offset = 0
+        for index, (bucket_params, deferred) in enumerate(layout):
+            start = offset
+            for p in bucket_params:
+                self.param_offsets[id(p)] = (offset, offset + p.numel())
+                offset += p.numel()
+            padded = -(-(offset - start) // num_shards) * num_shards
+            offset = start + padded
+            self.buckets.append(Bucket(index, bucket_params, start, offset, num_shards, deferred=deferred))
+
+        self.param_data = torch.zeros(offset, dtype=self.param_dtype, device=device)
+        self.grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
+        for b in self.buckets:
+            b.param_data = self.param_data[b.start:b.end]
+            b.grad_data = self.grad_data[b.start:b.end]
+            for p in b.params:
+                lo, hi = self.param_offsets[id(p)]
+                view = self.param_data[lo:hi].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+                p.main_grad = self.grad_data[lo:hi].view_as(p)
+        self.param_to_bucket = {id(p): b for b in self.buckets for p in b.params}
+
+    def zero_grad(self) -> None:
+        self.grad_data.zero_()
+
+    def shard_pieces(self, bucket: Bucket, shard: int):
+        """(param, lo, hi, shard_lo, shard_hi): the part [lo, hi) of each param (in its
+        flattened coordinates) that falls into `shard`, and where it sits in the shard."""
+        s_lo, s_hi = bucket.shard_range(shard)
+        s_lo += bucket.start
+        s_hi += bucket.start
+        for p in bucket.params:
+            p_lo, p_hi = self.param_offsets[id(p)]
+            lo, hi = max(p_lo, s_lo), min(p_hi, s_hi)
+            if lo < hi:
+                yield p, lo - p_lo, hi - p_lo, lo - s_lo, hi - s_lo

@@ -1,0 +1,49 @@
+"""Inner-optimizer configuration (AdamW, clipping, LR schedule, loss scaling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    lr_decay_style: str = "linear"  # constant | linear | cosine
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None  # default: --train-iters
+    # fp16 dynamic loss scaling (ignored unless --fp16)
+    loss_scale: Optional[float] = None  # static scale when set
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    def validate(self, train_iters: int) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0 (got {self.lr})")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"--lr-decay-style {self.lr_decay_style!r}: choose constant, linear or cosine")
+        if self.lr_warmup_iters < 0:
+            raise ValueError("--lr-warmup-iters must be >= 0")
+        if self.lr_decay_iters is None:
+            self.lr_decay_iters = train_iters
+        if self.lr_decay_iters < self.lr_warmup_iters:
+            raise ValueError(f"--lr-decay-iters {self.lr_decay_iters} is shorter than --lr-warmup-iters "
+                             f"{self.lr_warmup_iters}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ValueError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
+        if self.adam_eps <= 0:
+            raise ValueError("--adam-eps must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError("--weight-decay must be >= 0")
+        if self.clip_grad < 0:
+            raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")

@@ -1,0 +1,172 @@
+"""The inner optimizer: torch AdamW over this rank's shard of every bucket.
+
+Without ZeRO-1 the "shard" is the whole buffer. With `--use-distributed-optimizer` each
+rank of a site steps only its 1/DP_intra slice (optimizer state sharded likewise) and the
+updated parameters are all-gathered inside the site. Main parameters are fp32: for fp32
+models they are views of the parameter buffer itself (no copy); for bf16/fp16 models a
+separate fp32 copy of the shard is kept and cast back after each step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.distributed.collectives import all_gather_flat
+from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
+from megatron_lsgd.core.optimizer.config import OptimizerConfig
+from megatron_lsgd.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_lsgd.core.parallel_state import ProcessGroups
+
+
+@dataclass
+class ShardPiece:
+    """The part of one parameter that lives in this rank's shard."""
+
+    param: torch.nn.Parameter
+    main: torch.Tensor  # fp32, 1-D, updated by the optimizer
+    grad: torch.Tensor  # fp32, 1-D view into the grad buffer
+    counts_in_norm: bool
+
+
+class ShardedOptimizer:
+    def __init__(self, models: List[DistributedDataParallel], config: OptimizerConfig, pgs: ProcessGroups,
+                 grad_scaler=None):
+        self.models = models
+        self.config = config
+        self.pgs = pgs
+        self.grad_scaler: Optional[object] = grad_scaler
+        self.sharded = any(m.config.use_distributed_optimizer for m in models) and pgs.dims.dp_intra > 1
+        self.shard_index = pgs.dp_intra_rank if self.sharded else 0
+
+        # One fp32 main tensor per bucket shard (a view when the model is already fp32).
+        self.main_shards: List[Tuple[object, torch.Tensor, torch.Tensor]] = []  # (bucket, main, grad)
+        self.pieces: List[ShardPiece] = []
+        for model in models:
+            buffer = model.buffer
+            for bucket in buffer.buckets:
+                param_shard = bucket.param_shard(self.shard_index)
+                main = param_shard if param_shard.dtype == torch.float32 else param_shard.detach().float().clone()
+                grad = bucket.grad_shard(self.shard_index)
+                self.main_shards.append((bucket, main, grad))
+                for p, _, _, s_lo, s_hi in buffer.shard_pieces(bucket, self.shard_index):
+                    self.pieces.append(ShardPiece(p, main[s_lo:s_hi], grad[s_lo:s_hi], self._counts_in_norm(p)))
+
+        decay = [pc.main for pc in self.pieces if pc.param.ndim > 1]
+        no_decay = [pc.main for pc in self.pieces if pc.param.ndim <= 1]  # biases and norms
+        groups = [g for g in (
+            {"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if not groups:  # a rank whose shard holds only padding still joins every collective
+            groups = [{"params": [torch.zeros(1)], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            foreach=True)
+
+    def _counts_in_norm(self, p) -> bool:
+        # Replicated across TP ranks: count once. Tied embedding copy on the last stage:
+        # counted on the first stage only.
+        if not getattr(p, "tensor_model_parallel", False) and self.pgs.tp_rank != 0:
+            return False
+        if getattr(p, "shared_embedding", False) and not self.pgs.is_first_stage:
+            return False
+        return True
+
+    # ---- the step -----------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def _found_inf(self) -> bool:
+        flag = torch.zeros(1, device=self.main_shards[0][2].device)
+        for _, _, grad in self.main_shards:
+            if not torch.isfinite(grad).all():
+                flag.fill_(1.0)
+                break
+        # Everyone in the site must agree to skip (shards and stages differ).
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pgs.site)
+        return bool(flag.item())
+
+    def grad_norm(self) -> float:
+        device = self.main_shards[0][2].device
+        grads = [pc.grad for pc in self.pieces if pc.counts_in_norm]
+        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            sq += torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        if self.sharded:
+            dist.all_reduce(sq, group=self.pgs.dp_intra)
+        if self.pgs.dims.tp * self.pgs.dims.pp > 1:
+            dist.all_reduce(sq, group=self.pgs.model_parallel)
+        return math.sqrt(sq.item())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> Tuple[bool, Optional[float]]:
+        """Returns (update_successful, grad_norm)."""
+        if self.grad_scaler is not None:
+            inv = 1.0 / self.grad_scaler.scale
+            for _, _, grad in self.main_shards:
+                grad.mul_(inv)
+            found_inf = self._found_inf()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        norm = self.grad_norm()
+        if self.config.clip_grad > 0 and norm > self.config.clip_grad:
+            coeff = self.config.clip_grad / (norm + 1e-6)
+            for _, _, grad in self.main_shards:
+                grad.mul_(coeff)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for pc in self.pieces:
+            pc.main.grad = pc.grad
+        self.optimizer.step()
+        for pc in self.pieces:
+            pc.main.grad = None
+        self.copy_main_to_model_params()
+        return True, norm
+
+    @torch.no_grad()
+    def copy_main_to_model_params(self) -> None:
+        """Cast main shards into the parameter buffer (if separate) and, under ZeRO-1,
+        all-gather every bucket's shards inside the site."""
+        for bucket, main, _ in self.main_shards:
+            shard = bucket.param_shard(self.shard_index)
+            if main.data_ptr() != shard.data_ptr():
+                shard.copy_(main)
+            if self.sharded:
+                all_gather_flat(bucket.param_data, shard.clone(), group=self.pgs.dp_intra)
+
+    def main_param_shards(self) -> List[torch.Tensor]:
+        """This rank's fp32 main parameters, one flat tensor per bucket (what a cross-site
+        synchronizer reads as θ_local and overwrites with the synced value)."""
+        return [main for _, main, _ in self.main_shards]
+
+    # ---- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if any(m.data_ptr() != b.param_shard(self.shard_index).data_ptr() for b, m, _ in self.main_shards):
+            state["main_shards"] = [m.clone() for _, m, _ in self.main_shards]
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "main_shards" in state:
+            for (_, main, _), saved in zip(self.main_shards, state["main_shards"]):
+                main.copy_(saved)
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def build_grad_scaler(config: OptimizerConfig, fp16: bool):
+    if not fp16:
+        return None
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    return DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale, config.loss_scale_window,
+                             config.hysteresis)

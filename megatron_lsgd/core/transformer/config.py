@@ -1,0 +1,87 @@
+"""Model configuration (Megatron's TransformerConfig, reduced to what this model uses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None  # default 4h (GELU) or Llama's 8h/3 rounded (SwiGLU)
+    num_query_groups: Optional[int] = None  # None: multi-head attention (groups == heads)
+    kv_channels: Optional[int] = None  # per-head size; default hidden / heads
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = None
+    padded_vocab_size: int = 128
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    sequence_parallel: bool = False
+    params_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.ffn_hidden_size is None:
+            if self.swiglu:  # keep parameter count close to 4h GELU, rounded to 64
+                self.ffn_hidden_size = ((int(8 * self.hidden_size / 3) + 63) // 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+
+    def validate(self, tp: int = 1, pp: int = 1) -> None:
+        """Check the model against the parallel layout; messages name the flag to change."""
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.num_layers >= 1, "--num-layers must be >= 1")
+        need(self.hidden_size >= 1 and self.num_attention_heads >= 1,
+             "--hidden-size and --num-attention-heads must be >= 1")
+        need(self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
+             f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+             f"{self.num_attention_heads}; set --kv-channels")
+        need(self.num_attention_heads % self.num_query_groups == 0,
+             f"--num-attention-heads {self.num_attention_heads} must be a multiple of "
+             f"--num-query-groups {self.num_query_groups}")
+        need(self.num_attention_heads % tp == 0,
+             f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+        need(self.num_query_groups % tp == 0,
+             f"--num-query-groups {self.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
+        need(self.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
+        need(self.num_layers % pp == 0,
+             f"--num-layers {self.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        need(self.position_embedding_type in ("learned_absolute", "rope"),
+             f"--position-embedding-type {self.position_embedding_type!r}: choose learned_absolute or rope")
+        need(self.normalization in ("LayerNorm", "RMSNorm"),
+             f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
+        need(self.seq_length >= 1, "--seq-length must be >= 1")
+        need(self.position_embedding_type == "rope" or self.seq_length <= self.max_position_embeddings,
+             f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}")
+        need(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
+             "rotary embeddings need an even head size (--kv-channels)")
+        need(0.0 <= self.hidden_dropout < 1.0 and 0.0 <= self.attention_dropout < 1.0,
+             "--hidden-dropout and --attention-dropout must be in [0, 1)")
+        if self.sequence_parallel:
+            need(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+            need(self.seq_length % tp == 0,
+                 f"--sequence-parallel needs --seq-length {self.seq_length} divisible by "
+                 f"--tensor-model-parallel-size {tp}")

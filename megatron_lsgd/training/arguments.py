@@ -1,0 +1,259 @@
+"""Megatron-compatible command line -> typed, validated configuration.
+
+`parse_args` only parses. `build_config` turns the namespace into dataclasses and checks
+them once against the world size; every error names the flag to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+from megatron_lsgd.core.datasets.config import DataConfig
+from megatron_lsgd.core.distributed.data_parallel import DDPConfig
+from megatron_lsgd.core.lsgd.config import LsgdConfig
+from megatron_lsgd.core.lsgd.registry import registered_algorithms
+from megatron_lsgd.core.optimizer.config import OptimizerConfig
+from megatron_lsgd.core.parallel_state import ParallelDims
+from megatron_lsgd.core.transformer.config import TransformerConfig
+from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None
+    train_iters: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    log_interval: int = 100
+    exit_interval: Optional[int] = None
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    tensorboard_dir: Optional[str] = None
+    distributed_backend: Optional[str] = None  # None: nccl with CUDA, gloo otherwise
+    distributed_timeout_minutes: int = 10
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+@dataclass
+class RunConfig:
+    model: TransformerConfig
+    dims: ParallelDims
+    ddp: DDPConfig
+    optimizer: OptimizerConfig
+    training: TrainingConfig
+    data: DataConfig
+    tokenizer: TokenizerConfig
+    lsgd: LsgdConfig
+    num_microbatches: int = 1
+    raw_args: Optional[argparse.Namespace] = field(default=None, repr=False)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4 x hidden (GELU) or about 8/3 x hidden rounded to 64 (SwiGLU)")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-sites", type=int, default=1,
+                   help="split data parallelism into S sites joined by slow links (ranks of a site are contiguous)")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: shard the inner optimizer state over the data-parallel ranks of a site")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="launch each bucket's intra-site gradient reduction as soon as backward fills it")
+    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl when CUDA is available, gloo otherwise")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro batch size x data-parallel size")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100, help="0 disables evaluation")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+
+
+def _optimizer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=[],
+                   help="prefix ... or weight prefix weight prefix ... (blended)")
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--mock-data", action="store_true", help="deterministic synthetic tokens")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def _lsgd_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cross-site synchronization")
+    g.add_argument("--lsgd-algorithm", choices=registered_algorithms(), default="sync",
+                   help="how data parallelism crosses sites (sync: average gradients every step)")
+    g.add_argument("--lsgd-warmup-iters", type=int, default=0,
+                   help="fully synchronous steps before a local-SGD algorithm starts")
+
+
+def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
+        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, _lsgd_args):
+        add(p)
+    if extra_args_provider is not None:
+        extra_args_provider(p)
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None):
+    return build_parser(extra_args_provider).parse_args(argv)
+
+
+def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
+    """Validate everything once; raise ValueError with a message naming the flag."""
+    dims = ParallelDims.from_world(world_size, args.tensor_model_parallel_size,
+                                   args.pipeline_model_parallel_size, args.num_sites)
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are mutually exclusive")
+    if args.micro_batch_size < 1:
+        raise ValueError("--micro-batch-size must be >= 1")
+    global_batch = args.global_batch_size or args.micro_batch_size * dims.dp
+    per_step = args.micro_batch_size * dims.dp
+    if global_batch % per_step:
+        raise ValueError(
+            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {args.micro_batch_size} x "
+            f"data-parallel size {dims.dp} (= {dims.dp_intra} per site x {dims.sites} sites) = {per_step}")
+    if args.train_iters < 1:
+        raise ValueError("--train-iters must be >= 1")
+    for flag, value in (("--log-interval", args.log_interval), ("--eval-interval", args.eval_interval)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1")
+    if args.eval_iters < 0:
+        raise ValueError("--eval-iters must be >= 0")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ValueError("--exit-interval must be >= 1")
+    if args.group_query_attention and not args.num_query_groups:
+        raise ValueError("--group-query-attention needs --num-query-groups")
+    if args.num_query_groups and not args.group_query_attention:
+        raise ValueError("--num-query-groups needs --group-query-attention")
+    if args.ddp_bucket_size < 0:
+        raise ValueError("--ddp-bucket-size must be >= 0 (0: one bucket)")
+    if args.distributed_timeout_minutes < 1:
+        raise ValueError("--distributed-timeout-minutes must be >= 1")
+
+    training = TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, train_iters=args.train_iters,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, log_interval=args.log_interval,
+        exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
+        tensorboard_dir=args.tensorboard_dir, distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
+    model = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        padded_vocab_size=1,  # set from the tokenizer at start-up
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        normalization=args.normalization, norm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
+        add_bias_linear=not args.disable_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, sequence_parallel=args.sequence_parallel,
+        params_dtype=training.params_dtype)
+    model.validate(dims.tp, dims.pp)
+    optimizer = OptimizerConfig(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_iters=args.lr_decay_iters, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+    optimizer.validate(args.train_iters)
+    tokenizer_type = args.tokenizer_type or ("NullTokenizer" if args.mock_data else None)
+    if tokenizer_type is None:
+        raise ValueError("--tokenizer-type is required (NullTokenizer with --vocab-size for --mock-data)")
+    tokenizer = TokenizerConfig(
+        tokenizer_type=tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+        merge_file=args.merge_file, vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    tokenizer.validate()
+    data = DataConfig(
+        data_path=list(args.data_path or []), split=args.split, data_cache_path=args.data_cache_path,
+        mock_data=args.mock_data, seq_length=args.seq_length, seed=args.seed, eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        num_workers=args.num_workers)
+    data.validate()
+    lsgd = LsgdConfig(algorithm=args.lsgd_algorithm, warmup_iters=args.lsgd_warmup_iters)
+    lsgd.validate(dims.sites)
+    ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
+                    use_distributed_optimizer=args.use_distributed_optimizer)
+    return RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
+                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args)

@@ -1,0 +1,53 @@
+"""Process start-up: torch.distributed, device, process groups, seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.parallel_state import ProcessGroups, build_process_groups
+from megatron_lsgd.core.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seeds
+from megatron_lsgd.training.arguments import RunConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str | None, timeout_minutes: int) -> torch.device:
+    """Join the job started by torchrun (or run alone when launched with plain python)."""
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    return device
+
+
+def initialize(config: RunConfig, device: torch.device) -> tuple[ProcessGroups, RNGStatesTracker]:
+    timeout = timedelta(minutes=config.training.distributed_timeout_minutes)
+    pgs = build_process_groups(config.dims, timeout=timeout)
+    default_seed, tp_seed = model_parallel_seeds(config.training.seed, pgs.tp_rank, pgs.pp_rank)
+    random.seed(default_seed)
+    np.random.seed(default_seed)
+    torch.manual_seed(default_seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(default_seed)
+    tracker = RNGStatesTracker(device)
+    tracker.add(MODEL_PARALLEL_RNG, tp_seed)
+    return pgs, tracker

@@ -1,0 +1,261 @@
+"""The training loop: `pretrain(datasets_provider, model_provider, forward_step_func)`.
+
+The loop calls the synchronizer's hooks at fixed points and never asks which algorithm
+is running (see megatron_lsgd/core/lsgd/base.py for the hook order).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
+from megatron_lsgd.core.lsgd.base import SyncContext
+from megatron_lsgd.core.lsgd.comm import InterSiteComm
+from megatron_lsgd.core.lsgd.registry import synchronizer_class
+from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
+from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
+from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
+from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
+from megatron_lsgd.training.data_samplers import build_data_iterator
+from megatron_lsgd.training.initialize import init_distributed, initialize
+from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
+from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
+
+
+@dataclass
+class TrainingResult:
+    """What a run leaves behind (used by tests and benchmarks)."""
+
+    iteration: int = 0
+    logged_losses: List[float] = field(default_factory=list)  # mean over sites, one per log interval
+    validation_losses: List[float] = field(default_factory=list)
+    tokens_per_second: float = 0.0
+    model: Optional[torch.nn.Module] = None
+    config: Optional[RunConfig] = None
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, model_provider: Callable, datasets_provider: Callable,
+                 forward_step_func: Callable, device: torch.device):
+        self.config = config
+        self.device = device
+        self.forward_step_func = forward_step_func
+        self.pgs, self.rng_tracker = initialize(config, device)
+        pgs = self.pgs
+        self.log_rank = dist.get_world_size() - 1  # last stage of the last site holds the loss
+
+        self.tokenizer = build_tokenizer(config.tokenizer)
+        config.model.padded_vocab_size = padded_vocab_size(
+            self.tokenizer.vocab_size, config.tokenizer.make_vocab_size_divisible_by, config.dims.tp)
+
+        model = model_provider(config, pgs, self.rng_tracker, pre_process=pgs.is_first_stage,
+                               post_process=pgs.is_last_stage)
+        model.to(device)
+        model.initialize(config.training.seed)
+        self.model = DistributedDataParallel(model, pgs, config.ddp)
+        self.optimizer = ShardedOptimizer([self.model], config.optimizer, pgs,
+                                          build_grad_scaler(config.optimizer, config.training.fp16))
+        self.scheduler = LRScheduler(config.optimizer)
+
+        comm = InterSiteComm(pgs.dp_inter, config.dims.sites)
+        units = model.sync_units()
+        sync_cls = synchronizer_class(config.lsgd.algorithm)
+        self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
+                                                 optimizer=self.optimizer, comm=comm, units=units))
+        self.comm = comm
+        self._wire_unit_hooks(units)
+        self.train_step = self.synchronizer.wrap_train_step(self._train_step)
+
+        t = config.training
+        gbs = t.global_batch_size
+        eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+        train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
+                                                  (t.train_iters * gbs, eval_runs * gbs, t.eval_iters * gbs))
+        self.consumed_samples = 0
+        self.train_iterator = build_data_iterator(train_ds, self.consumed_samples, t.micro_batch_size,
+                                                  pgs.dp_rank, config.dims.dp, config.data.num_workers)
+        self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs.dp_rank, config.dims.dp,
+                                                  config.data.num_workers, cyclic=True)
+        self.forward_backward = get_forward_backward_func(config.dims.pp)
+        seq = config.model.seq_length // (config.dims.tp if config.model.sequence_parallel else 1)
+        self.tensor_shape = (seq, t.micro_batch_size, config.model.hidden_size)
+        self.iteration = 0
+        self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.log_rank)
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def _wire_unit_hooks(self, units) -> None:
+        sync = self.synchronizer
+        if sync.uses_unit_forward_hooks:
+            for unit in units:
+                unit.modules[0].register_forward_pre_hook(lambda _m, _a, unit=unit: sync.before_unit_forward(unit))
+        if sync.uses_unit_backward_hooks:
+            self.model.add_unit_backward_listener(units, sync.after_unit_backward)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _schedule_spec(self, forward_only: bool) -> ScheduleSpec:
+        return ScheduleSpec(num_microbatches=self.config.num_microbatches, tensor_shape=self.tensor_shape,
+                            dtype=self.config.model.params_dtype, device=self.device, forward_only=forward_only,
+                            loss_scale=self.optimizer.loss_scale)
+
+    def _train_step(self, data_iterator):
+        sync = self.synchronizer
+        self.model.train()
+        self.model.zero_grad_buffer()
+        sync.before_forward_backward(self.iteration)
+        losses = self.forward_backward(self.forward_step_func, data_iterator, self.model,
+                                       self._schedule_spec(False), self.pgs)
+        self.model.finish_grad_sync()
+        sync.after_forward_backward(self.iteration)
+        update_successful, grad_norm = self.optimizer.step(self.scheduler.next_lr())
+        if update_successful:
+            self.scheduler.step()
+        sync.after_optimizer_step(self.iteration, update_successful)
+        return losses, update_successful, grad_norm
+
+    def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
+        if not self.pgs.is_last_stage or not losses:
+            return {}
+        out = {}
+        for key in losses[0]:
+            value = torch.stack([d[key].float() for d in losses]).mean().reshape(1)
+            if self.config.dims.dp_intra > 1:
+                value /= self.config.dims.dp_intra
+                dist.all_reduce(value, group=self.pgs.dp_intra)
+            out[key] = value
+        return out
+
+    def _mean_across_sites(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        if self.config.dims.sites > 1 and values:
+            stacked = torch.cat(list(values.values())) / self.config.dims.sites
+            dist.all_reduce(stacked, group=self.pgs.dp_inter)  # a few bytes, at log intervals only
+            values = dict(zip(values.keys(), stacked.split(1)))
+        return {k: float(v.item()) for k, v in values.items()}
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        t = self.config.training
+        if self.valid_iterator is None or t.eval_iters == 0:
+            return None
+        self.model.eval()
+        collected: List[Dict[str, torch.Tensor]] = []
+        for _ in range(t.eval_iters):
+            collected += self.forward_backward(self.forward_step_func, self.valid_iterator, self.model,
+                                               self._schedule_spec(True), self.pgs)
+        self.model.train()
+        reduced = self._mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
+        loss = reduced.get("lm loss")
+        if loss is not None and self.pgs.rank == self.log_rank:
+            ppl = math.exp(min(20.0, loss))
+            line = f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+            print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+            self.tb.scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.iteration)
+        return loss
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def train(self) -> TrainingResult:
+        t = self.config.training
+        result = TrainingResult(model=self.model.module, config=self.config)
+        gbs = t.global_batch_size
+        tokens_per_iter = gbs * self.config.model.seq_length
+        sums: Dict[str, torch.Tensor] = {}
+        interval_iters = skipped = nans = total_skipped = 0
+        norm_sum, norm_count = 0.0, 0
+        comm_before = self.comm.snapshot()
+        interval_start = time.perf_counter()
+        run_start = interval_start
+        while self.iteration < t.train_iters:
+            losses, ok, grad_norm = self.train_step(self.train_iterator)
+            self.iteration += 1
+            self.consumed_samples += gbs
+            interval_iters += 1
+            if not ok:
+                skipped += 1
+                total_skipped += 1
+            elif grad_norm is not None:
+                if math.isnan(grad_norm):
+                    nans += 1
+                norm_sum, norm_count = norm_sum + grad_norm, norm_count + 1
+            for k, v in self._reduce_site_losses(losses).items():
+                sums[k] = sums.get(k, torch.zeros_like(v)) + v
+
+            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+                elapsed = time.perf_counter() - interval_start
+                means = self._mean_across_sites({k: v / interval_iters for k, v in sums.items()}) \
+                    if self.pgs.is_last_stage else {}
+                if "lm loss" in means:
+                    result.logged_losses.append(means["lm loss"])
+                comm_now = self.comm.snapshot()
+                moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
+                            - comm_before["bytes_sent"] - comm_before["bytes_received"]) / 2**20
+                exposed_ms = 1e3 * (comm_now["exposed_seconds"] - comm_before["exposed_seconds"]) / interval_iters
+                tokens_per_s = tokens_per_iter * interval_iters / elapsed
+                result.tokens_per_second = tokens_per_s
+                if self.pgs.rank == self.log_rank:
+                    norm = norm_sum / norm_count if norm_count else None
+                    extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
+                             "exposed comm ms": f"{exposed_ms:.1f}"}
+                    extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
+                    print(training_log_line(self.iteration, t.train_iters, self.consumed_samples,
+                                            1e3 * elapsed / interval_iters, self.scheduler.current_lr, gbs, means,
+                                            self.optimizer.loss_scale, norm, skipped, nans, extra), flush=True)
+                    self.tb.scalars({**{k: v for k, v in means.items()},
+                                     "learning-rate": self.scheduler.current_lr, "grad-norm": norm,
+                                     "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
+                                     "iteration-time": elapsed / interval_iters, "tokens-per-sec": tokens_per_s,
+                                     "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms}, self.iteration)
+                sums, interval_iters, skipped, nans, norm_sum, norm_count = {}, 0, 0, 0, 0.0, 0
+                comm_before = comm_now
+                interval_start = time.perf_counter()
+
+            if t.eval_iters > 0 and self.iteration % t.eval_interval == 0:
+                loss = self.evaluate()
+                if loss is not None:
+                    result.validation_losses.append(loss)
+                interval_start = time.perf_counter()
+            if t.exit_interval and self.iteration % t.exit_interval == 0:
+                print_rank(f"exiting at iteration {self.iteration} (--exit-interval {t.exit_interval})",
+                           self.pgs.rank, self.log_rank)
+                break
+        result.iteration = self.iteration
+        if self.pgs.rank == self.log_rank:
+            rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "
+                  f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
+        self.tb.close()
+        return result
+
+
+def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable, forward_step_func: Callable,
+             argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None) -> TrainingResult:
+    """Megatron's entry point: parse flags, initialize, build, train. Returns the result
+    (and the model) so tests and benchmarks can inspect the run."""
+    args = parse_args(argv, extra_args_provider)
+    device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    try:
+        config = build_config(args, dist.get_world_size())
+    except ValueError as err:
+        if dist.get_rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        raise SystemExit(2) from err
+    if dist.get_rank() == 0:
+        d = config.dims
+        print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x DP {d.dp_intra} per site x "
+              f"{d.sites} sites | algorithm {config.lsgd.algorithm} | micro-batches per step "
+              f"{config.num_microbatches} | device {device}", flush=True)
+    trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device)
+    if dist.get_rank() == 0:
+        n = sum(p.numel() for p in trainer.model.module.parameters())
+        print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
+              flush=True)
+    return trainer.train()

@@ -1,0 +1,74 @@
+"""Run pretrain_gpt.py in N spawned CPU/gloo processes and collect what each rank saw.
+
+Every rank writes its logged losses and its parameters (global names, TP slices with
+their partition metadata) to a temporary directory; `merge_full_params` rebuilds the
+single-rank view so any layout can be compared with a single-rank run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import pretrain_gpt
+
+    result = pretrain_gpt.main(argv)
+    model = result.model
+    pgs = model.pgs
+    params = {}
+    for name, p in model.global_named_parameters():
+        params[name] = {"value": p.detach().float().clone(), "tp": bool(getattr(p, "tensor_model_parallel", False)),
+                        "dim": getattr(p, "partition_dim", 0), "stride": getattr(p, "partition_stride", 1)}
+    torch.save({"losses": result.logged_losses, "valid": result.validation_losses, "params": params,
+                "coords": pgs.coords, "tp": pgs.dims.tp},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_distributed(argv: List[str], world: int) -> List[dict]:
+    """Spawn `world` ranks running pretrain_gpt.main(argv); return every rank's record."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world, free_port(), argv, out_dir), nprocs=world, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def logged_losses(records: List[dict]) -> List[float]:
+    return records[-1]["losses"]  # the last rank logs
+
+
+def merge_full_params(records: List[dict], site: int = 0, dp_intra: int = 0) -> Dict[str, torch.Tensor]:
+    """Full single-rank parameters from one replica (site, dp_intra) of a run."""
+    by_name: Dict[str, dict] = {}
+    for rec in records:
+        c = rec["coords"]
+        if c.site != site or c.dp_intra != dp_intra:
+            continue
+        for name, info in rec["params"].items():
+            by_name.setdefault(name, {"info": info, "slices": {}})["slices"].setdefault(c.tp, info["value"])
+    full = {}
+    for name, entry in by_name.items():
+        info, slices = entry["info"], entry["slices"]
+        ordered = [slices[t] for t in sorted(slices)]
+        full[name] = merge_tp_slices(ordered, info["dim"], info["stride"]) if info["tp"] and len(ordered) > 1 \
+            else ordered[0]
+    return full

@@ -1,0 +1,61 @@
+"""Bad arguments fail at start with a message naming the flag and the fix."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lsgd.training.arguments import build_config, parse_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
+
+
+def config(extra, world=1):
+    return build_config(parse_args(BASE + extra), world)
+
+
+def test_defaults_build():
+    c = config([], world=4)
+    assert c.dims.dp == 4 and c.training.global_batch_size == 8 and c.num_microbatches == 1
+    assert c.optimizer.lr_decay_iters == 4
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 2 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--num-sites", "2"], 3, "--num-sites 2"),
+    (["--global-batch-size", "6"], 4, "--global-batch-size 6 is not divisible by --micro-batch-size 2"),
+    (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-query-groups 3"),
+    (["--group-query-attention", "--num-query-groups", "4", "--tensor-model-parallel-size", "8",
+      "--num-attention-heads", "8"], 8, "--num-query-groups 4 is not divisible by --tensor-model-parallel-size 8"),
+    (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--bf16", "--fp16"], 1, "mutually exclusive"),
+    (["--lr-warmup-iters", "10", "--lr-decay-iters", "5"], 1, "--lr-decay-iters 5 is shorter"),
+    (["--lr", "0"], 1, "--lr must be > 0"),
+    (["--hidden-dropout", "1.5"], 1, "--hidden-dropout"),
+    (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "16"], 1,
+     "--seq-length 32 exceeds --max-position-embeddings 16"),
+    (["--split", "90,x,1"], 1, "--split"),
+])
+def test_bad_arguments_name_the_flag(extra, world, message):
+    with pytest.raises(ValueError) as err:
+        config(extra, world)
+    assert message in str(err.value)
+
+
+def test_null_tokenizer_needs_vocab_size():
+    args = [a for a in BASE if a not in ("--vocab-size", "128")]
+    with pytest.raises(ValueError, match="--vocab-size"):
+        build_config(parse_args(args), 1)
+
+
+def test_pretrain_exits_with_message(tmp_path):
+    """The real entry point prints the error and exits 2 instead of a traceback."""
+    out = subprocess.run([sys.executable, "pretrain_gpt.py"] + BASE + ["--global-batch-size", "3"],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.returncode == 2
+    assert "error: --global-batch-size 3 is not divisible" in out.stderr
+    assert "Traceback" not in out.stderr

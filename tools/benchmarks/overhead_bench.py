@@ -1,0 +1,105 @@
+"""Framework overhead on one rank: megatron_lsgd's training step vs a minimal plain-PyTorch
+loop (same model, same batch, torch.optim.AdamW, loss.backward()), measured side by side
+in one process, alternating rounds so machine noise hits both alike.
+
+    python tools/benchmarks/overhead_bench.py                      # small GPT on CPU
+    python tools/benchmarks/overhead_bench.py --hidden-size 512 --num-layers 8 --seq-length 512
+
+Prints a Markdown table and the ratio (ours / plain tokens per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import pretrain_gpt  # noqa: E402
+from megatron_lsgd.core.models.gpt import GPTModel  # noqa: E402
+from megatron_lsgd.training.arguments import build_config, parse_args  # noqa: E402
+from megatron_lsgd.training.initialize import init_distributed  # noqa: E402
+from megatron_lsgd.training.training import Trainer  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    argv = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+            "--num-attention-heads", str(a.num_attention_heads), "--seq-length", str(a.seq_length),
+            "--micro-batch-size", str(a.micro_batch_size), "--train-iters", str(10 ** 6), "--lr", "1e-4",
+            "--mock-data", "--vocab-size", str(a.vocab_size), "--eval-iters", "0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--normalization", "RMSNorm",
+            "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights", "--clip-grad", "1.0"]
+    args = parse_args(argv)
+    device = init_distributed(None, 10)
+    config = build_config(args, 1)
+    trainer = Trainer(config, pretrain_gpt.model_provider, pretrain_gpt.train_valid_test_datasets_provider,
+                      pretrain_gpt.forward_step, device)
+
+    # The plain loop: the same GPTModel (TP/PP of one reduce to F.linear), plain AdamW.
+    plain = GPTModel(config.model, trainer.pgs, trainer.rng_tracker).to(device)
+    plain.initialize(config.training.seed)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+    batch = next(trainer.train_iterator)
+    batch = {k: v.to(device) for k, v in batch.items()}
+
+    def plain_step():
+        opt.zero_grad(set_to_none=True)
+        losses = plain(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+        loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+
+    def ours_step():
+        trainer.train_step(iter([batch]))
+
+    def timed(step, n):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    timed(plain_step, 2)
+    timed(ours_step, 2)  # warm-up
+    tokens = a.micro_batch_size * a.seq_length * a.steps
+    plain_tps, ours_tps = [], []
+    for _ in range(a.rounds):
+        plain_tps.append(tokens / timed(plain_step, a.steps))
+        ours_tps.append(tokens / timed(ours_step, a.steps))
+    ratios = [o / q for o, q in zip(ours_tps, plain_tps)]
+    n_params = sum(p.numel() for p in plain.parameters())
+    print(f"model: {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch "
+          f"{a.micro_batch_size}, {n_params / 1e6:.1f}M parameters, device {device}, threads {torch.get_num_threads()}")
+    print("| loop | tokens/s (median of rounds) |\n|---|---|")
+    print(f"| plain PyTorch | {statistics.median(plain_tps):.0f} |")
+    print(f"| megatron_lsgd | {statistics.median(ours_tps):.0f} |")
+    print(f"ratio megatron_lsgd / plain: median {statistics.median(ratios):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
