@@ -37,6 +37,7 @@ class TrainingResult:
     iteration: int = 0
     logged_losses: List[float] = field(default_factory=list)  # mean over sites, one per log interval
     validation_losses: List[float] = field(default_factory=list)
+    skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
     tokens_per_second: float = 0.0
     model: Optional[torch.nn.Module] = None
     config: Optional[RunConfig] = None
@@ -227,6 +228,7 @@ class Trainer:
                            self.pgs.rank, self.log_rank)
                 break
         result.iteration = self.iteration
+        result.skipped_iterations = total_skipped
         if self.pgs.rank == self.log_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "

@@ -39,6 +39,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
         params[name] = {"value": p.detach().float().clone(), "tp": bool(getattr(p, "tensor_model_parallel", False)),
                         "dim": getattr(p, "partition_dim", 0), "stride": getattr(p, "partition_stride", 1)}
     torch.save({"losses": result.logged_losses, "valid": result.validation_losses, "params": params,
+                "skipped": result.skipped_iterations,
                 "coords": pgs.coords, "tp": pgs.dims.tp},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
