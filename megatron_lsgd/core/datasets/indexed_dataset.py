@@ -283,6 +283,12 @@ class IndexedDatasetBuilder:
         finally:
             other.close()
 
+    def abort(self) -> None:
+        """Close and delete the partial .bin (on error before finalize)."""
+        self._file.close()
+        if os.path.exists(self.bin_path):
+            os.unlink(self.bin_path)
+
     def finalize(self, idx_path: str) -> None:
         self._file.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int64) if len(self._lengths) else np.zeros(0, np.int64)
