@@ -55,7 +55,7 @@ def split_ranges(num_sequences: int, fractions: Sequence[float]) -> List[Tuple[i
     there are enough (taken from the largest split), so `--split 949,50,1` still yields a
     test split on a small corpus.
     """
-    counts = [int(round(f * num_sequences)) for f in fractions]
+    counts = [int(f * num_sequences + 0.5) for f in fractions]  # half up, not banker's rounding
     counts[-1] = num_sequences - sum(counts[:-1])
     while counts[-1] < 0:  # rounding overshoot: trim the largest earlier split
         largest = max(range(len(counts) - 1), key=lambda i: counts[i])
