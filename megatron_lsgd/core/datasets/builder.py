@@ -57,8 +57,8 @@ def split_ranges(num_sequences: int, fractions: Sequence[float]) -> List[Tuple[i
     """
     counts = [int(f * num_sequences + 0.5) for f in fractions]  # half up, not banker's rounding
     counts[-1] = num_sequences - sum(counts[:-1])
-    while counts[-1] < 0:  # rounding overshoot: trim the largest earlier split
-        largest = max(range(len(counts) - 1), key=lambda i: counts[i])
+    while counts[-1] < 0:  # rounding overshoot: trim the largest earlier split (the later one on ties)
+        largest = max(range(len(counts) - 1), key=lambda i: (counts[i], i))
         counts[largest] -= 1
         counts[-1] += 1
     positive = [i for i, f in enumerate(fractions) if f > 0]
