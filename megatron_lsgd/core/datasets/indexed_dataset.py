@@ -120,13 +120,16 @@ class _Index:
         if lengths.size and lengths.min() < 0:
             bad = int(np.argmax(lengths < 0))
             raise IndexedDatasetError(f"{self.path}: sequence {bad} has negative length {int(lengths[bad])}")
-        if pointers.size:
-            ends = pointers + lengths.astype(np.int64) * itemsize
-            bad_mask = (pointers < 0) | (ends > bin_size)
+        # Chunked so validating a huge index does not allocate index-sized temporaries.
+        chunk = 1 << 22
+        for start in range(0, pointers.size, chunk):
+            ptr = pointers[start:start + chunk]
+            ends = ptr + lengths[start:start + chunk].astype(np.int64) * itemsize
+            bad_mask = (ptr < 0) | (ends > bin_size)
             if bad_mask.any():
                 bad = int(np.argmax(bad_mask))
                 raise IndexedDatasetError(
-                    f"{self.path}: sequence {bad} spans bytes [{int(pointers[bad])}, {int(ends[bad])}) "
+                    f"{self.path}: sequence {start + bad} spans bytes [{int(ptr[bad])}, {int(ends[bad])}) "
                     f"but {bin_path} has only {bin_size} bytes (truncated .bin or corrupt index)")
         if docs[0] != 0:
             raise IndexedDatasetError(f"{self.path}: document indices must start at 0, found {int(docs[0])}")
@@ -162,6 +165,13 @@ class IndexedDataset:
         # np.memmap refuses empty files; an empty dataset simply has no token buffer.
         self._bin = (np.memmap(self.bin_path, mode="r", dtype=np.uint8) if bin_size
                      else np.zeros(0, dtype=np.uint8))
+
+    # Pickle by path (DataLoader workers under spawn): reopen instead of copying the memmaps.
+    def __getstate__(self) -> dict:
+        return {"path_prefix": self.path_prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path_prefix"])
 
     @property
     def dtype(self) -> np.dtype:

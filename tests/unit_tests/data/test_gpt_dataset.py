@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -44,6 +45,14 @@ def test_samples_are_windows_of_the_shuffled_stream(corpus):
     assert sample["tokens"].dtype == torch.int64 and sample["tokens"].shape == (16,)
     assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
     assert sample["loss_mask"].dtype == torch.float32 and "attention_mask" not in sample
+
+
+def test_pickles_by_path(corpus):
+    prefix, _ = corpus
+    gpt = _dataset(prefix)
+    clone = pickle.loads(pickle.dumps(gpt))
+    assert len(pickle.dumps(gpt.indexed)) < 500  # the memmapped token buffer is not copied
+    assert all(torch.equal(gpt[i]["tokens"], clone[i]["tokens"]) for i in range(len(gpt)))
 
 
 def test_epochs_visit_every_document_once(corpus):
