@@ -109,3 +109,19 @@ def test_huggingface_tokenizer(tmp_path):
 def test_unknown_tokenizer_type():
     with pytest.raises(ValueError, match="choose one of"):
         build_tokenizer(TokenizerConfig("WordPiece"))
+
+
+def test_gpt2_bpe_matches_huggingface_byte_level(tmp_path):
+    """Our BPE gives the same ids as the `tokenizers` byte-level BPE on its own vocab/merges."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import ByteLevelBPETokenizer
+
+    corpus = [TEXT, "The quick brown fox's 123 jumps; isn't it?", "  indented   code(x)\n\tand tabs"] * 20
+    hf = ByteLevelBPETokenizer()
+    hf.train_from_iterator(corpus, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
+    hf.save_model(str(tmp_path))
+    tok = build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                                          merge_file=str(tmp_path / "merges.txt")))
+    for text in corpus[:3] + ["unseen wörds 42!"]:
+        assert tok.tokenize(text) == hf.encode(text).ids
+        assert tok.detokenize(tok.tokenize(text)) == text
