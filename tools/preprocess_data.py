@@ -76,7 +76,10 @@ class Encoder:
         nbytes = 0
         for text in parsed.texts:
             nbytes += len(text.encode("utf-8"))
-            ids = cls.tokenizer.tokenize(text)
+            try:
+                ids = cls.tokenizer.tokenize(text)
+            except ValueError as exc:  # e.g. NullTokenizer given words: a bad line, named
+                return lineno, None, f"{cls.path}:{lineno}: cannot tokenize: {exc}", 0
             if not ids:
                 docs.append(None)
                 continue
@@ -112,6 +115,7 @@ def process_range(args: argparse.Namespace, tok_cfg: TokenizerConfig, prefix: st
     else:
         results = map(Encoder.encode, lines)
     start = time.time()
+    completed = False
     try:
         for lineno, docs, error, nbytes in results:
             if error is not None:
@@ -132,10 +136,14 @@ def process_range(args: argparse.Namespace, tok_cfg: TokenizerConfig, prefix: st
             stats.documents += 1
             if args.log_interval and stats.documents % args.log_interval == 0:
                 _progress(stats, start, label)
+        completed = True
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
+        if not completed:  # leave no .bin without its .idx behind
+            for builder in builders.values():
+                builder.abort()
     for key, builder in builders.items():
         builder.finalize(index_file_path(output_prefix(prefix, key)))
     return stats

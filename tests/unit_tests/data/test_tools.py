@@ -58,6 +58,16 @@ def test_preprocess_strict_names_file_and_line(tmp_path):
     src = _write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "1"}), "[1, 2"])
     with pytest.raises(SystemExit, match=r"in.jsonl:2: not valid JSON"):
         preprocess_data.main(["--input", src, "--output-prefix", str(tmp_path / "o"), "--strict", *NULL])
+    assert not list(tmp_path.glob("o_*"))  # the partial .bin was removed
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_preprocess_untokenizable_line(tmp_path, capsys, workers):
+    src = _write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "1 2"}), json.dumps({"text": "one two"})])
+    stats = preprocess_data.main(["--input", src, "--output-prefix", str(tmp_path / "o"), "--workers", workers,
+                                  *NULL])
+    assert (stats.documents, stats.bad_lines) == (1, 1)
+    assert f"{src}:2: cannot tokenize: NullTokenizer: 'one' is not an integer" in capsys.readouterr().err
 
 
 def test_preprocess_missing_input(tmp_path):
