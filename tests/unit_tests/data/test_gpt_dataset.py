@@ -144,6 +144,16 @@ def test_blended_proportions(tmp_path, rng):
     assert abs(np.bincount(train2.dataset_index)[0] - 500 * ta / (ta + tb)) <= 1
 
 
+def test_dataloader_collates(corpus):
+    prefix, _ = corpus
+    cfg = DataConfig(data_path=[prefix], split="1", seq_length=8, reset_attention_mask=True)
+    train, _, _ = build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB), (12, 0, 0))
+    loader = torch.utils.data.DataLoader(train, batch_size=4, num_workers=2)
+    batches = list(loader)
+    assert batches[0]["tokens"].shape == (4, 8) and batches[0]["attention_mask"].shape == (4, 1, 8, 8)
+    assert torch.equal(batches[1]["labels"][0], train[4]["labels"])
+
+
 def test_mock_data():
     cfg = DataConfig(mock_data=True, seq_length=32, seed=5)
     train, valid, test = build_train_valid_test_datasets(cfg, NullTokenizer(50), (10, 2, 0))

@@ -181,6 +181,10 @@ def test_bad_document_indices(good):
     with pytest.raises(IndexedDatasetError, match=r"good.idx: document index 99 is past the 3 sequences"):
         IndexedDataset(good)
     _patch(good + ".idx", doc_off + 3 * 8, struct.pack("<q", 3))
+    _patch(good + ".idx", doc_off + 8, struct.pack("<q", 2))  # [0, 2, 2, 3] -> [0, 2, 1, 3]
+    _patch(good + ".idx", doc_off + 16, struct.pack("<q", 1))
+    with pytest.raises(IndexedDatasetError, match=r"good.idx: document indices are not non-decreasing"):
+        IndexedDataset(good)
     _patch(good + ".idx", doc_off, struct.pack("<q", 1))
     with pytest.raises(IndexedDatasetError, match=r"good.idx: document indices must start at 0"):
         IndexedDataset(good)

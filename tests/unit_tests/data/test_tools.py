@@ -41,17 +41,19 @@ def test_preprocess_null_tokenizer_and_bad_lines(tmp_path, capsys):
         "",
         json.dumps({"text": 5}),
         json.dumps({"text": "7 8"}),
+        "[1, 2]",
     ])
     out = str(tmp_path / "out" / "corpus")
     stats = preprocess_data.main(["--input", src, "--output-prefix", out, "--append-eod", *NULL])
-    assert (stats.documents, stats.bad_lines, stats.empty) == (3, 3, 1)
+    assert (stats.documents, stats.bad_lines, stats.empty) == (3, 4, 1)
     assert _docs(out + "_text_document") == [[1, 2, 3, 999], [7, 8, 999]]
     assert IndexedDataset(out + "_text_document").dtype == np.uint16
     err = capsys.readouterr().err
     assert f"{src}:2: not valid JSON" in err
     assert f"{src}:3: missing key 'text'" in err
     assert f"{src}:6: key 'text' is int, not a string" in err
-    assert "1 empty documents skipped, 3 bad lines skipped" in err and "MB/s" in err
+    assert f"{src}:8: expected a JSON object, got list" in err
+    assert "1 empty documents skipped, 4 bad lines skipped" in err and "MB/s" in err
 
 
 def test_preprocess_strict_names_file_and_line(tmp_path):
