@@ -34,21 +34,19 @@ def test_shipped_dataset_matches_tokenizer_and_text(tokenizer):
     assert int(ds.sequence_lengths.astype(np.int64).sum()) > 1_000_000
 
 
-def _model_proto(path: str):
-    """The model with its output path blanked (the only field that depends on where it was written)."""
-    from sentencepiece import sentencepiece_model_pb2
+def _model_content(path: str):
+    """Pieces, scores and an encoding sample: everything but the output path the model records."""
+    import sentencepiece as spm
 
-    proto = sentencepiece_model_pb2.ModelProto()
-    with open(path, "rb") as f:
-        proto.ParseFromString(f.read())
-    proto.trainer_spec.model_prefix = ""
-    return proto
+    sp = spm.SentencePieceProcessor(model_file=path)
+    pieces = [(sp.id_to_piece(i), sp.get_score(i), sp.is_control(i), sp.is_byte(i)) for i in range(sp.vocab_size())]
+    return pieces, sp.encode("def f(x):\n    return x  # ünï 😀")
 
 
 @pytest.mark.slow
 def test_shipped_files_regenerate_identically(tmp_path):
     train_tokenizer.main(["--input", CORPUS_JSONL, "--model-prefix", str(tmp_path / "sp"), "--vocab-size", "8192"])
-    assert _model_proto(str(tmp_path / "sp.model")) == _model_proto(SP_MODEL)
+    assert _model_content(str(tmp_path / "sp.model")) == _model_content(SP_MODEL)
     preprocess_data.main(["--input", CORPUS_JSONL, "--output-prefix", str(tmp_path / "python_docs"),
                           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", SP_MODEL,
                           "--append-eod", "--workers", "2", "--log-interval", "0"])
