@@ -1,13 +1,17 @@
-"""Datasets (full GPT dataset arrives with the data pipeline)."""
+"""Data pipeline: Megatron .bin/.idx datasets, GPT samples, blending, mock data."""
 
-from megatron_lsgd.core.datasets.mock_dataset import MockGPTDataset
+from __future__ import annotations
 
+from .blended_dataset import BlendedDataset
+from .builder import build_train_valid_test_datasets, parse_data_path, parse_split, split_ranges
+from .config import DataConfig
+from .gpt_dataset import GPTDataset
+from .indexed_dataset import (DTYPE_CODES, IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError,
+                              optimal_token_dtype)
+from .mock_dataset import MockGPTDataset
 
-def build_train_valid_test_datasets(cfg, tokenizer, num_samples):
-    if not cfg.mock_data:
-        raise ValueError("only --mock-data is available in this build")
-    return tuple(MockGPTDataset(n, cfg.seq_length, tokenizer.vocab_size, cfg.seed, split) if n > 0 else None
-                 for n, split in zip(num_samples, ("train", "valid", "test")))
-
-
-__all__ = ["build_train_valid_test_datasets", "MockGPTDataset"]
+__all__ = [
+    "BlendedDataset", "DTYPE_CODES", "DataConfig", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder",
+    "IndexedDatasetError", "MockGPTDataset", "build_train_valid_test_datasets", "optimal_token_dtype",
+    "parse_data_path", "parse_split", "split_ranges",
+]

@@ -1,26 +1,34 @@
-"""Tokenizers (full set arrives with the data pipeline)."""
+"""Tokenizers selected by `--tokenizer-type` (see docs/data.md)."""
 
-from megatron_lsgd.training.tokenizer.config import TokenizerConfig, padded_vocab_size
+from __future__ import annotations
 
-
-class NullTokenizer:
-    """Token ids are given as whitespace-separated integers; eod is the last id."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-        self.eod = vocab_size - 1
-
-    def tokenize(self, text: str):
-        return [int(t) for t in text.split()]
-
-    def detokenize(self, ids) -> str:
-        return " ".join(str(i) for i in ids)
+from .base import AbstractTokenizer
+from .config import TOKENIZER_TYPES, TokenizerConfig, padded_vocab_size
+from .gpt2_bpe import GPT2BPETokenizer
+from .null_tokenizer import NullTokenizer
+from .sentencepiece_tokenizer import GPTSentencePieceTokenizer, SentencePieceTokenizer
 
 
-def build_tokenizer(cfg: TokenizerConfig):
-    if cfg.tokenizer_type == "NullTokenizer":
-        return NullTokenizer(cfg.vocab_size)
-    raise ValueError(f"--tokenizer-type {cfg.tokenizer_type} is not available in this build")
+def build_tokenizer(cfg: TokenizerConfig) -> AbstractTokenizer:
+    """The tokenizer named by cfg.tokenizer_type; `vocab_size` is reported unpadded."""
+    cfg.validate()
+    kind = cfg.tokenizer_type
+    if kind == "NullTokenizer":
+        return NullTokenizer(int(cfg.vocab_size))
+    if kind == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(cfg.tokenizer_model)
+    if kind == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(cfg.tokenizer_model)
+    if kind == "HuggingFaceTokenizer":
+        from .huggingface_tokenizer import HuggingFaceTokenizer  # noqa: PLC0415 - optional dependency
+
+        return HuggingFaceTokenizer(cfg.tokenizer_model)
+    if kind == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+    raise ValueError(f"--tokenizer-type {kind!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
-__all__ = ["build_tokenizer", "padded_vocab_size", "TokenizerConfig"]
+__all__ = [
+    "AbstractTokenizer", "GPT2BPETokenizer", "GPTSentencePieceTokenizer", "NullTokenizer",
+    "SentencePieceTokenizer", "TokenizerConfig", "build_tokenizer", "padded_vocab_size",
+]

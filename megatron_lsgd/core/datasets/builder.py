@@ -1,0 +1,135 @@
+"""build_train_valid_test_datasets: --data-path / --split / --mock-data to three datasets."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .blended_dataset import BlendedDataset, normalize_weights
+from .config import DataConfig
+from .gpt_dataset import GPTDataset
+from .helpers import build_blending_indices
+from .indexed_dataset import IndexedDataset
+from .mock_dataset import MockGPTDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """Megatron's --data-path: `prefix ...` (weights None) or `weight prefix weight prefix ...`."""
+    items = list(data_path)
+    if not items:
+        raise ValueError("--data-path is empty")
+
+    def is_number(x: str) -> bool:
+        try:
+            float(x)
+        except ValueError:
+            return False
+        return True
+
+    if not any(is_number(x) for x in items):
+        return items, None
+    if len(items) % 2 or not all(is_number(w) for w in items[0::2]):
+        raise ValueError(f"--data-path {' '.join(items)}: expected `weight prefix` pairs or only prefixes")
+    weights = [float(w) for w in items[0::2]]
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
+    return items[1::2], weights
+
+
+def parse_split(split: str) -> List[float]:
+    """'949,50,1' -> normalized [train, valid, test] fractions (missing ones are 0)."""
+    parts = [float(p) for p in split.replace("/", ",").split(",")]
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_ranges(num_sequences: int, fractions: Sequence[float]) -> List[Tuple[int, int]]:
+    """Contiguous [start, end) sequence ranges per split, sized by rounded fractions.
+
+    Unlike plain rounding, a split with a positive fraction gets at least one sequence when
+    there are enough (taken from the largest split), so `--split 949,50,1` still yields a
+    test split on a small corpus.
+    """
+    counts = [int(f * num_sequences + 0.5) for f in fractions]  # half up, not banker's rounding
+    counts[-1] = num_sequences - sum(counts[:-1])
+    while counts[-1] < 0:  # rounding overshoot: trim the largest earlier split (the later one on ties)
+        largest = max(range(len(counts) - 1), key=lambda i: (counts[i], i))
+        counts[largest] -= 1
+        counts[-1] += 1
+    positive = [i for i, f in enumerate(fractions) if f > 0]
+    if num_sequences >= len(positive):
+        for i in positive:
+            if counts[i] == 0:
+                largest = max(range(len(counts)), key=lambda j: counts[j])
+                counts[largest] -= 1
+                counts[i] += 1
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+    return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
+
+
+def check_tokenizer_matches(indexed: IndexedDataset, vocab_size: int) -> None:
+    dtype = indexed.dtype
+    if not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"{indexed.idx_path}: dtype {dtype.name} is not a token dtype")
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise ValueError(f"{indexed.idx_path}: tokens are stored as {dtype.name} (max id {np.iinfo(dtype).max}) "
+                         f"but the tokenizer's vocabulary has {vocab_size} ids; the dataset was preprocessed "
+                         f"with a different tokenizer")
+
+
+def _gpt_dataset(cfg: DataConfig, tokenizer, indexed: IndexedDataset, rng: Tuple[int, int], num_samples: int,
+                 split: str) -> GPTDataset:
+    if rng[1] <= rng[0]:
+        raise ValueError(f"{indexed.path_prefix}: the {split} split (--split {cfg.split}) has no documents "
+                         f"out of {len(indexed)}; {num_samples} samples were requested")
+    return GPTDataset(
+        indexed, np.arange(rng[0], rng[1], dtype=np.int64), num_samples, cfg.seq_length, cfg.seed, split,
+        eod=tokenizer.eod, vocab_size=tokenizer.vocab_size, eod_mask_loss=cfg.eod_mask_loss,
+        reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask,
+        cache_dir=cfg.data_cache_path)
+
+
+def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, num_samples: Sequence[int]
+                                    ) -> Tuple[Optional[torch.utils.data.Dataset], ...]:
+    """Three datasets (train, valid, test); None where the split weight or the request is 0.
+
+    Called on every rank; all indices are deterministic functions of the config.
+    """
+    cfg.validate()
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples must be (train, valid, test), got {num_samples}")
+    if cfg.mock_data:
+        return tuple(MockGPTDataset(int(n), cfg.seq_length, tokenizer.vocab_size, cfg.seed, name) if n > 0 else None
+                     for n, name in zip(num_samples, SPLIT_NAMES))
+
+    prefixes, weights = parse_data_path(cfg.data_path)
+    fractions = parse_split(cfg.split)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    for ds in indexed:
+        check_tokenizer_matches(ds, tokenizer.vocab_size)
+    if weights is None:  # plain list of prefixes: blend in proportion to their tokens
+        weights = [float(ds.sequence_lengths.astype(np.int64).sum()) for ds in indexed]
+
+    result: List[Optional[torch.utils.data.Dataset]] = []
+    for s, name in enumerate(SPLIT_NAMES):
+        n = int(num_samples[s])
+        if n <= 0 or fractions[s] == 0:
+            result.append(None)
+            continue
+        ranges = [split_ranges(len(ds), fractions)[s] for ds in indexed]
+        if len(indexed) == 1:
+            result.append(_gpt_dataset(cfg, tokenizer, indexed[0], ranges[0], n, name))
+            continue
+        w = normalize_weights(weights)
+        # Size each component by what the blend will actually draw from it.
+        dataset_index, _ = build_blending_indices(w, n)
+        counts = np.bincount(dataset_index, minlength=len(indexed))
+        parts = [_gpt_dataset(cfg, tokenizer, ds, r, int(c), name) if c > 0 else None
+                 for ds, r, c in zip(indexed, ranges, counts)]
+        result.append(BlendedDataset(parts, w, n))
+    return tuple(result)

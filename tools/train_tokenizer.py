@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Train a sentencepiece model on JSONL corpora (deterministic settings).
+
+    python tools/train_tokenizer.py --input data/python-docs/python-docs-3.11-slice.jsonl.gz \
+        --model-prefix data/python-docs/python_docs_sp8k --vocab-size 8192
+
+Documents are fed line by line (sentencepiece's unit is a sentence, at most
+--max-sentence-length bytes). Newlines are kept as a user-defined "\\n" piece and
+whitespace is not collapsed, so code and reStructuredText indentation survive a round trip.
+Training is single-threaded and unshuffled by default so the same input gives the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Iterator, List
+
+import _bootstrap  # noqa: F401
+from megatron_lsgd.core.datasets.jsonl import iter_lines, parse_line
+
+
+def iter_sentences(paths: List[str], keys: List[str], max_bytes: int, counts: dict) -> Iterator[str]:
+    for path in paths:
+        for lineno, line in iter_lines(path):
+            parsed = parse_line(line, keys, lineno, path)
+            if parsed.error:
+                counts["bad_lines"] += 1
+                if counts["bad_lines"] <= 10:
+                    print(f"warning: skipped {parsed.error}", file=sys.stderr)
+                continue
+            for text in parsed.texts:
+                for sentence in text.split("\n"):
+                    if sentence.strip() and len(sentence.encode("utf-8")) <= max_bytes:
+                        yield sentence
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, nargs="+", help="JSONL or JSONL.gz files")
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument("--max-sentence-length", type=int, default=4192, help="bytes; longer lines are skipped")
+    p.add_argument("--num-threads", type=int, default=1, help=">1 is faster but may change the model")
+    args = p.parse_args(argv)
+
+    import sentencepiece as spm  # noqa: PLC0415
+
+    counts = {"bad_lines": 0}
+    spm.SentencePieceTrainer.Train(
+        sentence_iterator=iter_sentences(args.input, args.json_keys, args.max_sentence_length, counts),
+        model_prefix=args.model_prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=args.character_coverage,
+        max_sentence_length=args.max_sentence_length,
+        num_threads=args.num_threads,
+        shuffle_input_sentence=False,
+        input_sentence_size=0,
+        byte_fallback=True,  # any byte is encodable: no <unk> for rare characters
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        user_defined_symbols=["\n"],
+        bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        minloglevel=2,
+    )
+    print(f"wrote {args.model_prefix}.model and {args.model_prefix}.vocab "
+          f"(vocab {args.vocab_size}, {counts['bad_lines']} bad lines skipped)")
+
+
+if __name__ == "__main__":
+    main()
