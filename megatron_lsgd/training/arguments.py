@@ -19,6 +19,7 @@ from megatron_lsgd.core.lsgd.registry import registered_algorithms
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
+from megatron_lsgd.training.checkpointing.config import CheckpointConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
 
 
@@ -55,6 +56,7 @@ class RunConfig:
     lsgd: LsgdConfig
     num_microbatches: int = 1
     raw_args: Optional[argparse.Namespace] = field(default=None, repr=False)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -161,11 +163,26 @@ def _lsgd_args(p: argparse.ArgumentParser) -> None:
                    help="fully synchronous steps before a local-SGD algorithm starts")
 
 
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing (docs/checkpointing.md)")
+    g.add_argument("--save", type=str, default=None, help="directory to save checkpoints to")
+    g.add_argument("--load", type=str, default=None,
+                   help="directory to resume from (its latest_checkpointed_iteration.txt); may equal --save")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--no-save-optim", action="store_true", help="save the model and RNG only")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not load optimizer, LR scheduler and synchronizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model only and start at iteration 0 (fresh optimizer, scheduler, RNG, data)")
+
+
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, _lsgd_args):
+    for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, _lsgd_args,
+                _checkpoint_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -253,7 +270,12 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     data.validate()
     lsgd = LsgdConfig(algorithm=args.lsgd_algorithm, warmup_iters=args.lsgd_warmup_iters)
     lsgd.validate(dims.sites)
+    checkpoint = CheckpointConfig(
+        save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
+        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune)
+    checkpoint.validate()
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
     return RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
-                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args)
+                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
+                     checkpoint=checkpoint)

@@ -24,6 +24,8 @@ from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
 from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
+from megatron_lsgd.training.checkpointing import CheckpointError
+from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
 from megatron_lsgd.training.data_samplers import build_data_iterator
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
@@ -81,6 +83,7 @@ class Trainer:
         train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
                                                   (t.train_iters * gbs, eval_runs * gbs, t.eval_iters * gbs))
         self.consumed_samples = 0
+        self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
         self.train_iterator = build_data_iterator(train_ds, self.consumed_samples, t.micro_batch_size,
                                                   pgs.dp_rank, config.dims.dp, config.data.num_workers)
         self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs.dp_rank, config.dims.dp,
@@ -90,6 +93,13 @@ class Trainer:
         self.tensor_shape = (seq, t.micro_batch_size, config.model.hidden_size)
         self.iteration = 0
         self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.log_rank)
+        self.last_saved_iteration = None
+        if config.checkpoint.load and load_checkpoint(self, config.checkpoint):
+            self.last_saved_iteration = self.iteration  # nothing new to save until the next step
+
+    def save_checkpoint(self) -> None:
+        save_checkpoint(self, self.config.checkpoint)
+        self.last_saved_iteration = self.iteration
 
     # ---- hooks -----------------------------------------------------------------------------
     def _wire_unit_hooks(self, units) -> None:
@@ -223,12 +233,17 @@ class Trainer:
                 if loss is not None:
                     result.validation_losses.append(loss)
                 interval_start = time.perf_counter()
+            ckpt = self.config.checkpoint
+            if ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0:
+                self.save_checkpoint()
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 print_rank(f"exiting at iteration {self.iteration} (--exit-interval {t.exit_interval})",
                            self.pgs.rank, self.log_rank)
                 break
         result.iteration = self.iteration
         result.skipped_iterations = total_skipped
+        if self.config.checkpoint.save and self.last_saved_iteration != self.iteration and self.iteration > 0:
+            self.save_checkpoint()
         if self.pgs.rank == self.log_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "
@@ -255,7 +270,13 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x DP {d.dp_intra} per site x "
               f"{d.sites} sites | algorithm {config.lsgd.algorithm} | micro-batches per step "
               f"{config.num_microbatches} | device {device}", flush=True)
-    trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device)
+    try:
+        trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device)
+    except CheckpointError as err:
+        if dist.get_rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        raise SystemExit(2) from err
     if dist.get_rank() == 0:
         n = sum(p.numel() for p in trainer.model.module.parameters())
         print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",

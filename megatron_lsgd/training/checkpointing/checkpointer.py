@@ -1,0 +1,261 @@
+"""save_checkpoint / load_checkpoint for a Trainer: what goes where, and in which order.
+
+Every rank writes its own files into one shared `.iter_XXXXXXX.partial/` directory;
+rank 0 then writes metadata.json (the layout, the model config and every file's size),
+fsyncs the tree, renames it to `iter_XXXXXXX/` and only then rewrites the tracker. A
+crash at any point leaves the previous checkpoint and the tracker pointing at it intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.distributed.data_parallel import unwrap
+from megatron_lsgd.training.checkpointing import layout
+from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree, write_text_atomic
+from megatron_lsgd.training.checkpointing.compat import check_layout, check_model_config, model_config_dict
+from megatron_lsgd.training.checkpointing.config import CheckpointConfig
+from megatron_lsgd.training.checkpointing.errors import CheckpointError
+from megatron_lsgd.training.checkpointing.model_io import load_model_state, model_state
+from megatron_lsgd.training.checkpointing.rng import capture_rng_state, restore_rng_state
+from megatron_lsgd.training.checkpointing.safe_io import load_file, save_file
+from megatron_lsgd.training.data_samplers import build_data_iterator
+
+FORMAT = "megatron_lsgd"
+FORMAT_VERSION = 1
+# Test hook: the save of this iteration stops right before its commit (rename), after
+# announcing itself in <save>/.holding_<iteration>, so a test can kill the job mid-save.
+HOLD_ENV = "MEGATRON_LSGD_TEST_HOLD_BEFORE_COMMIT"
+
+
+def _jsonable(value):
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def _agree(error: Optional[BaseException]) -> None:
+    """Collective: raise on every rank if any rank failed, so no rank waits forever in a
+    later collective while another has given up (a missing file is seen by one rank only)."""
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{error}")
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if error is not None:
+        raise error
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"rank {rank}: {message}")
+
+
+def _rank_relpath(pgs, file_name: str) -> str:
+    return os.path.join(layout.mp_rank_dir_name(pgs.tp_rank, pgs.pp_rank, pgs.dims.pp), file_name)
+
+
+def _save_rank_files(trainer, cfg: CheckpointConfig, partial: str) -> Dict[str, int]:
+    pgs = trainer.pgs
+    sizes: Dict[str, int] = {}
+    os.makedirs(os.path.join(partial, _rank_relpath(pgs, "")), exist_ok=True)
+    if pgs.dp_intra_rank == 0:  # replicas inside a site are identical; sites may differ (local SGD)
+        rel = _rank_relpath(pgs, layout.model_file_name(pgs.site_rank))
+        sizes[rel] = save_file(model_state(unwrap(trainer.model)), os.path.join(partial, rel), rel)
+    rank_state = {"rng": capture_rng_state(trainer.rng_tracker)}
+    if not cfg.no_save_optim:
+        rank_state["optimizer"] = trainer.optimizer.state_dict()
+        rank_state["synchronizer"] = trainer.synchronizer.state_dict()
+    rel = _rank_relpath(pgs, layout.rank_file_name(pgs.site_rank, pgs.dp_intra_rank))
+    sizes[rel] = save_file(rank_state, os.path.join(partial, rel), f"{rel} (synchronizer/optimizer/RNG state)")
+    return sizes
+
+
+def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
+    pgs, d = trainer.pgs, trainer.pgs.dims
+    iteration = trainer.iteration
+    partial = os.path.join(cfg.save, layout.partial_dir_name(iteration))
+    final = os.path.join(cfg.save, layout.iteration_dir_name(iteration))
+    start = time.perf_counter()
+    if pgs.rank == 0:
+        os.makedirs(cfg.save, exist_ok=True)
+        if os.path.exists(partial):  # left by a save that was killed
+            shutil.rmtree(partial)
+        os.makedirs(partial)
+    dist.barrier()
+
+    sizes: Dict[str, int] = {}
+    error = None
+    try:
+        sizes = _save_rank_files(trainer, cfg, partial)
+    except (CheckpointError, OSError) as err:
+        error = err
+    _agree(error)
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sizes)
+    if pgs.rank == 0:
+        files = {k: v for part in gathered for k, v in part.items()}
+        raw = trainer.config.raw_args
+        metadata = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
+            "consumed_samples": trainer.consumed_samples,
+            "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites},
+            "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
+            "lsgd_algorithm": trainer.config.lsgd.algorithm,
+            "has_optimizer": not cfg.no_save_optim, "has_rng": True,
+            "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict(),
+            "model_config": model_config_dict(trainer.config.model),
+            "args": {k: _jsonable(v) for k, v in vars(raw).items()} if raw is not None else {},
+            "files": files,
+        }
+        with open(os.path.join(partial, layout.METADATA), "w") as f:
+            json.dump(metadata, f, indent=1, sort_keys=True)
+        fsync_tree(partial)
+        if os.environ.get(HOLD_ENV) == str(iteration):
+            with open(os.path.join(cfg.save, f".holding_{iteration}"), "w"):
+                pass
+            while True:
+                time.sleep(1.0)
+        commit_dir(partial, final)
+        write_text_atomic(os.path.join(cfg.save, layout.TRACKER), str(iteration))
+        print(f" saved checkpoint at iteration {iteration:8d} to {cfg.save} "
+              f"({sum(files.values()) / 2**20:.1f} MB, {time.perf_counter() - start:.2f} s)", flush=True)
+    dist.barrier()
+
+
+def read_metadata(iter_dir: str) -> Dict:
+    path = os.path.join(iter_dir, layout.METADATA)
+    if not os.path.isdir(iter_dir):
+        raise CheckpointError(f"the tracker points to {iter_dir}, which does not exist")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: {iter_dir} is not a complete checkpoint")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is unreadable: {err}") from err
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}, "
+                              f"expected {FORMAT!r} version {FORMAT_VERSION}")
+    return meta
+
+
+def find_checkpoint(load_dir: str) -> Optional[str]:
+    """The iteration directory to load, or None when `load_dir` holds no checkpoint yet
+    (a fresh run launched with --load equal to --save). A directory holding iteration
+    folders without a tracker is damaged, not empty: that is an error."""
+    if not os.path.exists(os.path.join(load_dir, layout.TRACKER)):
+        if os.path.isdir(load_dir):
+            stray = sorted(n for n in os.listdir(load_dir) if n.startswith("iter_") or n == layout.RELEASE)
+            if stray:
+                raise CheckpointError(f"{os.path.join(load_dir, layout.TRACKER)} is missing but {load_dir} holds "
+                                      f"{', '.join(stray[:5])}: restore the tracker (it names the iteration to "
+                                      f"load) or point --load elsewhere")
+        return None
+    return os.path.join(load_dir, layout.read_tracker(load_dir))
+
+
+def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -> bool:
+    """Raise on anything that would make the load partial or wrong; return whether the
+    data-parallel layout (hence the per-rank optimizer/RNG files) matches."""
+    d = trainer.pgs.dims
+    saved = meta["layout"]
+    check_layout(saved, d.tp, d.pp, source)
+    check_model_config(meta["model_config"], trainer.config.model, source)
+    same_dp = saved["dp_intra"] == d.dp_intra and saved["sites"] == d.sites
+    if cfg.load_optim and not meta["has_optimizer"]:
+        raise CheckpointError(f"checkpoint {source} holds no optimizer state (saved with --no-save-optim or "
+                              f"written by convert.py): pass --no-load-optim (and --no-load-rng) or --finetune")
+    if cfg.load_rng and not meta["has_rng"]:
+        raise CheckpointError(f"checkpoint {source} holds no RNG state: pass --no-load-rng or --finetune")
+    if (cfg.load_optim or cfg.load_rng) and not same_dp:
+        raise CheckpointError(
+            f"checkpoint {source} was saved with {saved['dp_intra']} data-parallel ranks per site x "
+            f"{saved['sites']} sites, this run has {d.dp_intra} x {d.sites}: optimizer shards and RNG states are "
+            f"per rank and cannot be reused; pass --no-load-optim --no-load-rng (or --finetune) to load the "
+            f"model only")
+    if cfg.load_optim and meta["use_distributed_optimizer"] != trainer.config.ddp.use_distributed_optimizer:
+        raise CheckpointError(f"checkpoint {source} was saved with use_distributed_optimizer="
+                              f"{meta['use_distributed_optimizer']}, this run uses "
+                              f"{trainer.config.ddp.use_distributed_optimizer}: pass --no-load-optim")
+    if cfg.load_optim and meta["lsgd_algorithm"] != trainer.config.lsgd.algorithm:
+        raise CheckpointError(f"checkpoint {source} was saved with --lsgd-algorithm {meta['lsgd_algorithm']}, "
+                              f"this run uses {trainer.config.lsgd.algorithm}: its synchronizer state does not "
+                              f"apply; pass --no-load-optim")
+    return same_dp
+
+
+@torch.no_grad()
+def _refresh_main_params(optimizer) -> None:
+    """bf16/fp16 models keep a separate fp32 main copy: re-derive it from the loaded weights
+    (the optimizer state, when loaded afterwards, overwrites it with the saved fp32 values)."""
+    for bucket, main, _ in optimizer.main_shards:
+        shard = bucket.param_shard(optimizer.shard_index)
+        if main.data_ptr() != shard.data_ptr():
+            main.copy_(shard)
+
+
+def load_checkpoint(trainer, cfg: CheckpointConfig) -> bool:
+    """Restore `trainer` from cfg.load; False when there is nothing to load yet. Either
+    every rank loads completely or every rank raises CheckpointError."""
+    loaded, error = False, None
+    try:
+        loaded = _load_local(trainer, cfg)
+    except CheckpointError as err:
+        error = err
+    _agree(error)
+    return loaded
+
+
+def _load_local(trainer, cfg: CheckpointConfig) -> bool:
+    iter_dir = find_checkpoint(cfg.load)
+    if iter_dir is None:
+        if trainer.pgs.rank == 0:
+            print(f" no checkpoint in {cfg.load}: starting from scratch", flush=True)
+        return False
+    meta = read_metadata(iter_dir)
+    pgs = trainer.pgs
+    same_dp = _check_compatible(meta, trainer, cfg, iter_dir)
+    files = meta["files"]
+
+    site = pgs.site_rank if same_dp else 0
+    rel = _rank_relpath(pgs, layout.model_file_name(site))
+    load_model_state(unwrap(trainer.model), load_file(os.path.join(iter_dir, rel), files.get(rel)),
+                     os.path.join(iter_dir, rel))
+    _refresh_main_params(trainer.optimizer)
+
+    rank_state = None
+    if cfg.load_optim or cfg.load_rng:
+        rel = _rank_relpath(pgs, layout.rank_file_name(pgs.site_rank, pgs.dp_intra_rank))
+        rank_state = load_file(os.path.join(iter_dir, rel), files.get(rel))
+    if cfg.load_optim:
+        try:
+            trainer.optimizer.load_state_dict(rank_state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"optimizer state in {iter_dir} does not fit this run's parameter shards "
+                                  f"(different --ddp-bucket-size?): {err}") from err
+        trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
+        trainer.scheduler.load_state_dict(meta["scheduler"])
+    if not cfg.finetune:
+        trainer.iteration = int(meta["iteration"])
+        trainer.consumed_samples = int(meta["consumed_samples"])
+        if not cfg.load_optim:
+            trainer.scheduler.num_steps = trainer.iteration
+        t = trainer.config.training
+        trainer.train_iterator = build_data_iterator(
+            trainer.train_ds, trainer.consumed_samples, t.micro_batch_size, pgs.dp_rank, pgs.dims.dp,
+            trainer.config.data.num_workers)
+    if cfg.load_rng:  # last: building the data iterator above draws from the torch generator
+        restore_rng_state(rank_state["rng"], trainer.rng_tracker)
+    if pgs.rank == 0:
+        print(f" loaded checkpoint {iter_dir} (iteration {meta['iteration']}, consumed samples "
+              f"{meta['consumed_samples']}; optimizer {'yes' if cfg.load_optim else 'no'}, "
+              f"RNG {'yes' if cfg.load_rng else 'no'}{', finetune: iteration reset to 0' if cfg.finetune else ''})",
+              flush=True)
+    return True

@@ -1,0 +1,71 @@
+"""What must agree between a checkpoint and the run loading it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Dict, List
+
+from megatron_lsgd.core.transformer.config import TransformerConfig
+from megatron_lsgd.training.checkpointing.errors import CheckpointError
+
+# Fields that change parameter shapes or the function the weights compute. Dropout,
+# init std, sequence length, sequence parallelism and dtype may differ on resume.
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "max_position_embeddings", "padded_vocab_size", "position_embedding_type", "rotary_base", "normalization",
+    "norm_epsilon", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+
+# Flags that set each architecture field, for error messages.
+_FLAG = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+         "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
+         "kv_channels": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
+         "max_position_embeddings": "--max-position-embeddings",
+         "padded_vocab_size": "--vocab-size/--make-vocab-size-divisible-by (padded vocabulary)",
+         "position_embedding_type": "--position-embedding-type", "rotary_base": "--rotary-base",
+         "normalization": "--normalization", "norm_epsilon": "--norm-epsilon", "swiglu": "--swiglu",
+         "add_bias_linear": "--disable-bias-linear", "untie_embeddings_and_output_weights":
+         "--untie-embeddings-and-output-weights"}
+
+
+def model_config_dict(config: TransformerConfig) -> Dict:
+    d = asdict(config)
+    d["params_dtype"] = str(config.params_dtype).replace("torch.", "")
+    return d
+
+
+def config_from_dict(d: Dict) -> TransformerConfig:
+    import torch
+
+    d = dict(d)
+    d["params_dtype"] = getattr(torch, d.get("params_dtype", "float32"))
+    known = set(TransformerConfig.__dataclass_fields__)
+    return TransformerConfig(**{k: v for k, v in d.items() if k in known})
+
+
+def architecture_differences(saved: Dict, current: Dict) -> List[str]:
+    out = []
+    for key in ARCHITECTURE_FIELDS:
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            same = float(a) == float(b)
+        else:
+            same = a == b
+        if not same:
+            out.append(f"{key} ({_FLAG[key]}): checkpoint {a!r}, this run {b!r}")
+    return out
+
+
+def check_model_config(saved: Dict, current: TransformerConfig, source: str) -> None:
+    diffs = architecture_differences(saved, model_config_dict(current))
+    if diffs:
+        raise CheckpointError(f"the model configuration disagrees with the checkpoint {source}:\n  "
+                              + "\n  ".join(diffs))
+
+
+def check_layout(saved: Dict, tp: int, pp: int, source: str) -> None:
+    if saved["tp"] != tp or saved["pp"] != pp:
+        raise CheckpointError(
+            f"checkpoint {source} was saved with tensor-parallel size {saved['tp']} x pipeline-parallel size "
+            f"{saved['pp']}, but this run uses TP {tp} x PP {pp}. Convert it first: python "
+            f"tools/checkpoint/convert.py --model-type GPT --loader lsgd --saver lsgd --load-dir <load> "
+            f"--save-dir <new> --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")

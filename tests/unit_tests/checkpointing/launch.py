@@ -1,0 +1,135 @@
+"""Run pretrain_gpt.py under torchrun as a subprocess (its own process group, so a test
+can SIGKILL the whole job) and read what it printed and saved."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from tests.unit_tests.harness import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+        "--min-lr", "1e-4", "--mock-data", "--vocab-size", "250", "--make-vocab-size-divisible-by", "32",
+        "--log-interval", "1", "--eval-iters", "0", "--seed", "7", "--distributed-backend", "gloo"]
+
+
+def start(args: List[str], nproc: int, log_path: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), "pretrain_gpt.py"] + args
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                            start_new_session=True)
+
+
+def run(args: List[str], nproc: int, log_path: str, timeout: float = 120.0) -> str:
+    proc = start(args, nproc, log_path)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        kill(proc)
+    text = read(log_path)
+    assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{text[-3000:]}"
+    return text
+
+
+def _descendants(pid: int) -> List[int]:
+    """Every live process below `pid` (torchrun starts each rank in its own session, so
+    killing the launcher's process group would not reach the ranks)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every rank at once (no clean exit, no finally blocks)."""
+    victims = [proc.pid] + _descendants(proc.pid)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in victims) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def wait_for(predicate, proc: subprocess.Popen, log_path: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended before the condition held:\n{read(log_path)[-3000:]}")
+        if time.monotonic() > deadline:
+            kill(proc)
+            raise AssertionError(f"timed out:\n{read(log_path)[-3000:]}")
+        time.sleep(0.02)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def losses(text: str) -> Dict[int, str]:
+    """iteration -> printed lm loss (the exact string)."""
+    return {int(it): loss for it, loss in LOSS_LINE.findall(text)}
+
+
+def load_tree(iter_dir: str) -> Dict[str, object]:
+    """Every .pt file under an iteration directory, loaded safely."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(iter_dir):
+        for name in files:
+            if name.endswith(".pt"):
+                path = os.path.join(dirpath, name)
+                out[os.path.relpath(path, iter_dir)] = torch.load(path, weights_only=True)
+    return out
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Bitwise equality of nested checkpoint contents."""
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"

@@ -1,0 +1,18 @@
+"""convert.py saver: a Hugging Face directory (LlamaForCausalLM for Llama-style models,
+GPT2LMHeadModel for GPT-2-style), loadable with transformers' from_pretrained."""
+
+from __future__ import annotations
+
+from megatron_lsgd.training.checkpointing.full_model import FullModel
+from megatron_lsgd.training.checkpointing.hf_io import write_hf
+from megatron_lsgd.training.checkpointing.hf_mapping import to_hf
+
+
+def add_arguments(parser) -> None:
+    pass
+
+
+def save_checkpoint(model: FullModel, args) -> str:
+    config, tensors = to_hf(model.params, model.config)
+    write_hf(args.save_dir, config, tensors, model.tokenizer_files)
+    return args.save_dir

@@ -1,0 +1,15 @@
+"""convert.py saver: a model-only megatron_lsgd checkpoint for a target TP x PP."""
+
+from __future__ import annotations
+
+from megatron_lsgd.training.checkpointing.full_model import FullModel, write_lsgd
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("lsgd saver")
+    g.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+
+
+def save_checkpoint(model: FullModel, args) -> str:
+    return write_lsgd(model, args.save_dir, args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
