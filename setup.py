@@ -42,7 +42,7 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "test": ["pytest>=7", "matplotlib", "tokenizers"],
+        "test": ["pytest>=7", "matplotlib", "tokenizers", "transformers"],
         "hf": ["transformers", "tokenizers"],
         "gpu": ["apex", "transformer-engine"],
     },
