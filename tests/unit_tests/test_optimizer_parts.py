@@ -1,7 +1,6 @@
 import math
 
 import pytest
-import torch
 
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.optimizer.grad_scaler import DynamicGradScaler
