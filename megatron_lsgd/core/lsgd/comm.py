@@ -137,6 +137,14 @@ class InterSiteComm:
         work = dist.all_to_all_single(output, tensor, group=self.group, async_op=True)
         return self._finish(self._issue(work, moved, moved), async_op)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Blocking element-wise max across sites (small control values)."""
+        if self.num_sites == 1:
+            return
+        moved = self._ring_bytes(tensor.numel() * tensor.element_size())
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._issue(work, moved, moved).wait()
+
     def snapshot(self) -> Dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "exposed_seconds": self.exposed_seconds, "rounds": self.rounds}

@@ -20,7 +20,7 @@ above (its traffic stays flat in S).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generator, List, Optional, Tuple
+from typing import Dict, Generator, List, Optional, Tuple
 
 import torch
 
@@ -219,3 +219,110 @@ def split_segments(layout: List[List[Tuple[Tuple[int, ...], int, int, int, int]]
                     continue
             segs.append(Segment(shard, s_lo, s_hi))
     return segs
+
+
+# ---- the compressor DiLoCoX uses: layout-aware, error feedback, warm-started Q ----------------
+class ErrorFeedbackReducer:
+    """Compressed mean of a rank's per-shard pseudo-gradients with error feedback.
+
+    Per round: M = Δ + e; send C(M); e ← M − (what this rank contributed, as every site
+    reconstructs it). Sum over rounds of the contributions plus the final residual equals
+    the sum of the inputs (mass conservation). compression: none | int8 | int4 |
+    lowrank-int4 (PowerSGD-style P, Q in int4; 1-D tensors, ragged ZeRO-1 edges and small
+    matrices in int4). `bits_override` lets tests run the low-rank path in fp32."""
+
+    def __init__(self, comm: InterSiteComm, shapes: List[torch.Size], layout, compression: str, rank: int,
+                 block: int, variant: str, seed: int, energy: float, device: torch.device,
+                 bits_override: Optional[int] = -1):
+        self.comm = comm
+        self.compression = compression
+        self.block = block
+        self.variant = variant
+        self.energy = energy
+        self.max_rank = rank if compression == "lowrank-int4" else 0
+        self.rank = self.max_rank
+        default_bits = {"none": None, "int8": 8, "int4": 4, "lowrank-int4": 4}[compression]
+        self.bits = default_bits if bits_override == -1 else bits_override
+        self.device = device
+        self.shapes = shapes
+        self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in shapes] \
+            if compression != "none" else []
+        self.segments = split_segments(layout, self.max_rank) if self.max_rank else []
+        self.matrix_segments = [s for s in self.segments if s.is_matrix]
+        self.seed = seed
+        # Q warm start, seeded identically on every site (same layout at the same (tp, pp, dp_intra)).
+        self.qs = [self._random_q(i, seg.cols, self.max_rank) for i, seg in enumerate(self.matrix_segments)]
+        self.last_effective_ranks: List[int] = []
+        self.last_error_norm = 0.0
+        self.last_input_norm = 0.0
+
+    def _random_q(self, index: int, cols: int, width: int, offset: int = 0) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 7919 + offset)
+        return torch.randn(cols, width, generator=g).to(self.device)
+
+    def set_rank(self, rank: int) -> None:
+        """Shrink (keep the leading columns) or grow (seeded fresh columns) the warm start."""
+        for i, (q, seg) in enumerate(zip(self.qs, self.matrix_segments)):
+            if rank > q.shape[1]:
+                extra = self._random_q(i, seg.cols, rank - q.shape[1], offset=q.shape[1])
+                self.qs[i] = torch.cat([q, extra], dim=1)
+        self.rank = rank
+
+    def _compressed_bytes_per_round(self) -> int:
+        """Payload bytes per site for the current settings (for the adaptive-H rule)."""
+        n = sum(int(torch.Size(s).numel()) for s in self.shapes)
+        if self.compression != "lowrank-int4":
+            return payload_bytes(n, self.bits, self.block)
+        p = sum(seg.rows * self.rank for seg in self.matrix_segments)
+        q = sum(seg.cols * self.rank for seg in self.matrix_segments)
+        rest = n - sum(seg.rows * seg.cols for seg in self.matrix_segments)
+        return payload_bytes(p, self.bits, self.block) + payload_bytes(q + rest, self.bits, self.block)
+
+    def reduce(self, deltas: List[torch.Tensor]) -> Reduction:
+        """Generator: returns the per-shard means (identical on every site)."""
+        if self.compression == "none":
+            mean, _ = yield from fp32_mean(self.comm, torch.cat([d.reshape(-1) for d in deltas]))
+            return list(mean.split([d.numel() for d in deltas]))
+        ms = [d + e for d, e in zip(deltas, self.errors)]
+        if self.compression in ("int8", "int4"):
+            flat = torch.cat([m.reshape(-1) for m in ms])
+            mean, sent = yield from quantized_mean(self.comm, flat, self.bits, self.block, self.variant)
+            means = list(mean.split([m.numel() for m in ms]))
+            sents = list(sent.split([m.numel() for m in ms]))
+        else:
+            mats = [ms[s.shard][s.lo:s.hi].view(s.rows, s.cols) for s in self.matrix_segments]
+            rest_segs = [s for s in self.segments if not s.is_matrix]
+            rest = torch.cat([ms[s.shard][s.lo:s.hi] for s in rest_segs]) if rest_segs else ms[0].new_zeros(0)
+            qs = [q[:, :self.rank] for q in self.qs]
+            res = yield from lowrank_mean(self.comm, mats, qs, rest, self.bits, self.block, self.variant,
+                                          self.energy)
+            means = [torch.empty_like(m) for m in ms]
+            sents = [torch.empty_like(m) for m in ms]
+            for seg, mean_m, sent_m in zip(self.matrix_segments, res.mean, res.sent):
+                means[seg.shard][seg.lo:seg.hi] = mean_m.reshape(-1)
+                sents[seg.shard][seg.lo:seg.hi] = sent_m.reshape(-1)
+            offset = 0
+            for seg in rest_segs:
+                n = seg.hi - seg.lo
+                means[seg.shard][seg.lo:seg.hi] = res.rest_mean[offset:offset + n]
+                sents[seg.shard][seg.lo:seg.hi] = res.rest_sent[offset:offset + n]
+                offset += n
+            for i, qm in enumerate(res.q_mean):
+                self.qs[i][:, :self.rank] = qm
+            self.last_effective_ranks = res.effective_ranks
+        err_sq = in_sq = 0.0
+        for e, m, s in zip(self.errors, ms, sents):
+            torch.sub(m, s, out=e)
+            err_sq += float(e.pow(2).sum())
+            in_sq += float(m.pow(2).sum())
+        self.last_error_norm, self.last_input_norm = err_sq ** 0.5, in_sq ** 0.5
+        return means
+
+    def state_dict(self) -> Dict:
+        return {"errors": [e.clone() for e in self.errors], "qs": [q.clone() for q in self.qs], "rank": self.rank}
+
+    def load_state_dict(self, state: Dict) -> None:
+        for e, saved in zip(self.errors, state["errors"]):
+            e.copy_(saved)
+        self.qs = [q.to(self.device).clone() for q in state["qs"]]
+        self.rank = int(state["rank"])
