@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
         params[name] = {"value": p.detach().float().clone(), "tp": bool(getattr(p, "tensor_model_parallel", False)),
                         "dim": getattr(p, "partition_dim", 0), "stride": getattr(p, "partition_stride", 1)}
     torch.save({"losses": result.logged_losses, "valid": result.validation_losses, "params": params,
-                "coords": pgs.coords, "tp": pgs.dims.tp},
+                "coords": pgs.coords, "tp": pgs.dims.tp, "comm": result.comm, "sync_stats": result.sync_stats},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
