@@ -165,6 +165,9 @@ def _lsgd_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lsgd-outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
     g.add_argument("--lsgd-outer-offload", action="store_true",
                    help="keep the anchor and outer momentum of this rank's shard on CPU")
+    g.add_argument("--lsgd-dilocox-restart", choices=["eager", "anchor"], default="eager",
+                   help="where dilocox's next round starts: eager = anchor minus this site's own in-flight "
+                        "pseudo-gradient, anchor = the (one round late) anchor itself")
     g.add_argument("--lsgd-compression", choices=["none", "int8", "int4", "lowrank-int4"], default="none",
                    help="dilocox pseudo-gradient compression (with error feedback)")
     g.add_argument("--lsgd-rank", type=int, default=0, help="low-rank compression rank (lowrank-int4)")
@@ -282,6 +285,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     lsgd = LsgdConfig(
         algorithm=args.lsgd_algorithm, warmup_iters=args.lsgd_warmup_iters, interval=args.lsgd_interval,
         outer_lr=args.lsgd_outer_lr, outer_momentum=args.lsgd_outer_momentum, outer_offload=args.lsgd_outer_offload,
+        dilocox_restart=args.lsgd_dilocox_restart,
         compression=args.lsgd_compression, rank=args.lsgd_rank, quant_block=args.lsgd_quant_block,
         quantized_mean=args.lsgd_quantized_mean, seed=args.seed, adaptive=args.lsgd_adaptive,
         adaptive_energy=args.lsgd_adaptive_energy, adaptive_window=args.lsgd_adaptive_window,

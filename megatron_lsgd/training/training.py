@@ -40,6 +40,7 @@ class TrainingResult:
     tokens_per_second: float = 0.0
     comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
     sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
+    synchronizer: Optional[object] = None  # for tests and tools that inspect its state
     model: Optional[torch.nn.Module] = None
     config: Optional[RunConfig] = None
 
@@ -233,6 +234,7 @@ class Trainer:
                 break
         result.iteration = self.iteration
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
+        result.synchronizer = self.synchronizer
         if self.pgs.rank == self.log_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "

@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--dilocox-outer-momentum", type=float, default=0.5,
                    help="outer momentum for dilocox runs (a one-round-late Δ̄ with 0.9 oscillated in our runs)")
+    p.add_argument("--restart", choices=["eager", "anchor"], default="eager", help="--lsgd-dilocox-restart")
     p.add_argument("--rank", type=int, default=8, help="--lsgd-rank for dilocox-lowrank-int4")
     args = p.parse_args()
 
@@ -102,7 +103,7 @@ def main() -> None:
     outer = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
              "--lsgd-outer-momentum", str(args.outer_momentum)]
     outer_x = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
-               "--lsgd-outer-momentum", str(args.dilocox_outer_momentum)]
+               "--lsgd-outer-momentum", str(args.dilocox_outer_momentum), "--lsgd-dilocox-restart", args.restart]
     configs = {
         "sync": ["--lsgd-algorithm", "sync"],
         "diloco": ["--lsgd-algorithm", "diloco"] + outer,

@@ -19,6 +19,7 @@ class LsgdConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_offload: bool = False
+    dilocox_restart: str = "eager"  # eager: next round starts at θ_g − Δ_t; anchor: at θ_g
     # DiLoCoX compression.
     compression: str = "none"
     rank: int = 0  # low-rank compression rank (lowrank-int4)
@@ -52,6 +53,8 @@ class LsgdConfig:
             raise ValueError(f"--lsgd-outer-lr must be > 0 (got {self.outer_lr})")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"--lsgd-outer-momentum must be in [0, 1) (got {self.outer_momentum})")
+        if self.dilocox_restart not in ("eager", "anchor"):
+            raise ValueError(f"--lsgd-dilocox-restart {self.dilocox_restart!r}: choose eager or anchor")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"--lsgd-compression {self.compression!r}: choose one of {', '.join(COMPRESSIONS)}")
         if self.compression != "none" and self.algorithm != "dilocox":

@@ -77,6 +77,7 @@ class DiLoCoX(LocalSGDBase):
             ctx.comm, [s.shape for s in shards], layout, cfg.compression, cfg.rank, cfg.quant_block,
             cfg.quantized_mean, cfg.seed, cfg.adaptive_energy, self.outer.device if self.outer else shards[0].device)
         self.pending: Optional[PendingReduce] = None
+        self.eager_offsets: Optional[List[torch.Tensor]] = None
         self.pending_round = -1  # which round's mean is in flight
         self.applied_rounds: List[int] = []  # round whose mean each outer step applied (-1: none)
         self.rank_window: deque = deque(maxlen=cfg.adaptive_window)
@@ -101,6 +102,9 @@ class DiLoCoX(LocalSGDBase):
     def end_round(self) -> None:
         opt = self.ctx.optimizer
         deltas = self.outer.outer_gradient(opt.main_param_shards())
+        if self.eager_offsets is not None:  # the round started at θ_g − offset, not at θ_g
+            for d, off in zip(deltas, self.eager_offsets):
+                d.sub_(off)
         applied = -1
         if self.pending is not None:
             if not self.pending.done:
@@ -112,7 +116,16 @@ class DiLoCoX(LocalSGDBase):
         self._comm_issued = time.perf_counter()
         self.pending = PendingReduce(self.reducer.reduce(deltas))
         self.pending_round = self.outer_rounds
-        self.restart_from_anchor()
+        if self.ctx.config.dilocox_restart == "eager":
+            # Start the next round from θ_g − Δ_t (own, not yet averaged progress) instead of
+            # θ_g, so a round does not redo the progress still in flight; the anchor itself
+            # only ever takes averaged, identical-on-every-site steps.
+            self.eager_offsets = [d.clone() for d in deltas]
+            for shard, a, d in zip(opt.main_param_shards(), self.outer.anchors, deltas):
+                shard.copy_(a - d)
+            opt.copy_main_to_model_params()
+        else:
+            self.restart_from_anchor()
         if self.ctx.config.adaptive:
             self._adapt()
         self._round_compute = 0.0
@@ -157,7 +170,8 @@ class DiLoCoX(LocalSGDBase):
         state.update(reducer=self.reducer.state_dict(), rank_window=list(self.rank_window),
                      pending_round=self.pending_round, applied_rounds=list(self.applied_rounds),
                      pending_mean=[m.clone() for m in self.pending.result] if self.pending is not None else [],
-                     has_pending=int(self.pending is not None), comm_seconds=self._comm_seconds)
+                     has_pending=int(self.pending is not None), comm_seconds=self._comm_seconds,
+                     eager_offsets=[o.clone() for o in self.eager_offsets] if self.eager_offsets else [])
         return state
 
     def load_state_dict(self, state: Dict) -> None:
@@ -169,6 +183,8 @@ class DiLoCoX(LocalSGDBase):
         self.pending = _Done([m.to(self.reducer.device) for m in state["pending_mean"]]) \
             if state["has_pending"] else None
         self._comm_seconds = float(state["comm_seconds"])
+        self.eager_offsets = [o.to(self.reducer.device) for o in state["eager_offsets"]] \
+            if state["eager_offsets"] else None
 
     def stats(self) -> Dict[str, float]:
         r = self.reducer
