@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -148,8 +148,3 @@ class InterSiteComm:
     def snapshot(self) -> Dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "exposed_seconds": self.exposed_seconds, "rounds": self.rounds}
-
-
-def wait_all(handles: List[InterSiteWork]) -> None:
-    for h in handles:
-        h.wait()

@@ -157,6 +157,13 @@ class PendingReduce:
         self.done = False
         self._step()  # issue the first collective now
 
+    @classmethod
+    def finished(cls, result) -> "PendingReduce":
+        """An already finished reduction (e.g. restored from a checkpoint)."""
+        pending = cls.__new__(cls)
+        pending._gen, pending._handle, pending.result, pending.done = None, None, result, True
+        return pending
+
     def _step(self) -> None:
         try:
             self._handle = next(self._gen) if self._handle is None else self._gen.send(None)
@@ -268,7 +275,7 @@ class ErrorFeedbackReducer:
                 self.qs[i] = torch.cat([q, extra], dim=1)
         self.rank = rank
 
-    def _compressed_bytes_per_round(self) -> int:
+    def payload_bytes_per_round(self) -> int:
         """Payload bytes per site for the current settings (for the adaptive-H rule)."""
         n = sum(int(torch.Size(s).numel()) for s in self.shapes)
         if self.compression != "lowrank-int4":

@@ -7,7 +7,10 @@ Round t (H inner steps) ends with:
      the inner steps of round t (`before_forward_backward` polls it without blocking);
   3. θ_g ← OuterSGD(θ_g, Δ̄_{t−1})   (round 1 applies nothing);
   4. start the compressed mean of Δ_t (error feedback), to run during round t+1;
-  5. restart the local shard from θ_g; then adapt rank and H for round t+1.
+  5. start round t+1 from θ_g − Δ_t (`--lsgd-dilocox-restart eager`, default: keeps this
+     site's own in-flight progress; Δ_{t+1} is then measured from that start) or from θ_g
+     (`anchor`, DESIGN.md's literal rule); then adapt rank and H for round t+1.
+The anchor only ever takes averaged steps, so it is bit-identical on every site.
 Waiting before starting keeps a single reduction in flight, so every site issues its
 inter-site collectives in the same order.
 
@@ -34,13 +37,6 @@ import torch.distributed as dist
 from megatron_lsgd.core.lsgd.base import SyncContext, register
 from megatron_lsgd.core.lsgd.compression import ErrorFeedbackReducer, PendingReduce
 from megatron_lsgd.core.lsgd.diloco import LocalSGDBase
-
-
-class _Done(PendingReduce):
-    """An already finished reduction (restored from a checkpoint)."""
-
-    def __init__(self, result):  # noqa: super not called on purpose: nothing to issue
-        self.result, self.done, self._handle = result, True, None
 
 
 def _max_rank_allowed(layout) -> int:
@@ -142,9 +138,9 @@ class DiLoCoX(LocalSGDBase):
         if cfg.adaptive_h_rule == "scale-with-rank":
             proposal = round(cfg.interval * new_rank / max(1, self.initial_rank))
         else:
-            bytes_before = self.reducer._compressed_bytes_per_round()
+            bytes_before = self.reducer.payload_bytes_per_round()
             self.reducer.rank = new_rank
-            bytes_after = self.reducer._compressed_bytes_per_round()
+            bytes_after = self.reducer.payload_bytes_per_round()
             self.reducer.rank = old_rank
             t_step = self._round_compute / max(1, self.interval)
             t_comm = self._comm_seconds * bytes_after / max(1, bytes_before)
@@ -180,7 +176,7 @@ class DiLoCoX(LocalSGDBase):
         self.rank_window = deque((int(r) for r in state["rank_window"]), maxlen=self.ctx.config.adaptive_window)
         self.pending_round = int(state["pending_round"])
         self.applied_rounds = [int(r) for r in state["applied_rounds"]]
-        self.pending = _Done([m.to(self.reducer.device) for m in state["pending_mean"]]) \
+        self.pending = PendingReduce.finished([m.to(self.reducer.device) for m in state["pending_mean"]]) \
             if state["has_pending"] else None
         self._comm_seconds = float(state["comm_seconds"])
         self.eager_offsets = [o.to(self.reducer.device) for o in state["eager_offsets"]] \

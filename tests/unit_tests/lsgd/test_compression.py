@@ -19,10 +19,11 @@ def rank_r(m, n, r, seed):
 @pytest.mark.parametrize("r", [1, 3, 8])
 def test_lowrank_exact_on_rank_r_matrices(r):
     mats = [rank_r(40, 24, r, 0), rank_r(16, 33, r, 1)]
-    qs = [torch.randn(24, r), torch.randn(33, r)]
+    g = torch.Generator().manual_seed(r)
+    qs = [torch.randn(24, r, generator=g), torch.randn(33, r, generator=g)]
     res = run_blocking(lowrank_mean(ONE_SITE, mats, qs, torch.zeros(0), None, 64, "auto", 0.99))
     for m, approx in zip(mats, res.mean):
-        torch.testing.assert_close(approx, m, rtol=1e-4, atol=1e-4)
+        assert (approx - m).norm() <= 1e-3 * m.norm()  # fp32 QR; worst seen over 600 cases 6e-5
     assert all(1 <= k <= r for k in res.effective_ranks)
     # One rank lower is not enough: the check above can fail.
     res_low = run_blocking(lowrank_mean(ONE_SITE, mats, [q[:, :max(1, r - 1)] for q in qs], torch.zeros(0),
