@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Dict, Optional
 
 import torch
@@ -144,6 +145,24 @@ class InterSiteComm:
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._issue(work, moved, moved).wait()
+
+    def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> None:
+        """Move this comm onto a fresh dp_inter group of its own (collective: every rank
+        calls it). Needed when a synchronizer advances multi-phase reductions between
+        steps: each site may issue its next phase at a different step, and collectives
+        on a shared group (e.g. the Trainer's log-line mean over dp_inter) would then be
+        matched out of order. On a private group only the synchronizer issues, in a fixed
+        order on every site."""
+        if self.num_sites == 1 or not dist.is_initialized():
+            return
+        from megatron_lsgd.core.parallel_state import enumerate_group_ranks
+
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        me = dist.get_rank()
+        for ranks in enumerate_group_ranks(dims)["dp_inter"]:
+            group = dist.new_group(list(ranks), **kwargs)
+            if me in ranks:
+                self.group = group
 
     def snapshot(self) -> Dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
@@ -68,6 +69,9 @@ class DiLoCoX(LocalSGDBase):
             if cfg.rank > int(allowed):
                 raise ValueError(f"--lsgd-rank {cfg.rank} is larger than the smallest weight matrix "
                                  f"dimension ({int(allowed)}) on some tensor/pipeline-parallel rank")
+        if self.active:  # reductions advance between steps: keep them off the shared dp_inter group
+            minutes = ctx.comm.timeout_minutes
+            ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
         shards = opt.main_param_shards()
         self.reducer = ErrorFeedbackReducer(
             ctx.comm, [s.shape for s in shards], layout, cfg.compression, cfg.rank, cfg.quant_block,
