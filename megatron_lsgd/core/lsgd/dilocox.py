@@ -7,9 +7,10 @@ Round t (H inner steps) ends with:
      the inner steps of round t (`before_forward_backward` polls it without blocking);
   3. θ_g ← OuterSGD(θ_g, Δ̄_{t−1})   (round 1 applies nothing);
   4. start the compressed mean of Δ_t (error feedback), to run during round t+1;
+  (with --lsgd-adaptive, rank and H are adapted between 3 and 4, while the link is idle)
   5. start round t+1 from θ_g − Δ_t (`--lsgd-dilocox-restart eager`, default: keeps this
      site's own in-flight progress; Δ_{t+1} is then measured from that start) or from θ_g
-     (`anchor`, DESIGN.md's literal rule); then adapt rank and H for round t+1.
+     (`anchor`, DESIGN.md's literal rule).
 The anchor only ever takes averaged steps, so it is bit-identical on every site.
 Waiting before starting keeps a single reduction in flight, so every site issues its
 inter-site collectives in the same order.
@@ -113,6 +114,10 @@ class DiLoCoX(LocalSGDBase):
             self.outer.step(self.pending.result)
             applied = self.pending_round
         self.applied_rounds.append(applied)
+        if self.ctx.config.adaptive:
+            # Before issuing the new reduction: the link is idle now, so the small H
+            # agreement is not queued behind a bulk transfer on a bandwidth-limited link.
+            self._adapt()
         self._comm_issued = time.perf_counter()
         self.pending = PendingReduce(self.reducer.reduce(deltas))
         self.pending_round = self.outer_rounds
@@ -126,8 +131,6 @@ class DiLoCoX(LocalSGDBase):
             opt.copy_main_to_model_params()
         else:
             self.restart_from_anchor()
-        if self.ctx.config.adaptive:
-            self._adapt()
         self._round_compute = 0.0
 
     # ---- adaptive rank and H --------------------------------------------------------------------

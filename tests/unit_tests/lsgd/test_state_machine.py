@@ -113,3 +113,28 @@ def test_diloco_state_dict_weights_only():
     assert torch.equal(b.outer.anchors[0], a.outer.anchors[0])
     assert b.outer.momentum_norm() == a.outer.momentum_norm() > 0
     assert b.outer_rounds == 2
+
+
+def test_adaptive_rules():
+    layout = [[((64, 32), 0, 2048, 0, 2048)]]
+    cfg = LsgdConfig(algorithm="dilocox", interval=4, compression="lowrank-int4", rank=8, adaptive=True,
+                     adaptive_window=2, adaptive_min_rank=2, adaptive_h_slack=1.0)
+    cfg.validate(2)
+    sync = active(DiLoCoX(make_context(cfg, [torch.zeros(2048)], layout)))
+    # hide-comm: 4 steps of 10 ms hide 25 ms of transfer -> smallest H is 3, clamped to h-min 4;
+    # 100 ms of transfer needs 10 steps; h-max (16) caps 1 s.
+    for comm_s, expected_h in ((0.025, 4), (0.1, 10), (1.0, 16)):
+        sync._round_compute, sync._comm_seconds, sync.interval = 0.04, comm_s, 4
+        sync._adapt()
+        assert sync.interval == expected_h, comm_s
+    # rank: mean of the last 2 effective ranks, clamped to [min rank, --lsgd-rank]
+    sync.reducer.last_effective_ranks = [3, 1]
+    sync._adapt()
+    assert sync.reducer.rank == 3
+    sync.reducer.last_effective_ranks = [1]
+    sync._adapt()
+    assert sync.reducer.rank == 2  # ceil(mean(3, 1))
+    sync.reducer.last_effective_ranks = [1]
+    sync._adapt()
+    assert sync.reducer.rank == 2  # min rank
+    assert sync.reducer.qs[0].shape == (32, 8)  # warm start keeps its full width for regrowth
