@@ -118,7 +118,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
 
 def _optimizer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="adam: AdamW (decoupled weight decay); sgd: plain SGD, no momentum")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
@@ -161,6 +162,36 @@ def _lsgd_args(p: argparse.ArgumentParser) -> None:
                    help="how data parallelism crosses sites (sync: average gradients every step)")
     g.add_argument("--lsgd-warmup-iters", type=int, default=0,
                    help="fully synchronous steps before a local-SGD algorithm starts")
+    g.add_argument("--lsgd-interval", type=int, default=50, help="H: inner steps per outer round (diloco, dilocox)")
+    g.add_argument("--lsgd-outer-lr", type=float, default=0.7, help="outer Nesterov SGD learning rate")
+    g.add_argument("--lsgd-outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
+    g.add_argument("--lsgd-outer-offload", action="store_true",
+                   help="keep the anchor and outer momentum of this rank's shard on CPU")
+    g.add_argument("--lsgd-dilocox-restart", choices=["eager", "anchor"], default="eager",
+                   help="where dilocox's next round starts: eager = anchor minus this site's own in-flight "
+                        "pseudo-gradient, anchor = the (one round late) anchor itself")
+    g.add_argument("--lsgd-compression", choices=["none", "int8", "int4", "lowrank-int4"], default="none",
+                   help="dilocox pseudo-gradient compression (with error feedback)")
+    g.add_argument("--lsgd-rank", type=int, default=0, help="low-rank compression rank (lowrank-int4)")
+    g.add_argument("--lsgd-quant-block", type=int, default=64, help="values per quantization scale")
+    g.add_argument("--lsgd-quantized-mean", choices=["auto", "allgather", "alltoall"], default="auto",
+                   help="quantized mean across sites (auto: allgather for <= 2 sites, alltoall above)")
+    g.add_argument("--lsgd-adaptive", action="store_true", help="dilocox: adapt the rank and H every round")
+    g.add_argument("--lsgd-adaptive-energy", type=float, default=0.9,
+                   help="effective rank = smallest k holding this share of the reduced P's spectral energy")
+    g.add_argument("--lsgd-adaptive-window", type=int, default=5, help="rounds averaged for the next rank")
+    g.add_argument("--lsgd-adaptive-min-rank", type=int, default=1)
+    g.add_argument("--lsgd-adaptive-h-rule", choices=["hide-comm", "scale-with-rank"], default="hide-comm",
+                   help="hide-comm: smallest H whose compute hides the measured transfer; "
+                        "scale-with-rank: H proportional to the current rank")
+    g.add_argument("--lsgd-adaptive-h-min", type=int, default=None, help="default: --lsgd-interval")
+    g.add_argument("--lsgd-adaptive-h-max", type=int, default=None, help="default: 4 x --lsgd-interval")
+    g.add_argument("--lsgd-adaptive-h-slack", type=float, default=1.2,
+                   help="hide-comm: compute time must cover this multiple of the transfer time")
+    g.add_argument("--simulate-inter-site-bandwidth", type=float, default=0.0,
+                   help="Mbit/s of a simulated inter-site link (0: unlimited)")
+    g.add_argument("--simulate-inter-site-latency", type=float, default=0.0,
+                   help="ms added to every inter-site collective")
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -247,8 +278,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         params_dtype=training.params_dtype)
     model.validate(dims.tp, dims.pp)
     optimizer = OptimizerConfig(
-        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters, loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
@@ -268,7 +299,17 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         num_workers=args.num_workers)
     data.validate()
-    lsgd = LsgdConfig(algorithm=args.lsgd_algorithm, warmup_iters=args.lsgd_warmup_iters)
+    lsgd = LsgdConfig(
+        algorithm=args.lsgd_algorithm, warmup_iters=args.lsgd_warmup_iters, interval=args.lsgd_interval,
+        outer_lr=args.lsgd_outer_lr, outer_momentum=args.lsgd_outer_momentum, outer_offload=args.lsgd_outer_offload,
+        dilocox_restart=args.lsgd_dilocox_restart,
+        compression=args.lsgd_compression, rank=args.lsgd_rank, quant_block=args.lsgd_quant_block,
+        quantized_mean=args.lsgd_quantized_mean, seed=args.seed, adaptive=args.lsgd_adaptive,
+        adaptive_energy=args.lsgd_adaptive_energy, adaptive_window=args.lsgd_adaptive_window,
+        adaptive_min_rank=args.lsgd_adaptive_min_rank, adaptive_h_rule=args.lsgd_adaptive_h_rule,
+        adaptive_h_min=args.lsgd_adaptive_h_min, adaptive_h_max=args.lsgd_adaptive_h_max,
+        adaptive_h_slack=args.lsgd_adaptive_h_slack, sim_bandwidth_mbit=args.simulate_inter_site_bandwidth,
+        sim_latency_ms=args.simulate_inter_site_latency)
     lsgd.validate(dims.sites)
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,

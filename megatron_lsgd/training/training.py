@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.base import SyncContext
-from megatron_lsgd.core.lsgd.comm import InterSiteComm
+from megatron_lsgd.core.lsgd.comm import InterSiteComm, SimulatedLink
 from megatron_lsgd.core.lsgd.registry import synchronizer_class
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
@@ -41,6 +41,9 @@ class TrainingResult:
     validation_losses: List[float] = field(default_factory=list)
     skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
     tokens_per_second: float = 0.0
+    comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
+    sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
+    synchronizer: Optional[object] = None  # for tests and tools that inspect its state
     model: Optional[torch.nn.Module] = None
     config: Optional[RunConfig] = None
 
@@ -68,7 +71,9 @@ class Trainer:
                                           build_grad_scaler(config.optimizer, config.training.fp16))
         self.scheduler = LRScheduler(config.optimizer)
 
-        comm = InterSiteComm(pgs.dp_inter, config.dims.sites)
+        comm = InterSiteComm(pgs.dp_inter, config.dims.sites,
+                             SimulatedLink(config.lsgd.sim_latency_ms, config.lsgd.sim_bandwidth_mbit),
+                             config.training.distributed_timeout_minutes)
         units = model.sync_units()
         sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
@@ -223,7 +228,8 @@ class Trainer:
                                      "learning-rate": self.scheduler.current_lr, "grad-norm": norm,
                                      "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
                                      "iteration-time": elapsed / interval_iters, "tokens-per-sec": tokens_per_s,
-                                     "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms}, self.iteration)
+                                     "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
+                                     **self.synchronizer.stats()}, self.iteration)
                 sums, interval_iters, skipped, nans, norm_sum, norm_count = {}, 0, 0, 0, 0.0, 0
                 comm_before = comm_now
                 interval_start = time.perf_counter()
@@ -244,6 +250,8 @@ class Trainer:
         result.skipped_iterations = total_skipped
         if self.config.checkpoint.save and self.last_saved_iteration != self.iteration and self.iteration > 0:
             self.save_checkpoint()
+        result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
+        result.synchronizer = self.synchronizer
         if self.pgs.rank == self.log_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "

@@ -38,9 +38,10 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
     for name, p in model.global_named_parameters():
         params[name] = {"value": p.detach().float().clone(), "tp": bool(getattr(p, "tensor_model_parallel", False)),
                         "dim": getattr(p, "partition_dim", 0), "stride": getattr(p, "partition_stride", 1)}
-    torch.save({"losses": result.logged_losses, "valid": result.validation_losses, "params": params,
-                "skipped": result.skipped_iterations,
-                "coords": pgs.coords, "tp": pgs.dims.tp},
+    anchors = getattr(getattr(result.synchronizer, "outer", None), "anchors", None)
+    torch.save({"anchors": [a.clone() for a in anchors] if anchors else None, "losses": result.logged_losses,
+                "valid": result.validation_losses, "params": params, "skipped": result.skipped_iterations,
+                "coords": pgs.coords, "tp": pgs.dims.tp, "comm": result.comm, "sync_stats": result.sync_stats},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

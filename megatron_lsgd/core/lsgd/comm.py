@@ -1,60 +1,168 @@
 """Inter-site collectives over the dp_inter group, with accounting.
 
-Bytes are counted where each collective is issued (per rank, what it sends and receives
-on the wire for a ring all-reduce), and time spent *waiting* for inter-site work is
-accumulated as exposed communication: a collective that finished while compute ran
-costs nothing here.
+Bytes are counted where each collective is issued, as what this rank puts on (and takes
+off) the wire for the algorithm used: ring all-reduce 2 (S-1)/S of the payload, ring
+all-gather (S-1)/S of the output, all-to-all (S-1)/S of the input. Time spent *waiting*
+for inter-site work is accumulated as exposed communication: a collective that finished
+while compute ran costs nothing here.
+
+An optional simulated slow link (latency + bandwidth, for tests and benchmarks without
+`tc`) makes each collective complete no earlier than its simulated finish time. The link
+is a FIFO: a transfer starts when the previous one on this rank's link has finished, and
+takes latency + bytes_sent * 8 / bandwidth. The deadline is fixed when the collective is
+issued, so compute that runs meanwhile really hides it.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.distributed.collectives import all_gather_flat
+
+
+@dataclass
+class SimulatedLink:
+    latency_ms: float = 0.0
+    bandwidth_mbit: float = 0.0  # 0: unlimited
+
+    @property
+    def enabled(self) -> bool:
+        return self.latency_ms > 0 or self.bandwidth_mbit > 0
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        seconds = self.latency_ms / 1e3
+        if self.bandwidth_mbit > 0:
+            seconds += nbytes * 8 / (self.bandwidth_mbit * 1e6)
+        return seconds
+
+
+class InterSiteTimeout(RuntimeError):
+    pass
+
 
 class InterSiteWork:
-    def __init__(self, comm: "InterSiteComm", work: Optional[object]):
+    def __init__(self, comm: "InterSiteComm", work: Optional[object], ready_at: float = 0.0):
         self._comm = comm
         self._work = work
+        self._ready_at = ready_at  # simulated-link completion time (perf_counter clock)
+
+    def is_completed(self) -> bool:
+        if self._work is None:
+            return True
+        if time.perf_counter() < self._ready_at:
+            return False
+        return self._work.is_completed()
 
     def wait(self) -> None:
         if self._work is None:
             return
         t0 = time.perf_counter()
-        self._work.wait()
+        try:
+            self._work.wait()
+        except RuntimeError as err:  # gloo/nccl timeout or a peer that closed its connection
+            raise InterSiteTimeout(
+                f"inter-site collective failed or did not complete within --distributed-timeout-minutes "
+                f"{self._comm.timeout_minutes}: a peer site may have disappeared ({err})") from err
+        remaining = self._ready_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
         self._comm.exposed_seconds += time.perf_counter() - t0
         self._work = None
 
 
 class InterSiteComm:
-    def __init__(self, group, num_sites: int):
+    def __init__(self, group, num_sites: int, link: Optional[SimulatedLink] = None,
+                 timeout_minutes: Optional[float] = None):
         self.group = group
         self.num_sites = num_sites
+        self.link = link or SimulatedLink()
+        self.timeout_minutes = timeout_minutes
         self.bytes_sent = 0
         self.bytes_received = 0
         self.exposed_seconds = 0.0
         self.rounds = 0
+        self._link_free_at = 0.0
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def _issue(self, work, sent: int, received: int) -> InterSiteWork:
+        self.bytes_sent += sent
+        self.bytes_received += received
+        ready_at = 0.0
+        if self.link.enabled:
+            start = max(time.perf_counter(), self._link_free_at)
+            ready_at = start + self.link.transfer_seconds(sent)
+            self._link_free_at = ready_at
+        return InterSiteWork(self, work, ready_at)
+
+    @staticmethod
+    def _finish(handle: InterSiteWork, async_op: bool) -> InterSiteWork:
+        if not async_op:
+            handle.wait()
+        return handle
 
     def _ring_bytes(self, nbytes: int) -> int:
         # Ring all-reduce: each rank sends (and receives) 2 (S-1)/S of the payload.
         return 2 * (self.num_sites - 1) * nbytes // self.num_sites
 
+    # ---- collectives -------------------------------------------------------------------------
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """Average `tensor` across sites in place (scaled first: gloo has no AVG)."""
         if self.num_sites == 1:
             return InterSiteWork(self, None)
         tensor.mul_(1.0 / self.num_sites)
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        self.bytes_sent += moved
-        self.bytes_received += moved
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        handle = InterSiteWork(self, work)
-        if not async_op:
-            handle.wait()
-        return handle
+        return self._finish(self._issue(work, moved, moved), async_op)
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
+        """output[s * n:(s + 1) * n] = site s's `tensor` (flat, equal sizes)."""
+        if self.num_sites == 1:
+            output.copy_(tensor.reshape(-1))
+            return InterSiteWork(self, None)
+        moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size()
+        work = all_gather_flat(output, tensor, group=self.group, async_op=True)
+        return self._finish(self._issue(work, moved, moved), async_op)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
+        """Chunk s of `tensor` goes to site s; chunk s of `output` comes from site s."""
+        if self.num_sites == 1:
+            output.copy_(tensor)
+            return InterSiteWork(self, None)
+        moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size() // self.num_sites
+        work = dist.all_to_all_single(output, tensor, group=self.group, async_op=True)
+        return self._finish(self._issue(work, moved, moved), async_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Blocking element-wise max across sites (small control values)."""
+        if self.num_sites == 1:
+            return
+        moved = self._ring_bytes(tensor.numel() * tensor.element_size())
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._issue(work, moved, moved).wait()
+
+    def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> None:
+        """Move this comm onto a fresh dp_inter group of its own (collective: every rank
+        calls it). Needed when a synchronizer advances multi-phase reductions between
+        steps: each site may issue its next phase at a different step, and collectives
+        on a shared group (e.g. the Trainer's log-line mean over dp_inter) would then be
+        matched out of order. On a private group only the synchronizer issues, in a fixed
+        order on every site."""
+        if self.num_sites == 1 or not dist.is_initialized():
+            return
+        from megatron_lsgd.core.parallel_state import enumerate_group_ranks
+
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        me = dist.get_rank()
+        for ranks in enumerate_group_ranks(dims)["dp_inter"]:
+            group = dist.new_group(list(ranks), **kwargs)
+            if me in ranks:
+                self.group = group
 
     def snapshot(self) -> Dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,

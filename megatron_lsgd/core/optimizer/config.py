@@ -8,6 +8,7 @@ from typing import Optional
 
 @dataclass
 class OptimizerConfig:
+    optimizer: str = "adam"  # adam (AdamW) | sgd (plain SGD, no momentum)
     lr: float = 1e-4
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -26,6 +27,8 @@ class OptimizerConfig:
     hysteresis: int = 2
 
     def validate(self, train_iters: int) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: choose adam or sgd")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0 (got {self.lr})")
         if not 0 <= self.min_lr <= self.lr:

@@ -46,6 +46,7 @@ class ShardedOptimizer:
         # One fp32 main tensor per bucket shard (a view when the model is already fp32).
         self.main_shards: List[Tuple[object, torch.Tensor, torch.Tensor]] = []  # (bucket, main, grad)
         self.pieces: List[ShardPiece] = []
+        self._layout: List[List[tuple]] = []
         for model in models:
             buffer = model.buffer
             for bucket in buffer.buckets:
@@ -53,8 +54,10 @@ class ShardedOptimizer:
                 main = param_shard if param_shard.dtype == torch.float32 else param_shard.detach().float().clone()
                 grad = bucket.grad_shard(self.shard_index)
                 self.main_shards.append((bucket, main, grad))
-                for p, _, _, s_lo, s_hi in buffer.shard_pieces(bucket, self.shard_index):
+                self._layout.append([])
+                for p, p_lo, p_hi, s_lo, s_hi in buffer.shard_pieces(bucket, self.shard_index):
                     self.pieces.append(ShardPiece(p, main[s_lo:s_hi], grad[s_lo:s_hi], self._counts_in_norm(p)))
+                    self._layout[-1].append((tuple(p.shape), p_lo, p_hi, s_lo, s_hi))
 
         decay = [pc.main for pc in self.pieces if pc.param.ndim > 1]
         no_decay = [pc.main for pc in self.pieces if pc.param.ndim <= 1]  # biases and norms
@@ -63,9 +66,12 @@ class ShardedOptimizer:
             {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         if not groups:  # a rank whose shard holds only padding still joins every collective
             groups = [{"params": [torch.zeros(1)], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(
-            groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            foreach=True)
+        if config.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=0.0, foreach=True)
+        else:
+            self.optimizer = torch.optim.AdamW(
+                groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                foreach=True)
 
     def _counts_in_norm(self, p) -> bool:
         # Replicated across TP ranks: count once. Tied embedding copy on the last stage:
@@ -144,6 +150,11 @@ class ShardedOptimizer:
         """This rank's fp32 main parameters, one flat tensor per bucket (what a cross-site
         synchronizer reads as θ_local and overwrites with the synced value)."""
         return [main for _, main, _ in self.main_shards]
+
+    def shard_layout(self) -> List[List[tuple]]:
+        """Per main shard: (param shape, lo, hi, shard_lo, shard_hi) for every param piece in
+        it (flattened param coordinates [lo, hi) sit at [shard_lo, shard_hi) of the shard)."""
+        return self._layout
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:

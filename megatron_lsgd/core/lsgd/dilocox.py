@@ -1,0 +1,196 @@
+"""`dilocox`: DiLoCo with one-step-delay overlap, compressed pseudo-gradients and adaptive
+compression (DiLoCoX; DESIGN.md §4.2).
+
+Round t (H inner steps) ends with:
+  1. Δ_t = θ_g − θ_local on this rank's shard;
+  2. wait for Δ̄_{t−1}, whose compressed mean was started a round ago and advanced between
+     the inner steps of round t (`before_forward_backward` polls it without blocking);
+  3. θ_g ← OuterSGD(θ_g, Δ̄_{t−1})   (round 1 applies nothing);
+  4. start the compressed mean of Δ_t (error feedback), to run during round t+1;
+  (with --lsgd-adaptive, rank and H are adapted between 3 and 4, while the link is idle)
+  5. start round t+1 from θ_g − Δ_t (`--lsgd-dilocox-restart eager`, default: keeps this
+     site's own in-flight progress; Δ_{t+1} is then measured from that start) or from θ_g
+     (`anchor`, DESIGN.md's literal rule).
+The anchor only ever takes averaged steps, so it is bit-identical on every site.
+Waiting before starting keeps a single reduction in flight, so every site issues its
+inter-site collectives in the same order.
+
+Adaptive rules (`--lsgd-adaptive`, logged as `rank` and `H`):
+  rank: window of effective ranks of the reduced P (smallest k holding `energy` of its
+        spectral energy, max over this rank's matrices); next rank = clamp(ceil(mean)).
+        P is identical on every site, so sites agree without extra traffic.
+  H:    hide-comm: smallest H with H · t_step ≥ slack · T_comm, T_comm = last measured
+        transfer time scaled by the payload change; scale-with-rank: H = H0 · rank / rank0.
+        Clamped to [h-min, h-max] and agreed (max) over the whole job with two 8-byte
+        all-reduces (inside the site, then across sites), since rounds must line up.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.lsgd.base import SyncContext, register
+from megatron_lsgd.core.lsgd.compression import ErrorFeedbackReducer, PendingReduce
+from megatron_lsgd.core.lsgd.diloco import LocalSGDBase
+
+
+def _max_rank_allowed(layout) -> int:
+    smallest = None
+    for pieces in layout:
+        for shape, *_ in pieces:
+            if len(shape) >= 2:
+                cols = math.prod(shape[1:])
+                m = min(shape[0], cols)
+                smallest = m if smallest is None else min(smallest, m)
+    return smallest if smallest is not None else 2 ** 62
+
+
+@register
+class DiLoCoX(LocalSGDBase):
+    name = "dilocox"
+    requires_multiple_sites = True
+
+    def __init__(self, ctx: SyncContext):
+        super().__init__(ctx)
+        cfg = ctx.config
+        opt = ctx.optimizer
+        layout = opt.shard_layout()
+        if cfg.compression == "lowrank-int4":
+            # Every rank must reach the same verdict, or the healthy ranks would hang later.
+            allowed = torch.tensor([_max_rank_allowed(layout)], dtype=torch.int64)
+            if dist.is_initialized():
+                dist.all_reduce(allowed, op=dist.ReduceOp.MIN)
+            if cfg.rank > int(allowed):
+                raise ValueError(f"--lsgd-rank {cfg.rank} is larger than the smallest weight matrix "
+                                 f"dimension ({int(allowed)}) on some tensor/pipeline-parallel rank")
+        if self.active:  # reductions advance between steps: keep them off the shared dp_inter group
+            minutes = ctx.comm.timeout_minutes
+            ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
+        shards = opt.main_param_shards()
+        self.reducer = ErrorFeedbackReducer(
+            ctx.comm, [s.shape for s in shards], layout, cfg.compression, cfg.rank, cfg.quant_block,
+            cfg.quantized_mean, cfg.seed, cfg.adaptive_energy, self.outer.device if self.outer else shards[0].device)
+        self.pending: Optional[PendingReduce] = None
+        self.eager_offsets: Optional[List[torch.Tensor]] = None
+        self.pending_round = -1  # which round's mean is in flight
+        self.applied_rounds: List[int] = []  # round whose mean each outer step applied (-1: none)
+        self.rank_window: deque = deque(maxlen=cfg.adaptive_window)
+        self.initial_rank = self.reducer.rank
+        # timing for the hide-comm rule
+        self._round_compute = 0.0
+        self._step_start: Optional[float] = None
+        self._comm_issued = 0.0
+        self._comm_seconds = 0.0
+
+    # ---- overlap ----------------------------------------------------------------------------
+    def before_forward_backward(self, iteration: int) -> None:
+        self._step_start = time.perf_counter()
+        if self.pending is not None and not self.pending.done and self.pending.poll():
+            self._comm_seconds = time.perf_counter() - self._comm_issued
+
+    def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
+        if self._step_start is not None:
+            self._round_compute += time.perf_counter() - self._step_start
+        super().after_optimizer_step(iteration, update_successful)
+
+    def end_round(self) -> None:
+        opt = self.ctx.optimizer
+        deltas = self.outer.outer_gradient(opt.main_param_shards())
+        if self.eager_offsets is not None:  # the round started at θ_g − offset, not at θ_g
+            for d, off in zip(deltas, self.eager_offsets):
+                d.sub_(off)
+        applied = -1
+        if self.pending is not None:
+            if not self.pending.done:
+                self.pending.wait()
+                self._comm_seconds = time.perf_counter() - self._comm_issued
+            self.outer.step(self.pending.result)
+            applied = self.pending_round
+        self.applied_rounds.append(applied)
+        if self.ctx.config.adaptive:
+            # Before issuing the new reduction: the link is idle now, so the small H
+            # agreement is not queued behind a bulk transfer on a bandwidth-limited link.
+            self._adapt()
+        self._comm_issued = time.perf_counter()
+        self.pending = PendingReduce(self.reducer.reduce(deltas))
+        self.pending_round = self.outer_rounds
+        if self.ctx.config.dilocox_restart == "eager":
+            # Start the next round from θ_g − Δ_t (own, not yet averaged progress) instead of
+            # θ_g, so a round does not redo the progress still in flight; the anchor itself
+            # only ever takes averaged, identical-on-every-site steps.
+            self.eager_offsets = [d.clone() for d in deltas]
+            for shard, a, d in zip(opt.main_param_shards(), self.outer.anchors, deltas):
+                shard.copy_(a - d)
+            opt.copy_main_to_model_params()
+        else:
+            self.restart_from_anchor()
+        self._round_compute = 0.0
+
+    # ---- adaptive rank and H --------------------------------------------------------------------
+    def _adapt(self) -> None:
+        cfg = self.ctx.config
+        old_rank = self.reducer.rank
+        new_rank = old_rank
+        if cfg.compression == "lowrank-int4" and self.reducer.last_effective_ranks:
+            self.rank_window.append(max(self.reducer.last_effective_ranks))
+            mean = sum(self.rank_window) / len(self.rank_window)
+            new_rank = max(cfg.adaptive_min_rank, min(self.reducer.max_rank, math.ceil(mean)))
+        if cfg.adaptive_h_rule == "scale-with-rank":
+            proposal = round(cfg.interval * new_rank / max(1, self.initial_rank))
+        else:
+            bytes_before = self.reducer.payload_bytes_per_round()
+            self.reducer.rank = new_rank
+            bytes_after = self.reducer.payload_bytes_per_round()
+            self.reducer.rank = old_rank
+            t_step = self._round_compute / max(1, self.interval)
+            t_comm = self._comm_seconds * bytes_after / max(1, bytes_before)
+            proposal = math.ceil(cfg.adaptive_h_slack * t_comm / t_step) if t_step > 0 else self.interval
+        proposal = max(cfg.adaptive_h_min, min(cfg.adaptive_h_max, proposal))
+        self.interval = self._agree_max(proposal)
+        if new_rank != old_rank:
+            self.reducer.set_rank(new_rank)
+
+    def _agree_max(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.float64)
+        pgs = self.ctx.pgs
+        if pgs.site is not None and dist.get_world_size(pgs.site) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pgs.site)
+        self.ctx.comm.all_reduce_max(t)
+        return int(t.item())
+
+    # ---- state and stats -------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        state = self._base_state()
+        if self.pending is not None:
+            self.pending.wait()  # a checkpoint holds the finished mean, applied at the next round end
+        state.update(reducer=self.reducer.state_dict(), rank_window=list(self.rank_window),
+                     pending_round=self.pending_round, applied_rounds=list(self.applied_rounds),
+                     pending_mean=[m.clone() for m in self.pending.result] if self.pending is not None else [],
+                     has_pending=int(self.pending is not None), comm_seconds=self._comm_seconds,
+                     eager_offsets=[o.clone() for o in self.eager_offsets] if self.eager_offsets else [])
+        return state
+
+    def load_state_dict(self, state: Dict) -> None:
+        self._load_base_state(state)
+        self.reducer.load_state_dict(state["reducer"])
+        self.rank_window = deque((int(r) for r in state["rank_window"]), maxlen=self.ctx.config.adaptive_window)
+        self.pending_round = int(state["pending_round"])
+        self.applied_rounds = [int(r) for r in state["applied_rounds"]]
+        self.pending = PendingReduce.finished([m.to(self.reducer.device) for m in state["pending_mean"]]) \
+            if state["has_pending"] else None
+        self._comm_seconds = float(state["comm_seconds"])
+        self.eager_offsets = [o.to(self.reducer.device) for o in state["eager_offsets"]] \
+            if state["eager_offsets"] else None
+
+    def stats(self) -> Dict[str, float]:
+        r = self.reducer
+        rel = r.last_error_norm / r.last_input_norm if r.last_input_norm > 0 else 0.0
+        return {"H": self.interval, "rank": r.rank, "outer rounds": self.outer_rounds,
+                "comp err norm": r.last_error_norm, "comp rel err": rel}

@@ -1,0 +1,116 @@
+"""End-to-end properties of diloco/dilocox on spawned CPU/gloo ranks (tiny models).
+
+- H=1, outer lr 1, momentum 0, inner SGD: diloco == sync (S=2, with TP2 x PP2, with ZeRO-1);
+- S=1: diloco leaves training bit-identical to plain training;
+- after every outer step all sites hold bit-identical anchors (runs end on a round
+  boundary, where every site's parameters are the anchor);
+- real overlap: with a simulated slow link whose transfer takes less than H inner steps,
+  dilocox's exposed communication is near zero while diloco pays the full transfer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit_tests.harness import logged_losses, merge_full_params, run_distributed
+
+COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
+          "--lr", "5e-2", "--lr-decay-style", "constant", "--mock-data", "--vocab-size", "250",
+          "--make-vocab-size-divisible-by", "32", "--log-interval", "1", "--eval-iters", "0",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
+          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+SGD = ["--optimizer", "sgd", "--clip-grad", "0", "--weight-decay", "0.01"]
+LAYOUTS = {
+    "sites2": (2, ["--num-sites", "2"]),
+    "tp2-pp2-sites2": (8, ["--num-sites", "2", "--tensor-model-parallel-size", "2",
+                           "--pipeline-model-parallel-size", "2"]),
+    "zero1-sites2": (4, ["--num-sites", "2", "--use-distributed-optimizer", "--ddp-bucket-size", "5000"]),
+}
+
+
+def assert_close_runs(a, b, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(torch.tensor(logged_losses(a)), torch.tensor(logged_losses(b)), rtol=rtol, atol=0)
+    pa, pb = merge_full_params(a), merge_full_params(b)
+    for name in pa:
+        torch.testing.assert_close(pa[name], pb[name], rtol=rtol, atol=atol, msg=name)
+
+
+def assert_anchors_identical(records):
+    """Every (tp, pp, dp_intra) coordinate holds the same anchor shards on every site."""
+    by_coord = {}
+    for r in records:
+        c = r["coords"]
+        by_coord.setdefault((c.tp, c.pp, c.dp_intra), []).append(r["anchors"])
+    for coord, anchors in by_coord.items():
+        assert len(anchors) == 2 and anchors[0] is not None
+        for x, y in zip(anchors[0], anchors[1]):
+            assert torch.equal(x, y), f"anchors differ across sites at {coord}"
+
+
+def assert_sites_identical(records):
+    ref = merge_full_params(records, site=0)
+    coords = {(r["coords"].site, r["coords"].dp_intra) for r in records}
+    for site, dpi in coords:
+        other = merge_full_params(records, site=site, dp_intra=dpi)
+        for name in ref:
+            assert torch.equal(other[name], ref[name]), f"site {site} differs in {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_diloco_h1_equals_sync(layout):
+    world, args = LAYOUTS[layout]
+    sync = run_distributed(COMMON + SGD + args + ["--lsgd-algorithm", "sync"], world)
+    diloco = run_distributed(COMMON + SGD + args + ["--lsgd-algorithm", "diloco", "--lsgd-interval", "1",
+                                                     "--lsgd-outer-lr", "1", "--lsgd-outer-momentum", "0"], world)
+    assert logged_losses(sync)[-1] < logged_losses(sync)[0]
+    assert_close_runs(diloco, sync)
+    assert diloco[-1]["sync_stats"]["outer rounds"] == 6
+
+
+@pytest.mark.slow
+def test_one_site_diloco_is_plain_training():
+    plain = run_distributed(COMMON, 1)
+    diloco = run_distributed(COMMON + ["--lsgd-algorithm", "diloco", "--lsgd-interval", "2"], 1)
+    assert logged_losses(plain) == logged_losses(diloco)
+    pa, pb = merge_full_params(plain), merge_full_params(diloco)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,compression", [
+    ("tp2-pp2-sites2", ["--lsgd-compression", "lowrank-int4", "--lsgd-rank", "4", "--lsgd-adaptive",
+                        "--lsgd-adaptive-h-rule", "scale-with-rank", "--lsgd-adaptive-h-min", "2",
+                        "--lsgd-adaptive-h-max", "2"]),
+    ("zero1-sites2", ["--lsgd-compression", "int4", "--lsgd-quantized-mean", "alltoall"]),
+    ("sites2", ["--lsgd-compression", "int8", "--lsgd-warmup-iters", "2", "--lsgd-dilocox-restart", "anchor"]),
+])
+def test_dilocox_sites_hold_identical_anchors(layout, compression):
+    world, args = LAYOUTS[layout]
+    records = run_distributed(COMMON + ["--train-iters", "8"] + args + [
+        "--lsgd-algorithm", "dilocox", "--lsgd-interval", "2", "--lr", "5e-3"] + compression, world)
+    losses = logged_losses(records)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert_anchors_identical(records)
+    if "--lsgd-dilocox-restart" in compression:  # restarted from the anchor: models identical too
+        assert_sites_identical(records)
+    stats = records[-1]["sync_stats"]
+    assert stats["outer rounds"] >= 3 and stats["comp err norm"] > 0
+    assert records[-1]["comm"]["bytes_sent"] > 0
+
+
+@pytest.mark.slow
+def test_dilocox_hides_a_slow_link_that_diloco_pays_for():
+    # ~0.47 MB of fp32 pseudo-gradient per round; ring all-reduce over 2 sites sends all of
+    # it: at 50 Mbit/s + 20 ms that is ~95 ms, less than H = 16 inner steps.
+    link = ["--simulate-inter-site-bandwidth", "50", "--simulate-inter-site-latency", "20"]
+    args = COMMON + LAYOUTS["sites2"][1] + link + ["--train-iters", "64", "--lsgd-interval", "16", "--lr", "5e-3",
+                                                  "--log-interval", "16"]
+    diloco = run_distributed(args + ["--lsgd-algorithm", "diloco"], 2)
+    dilocox = run_distributed(args + ["--lsgd-algorithm", "dilocox"], 2)
+    rec_d, rec_x = diloco[-1]["comm"], dilocox[-1]["comm"]
+    transfer = 0.020 + rec_d["bytes_sent"] / 4 * 8 / 50e6  # one round's simulated time
+    assert rec_d["exposed_seconds"] >= 0.95 * 4 * transfer  # 4 rounds, each fully exposed
+    assert rec_x["exposed_seconds"] < 0.15 * rec_d["exposed_seconds"]
+    assert rec_x["bytes_sent"] == rec_d["bytes_sent"]  # same fp32 payload, issued every round
