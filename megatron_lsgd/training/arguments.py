@@ -19,6 +19,7 @@ from megatron_lsgd.core.lsgd.registry import registered_algorithms
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
+from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
 
 
@@ -161,11 +162,23 @@ def _lsgd_args(p: argparse.ArgumentParser) -> None:
                    help="fully synchronous steps before a local-SGD algorithm starts")
 
 
+def _emulation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("benchmarking and heterogeneity emulation")
+    g.add_argument("--json-log", type=str, default=None,
+                   help="append one JSON object per log interval (and one at the end) to this file")
+    g.add_argument("--simulate-slow-ranks", type=str, default=None,
+                   help="comma-separated global ranks made slower by --slow-factor x their own compute time")
+    g.add_argument("--slow-factor", type=float, default=2.0, help="a slow rank's step takes this many times as long")
+    g.add_argument("--slow-mode", choices=SLOW_MODES, default="consistent",
+                   help="consistent: slow every step; random: slow on a step with --slow-probability (seeded)")
+    g.add_argument("--slow-probability", type=float, default=0.5, help="random mode: chance a slow rank lags a step")
+
+
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, _lsgd_args):
+    for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, _lsgd_args, _emulation_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -253,6 +266,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     data.validate()
     lsgd = LsgdConfig(algorithm=args.lsgd_algorithm, warmup_iters=args.lsgd_warmup_iters)
     lsgd.validate(dims.sites)
+    StragglerConfig.from_args(args).validate(world_size)
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
     return RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
