@@ -19,7 +19,7 @@ class LinkSpec:
     delay_ms: float = 0.0  # one way, site to site
     jitter_ms: float = 0.0  # +- uniform around delay_ms
     loss_pct: float = 0.0  # random loss on the uplink
-    queue_ms: float = 50.0  # longest wait for the rate limiter before tail drop (tbf's `latency`)
+    queue_ms: float = 100.0  # longest wait for the rate limiter before tail drop (tbf's `latency`)
 
     def validate(self) -> None:
         if self.rate_mbit <= 0:

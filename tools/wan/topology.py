@@ -133,6 +133,11 @@ class WanTopology:
                  "netns", self.site_ns(i)])
             if self.mtu:
                 run(["ip", "-n", hub, "link", "set", port, "mtu", str(self.mtu)])
+            # tbf drops whole GSO packets (up to 64 KB, dozens of segments at once), which sends
+            # TCP into retransmission timeouts; smaller GSO packets keep loss recovery fast.
+            # Best effort: an old iproute2 without gso_max_size still gets a working link.
+            for ns, dev in ((hub, port), (self.site_ns(i), IFNAME)):
+                run(["ip", "-n", ns, "link", "set", dev, "gso_max_size", "16384"], check=False)
             run(["ip", "-n", hub, "link", "set", port, "master", "br0"])
             run(["ip", "-n", hub, "link", "set", port, "up"])
             for cmd in self.link.uplink_commands(IFNAME):

@@ -156,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--delay-ms", type=float, default=0.0)
     p.add_argument("--jitter-ms", type=float, default=0.0)
     p.add_argument("--loss-pct", type=float, default=0.0)
-    p.add_argument("--queue-ms", type=float, default=50.0)
+    p.add_argument("--queue-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     namespaces, addresses = a.namespaces.split(","), a.addresses.split(",")
