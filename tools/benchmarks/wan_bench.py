@@ -10,7 +10,7 @@ byte crosses sites), then each algorithm on all sites. Every run trains the same
 on the same token budget. Writes results.json, results.md and tokens_per_s.png,
 loss_vs_wall.png, loss_vs_tokens.png to --out-dir, plus each run's logs.
 
-Default scenario: 2 sites x 1 rank, 100 Mbit/s, 20 ms one-way, a 6M-parameter Llama
+Default scenario: 2 sites x 1 rank, 100 Mbit/s, 20 ms one-way, a 7.2M-parameter Llama
 (4 layers, hidden 256, GQA, SwiGLU, RMSNorm, RoPE) on the bundled Python-docs corpus.
 """
 
@@ -111,7 +111,7 @@ def scenario(a: argparse.Namespace, backend: str) -> dict:
             "rate_mbit": a.rate_mbit, "delay_ms": a.delay_ms, "jitter_ms": a.jitter_ms, "loss_pct": a.loss_pct,
             "link_backend": backend, "straggler": straggler,
             "model": "Llama-style, 4 layers, hidden 256, 4 heads (2 KV groups), SwiGLU, RMSNorm, RoPE, untied, "
-                     "vocab 8k (about 6M parameters)",
+                     "vocab 8k (7.2M parameters)",
             "seq_length": a.seq_length, "site_batch_size": a.site_batch_size, "micro_batch_size": a.micro_batch_size,
             "train_iters": a.train_iters, "algorithm_args": {k: " ".join(v) for k, v in a.per_algo.items()},
             "extra_args": a.extra_args, "date": datetime.datetime.now().isoformat(timespec="seconds"),
