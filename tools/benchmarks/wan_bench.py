@@ -157,6 +157,9 @@ def main(argv=None) -> int:
     except (WanError, RuntimeError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: every site stopped, namespaces deleted", file=sys.stderr)
+        return 130
     results = wan_report.build_results(scenario(a, backend), ceiling, summaries)
     paths = wan_report.write_all(results, a.out_dir)
     print(wan_report.markdown_table(results))

@@ -153,6 +153,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (WanError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: every site stopped, namespaces deleted", file=sys.stderr)
+        return 130
     print(f"exit codes per site: {codes}", flush=True)
     return max(codes)
 

@@ -6,8 +6,10 @@ refused by the container) or where the kernel lacks the qdisc a backend needs.""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -114,3 +116,36 @@ def test_everything_is_torn_down_after_an_error(caps):
     if wire is not None:
         assert wire.poll() is not None
     assert not os.path.exists(f"/var/run/netns/{names[0]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_launcher_stops_sites_and_tears_down_on_signal(caps, tmp_path, sig):
+    """Ctrl-C (SIGINT) or SIGTERM to the launcher: every site's torchrun and worker stops and
+    the namespaces go."""
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "tools.wan.launch", "--sites", "2", "--delay-ms", "0",
+                                 "--log-dir", str(tmp_path), "--", str(sleeper)], cwd=REPO_ROOT,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        launcher.stdout.readline()  # "wan: ..." once the namespaces exist
+        deadline = time.monotonic() + 60
+        while not all("up" in (tmp_path / f"run.site{i}.log").read_text()
+                      for i in range(2) if (tmp_path / f"run.site{i}.log").exists()) \
+                or len(list(tmp_path.glob("run.site*.log"))) < 2:
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.2)
+        ours = [ns for ns in list_namespaces() if ns.startswith(f"lsgdwan{launcher.pid}-")]
+        pids = [int(p) for ns in ours for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                                              text=True).stdout.split()]
+        assert len(ours) >= 2 and len(pids) >= 4  # torchrun + worker per site
+        launcher.send_signal(sig)
+        launcher.wait(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        launcher.stdout.close()
+    assert not [ns for ns in list_namespaces() if ns.startswith(f"lsgdwan{launcher.pid}-")]
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
