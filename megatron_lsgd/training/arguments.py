@@ -20,6 +20,7 @@ from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.training.checkpointing.config import CheckpointConfig
+from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
 
 
@@ -36,6 +37,7 @@ class TrainingConfig:
     bf16: bool = False
     fp16: bool = False
     tensorboard_dir: Optional[str] = None
+    json_log: Optional[str] = None  # one JSON object per log interval (benchmarks)
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, gloo otherwise
     distributed_timeout_minutes: int = 10
 
@@ -57,6 +59,7 @@ class RunConfig:
     num_microbatches: int = 1
     raw_args: Optional[argparse.Namespace] = field(default=None, repr=False)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -208,12 +211,24 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="load the model only and start at iteration 0 (fresh optimizer, scheduler, RNG, data)")
 
 
+def _emulation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("benchmarking and heterogeneity emulation")
+    g.add_argument("--json-log", type=str, default=None,
+                   help="append one JSON object per log interval (and one at the end) to this file")
+    g.add_argument("--simulate-slow-ranks", type=str, default=None,
+                   help="comma-separated global ranks made slower by --slow-factor x their own compute time")
+    g.add_argument("--slow-factor", type=float, default=2.0, help="a slow rank's step takes this many times as long")
+    g.add_argument("--slow-mode", choices=SLOW_MODES, default="consistent",
+                   help="consistent: slow every step; random: slow on a step with --slow-probability (seeded)")
+    g.add_argument("--slow-probability", type=float, default=0.5, help="random mode: chance a slow rank lags a step")
+
+
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, _lsgd_args,
-                _checkpoint_args):
+                _checkpoint_args, _emulation_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -260,7 +275,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, train_iters=args.train_iters,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, log_interval=args.log_interval,
         exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
-        tensorboard_dir=args.tensorboard_dir, distributed_backend=args.distributed_backend,
+        tensorboard_dir=args.tensorboard_dir, json_log=args.json_log, distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     model = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -315,8 +330,10 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune)
     checkpoint.validate()
+    stragglers = StragglerConfig.from_args(args)
+    stragglers.validate(world_size)
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
     return RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
                      tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
-                     checkpoint=checkpoint)
+                     checkpoint=checkpoint, stragglers=stragglers)

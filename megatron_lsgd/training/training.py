@@ -28,7 +28,9 @@ from megatron_lsgd.training.checkpointing import CheckpointError
 from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
 from megatron_lsgd.training.data_samplers import build_data_iterator
 from megatron_lsgd.training.initialize import init_distributed, initialize
+from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
+from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
 
 
@@ -98,6 +100,8 @@ class Trainer:
         self.tensor_shape = (seq, t.micro_batch_size, config.model.hidden_size)
         self.iteration = 0
         self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.log_rank)
+        self.straggler = Straggler(config.stragglers, pgs.rank)
+        self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.log_rank)
         self.last_saved_iteration = None
         if config.checkpoint.load and load_checkpoint(self, config.checkpoint):
             self.last_saved_iteration = self.iteration  # nothing new to save until the next step
@@ -126,8 +130,9 @@ class Trainer:
         self.model.train()
         self.model.zero_grad_buffer()
         sync.before_forward_backward(self.iteration)
-        losses = self.forward_backward(self.forward_step_func, data_iterator, self.model,
-                                       self._schedule_spec(False), self.pgs)
+        with self.straggler.around_compute(self.iteration):
+            losses = self.forward_backward(self.forward_step_func, data_iterator, self.model,
+                                           self._schedule_spec(False), self.pgs)
         self.model.finish_grad_sync()
         sync.after_forward_backward(self.iteration)
         update_successful, grad_norm = self.optimizer.step(self.scheduler.next_lr())
@@ -230,6 +235,12 @@ class Trainer:
                                      "iteration-time": elapsed / interval_iters, "tokens-per-sec": tokens_per_s,
                                      "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
                                      **self.synchronizer.stats()}, self.iteration)
+                    self.json_log.write({"iteration": self.iteration, "interval_iters": interval_iters,
+                                         "elapsed_s": elapsed, "wall_s": time.perf_counter() - run_start,
+                                         "tokens": tokens_per_iter * interval_iters, "tokens_per_s": tokens_per_s,
+                                         "losses": means, "inter_site_bytes": moved_mb * 2**20,
+                                         "exposed_comm_s": exposed_ms * interval_iters / 1e3,
+                                         "sync_stats": self.synchronizer.stats()})
                 sums, interval_iters, skipped, nans, norm_sum, norm_count = {}, 0, 0, 0, 0.0, 0
                 comm_before = comm_now
                 interval_start = time.perf_counter()
@@ -256,6 +267,10 @@ class Trainer:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
+            self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
+                                 "wall_s": time.perf_counter() - run_start,
+                                 "straggler_sleep_s": self.straggler.slept_seconds})
+        self.json_log.close()
         self.tb.close()
         return result
 

@@ -1,0 +1,90 @@
+"""--simulate-slow-ranks: who is slowed, by how much, reproducibly, without changing the numbers."""
+
+import json
+import os
+import time
+
+import pytest
+
+from megatron_lsgd.training.arguments import build_config, parse_args
+from megatron_lsgd.training.stragglers import Straggler, StragglerConfig, parse_rank_list
+from tests.unit_tests.harness import logged_losses, run_distributed
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "128",
+        "--eval-iters", "0", "--log-interval", "2", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def test_parse_rank_list():
+    assert parse_rank_list("3,1, 3") == (1, 3)
+    assert parse_rank_list("") == () and parse_rank_list(None) == ()
+    with pytest.raises(ValueError, match="--simulate-slow-ranks 'a,1'"):
+        parse_rank_list("a,1")
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--simulate-slow-ranks", "4"], 4, "--simulate-slow-ranks 4: ranks must be in 0..3"),
+    (["--simulate-slow-ranks", "0", "--slow-factor", "0.5"], 1, "--slow-factor 0.5 must be >= 1"),
+    (["--simulate-slow-ranks", "0", "--slow-probability", "1.5"], 1, "--slow-probability 1.5"),
+])
+def test_bad_flags_name_the_flag(extra, world, message):
+    with pytest.raises(ValueError, match=message):
+        build_config(parse_args(BASE + extra), world)
+
+
+class FakeSleep:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, seconds):
+        self.calls.append(seconds)
+
+
+def test_consistent_sleeps_factor_minus_one_times_compute():
+    sleep = FakeSleep()
+    s = Straggler(StragglerConfig(ranks=(1,), factor=3.0), rank=1, sleep=sleep)
+    for it in range(3):
+        with s.around_compute(it):
+            time.sleep(0.02)
+    assert len(sleep.calls) == 3
+    for d in sleep.calls:  # 2 x the measured 20 ms (timer granularity and load only add)
+        assert 0.04 <= d < 0.2
+    assert s.slept_seconds == pytest.approx(sum(sleep.calls))
+
+
+def test_unchosen_rank_and_factor_one_never_sleep():
+    sleep = FakeSleep()
+    for s in (Straggler(StragglerConfig(ranks=(1,), factor=3.0), rank=0, sleep=sleep),
+              Straggler(StragglerConfig(ranks=(0,), factor=1.0), rank=0, sleep=sleep)):
+        with s.around_compute(0):
+            time.sleep(0.001)
+        assert not s.is_slow(0)
+    assert sleep.calls == []
+
+
+def test_random_mode_is_seeded_and_has_the_asked_rate():
+    cfg = StragglerConfig(ranks=(0, 1), factor=2.0, mode="random", probability=0.3, seed=7)
+    a = [Straggler(cfg, 0).is_slow(i) for i in range(2000)]
+    assert a == [Straggler(cfg, 0).is_slow(i) for i in range(2000)]  # same on every run
+    assert 0.25 < sum(a) / len(a) < 0.35
+    b = [Straggler(cfg, 1).is_slow(i) for i in range(2000)]
+    assert a != b  # ranks lag independently
+    other_seed = StragglerConfig(ranks=(0, 1), factor=2.0, mode="random", probability=0.3, seed=8)
+    assert a != [Straggler(other_seed, 0).is_slow(i) for i in range(2000)]
+
+
+@pytest.mark.slow
+def test_slow_rank_sleeps_and_changes_no_number(tmp_path):
+    """Two sites, rank 1 (the logging rank) 3x slower: same losses, sleep recorded in the JSON log."""
+    argv = BASE + ["--num-sites", "2"]
+    plain = logged_losses(run_distributed(argv, 2))
+    log = os.path.join(tmp_path, "log.jsonl")
+    slow = logged_losses(run_distributed(argv + ["--simulate-slow-ranks", "1", "--slow-factor", "3",
+                                                 "--json-log", log], 2))
+    assert slow == plain
+    records = [json.loads(line) for line in open(log)]
+    intervals, done = records[:-1], records[-1]
+    assert [r["iteration"] for r in intervals] == [2, 4]
+    assert [r["losses"]["lm loss"] for r in intervals] == pytest.approx(plain)
+    assert all(r["inter_site_bytes"] > 0 and r["tokens"] == 2 * 4 * 16 for r in intervals)
+    assert done["event"] == "done" and done["peak_rss_mb"] > 0 and done["straggler_sleep_s"] > 0

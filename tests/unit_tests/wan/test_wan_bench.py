@@ -1,0 +1,94 @@
+"""The benchmark's arithmetic on known logs, and one real (tiny) run over two namespaces."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tools.benchmarks import wan_report
+from tools.wan.netns import WanError, list_namespaces
+from tools.wan.preflight import probe
+from tools.wan.topology import REPO_ROOT
+
+
+def fake_log(tokens_per_interval, seconds, bytes_per_interval=0.0, exposed=0.0, losses=(5.0, 4.0, 3.0), rss=100.0):
+    records, wall = [], 0.0
+    for i, (s, loss) in enumerate(zip(seconds, losses)):
+        wall += s
+        records.append({"iteration": 2 * (i + 1), "interval_iters": 2, "elapsed_s": s, "wall_s": wall,
+                        "tokens": tokens_per_interval, "tokens_per_s": tokens_per_interval / s,
+                        "losses": {"lm loss": loss}, "inter_site_bytes": bytes_per_interval,
+                        "exposed_comm_s": exposed, "sync_stats": {}})
+    return records + [{"event": "done", "iteration": 2 * len(seconds), "peak_rss_mb": rss, "wall_s": wall}]
+
+
+def test_summary_skips_warmup_for_speed_but_not_for_bytes():
+    m = wan_report.summarize(fake_log(1000, [10.0, 1.0, 1.0], bytes_per_interval=400.0, exposed=0.5))
+    assert m["tokens_per_s"] == pytest.approx(1000.0)  # the slow first interval is warm-up
+    assert m["inter_site_bytes_per_step"] == pytest.approx(200.0)
+    assert m["exposed_comm_s_per_step"] == pytest.approx(0.25)
+    assert m["loss"] == 3.0 and m["peak_rss_mb"] == 100.0
+    assert [p["tokens"] for p in m["curve"]] == [1000, 2000, 3000]
+    with pytest.raises(ValueError, match="logged no interval"):
+        wan_report.summarize([{"event": "done"}])
+
+
+def test_ceiling_adds_sites_and_ratios_use_it(tmp_path):
+    sites = [wan_report.summarize(fake_log(500, [1.0, 1.0, 1.0], rss=r, losses=l))
+             for r, l in ((100.0, (5, 4, 3)), (120.0, (5, 4, 5)))]
+    ceiling = wan_report.combine_ceiling(sites)
+    assert ceiling["tokens_per_s"] == pytest.approx(1000.0) and ceiling["loss"] == 4.0
+    assert ceiling["peak_rss_mb"] == 120.0 and [p["tokens"] for p in ceiling["curve"]] == [1000, 2000, 3000]
+    sync = wan_report.summarize(fake_log(1000, [4.0, 4.0, 4.0], bytes_per_interval=800.0, exposed=6.0))
+    local = wan_report.summarize(fake_log(1000, [1.25, 1.25, 1.25], bytes_per_interval=8.0))
+    scenario = {"sites": 2, "ranks_per_site": 1, "rate_mbit": 100.0, "delay_ms": 20.0,
+                "straggler": {"ranks": "1", "factor": 2.0, "mode": "consistent"}}
+    results = wan_report.build_results(scenario, ceiling, {"sync": sync, "local": local})
+    rows = {r["algorithm"]: r for r in results["runs"]}
+    assert rows["sync"]["ratio_to_ceiling"] == pytest.approx(0.25)
+    assert rows["local"]["ratio_to_ceiling"] == pytest.approx(0.8)
+    assert rows["local"]["bytes_vs_sync"] == pytest.approx(0.01)
+    for row in results["runs"]:
+        assert {"algorithm", "tokens_per_s", "ratio_to_ceiling", "inter_site_bytes_per_step",
+                "exposed_comm_s_per_step", "loss", "peak_rss_mb"} <= set(row)
+    paths = wan_report.write_all(results, str(tmp_path))
+    assert {os.path.basename(p) for p in paths} == {"results.json", "results.md", "tokens_per_s.png",
+                                                    "loss_vs_wall.png", "loss_vs_tokens.png"}
+    table = open(tmp_path / "results.md").read()
+    assert "| sync | 250 | **0.250** |" in table and "| local | 800 | **0.800** |" in table
+    assert "rank(s) 1 2x slower (consistent)" in table
+    assert json.load(open(tmp_path / "results.json"))["scenario"]["rate_mbit"] == 100.0
+
+
+def test_unknown_algorithm_is_refused():
+    done = subprocess.run([sys.executable, "tools/benchmarks/wan_bench.py", "--algorithms", "sync,nope"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "nope not registered" in done.stderr
+
+
+@pytest.mark.slow
+def test_tiny_benchmark_over_two_namespaces(tmp_path):
+    try:
+        caps = probe()
+    except WanError as err:
+        pytest.skip(f"network namespaces not permitted here: {err}")
+    if not (caps.tun or caps.netem):
+        pytest.skip("neither sch_netem nor /dev/net/tun: no link with delay can be built")
+    try:
+        from megatron_lsgd import _C  # noqa: F401
+    except ImportError:
+        pytest.skip("megatron_lsgd._C not built (pip install -e .): the bundled corpus needs it")
+    before = set(list_namespaces())
+    done = subprocess.run([sys.executable, "tools/benchmarks/wan_bench.py", "--algorithms", "sync",
+                           "--train-iters", "4", "--log-interval", "2", "--seq-length", "32", "--rate-mbit", "50",
+                           "--delay-ms", "5", "--extra-args", "--num-layers 2 --hidden-size 64",
+                           "--out-dir", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["algorithm"]: r for r in json.load(open(tmp_path / "results.json"))["runs"]}
+    assert rows["ceiling"]["inter_site_bytes_per_step"] == 0 and rows["ceiling"]["ratio_to_ceiling"] == 1.0
+    # sync moves the whole gradient each step: 2 (S-1)/S x 4 bytes x parameters, sent and received
+    assert rows["sync"]["inter_site_bytes_per_step"] > 1e6 and rows["sync"]["exposed_comm_s_per_step"] > 0
+    assert 0 < rows["sync"]["ratio_to_ceiling"] < 1
+    assert set(list_namespaces()) == before

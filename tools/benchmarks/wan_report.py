@@ -1,0 +1,163 @@
+"""Turn `--json-log` files of benchmark runs into results.json, a Markdown table and plots.
+
+A run's log holds one record per log interval and a final {"event": "done"} record
+(megatron_lsgd/training/training.py). The first `warmup_intervals` intervals are left out
+of throughput and exposed-communication figures (process-group connection set-up and
+first-touch allocation land there); bytes and losses use every interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional, Sequence
+
+CEILING = "ceiling"
+
+
+def read_log(path: str) -> List[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(records: Sequence[dict], warmup_intervals: int = 1) -> dict:
+    """Metrics of one job from its JSON log."""
+    intervals = [r for r in records if r.get("event") != "done"]
+    done = next((r for r in records if r.get("event") == "done"), {})
+    if not intervals:
+        raise ValueError("the run logged no interval (did it fail? see its .log)")
+    timed = intervals[warmup_intervals:] or intervals[-1:]
+    iters = sum(r["interval_iters"] for r in timed)
+    all_iters = sum(r["interval_iters"] for r in intervals)
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["elapsed_s"] for r in timed),
+        "exposed_comm_s_per_step": sum(r["exposed_comm_s"] for r in timed) / iters,
+        "inter_site_bytes_per_step": sum(r["inter_site_bytes"] for r in intervals) / all_iters,
+        "loss": intervals[-1]["losses"].get("lm loss"),
+        "peak_rss_mb": done.get("peak_rss_mb"),
+        "iterations": intervals[-1]["iteration"],
+        "curve": [{"iteration": r["iteration"], "wall_s": r["wall_s"], "tokens": t, "loss": r["losses"].get("lm loss")}
+                  for r, t in zip(intervals, _cumulative(r["tokens"] for r in intervals))],
+    }
+
+
+def _cumulative(values) -> List[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def combine_ceiling(per_site: Sequence[dict]) -> dict:
+    """Every site trained alone at the same time: throughputs add up; the loss is the mean of
+    the sites' own models (each saw 1/S of the tokens); memory is the largest."""
+    curves = [s["curve"] for s in per_site]
+    curve = [{"iteration": pts[0]["iteration"], "wall_s": max(p["wall_s"] for p in pts),
+              "tokens": sum(p["tokens"] for p in pts), "loss": sum(p["loss"] for p in pts) / len(pts)}
+             for pts in zip(*curves)]
+    return {
+        "tokens_per_s": sum(s["tokens_per_s"] for s in per_site),
+        "exposed_comm_s_per_step": 0.0,
+        "inter_site_bytes_per_step": 0.0,
+        "loss": sum(s["loss"] for s in per_site) / len(per_site),
+        "peak_rss_mb": max((s["peak_rss_mb"] or 0) for s in per_site) or None,
+        "iterations": per_site[0]["iterations"],
+        "curve": curve,
+    }
+
+
+def build_results(scenario: dict, ceiling: dict, runs: Dict[str, dict]) -> dict:
+    """results.json: every algorithm's throughput as a ratio to the ceiling of the same run."""
+    out = []
+    sync_bytes = runs.get("sync", {}).get("inter_site_bytes_per_step")
+    for name, m in [(CEILING, ceiling)] + list(runs.items()):
+        row = {"algorithm": name, **{k: m[k] for k in ("tokens_per_s", "inter_site_bytes_per_step",
+                                                       "exposed_comm_s_per_step", "loss", "peak_rss_mb")},
+               "ratio_to_ceiling": m["tokens_per_s"] / ceiling["tokens_per_s"],
+               "bytes_vs_sync": m["inter_site_bytes_per_step"] / sync_bytes if sync_bytes else None,
+               "curve": m["curve"]}
+        out.append(row)
+    return {"scenario": scenario, "runs": out}
+
+
+def markdown_table(results: dict) -> str:
+    lines = ["| algorithm | tokens/s | ratio to ceiling | inter-site MB/step | vs sync bytes | "
+             "exposed comm s/step | final loss | peak RSS MB |", "|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        vs = f"{r['bytes_vs_sync']:.3f}" if r.get("bytes_vs_sync") is not None else "-"
+        loss = f"{r['loss']:.3f}" if r["loss"] is not None else "-"
+        rss = f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "-"
+        lines.append(f"| {r['algorithm']} | {r['tokens_per_s']:.0f} | **{r['ratio_to_ceiling']:.3f}** | "
+                     f"{r['inter_site_bytes_per_step'] / 2**20:.2f} | {vs} | {r['exposed_comm_s_per_step']:.3f} | "
+                     f"{loss} | {rss} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out_dir: str, title: Optional[str] = None) -> List[str]:
+    """tokens_per_s.png (bars, ceiling dashed), loss_vs_wall.png, loss_vs_tokens.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    title = title or scenario_title(results["scenario"])
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    algos = [r for r in runs if r["algorithm"] != CEILING]
+    ceiling = next(r for r in runs if r["algorithm"] == CEILING)
+    bars = ax.bar([r["algorithm"] for r in algos], [r["tokens_per_s"] for r in algos], color="tab:blue")
+    for bar, r in zip(bars, algos):
+        ax.annotate(f"{r['ratio_to_ceiling']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    ax.axhline(ceiling["tokens_per_s"], color="black", linestyle="--", label="ceiling (sites alone)")
+    ax.set_ylabel("tokens/s")
+    ax.set_ylim(0, 1.2 * max([ceiling["tokens_per_s"]] + [r["tokens_per_s"] for r in algos]))
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper right")
+    paths.append(_save(fig, out_dir, "tokens_per_s.png"))
+
+    for key, xlabel, name in (("wall_s", "wall-clock (s)", "loss_vs_wall.png"),
+                              ("tokens", "tokens (all sites)", "loss_vs_tokens.png")):
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        for r in runs:
+            style = "--" if r["algorithm"] == CEILING else "-"
+            label = "ceiling (per-site models, mean)" if r["algorithm"] == CEILING else r["algorithm"]
+            ax.plot([p[key] for p in r["curve"]], [p["loss"] for p in r["curve"]], style, marker=".", label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("training loss")
+        ax.set_title(title, fontsize=9)
+        ax.legend()
+        paths.append(_save(fig, out_dir, name))
+    return paths
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def scenario_title(s: dict) -> str:
+    text = (f"{s['sites']} sites x {s['ranks_per_site']} ranks, {s['rate_mbit']:g} Mbit/s, "
+            f"{s['delay_ms']:g} ms one-way")
+    if s.get("straggler"):
+        st = s["straggler"]
+        text += f", rank(s) {st['ranks']} {st['factor']:g}x slower ({st['mode']})"
+    return text
+
+
+def write_all(results: dict, out_dir: str) -> List[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    table = markdown_table(results)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(f"{scenario_title(results['scenario'])}\n\n{table}")
+    return [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")] + plot(results, out_dir)

@@ -1,0 +1,164 @@
+"""Launch a training run across emulated sites: one `torchrun` per site inside its namespace.
+
+    python -m tools.wan.launch --sites 2 --ranks-per-site 1 --rate-mbit 100 --delay-ms 20 -- \\
+        pretrain_gpt.py --num-layers 4 --hidden-size 256 ... --lsgd-algorithm sync
+
+Site i runs `torchrun --nnodes S --node-rank i --nproc-per-node R --master-addr <site 0>`
+with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = wan0, so node-major placement makes each
+site a contiguous rank block (what --num-sites expects; it is appended when missing).
+If one site fails, the others are stopped; on exit, Ctrl-C or SIGTERM every process
+started here is stopped and the namespaces are deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+if __package__ in (None, ""):  # python tools/wan/launch.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tools.wan.link import LinkSpec  # noqa: E402
+from tools.wan.netns import WanError  # noqa: E402
+from tools.wan.preflight import BACKENDS  # noqa: E402
+from tools.wan.topology import IFNAME, REPO_ROOT, WanTopology  # noqa: E402
+
+
+@dataclass
+class SiteJob:
+    site: int  # namespace it runs in
+    cmd: List[str]
+    log_path: str
+
+
+def site_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(GLOO_SOCKET_IFNAME=IFNAME, NCCL_SOCKET_IFNAME=IFNAME, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def torchrun_cmd(nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int,
+                 script_argv: Sequence[str]) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+            "--nproc-per-node", str(nproc), "--master-addr", master_addr, "--master-port", str(master_port),
+            *script_argv]
+
+
+def multi_site_jobs(wan: WanTopology, ranks_per_site: int, script_argv: Sequence[str], port: int,
+                    log_dir: str, name: str) -> List[SiteJob]:
+    """One job spanning every site (the rendezvous store lives on site 0)."""
+    return [SiteJob(i, torchrun_cmd(wan.sites, i, ranks_per_site, wan.site_ip(0), port, script_argv),
+                    os.path.join(log_dir, f"{name}.site{i}.log")) for i in range(wan.sites)]
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a job started here: SIGTERM to its own process group (torchrun and its workers)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+def run_jobs(wan: WanTopology, jobs: Sequence[SiteJob], timeout_s: float,
+             env: Optional[Dict[str, str]] = None) -> List[int]:
+    """Start every job in its site's namespace, wait for all; the first failure or the timeout
+    stops the rest. Returns exit codes (None-free)."""
+    procs: List[subprocess.Popen] = []
+    logs = []
+    try:
+        for job in jobs:
+            os.makedirs(os.path.dirname(os.path.abspath(job.log_path)), exist_ok=True)
+            log = open(job.log_path, "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(wan.in_site(job.site, job.cmd), cwd=REPO_ROOT, env=site_env(env),
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"jobs still running after {timeout_s:.0f} s; logs: "
+                                   + ", ".join(j.log_path for j in jobs))
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            stop(p)
+        for log in logs:
+            log.close()
+    return [p.returncode for p in procs]
+
+
+def raise_on_termination() -> None:
+    """SIGTERM/SIGHUP unwind like Ctrl-C, so `with WanTopology(...)` tears down."""
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def add_link_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("emulated WAN")
+    g.add_argument("--sites", type=int, default=2)
+    g.add_argument("--rate-mbit", type=float, default=100.0, help="each site's link, each direction")
+    g.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay between sites")
+    g.add_argument("--jitter-ms", type=float, default=0.0)
+    g.add_argument("--loss-pct", type=float, default=0.0)
+    g.add_argument("--queue-ms", type=float, default=100.0, help="rate limiter backlog before tail drop")
+    g.add_argument("--link-backend", choices=BACKENDS, default="auto",
+                   help="tc: veth + tbf/netem; tun: userspace wire (kernels without sch_netem); auto: tc if possible")
+    g.add_argument("--subnet", default="10.77.0", help="private /24 used only inside the namespaces")
+
+
+def topology_from_args(a: argparse.Namespace) -> WanTopology:
+    return WanTopology(a.sites, LinkSpec(a.rate_mbit, a.delay_ms, a.jitter_ms, a.loss_pct, a.queue_ms),
+                       backend=a.link_backend, subnet=a.subnet)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_link_args(p)
+    p.add_argument("--ranks-per-site", type=int, default=1)
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--log-dir", default="runs/wan_launch")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before every site is stopped")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py and its flags")
+    a = p.parse_args(argv)
+    script = a.script[1:] if a.script[:1] == ["--"] else a.script
+    if not script:
+        p.error("give the training script after --, e.g. -- pretrain_gpt.py --num-layers 2 ...")
+    if "--num-sites" not in script:
+        script += ["--num-sites", str(a.sites)]
+    raise_on_termination()
+    try:
+        with topology_from_args(a) as wan:
+            print(f"wan: {a.sites} sites, backend {wan.backend}, {a.rate_mbit} Mbit/s, {a.delay_ms} ms one-way; "
+                  f"logs in {a.log_dir}", flush=True)
+            codes = run_jobs(wan, multi_site_jobs(wan, a.ranks_per_site, script, a.master_port, a.log_dir, "run"),
+                             a.timeout)
+    except (WanError, TimeoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: every site stopped, namespaces deleted", file=sys.stderr)
+        return 130
+    print(f"exit codes per site: {codes}", flush=True)
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
