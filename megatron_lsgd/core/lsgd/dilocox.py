@@ -192,5 +192,8 @@ class DiLoCoX(LocalSGDBase):
     def stats(self) -> Dict[str, float]:
         r = self.reducer
         rel = r.last_error_norm / r.last_input_norm if r.last_input_norm > 0 else 0.0
-        return {"H": self.interval, "rank": r.rank, "outer rounds": self.outer_rounds,
-                "comp err norm": r.last_error_norm, "comp rel err": rel}
+        stats = {"H": self.interval, "outer rounds": self.outer_rounds,
+                 "comp err norm": r.last_error_norm, "comp rel err": rel}
+        if self.ctx.config.compression == "lowrank-int4":  # rank means nothing for plain quantization
+            stats["rank"] = r.rank
+        return stats

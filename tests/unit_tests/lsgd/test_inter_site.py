@@ -60,7 +60,7 @@ def test_quantized_means_and_error_feedback_across_two_sites():
     x0, x1 = r0["ef"][0], r1["ef"][0]
     true_mean = (x0 + x1) / 2
     for key in (("allgather", 4), ("allgather", 8), ("alltoall", 4), ("alltoall", 8)):
-        (m0, s0, b0), (m1, s1, b1) = r0[key], r1[key]
+        (m0, s0, b0), (m1, s1, _b1) = r0[key], r1[key]
         assert torch.equal(m0, m1), key  # bit-identical on both sites
         bits = key[1]
         bound = max(x0.abs().max(), x1.abs().max()) / (2 * (127 if bits == 8 else 7))
