@@ -118,8 +118,16 @@ def load_tree(iter_dir: str) -> Dict[str, object]:
     return out
 
 
+# Wall-clock measurements kept in state (dilocox's last transfer time, for its adaptive-H
+# rule) differ between any two runs; everything else must match bit for bit.
+MEASURED_TIMINGS = {"comm_seconds"}
+
+
 def assert_same(a, b, where: str = "") -> None:
-    """Bitwise equality of nested checkpoint contents."""
+    """Bitwise equality of nested checkpoint contents (measured timings excepted)."""
+    if where.rsplit("/", 1)[-1] in MEASURED_TIMINGS:
+        assert isinstance(a, float) and isinstance(b, float), f"{where}: expected measured seconds"
+        return
     assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where} differs"

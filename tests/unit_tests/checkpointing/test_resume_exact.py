@@ -68,3 +68,28 @@ def test_sites2_zero1_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     text = run(common + ["--save", ckpt, "--load", ckpt], 4, str(tmp_path / "resumed.log"))
     assert "loaded checkpoint" in text and "iter_0000002" in text
     _check_resumed(tmp_path, str(tmp_path / "ref.log"), str(tmp_path / "resumed.log"), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["diloco", "dilocox"])
+def test_local_sgd_state_survives_sigkill(tmp_path, algorithm):
+    """Anchors, outer momentum, error feedback and the in-flight mean come back exactly:
+    H = 3 and a checkpoint at iteration 4 is mid-round, with dilocox's compressed mean of
+    round 1 still to be applied."""
+    layout = ["--num-sites", "2", "--use-distributed-optimizer", "--global-batch-size", "8",
+              "--hidden-dropout", "0", "--attention-dropout", "0", "--lsgd-algorithm", algorithm,
+              "--lsgd-interval", "3"]
+    if algorithm == "dilocox":
+        layout += ["--lsgd-compression", "int4"]
+    common = TINY + layout + ["--train-iters", str(ITERS), "--save-interval", "4"]
+    run(common + ["--save", str(tmp_path / "ref")], 4, str(tmp_path / "ref.log"))
+
+    # Hold the save of iteration 8 so the kill always lands after checkpoint 4.
+    ckpt = str(tmp_path / "ckpt")
+    proc = start(common + ["--save", ckpt], 4, str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
+    wait_for(lambda: os.path.exists(os.path.join(ckpt, ".holding_8")), proc, str(tmp_path / "killed.log"))
+    kill(proc)
+    assert _tracker(ckpt) == 4
+
+    run(common + ["--save", ckpt, "--load", ckpt], 4, str(tmp_path / "resumed.log"))
+    _check_resumed(tmp_path, str(tmp_path / "ref.log"), str(tmp_path / "resumed.log"), 4)
