@@ -10,6 +10,7 @@ plain Megatron (DESIGN.md §3).
 
 from __future__ import annotations
 
+import abc
 from typing import Dict, List
 
 import torch
@@ -24,7 +25,7 @@ def split_like(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tenso
     return list(flat.split([t.numel() for t in like]))
 
 
-class LocalSGDBase(Synchronizer):
+class LocalSGDBase(Synchronizer, abc.ABC):
     """Shared by the DiLoCo family: warm-up, anchors, round bookkeeping."""
 
     def __init__(self, ctx: SyncContext):
@@ -64,8 +65,9 @@ class LocalSGDBase(Synchronizer):
         self.outer.load_into(opt.main_param_shards())
         opt.copy_main_to_model_params()
 
+    @abc.abstractmethod
     def end_round(self) -> None:
-        raise NotImplementedError
+        """Called after the H-th inner step of a round: exchange and apply the outer step."""
 
     def _base_state(self) -> Dict:
         return {"steps_in_round": self.steps_in_round, "outer_rounds": self.outer_rounds,
