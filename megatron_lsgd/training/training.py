@@ -11,7 +11,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -275,6 +275,14 @@ class Trainer:
         return result
 
 
+def _exit_on_bad_input(err: Exception) -> NoReturn:
+    """Bad flags or a bad checkpoint: one clear line on stderr and exit code 2, no traceback."""
+    if dist.get_rank() == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    raise SystemExit(2) from err
+
+
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable, forward_step_func: Callable,
              argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None) -> TrainingResult:
     """Megatron's entry point: parse flags, initialize, build, train. Returns the result
@@ -284,10 +292,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     try:
         config = build_config(args, dist.get_world_size())
     except ValueError as err:
-        if dist.get_rank() == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        raise SystemExit(2) from err
+        _exit_on_bad_input(err)
     if dist.get_rank() == 0:
         d = config.dims
         print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x DP {d.dp_intra} per site x "
@@ -296,10 +301,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     try:
         trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device)
     except CheckpointError as err:
-        if dist.get_rank() == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        raise SystemExit(2) from err
+        _exit_on_bad_input(err)
     if dist.get_rank() == 0:
         n = sum(p.numel() for p in trainer.model.module.parameters())
         print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",

@@ -74,3 +74,12 @@ def merge_full_params(records: List[dict], site: int = 0, dp_intra: int = 0) -> 
         full[name] = merge_tp_slices(ordered, info["dim"], info["stride"]) if info["tp"] and len(ordered) > 1 \
             else ordered[0]
     return full
+
+
+def assert_replicas_identical(records: List[dict]) -> None:
+    """Every replica (site, dp_intra) holds bit-identical parameters."""
+    ref = merge_full_params(records)
+    for site, dpi in {(r["coords"].site, r["coords"].dp_intra) for r in records}:
+        other = merge_full_params(records, site=site, dp_intra=dpi)
+        for name in ref:
+            assert torch.equal(other[name], ref[name]), f"replica (site {site}, dp {dpi}) differs in {name}"

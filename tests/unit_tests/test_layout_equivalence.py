@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit_tests.harness import logged_losses, merge_full_params, run_distributed
+from tests.unit_tests.harness import assert_replicas_identical, logged_losses, merge_full_params, run_distributed
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
           "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4",
@@ -57,12 +57,7 @@ def assert_matches(reference_records, records):
     assert ref_params.keys() == params.keys()
     for name in ref_params:
         torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
-    # Every replica (site, dp_intra) holds the same parameters.
-    coords = {(r["coords"].site, r["coords"].dp_intra) for r in records}
-    for site, dpi in coords:
-        other = merge_full_params(records, site=site, dp_intra=dpi)
-        for name in ref_params:
-            assert torch.equal(other[name], params[name]), f"replica ({site}, {dpi}) differs in {name}"
+    assert_replicas_identical(records)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit_tests.harness import logged_losses, merge_full_params, run_distributed
+from tests.unit_tests.harness import assert_replicas_identical, logged_losses, merge_full_params, run_distributed
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
           "--lr", "5e-2", "--lr-decay-style", "constant", "--mock-data", "--vocab-size", "250",
@@ -46,15 +46,6 @@ def assert_anchors_identical(records):
         assert len(anchors) == 2 and anchors[0] is not None
         for x, y in zip(anchors[0], anchors[1]):
             assert torch.equal(x, y), f"anchors differ across sites at {coord}"
-
-
-def assert_sites_identical(records):
-    ref = merge_full_params(records, site=0)
-    coords = {(r["coords"].site, r["coords"].dp_intra) for r in records}
-    for site, dpi in coords:
-        other = merge_full_params(records, site=site, dp_intra=dpi)
-        for name in ref:
-            assert torch.equal(other[name], ref[name]), f"site {site} differs in {name}"
 
 
 @pytest.mark.slow
@@ -94,7 +85,7 @@ def test_dilocox_sites_hold_identical_anchors(layout, compression):
     assert all(torch.isfinite(torch.tensor(losses)))
     assert_anchors_identical(records)
     if "--lsgd-dilocox-restart" in compression:  # restarted from the anchor: models identical too
-        assert_sites_identical(records)
+        assert_replicas_identical(records)
     stats = records[-1]["sync_stats"]
     assert stats["outer rounds"] >= 3 and stats["comp err norm"] > 0
     assert records[-1]["comm"]["bytes_sent"] > 0
