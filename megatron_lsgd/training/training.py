@@ -245,6 +245,8 @@ class Trainer:
                 comm_before = comm_now
                 interval_start = time.perf_counter()
 
+            if self.iteration == t.train_iters:  # before the final evaluation and save
+                self.synchronizer.finish_training(self.iteration)
             if t.eval_iters > 0 and self.iteration % t.eval_interval == 0:
                 loss = self.evaluate()
                 if loss is not None:

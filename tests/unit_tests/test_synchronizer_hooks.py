@@ -50,6 +50,9 @@ if "recording" not in registered_algorithms():
         def after_optimizer_step(self, iteration, ok):
             self.events.append(("after_opt", iteration, ok))
 
+        def finish_training(self, iteration):
+            self.events.append(("finish", iteration))
+
 
 def _worker(rank, world, port, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -85,6 +88,8 @@ def test_hooks_fire_in_documented_order_on_each_pipeline_stage():
         assert ev[0] == ("wrap",)
         steps = [i for i, e in enumerate(ev) if e == ("step",)]
         assert len(steps) == 2
+        assert ev[-1] == ("finish", 2) and sum(e[0] == "finish" for e in ev) == 1  # once, at --train-iters
+        ev = ev[:-1]
         for s, start in enumerate(steps):
             end = steps[s + 1] if s + 1 < len(steps) else len(ev)
             step = ev[start + 1:end]

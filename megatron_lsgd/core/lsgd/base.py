@@ -12,6 +12,9 @@ algorithm is running. Hook points, in the order a step meets them:
     after_forward_backward(it)     gradients reduced inside the site (the `sync` baseline
                                    all-reduces them across sites here)
     after_optimizer_step(it, ok)   inner optimizer has stepped (DiLoCo's outer step)
+    finish_training(it)            once, when --train-iters is reached (not on --exit-interval):
+                                   finish any round or reduction still open so every site ends
+                                   with the same model, before the final evaluation and save
 
 Everything an algorithm keeps between steps goes through state_dict/load_state_dict.
 """
@@ -63,6 +66,9 @@ class Synchronizer:
         pass
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
+        pass
+
+    def finish_training(self, iteration: int) -> None:
         pass
 
     # Which hooks the loop must wire (registering module hooks costs time per call).

@@ -55,10 +55,19 @@ class LocalSGDBase(Synchronizer, abc.ABC):
         # Skipped (fp16 overflow) steps count too: sites must agree on round boundaries.
         self.steps_in_round += 1
         if self.steps_in_round >= self.interval:
-            self.steps_in_round = 0
-            self.end_round()
-            self.outer_rounds += 1
-            self.ctx.comm.rounds += 1
+            self._close_round()
+
+    def _close_round(self) -> None:
+        self.steps_in_round = 0
+        self.end_round()
+        self.outer_rounds += 1
+        self.ctx.comm.rounds += 1
+
+    def finish_training(self, iteration: int) -> None:
+        # A run whose length is not a multiple of H ends with a shorter last round, so the
+        # final model is the averaged anchor rather than each site's own drift.
+        if self.active and self.steps_in_round > 0:  # only counted after warm-up
+            self._close_round()
 
     def restart_from_anchor(self) -> None:
         opt = self.ctx.optimizer

@@ -8,6 +8,8 @@ Round t (H inner steps) ends with:
   3. θ_g ← OuterSGD(θ_g, Δ̄_{t−1})   (round 1 applies nothing);
   4. start the compressed mean of Δ_t (error feedback), to run during round t+1;
   (with --lsgd-adaptive, rank and H are adapted between 3 and 4, while the link is idle)
+When --train-iters is reached, `finish_training` closes a partial last round, waits for the
+last mean, applies it and loads the anchor: the final model is the same on every site.
   5. start round t+1 from θ_g − Δ_t (`--lsgd-dilocox-restart eager`, default: keeps this
      site's own in-flight progress; Δ_{t+1} is then measured from that start) or from θ_g
      (`anchor`, DESIGN.md's literal rule).
@@ -132,6 +134,17 @@ class DiLoCoX(LocalSGDBase):
         else:
             self.restart_from_anchor()
         self._round_compute = 0.0
+
+    def finish_training(self, iteration: int) -> None:
+        super().finish_training(iteration)
+        if self.pending is None:
+            return
+        # The last round's mean would otherwise never be applied: wait for it, take the outer
+        # step and load the anchor, so every site ends with the same, fully averaged model.
+        self.outer.step(self.pending.wait())
+        self.applied_rounds.append(self.pending_round)
+        self.pending, self.pending_round, self.eager_offsets = None, -1, None
+        self.restart_from_anchor()
 
     # ---- adaptive rank and H --------------------------------------------------------------------
     def _adapt(self) -> None:

@@ -45,6 +45,39 @@ def test_dilocox_round1_applies_nothing_round_k_applies_round_k_minus_1(restart)
     assert sync.applied_rounds == [-1, 0, 1, 2]
 
 
+@pytest.mark.parametrize("restart", ["anchor", "eager"])
+def test_dilocox_finish_training_applies_the_last_mean_and_a_partial_round(restart):
+    cfg = LsgdConfig(algorithm="dilocox", interval=3, outer_lr=1.0, outer_momentum=0.0, dilocox_restart=restart)
+    sync = active(DiLoCoX(make_context(cfg, [torch.zeros(6)])))
+    shard = sync.ctx.optimizer.shards[0]
+    run_rounds(sync, 2, 3, lambda r: 1.0, restart_check=False)  # round 2's mean still in flight
+    for it in range(2):  # two steps of a third round, then --train-iters is reached
+        sync.before_forward_backward(6 + it)
+        shard -= 1.0
+        sync.after_optimizer_step(6 + it, True)
+    sync.finish_training(8)
+    # one site, lr 1: every round's progress is in the anchor, and the model is the anchor
+    torch.testing.assert_close(sync.outer.anchors[0], torch.full((6,), -8.0))
+    assert torch.equal(shard, sync.outer.anchors[0])
+    assert sync.applied_rounds == [-1, 0, 1, 2] and sync.pending is None and sync.outer_rounds == 3
+    sync.finish_training(8)  # idempotent: nothing left to apply
+    assert sync.applied_rounds == [-1, 0, 1, 2]
+
+
+def test_diloco_finish_training_closes_a_partial_round():
+    cfg = LsgdConfig(algorithm="diloco", interval=4, outer_lr=1.0, outer_momentum=0.0)
+    sync = active(DiLoCo(make_context(cfg, [torch.zeros(3)])))
+    shard = sync.ctx.optimizer.shards[0]
+    sync.finish_training(0)  # nothing run yet: nothing to do
+    assert sync.outer_rounds == 0
+    for it in range(6):
+        shard -= 0.5
+        sync.after_optimizer_step(it, True)
+    sync.finish_training(6)
+    assert sync.outer_rounds == 2 and sync.steps_in_round == 0
+    torch.testing.assert_close(sync.outer.anchors[0], torch.full((3,), -3.0))
+
+
 def test_diloco_applies_its_own_round_immediately_and_warmup_is_synchronous():
     cfg = LsgdConfig(algorithm="diloco", interval=2, outer_lr=1.0, outer_momentum=0.0, warmup_iters=3)
     sync = active(DiLoCo(make_context(cfg, [torch.zeros(4)])))
