@@ -12,7 +12,8 @@ Quantized mean, two variants (`--lsgd-quantized-mean`):
   wire, one quantization, one collective latency.
 - alltoall: reduce-scatter by all-to-all of quantized chunks, each site dequantizes and
   sums its chunk in fp32, requantizes the mean chunk, all-gathers it. Per rank 2 (S-1)/S
-  x payload (like a ring all-reduce), two quantizations, two latencies.
+  x payload (like a ring all-reduce), two quantizations, two latencies. With int8/int4 the
+  chunk's owner feeds its requantization error back into its next round's chunk.
 `auto` picks allgather for S <= 2 (same bytes, fewer latencies, less error) and alltoall
 above (its traffic stays flat in S).
 """
@@ -56,7 +57,28 @@ def _allgather_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int)
     return total / s, dequantize(q).to(x.device)
 
 
-def _alltoall_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int) -> Reduction:
+class RequantizationFeedback:
+    """Error feedback for the all-to-all variant's second quantization: the site that owns a
+    chunk adds what its last requantization of that chunk lost before requantizing the next
+    round's mean, so that error reaches the anchor a round later instead of being dropped."""
+
+    def __init__(self):
+        self.residual: Optional[torch.Tensor] = None
+
+    def requantize(self, chunk_mean: torch.Tensor, bits: int, block: int) -> Quantized:
+        if self.residual is None:
+            self.residual = torch.zeros_like(chunk_mean)
+        if self.residual.shape != chunk_mean.shape:
+            raise ValueError(f"requantization residual holds {self.residual.numel()} values, the chunk "
+                             f"{chunk_mean.numel()}: the payload size changed between rounds")
+        target = chunk_mean + self.residual
+        q = quantize(target, bits, block)
+        self.residual = target - dequantize(q).to(target.device)
+        return q
+
+
+def _alltoall_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int,
+                   feedback: Optional[RequantizationFeedback] = None) -> Reduction:
     n, s = x.numel(), comm.num_sites
     chunk = -(-n // (s * block)) * block  # whole blocks per site chunk
     padded = torch.zeros(s * chunk, dtype=torch.float32, device=x.device)
@@ -68,7 +90,9 @@ def _alltoall_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int) 
     own = torch.zeros(chunk, dtype=torch.float32, device=x.device)
     for part in recv.view(s, -1):
         own += dequantize(Quantized.from_bytes(part, chunk, bits, block)).to(x.device)
-    reduced = quantize(own / s, bits, block).to_bytes()
+    own /= s
+    reduced = feedback.requantize(own, bits, block) if feedback is not None else quantize(own, bits, block)
+    reduced = reduced.to_bytes()
     gathered = torch.empty(s * reduced.numel(), dtype=torch.uint8, device=reduced.device)
     yield comm.all_gather(gathered, reduced, async_op=True)
     mean = torch.cat([dequantize(Quantized.from_bytes(p, chunk, bits, block)) for p in gathered.view(s, -1)])
@@ -77,14 +101,15 @@ def _alltoall_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int) 
 
 
 def quantized_mean(comm: InterSiteComm, x: torch.Tensor, bits: Optional[int], block: int,
-                   variant: str = "auto") -> Reduction:
+                   variant: str = "auto", feedback: Optional[RequantizationFeedback] = None) -> Reduction:
     """Mean over sites of a flat fp32 vector. Returns (mean, this rank's dequantized
-    contribution); bits None sends fp32."""
+    contribution); bits None sends fp32. `feedback` (all-to-all only) carries the owner's
+    requantization error from round to round."""
     if bits is None:
         return (yield from fp32_mean(comm, x))
     if choose_variant(variant, comm.num_sites) == "allgather":
         return (yield from _allgather_mean(comm, x, bits, block))
-    return (yield from _alltoall_mean(comm, x, bits, block))
+    return (yield from _alltoall_mean(comm, x, bits, block, feedback))
 
 
 def payload_bytes(numel: int, bits: Optional[int], block: int) -> int:
@@ -259,6 +284,9 @@ class ErrorFeedbackReducer:
         self.seed = seed
         # Q warm start, seeded identically on every site (same layout at the same (tp, pp, dp_intra)).
         self.qs = [self._random_q(i, seg.cols, self.max_rank) for i, seg in enumerate(self.matrix_segments)]
+        # Only plain int8/int4 payloads keep their size and meaning from round to round; the
+        # low-rank P and Q are fresh projections each round, so their requantization is not fed back.
+        self.requant_feedback = RequantizationFeedback() if compression in ("int8", "int4") else None
         self.last_effective_ranks: List[int] = []
         self.last_error_norm = 0.0
         self.last_input_norm = 0.0
@@ -293,7 +321,8 @@ class ErrorFeedbackReducer:
         ms = [d + e for d, e in zip(deltas, self.errors)]
         if self.compression in ("int8", "int4"):
             flat = torch.cat([m.reshape(-1) for m in ms])
-            mean, sent = yield from quantized_mean(self.comm, flat, self.bits, self.block, self.variant)
+            mean, sent = yield from quantized_mean(self.comm, flat, self.bits, self.block, self.variant,
+                                                   self.requant_feedback)
             means = list(mean.split([m.numel() for m in ms]))
             sents = list(sent.split([m.numel() for m in ms]))
         else:
@@ -326,10 +355,16 @@ class ErrorFeedbackReducer:
         return means
 
     def state_dict(self) -> Dict:
-        return {"errors": [e.clone() for e in self.errors], "qs": [q.clone() for q in self.qs], "rank": self.rank}
+        fb = self.requant_feedback
+        residual = fb.residual.clone() if fb is not None and fb.residual is not None else torch.empty(0)
+        return {"errors": [e.clone() for e in self.errors], "qs": [q.clone() for q in self.qs], "rank": self.rank,
+                "requant_residual": residual}
 
     def load_state_dict(self, state: Dict) -> None:
         for e, saved in zip(self.errors, state["errors"]):
             e.copy_(saved)
+        residual = state.get("requant_residual", torch.empty(0))  # absent in checkpoints that predate it
+        if self.requant_feedback is not None:
+            self.requant_feedback.residual = residual.to(self.device).clone() if residual.numel() else None
         self.qs = [q.to(self.device).clone() for q in state["qs"]]
         self.rank = int(state["rank"])

@@ -48,6 +48,15 @@ def _collectives(rank, port, out_dir):
         total_in += d.double()
         total_mean += run_blocking(red.reduce([d]))[0].double()
     record["ef"] = (x, total_in, total_mean, red.errors[0].clone())
+    # all-to-all int4: the owner of each chunk feeds its requantization error back too
+    red = ErrorFeedbackReducer(comm, [torch.Size([300])], [[((300,), 0, 300, 0, 300)]], "int4", 0, 32,
+                               "alltoall", 9, 0.9, torch.device("cpu"))
+    total_in, total_mean = torch.zeros(300, dtype=torch.float64), torch.zeros(300, dtype=torch.float64)
+    for _ in range(5):
+        d = torch.randn(300, generator=g)
+        total_in += d.double()
+        total_mean += run_blocking(red.reduce([d]))[0].double()
+    record["ef_a2a"] = (total_in, total_mean, red.errors[0].clone(), red.requant_feedback.residual.clone())
     torch.save(record, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -78,6 +87,13 @@ def test_quantized_means_and_error_feedback_across_two_sites():
     _, in1, mean1, e1 = r1["ef"]
     assert torch.equal(mean0, mean1)
     torch.testing.assert_close(2 * mean0 + e0.double() + e1.double(), in0 + in1, rtol=0, atol=1e-4)
+    # all-to-all: ... + the owners' requantization residuals (chunk i lives on site i)
+    in0, mean0, e0, q0 = r0["ef_a2a"]
+    in1, mean1, e1, q1 = r1["ef_a2a"]
+    assert torch.equal(mean0, mean1) and q0.numel() == q1.numel() == 160  # 300 values, 2 chunks of 5 blocks
+    owners = torch.cat([q0, q1])[:300].double()
+    torch.testing.assert_close(2 * mean0 + e0.double() + e1.double() + 2 * owners, in0 + in1, rtol=0, atol=1e-4)
+    assert owners.abs().max() > 0
 
 
 def _vanishing_peer(rank, port, out_dir):
