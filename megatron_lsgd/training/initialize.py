@@ -39,6 +39,14 @@ def init_distributed(backend: str | None, timeout_minutes: int) -> torch.device:
     return device
 
 
+def shutdown_distributed() -> None:
+    """End of a launched run: wait for every rank, then tear the process groups down, so no
+    rank exits (and kills gloo's worker threads) while a peer still talks to it."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def initialize(config: RunConfig, device: torch.device) -> tuple[ProcessGroups, RNGStatesTracker]:
     timeout = timedelta(minutes=config.training.distributed_timeout_minutes)
     pgs = build_process_groups(config.dims, timeout=timeout)

@@ -41,6 +41,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import pretrain_gpt
+    from megatron_lsgd.training.initialize import shutdown_distributed
 
     t0 = time.perf_counter()
     result = pretrain_gpt.main(argv)
@@ -49,6 +50,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None
             json.dump({"train": result.logged_losses, "valid": result.validation_losses,
                        "comm": result.comm, "stats": result.sync_stats, "tokens_per_s": result.tokens_per_second,
                        "seconds": time.perf_counter() - t0}, f)
+    shutdown_distributed()
 
 
 def run(argv: List[str], world: int) -> Dict:
