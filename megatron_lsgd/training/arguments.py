@@ -173,6 +173,10 @@ def _lsgd_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lsgd-dilocox-restart", choices=["eager", "anchor"], default="eager",
                    help="where dilocox's next round starts: eager = anchor minus this site's own in-flight "
                         "pseudo-gradient, anchor = the (one round late) anchor itself")
+    g.add_argument("--lsgd-dilocox-apply-step", type=int, default=0, metavar="TAU",
+                   help="dilocox: apply round t's mean after TAU inner steps of round t+1 instead of at its "
+                        "end (0, the default: TAU = H, DiLoCoX's one-round delay). A smaller TAU shortens the "
+                        "time sites train on stale averages; the transfer must then hide in TAU steps")
     g.add_argument("--lsgd-compression", choices=["none", "int8", "int4", "lowrank-int4"], default="none",
                    help="dilocox pseudo-gradient compression (with error feedback)")
     g.add_argument("--lsgd-rank", type=int, default=0, help="low-rank compression rank (lowrank-int4)")
@@ -317,7 +321,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     lsgd = LsgdConfig(
         algorithm=args.lsgd_algorithm, warmup_iters=args.lsgd_warmup_iters, interval=args.lsgd_interval,
         outer_lr=args.lsgd_outer_lr, outer_momentum=args.lsgd_outer_momentum, outer_offload=args.lsgd_outer_offload,
-        dilocox_restart=args.lsgd_dilocox_restart,
+        dilocox_restart=args.lsgd_dilocox_restart, dilocox_apply_step=args.lsgd_dilocox_apply_step,
         compression=args.lsgd_compression, rank=args.lsgd_rank, quant_block=args.lsgd_quant_block,
         quantized_mean=args.lsgd_quantized_mean, seed=args.seed, adaptive=args.lsgd_adaptive,
         adaptive_energy=args.lsgd_adaptive_energy, adaptive_window=args.lsgd_adaptive_window,

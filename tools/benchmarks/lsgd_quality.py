@@ -83,6 +83,8 @@ def main() -> None:
                    help="outer momentum for dilocox runs (a one-round-late Δ̄ with 0.9 oscillated in our runs)")
     p.add_argument("--restart", choices=["eager", "anchor"], default="eager", help="--lsgd-dilocox-restart")
     p.add_argument("--rank", type=int, default=8, help="--lsgd-rank for dilocox-lowrank-int4")
+    p.add_argument("--apply-step", type=int, default=0,
+                   help="--lsgd-dilocox-apply-step for dilocox runs (0: H, the one-round delay)")
     args = p.parse_args()
 
     real = bool(args.data_path) and os.path.exists(args.data_path + ".bin")
@@ -105,7 +107,8 @@ def main() -> None:
     outer = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
              "--lsgd-outer-momentum", str(args.outer_momentum)]
     outer_x = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
-               "--lsgd-outer-momentum", str(args.dilocox_outer_momentum), "--lsgd-dilocox-restart", args.restart]
+               "--lsgd-outer-momentum", str(args.dilocox_outer_momentum), "--lsgd-dilocox-restart", args.restart,
+               "--lsgd-dilocox-apply-step", str(args.apply_step)]
     configs = {
         "sync": ["--lsgd-algorithm", "sync"],
         "diloco": ["--lsgd-algorithm", "diloco"] + outer,

@@ -20,6 +20,7 @@ class LsgdConfig:
     outer_momentum: float = 0.9
     outer_offload: bool = False
     dilocox_restart: str = "eager"  # eager: next round starts at θ_g − Δ_t; anchor: at θ_g
+    dilocox_apply_step: int = 0  # inner step of round t+1 that applies round t's mean (0: H)
     # DiLoCoX compression.
     compression: str = "none"
     rank: int = 0  # low-rank compression rank (lowrank-int4)
@@ -55,6 +56,13 @@ class LsgdConfig:
             raise ValueError(f"--lsgd-outer-momentum must be in [0, 1) (got {self.outer_momentum})")
         if self.dilocox_restart not in ("eager", "anchor"):
             raise ValueError(f"--lsgd-dilocox-restart {self.dilocox_restart!r}: choose eager or anchor")
+        if self.dilocox_apply_step < 0:
+            raise ValueError(f"--lsgd-dilocox-apply-step must be >= 0 (got {self.dilocox_apply_step}; 0 means H)")
+        if self.dilocox_apply_step and self.algorithm != "dilocox":
+            raise ValueError("--lsgd-dilocox-apply-step needs --lsgd-algorithm dilocox")
+        if self.dilocox_apply_step > self.interval:
+            raise ValueError(f"--lsgd-dilocox-apply-step {self.dilocox_apply_step} must be <= --lsgd-interval "
+                             f"{self.interval}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"--lsgd-compression {self.compression!r}: choose one of {', '.join(COMPRESSIONS)}")
         if self.compression != "none" and self.algorithm != "dilocox":

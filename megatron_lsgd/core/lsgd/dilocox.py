@@ -80,7 +80,7 @@ class DiLoCoX(LocalSGDBase):
             ctx.comm, [s.shape for s in shards], layout, cfg.compression, cfg.rank, cfg.quant_block,
             cfg.quantized_mean, cfg.seed, cfg.adaptive_energy, self.outer.device if self.outer else shards[0].device)
         self.pending: Optional[PendingReduce] = None
-        self.eager_offsets: Optional[List[torch.Tensor]] = None
+        self.start_offsets: Optional[List[torch.Tensor]] = None
         self.pending_round = -1  # which round's mean is in flight
         self.applied_rounds: List[int] = []  # round whose mean each outer step applied (-1: none)
         self.rank_window: deque = deque(maxlen=cfg.adaptive_window)
@@ -101,21 +101,43 @@ class DiLoCoX(LocalSGDBase):
         if self._step_start is not None:
             self._round_compute += time.perf_counter() - self._step_start
         super().after_optimizer_step(iteration, update_successful)
+        tau = min(self.ctx.config.dilocox_apply_step or self.interval, self.interval)
+        if self.pending is not None and 0 < self.steps_in_round == tau:  # (τ = H is handled by end_round)
+            self._apply_mean_mid_round()
+
+    def _wait_for_mean(self) -> List[torch.Tensor]:
+        if not self.pending.done:
+            self.pending.wait()
+            self._comm_seconds = time.perf_counter() - self._comm_issued
+        return self.pending.result
+
+    def _apply_mean_mid_round(self) -> None:
+        """--lsgd-dilocox-apply-step τ < H: take the outer step with round t's mean now and move
+        the local replica by the same amount, keeping this round's progress so far; the rest
+        of the round is then measured from the new anchor."""
+        opt = self.ctx.optimizer
+        shards = opt.main_param_shards()
+        offsets = self.start_offsets or [None] * len(shards)
+        progress = [s.to(a.device) - (a if off is None else a - off)
+                    for s, a, off in zip(shards, self.outer.anchors, offsets)]
+        self.outer.step(self._wait_for_mean())
+        self.applied_rounds.append(self.pending_round)
+        self.pending, self.pending_round, self.start_offsets = None, -1, None
+        for s, a, p in zip(shards, self.outer.anchors, progress):
+            s.copy_(a + p)
+        opt.copy_main_to_model_params()
 
     def end_round(self) -> None:
         opt = self.ctx.optimizer
         deltas = self.outer.outer_gradient(opt.main_param_shards())
-        if self.eager_offsets is not None:  # the round started at θ_g − offset, not at θ_g
-            for d, off in zip(deltas, self.eager_offsets):
+        if self.start_offsets is not None:  # the round started at θ_g − offset, not at θ_g
+            for d, off in zip(deltas, self.start_offsets):
                 d.sub_(off)
-        applied = -1
         if self.pending is not None:
-            if not self.pending.done:
-                self.pending.wait()
-                self._comm_seconds = time.perf_counter() - self._comm_issued
-            self.outer.step(self.pending.result)
-            applied = self.pending_round
-        self.applied_rounds.append(applied)
+            self.outer.step(self._wait_for_mean())
+            self.applied_rounds.append(self.pending_round)
+        elif not self.applied_rounds:
+            self.applied_rounds.append(-1)  # round 1 has nothing to apply
         if self.ctx.config.adaptive:
             # Before issuing the new reduction: the link is idle now, so the small H
             # agreement is not queued behind a bulk transfer on a bandwidth-limited link.
@@ -127,7 +149,7 @@ class DiLoCoX(LocalSGDBase):
             # Start the next round from θ_g − Δ_t (own, not yet averaged progress) instead of
             # θ_g, so a round does not redo the progress still in flight; the anchor itself
             # only ever takes averaged, identical-on-every-site steps.
-            self.eager_offsets = [d.clone() for d in deltas]
+            self.start_offsets = [d.clone() for d in deltas]
             for shard, a, d in zip(opt.main_param_shards(), self.outer.anchors, deltas):
                 shard.copy_(a - d)
             opt.copy_main_to_model_params()
@@ -141,9 +163,9 @@ class DiLoCoX(LocalSGDBase):
             return
         # The last round's mean would otherwise never be applied: wait for it, take the outer
         # step and load the anchor, so every site ends with the same, fully averaged model.
-        self.outer.step(self.pending.wait())
+        self.outer.step(self._wait_for_mean())
         self.applied_rounds.append(self.pending_round)
-        self.pending, self.pending_round, self.eager_offsets = None, -1, None
+        self.pending, self.pending_round, self.start_offsets = None, -1, None
         self.restart_from_anchor()
 
     # ---- adaptive rank and H --------------------------------------------------------------------
@@ -187,7 +209,7 @@ class DiLoCoX(LocalSGDBase):
                      pending_round=self.pending_round, applied_rounds=list(self.applied_rounds),
                      pending_mean=[m.clone() for m in self.pending.result] if self.pending is not None else [],
                      has_pending=int(self.pending is not None), comm_seconds=self._comm_seconds,
-                     eager_offsets=[o.clone() for o in self.eager_offsets] if self.eager_offsets else [])
+                     start_offsets=[o.clone() for o in self.start_offsets] if self.start_offsets else [])
         return state
 
     def load_state_dict(self, state: Dict) -> None:
@@ -199,8 +221,8 @@ class DiLoCoX(LocalSGDBase):
         self.pending = PendingReduce.finished([m.to(self.reducer.device) for m in state["pending_mean"]]) \
             if state["has_pending"] else None
         self._comm_seconds = float(state["comm_seconds"])
-        self.eager_offsets = [o.to(self.reducer.device) for o in state["eager_offsets"]] \
-            if state["eager_offsets"] else None
+        offsets = state.get("start_offsets", state.get("eager_offsets"))  # renamed; older checkpoints
+        self.start_offsets = [o.to(self.reducer.device) for o in offsets] if offsets else None
 
     def stats(self) -> Dict[str, float]:
         r = self.reducer

@@ -71,16 +71,19 @@ def test_sites2_zero1_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["diloco", "dilocox"])
+@pytest.mark.parametrize("algorithm", ["diloco", "dilocox", "dilocox-apply-step"])
 def test_local_sgd_state_survives_sigkill(tmp_path, algorithm):
     """Anchors, outer momentum, error feedback and the in-flight mean come back exactly:
     H = 3 and a checkpoint at iteration 4 is mid-round, with dilocox's compressed mean of
-    round 1 still to be applied."""
+    round 1 still to be applied (at the round's end, or with apply-step 2 one step after
+    the resume)."""
     layout = ["--num-sites", "2", "--use-distributed-optimizer", "--global-batch-size", "8",
-              "--hidden-dropout", "0", "--attention-dropout", "0", "--lsgd-algorithm", algorithm,
-              "--lsgd-interval", "3"]
-    if algorithm == "dilocox":
+              "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--lsgd-algorithm", algorithm.split("-")[0], "--lsgd-interval", "3"]
+    if algorithm.startswith("dilocox"):
         layout += ["--lsgd-compression", "int4"]
+    if algorithm == "dilocox-apply-step":
+        layout += ["--lsgd-dilocox-apply-step", "2"]
     common = TINY + layout + ["--train-iters", str(ITERS), "--save-interval", "4"]
     run(common + ["--save", str(tmp_path / "ref")], 4, str(tmp_path / "ref.log"))
 

@@ -75,9 +75,9 @@ def test_one_site_diloco_is_plain_training():
                         "--lsgd-adaptive-h-rule", "scale-with-rank", "--lsgd-adaptive-h-min", "2",
                         "--lsgd-adaptive-h-max", "2"]),
     ("zero1-sites2", ["--lsgd-compression", "int4", "--lsgd-quantized-mean", "alltoall"]),
-    # 2 warm-up steps, then one round of 4 and a partial round of 2
+    # 2 warm-up steps, then one round of 4 and a partial round of 2 (the mean lands 1 step in)
     ("sites2", ["--lsgd-compression", "int8", "--lsgd-warmup-iters", "2", "--lsgd-dilocox-restart", "anchor",
-                "--lsgd-interval", "4"]),
+                "--lsgd-interval", "4", "--lsgd-dilocox-apply-step", "1"]),
 ])
 def test_dilocox_sites_hold_identical_anchors(layout, compression):
     world, args = LAYOUTS[layout]

@@ -26,6 +26,11 @@ def config(extra, world=2):
       "--lsgd-adaptive-h-max", "5"], "--lsgd-adaptive-h-min"),
     (["--num-sites", "2", "--simulate-inter-site-bandwidth", "-1"], "--simulate-inter-site-bandwidth"),
     (["--num-sites", "1", "--lsgd-algorithm", "dilocox"], "--num-sites"),
+    (["--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-interval", "10", "--lsgd-dilocox-apply-step", "11"],
+     "--lsgd-dilocox-apply-step"),
+    (["--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-dilocox-apply-step", "-1"],
+     "--lsgd-dilocox-apply-step"),
+    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-dilocox-apply-step", "2"], "--lsgd-dilocox-apply-step"),
 ])
 def test_bad_flags_name_the_flag(extra, flag):
     with pytest.raises(ValueError, match=flag):

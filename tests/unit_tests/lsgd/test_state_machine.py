@@ -64,6 +64,29 @@ def test_dilocox_finish_training_applies_the_last_mean_and_a_partial_round(resta
     assert sync.applied_rounds == [-1, 0, 1, 2]
 
 
+@pytest.mark.parametrize("restart", ["anchor", "eager"])
+def test_dilocox_apply_step_applies_the_mean_tau_steps_into_the_next_round(restart):
+    cfg = LsgdConfig(algorithm="dilocox", interval=3, outer_lr=1.0, outer_momentum=0.0, dilocox_restart=restart,
+                     dilocox_apply_step=1)
+    sync = active(DiLoCoX(make_context(cfg, [torch.zeros(2)])))
+    shard = sync.ctx.optimizer.shards[0]
+    trace = []
+    for it in range(9):  # 3 rounds; every step moves the shard by -1
+        sync.before_forward_backward(it)
+        shard -= 1.0
+        sync.after_optimizer_step(it, True)
+        trace.append((float(shard[0]), float(sync.outer.anchors[0][0])))
+    # round 1 applies nothing; round k's mean (3) lands after the first step of round k + 1
+    assert [a for _, a in trace] == [0, 0, 0, -3, -3, -3, -6, -6, -6]
+    assert sync.applied_rounds == [-1, 0, 1]
+    if restart == "eager":  # one site: the local run never notices
+        assert [x for x, _ in trace] == [-1, -2, -3, -4, -5, -6, -7, -8, -9]
+    else:  # restarted at the anchor (0, then -3), then moved with it by the applied mean
+        assert [x for x, _ in trace] == [-1, -2, 0, -4, -5, -3, -7, -8, -6]
+    sync.finish_training(9)
+    torch.testing.assert_close(sync.outer.anchors[0], torch.full((2,), -9.0))
+
+
 def test_diloco_finish_training_closes_a_partial_round():
     cfg = LsgdConfig(algorithm="diloco", interval=4, outer_lr=1.0, outer_momentum=0.0)
     sync = active(DiLoCo(make_context(cfg, [torch.zeros(3)])))
