@@ -8,11 +8,14 @@ Round t (H inner steps) ends with:
   3. θ_g ← OuterSGD(θ_g, Δ̄_{t−1})   (round 1 applies nothing);
   4. start the compressed mean of Δ_t (error feedback), to run during round t+1;
   (with --lsgd-adaptive, rank and H are adapted between 3 and 4, while the link is idle)
-When --train-iters is reached, `finish_training` closes a partial last round, waits for the
-last mean, applies it and loads the anchor: the final model is the same on every site.
   5. start round t+1 from θ_g − Δ_t (`--lsgd-dilocox-restart eager`, default: keeps this
      site's own in-flight progress; Δ_{t+1} is then measured from that start) or from θ_g
      (`anchor`, DESIGN.md's literal rule).
+With `--lsgd-dilocox-apply-step τ < H`, step 3 moves to τ inner steps into round t+1 (the
+local replica moves with the anchor and keeps its progress), so sites train on their own
+unaveraged progress for τ steps instead of H. When --train-iters is reached,
+`finish_training` closes a partial last round, waits for the last mean, applies it and
+loads the anchor: the final model is the same on every site.
 The anchor only ever takes averaged steps, so it is bit-identical on every site.
 Waiting before starting keeps a single reduction in flight, so every site issues its
 inter-site collectives in the same order.
