@@ -5,7 +5,8 @@
 - after every outer step all sites hold bit-identical anchors, and at --train-iters (after
   the last, possibly partial, round and the last in-flight mean) bit-identical models;
 - real overlap: with a simulated slow link whose transfer takes less than H inner steps,
-  dilocox's exposed communication is near zero while diloco pays the full transfer.
+  dilocox hides every round's transfer (only the final drain at --train-iters is exposed)
+  while diloco pays the full transfer each round.
 """
 
 from __future__ import annotations
@@ -104,5 +105,8 @@ def test_dilocox_hides_a_slow_link_that_diloco_pays_for():
     rec_d, rec_x = diloco[-1]["comm"], dilocox[-1]["comm"]
     transfer = 0.020 + rec_d["bytes_sent"] / 4 * 8 / 50e6  # one round's simulated time
     assert rec_d["exposed_seconds"] >= 0.95 * 4 * transfer  # 4 rounds, each fully exposed
-    assert rec_x["exposed_seconds"] < 0.15 * rec_d["exposed_seconds"]
+    # dilocox hides rounds 1-3 behind the next round; only the last mean, which finish_training
+    # waits for at --train-iters with nothing left to overlap, is exposed.
+    # So at most one transfer in total: rounds 1-3 cost nothing.
+    assert rec_x["exposed_seconds"] < transfer + 0.03
     assert rec_x["bytes_sent"] == rec_d["bytes_sent"]  # same fp32 payload, issued every round
