@@ -16,7 +16,8 @@ from megatron_lsgd.core.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGSta
 from megatron_lsgd.training.arguments import RunConfig
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now (for single-machine launches and tests)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -26,7 +27,7 @@ def init_distributed(backend: str | None, timeout_minutes: int) -> torch.device:
     """Join the job started by torchrun (or run alone when launched with plain python)."""
     if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     backend = backend or ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():

@@ -8,7 +8,6 @@ single-rank view so any layout can be compared with a single-rank run.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from typing import Dict, List
 
@@ -17,12 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_lsgd.training.initialize import free_port
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:

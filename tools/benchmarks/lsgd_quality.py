@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -29,11 +28,7 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_lsgd.training.initialize import free_port  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None:
@@ -56,7 +51,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None
 def run(argv: List[str], world: int) -> Dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        mp.spawn(_worker, args=(world, _free_port(), argv, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), argv, out), nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
 
