@@ -108,11 +108,15 @@ class DiLoCoX(LocalSGDBase):
         if self.pending is not None and 0 < self.steps_in_round == tau:  # (τ = H is handled by end_round)
             self._apply_mean_mid_round()
 
-    def _wait_for_mean(self) -> List[torch.Tensor]:
+    def _apply_pending_mean(self) -> None:
+        """Wait for the mean in flight (blocking time is exposed comm), take the outer step
+        with it and forget the round's start offsets (they were relative to the old anchor)."""
         if not self.pending.done:
             self.pending.wait()
             self._comm_seconds = time.perf_counter() - self._comm_issued
-        return self.pending.result
+        self.outer.step(self.pending.result)
+        self.applied_rounds.append(self.pending_round)
+        self.pending, self.pending_round, self.start_offsets = None, -1, None
 
     def _apply_mean_mid_round(self) -> None:
         """--lsgd-dilocox-apply-step τ < H: take the outer step with round t's mean now and move
@@ -123,9 +127,7 @@ class DiLoCoX(LocalSGDBase):
         offsets = self.start_offsets or [None] * len(shards)
         progress = [s.to(a.device) - (a if off is None else a - off)
                     for s, a, off in zip(shards, self.outer.anchors, offsets)]
-        self.outer.step(self._wait_for_mean())
-        self.applied_rounds.append(self.pending_round)
-        self.pending, self.pending_round, self.start_offsets = None, -1, None
+        self._apply_pending_mean()
         for s, a, p in zip(shards, self.outer.anchors, progress):
             s.copy_(a + p)
         opt.copy_main_to_model_params()
@@ -137,8 +139,7 @@ class DiLoCoX(LocalSGDBase):
             for d, off in zip(deltas, self.start_offsets):
                 d.sub_(off)
         if self.pending is not None:
-            self.outer.step(self._wait_for_mean())
-            self.applied_rounds.append(self.pending_round)
+            self._apply_pending_mean()
         elif not self.applied_rounds:
             self.applied_rounds.append(-1)  # round 1 has nothing to apply
         if self.ctx.config.adaptive:
@@ -166,9 +167,7 @@ class DiLoCoX(LocalSGDBase):
             return
         # The last round's mean would otherwise never be applied: wait for it, take the outer
         # step and load the anchor, so every site ends with the same, fully averaged model.
-        self.outer.step(self._wait_for_mean())
-        self.applied_rounds.append(self.pending_round)
-        self.pending, self.pending_round, self.start_offsets = None, -1, None
+        self._apply_pending_mean()
         self.restart_from_anchor()
 
     # ---- adaptive rank and H --------------------------------------------------------------------
