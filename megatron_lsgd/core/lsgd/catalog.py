@@ -9,9 +9,9 @@ and validates it as a whole, with every message naming its flag.
 from __future__ import annotations
 
 import argparse
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from megatron_lsgd.core.lsgd import diloco, dilocox, sync  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd import cocodc, diloco, dilocox, streaming, sync  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
@@ -54,13 +54,16 @@ def config_from_args(args: argparse.Namespace, num_sites: int) -> LsgdConfig:
     shared = {key: group.from_args(args) for key, group in SHARED_GROUPS.items()}
     config = LsgdConfig(algorithm=cls.name, seed=args.seed, link=LinkOptions.from_args(args),
                         algo=cls.Options.from_args(args), **shared)
-    validate(config, num_sites, args)
+    validate(config, num_sites, args, num_layers=getattr(args, "num_layers", None))
     return config
 
 
-def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None) -> None:
+def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None,
+             num_layers: Optional[int] = None) -> None:
     """Check the whole configuration; `args` (the parsed flags) lets flags that belong to
-    another algorithm be reported instead of silently ignored."""
+    another algorithm be reported instead of silently ignored. `num_layers` (the model's
+    transformer layers, when known) reaches each algorithm's `Options.validate` as context,
+    for algorithms whose settings are bounded by the model (fragments)."""
     cls = synchronizer_class(config.algorithm)
     if cls.requires_multiple_sites and num_sites < 2:
         raise ValueError(f"--lsgd-algorithm {cls.name} needs --num-sites >= 2 (got {num_sites})")
@@ -79,4 +82,4 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
             for flag in synchronizer_class(name).Options.from_args(args).changed_flags():
                 if flag not in own:
                     raise ValueError(f"{flag} needs --lsgd-algorithm {' or '.join(owners[flag])}")
-    config.algo.validate(config=config, num_sites=num_sites)
+    config.algo.validate(config=config, num_sites=num_sites, num_layers=num_layers)
