@@ -38,6 +38,7 @@ diloco closes a partial round), so every site ends with the same model.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
@@ -169,7 +170,8 @@ class StreamingDiLoCo(Synchronizer):
         self.dirty = [False] * self.num_fragments  # local copy may differ from the anchor
         self.syncs = 0  # landed fragment syncs
         self.peak_sync_bytes = 0  # largest single sync event this rank sent
-        self.history: List[Tuple[int, int, int]] = []  # (fragment, start, land) of this process's syncs
+        # (fragment, start, land, bytes this rank sent) of this process's recent syncs, for tests and tools
+        self.history: deque = deque(maxlen=10000)
         self._step_started: Optional[float] = None
 
     # ---- schedule (subclasses change it) ----------------------------------------------------------
@@ -242,7 +244,6 @@ class StreamingDiLoCo(Synchronizer):
         rec = InFlight(p, t, t + self.tau, ticket, snapshot, side)
         self.in_flight.append(rec)
         self.last_start[p] = t
-        self.history.append((p, t, t + self.tau))
         return rec
 
     def snapshot(self, p: int) -> List[torch.Tensor]:
@@ -261,6 +262,7 @@ class StreamingDiLoCo(Synchronizer):
         self.dirty[rec.fragment] = self.merge(rec, mean, t)
         self.ctx.optimizer.copy_main_to_model_params(views)  # a site collective even when this rank's views are empty
         self.in_flight.remove(rec)
+        self.history.append((rec.fragment, rec.started, t, rec.ticket.bytes_sent))
         self.after_landing(rec, mean, t)
         self.last_land[rec.fragment] = t
         self.syncs += 1
@@ -305,13 +307,16 @@ class StreamingDiLoCo(Synchronizer):
         """Blocking sync of one fragment, after which every site holds its anchor."""
         views = self.views[p]
         gen = self._reduction(p, self.outer.pseudo_gradient(views), None)
+        sent = 0
         if gen is not None:
-            mean = self.queue.wait(self.queue.submit(gen))
+            ticket = self.queue.submit(gen)
+            mean = self.queue.wait(ticket)
+            sent = ticket.bytes_sent
             self.outer.step(views, mean)
             self.outer.load_into(views)
             self.syncs += 1
         self.ctx.optimizer.copy_main_to_model_params(views)
-        self.history.append((p, self.local_step, self.local_step))
+        self.history.append((p, self.local_step, self.local_step, sent))
         self.dirty[p] = False
         self.ctx.comm.rounds += 1
 

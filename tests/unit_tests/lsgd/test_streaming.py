@@ -91,7 +91,7 @@ def test_streaming_slots_follow_torchft():
     sync = active(StreamingDiLoCo(fragment_context(cfg)))
     for it in range(16):
         step(sync, it, 1.0)
-    assert sync.history == [(0, 3, 4), (1, 7, 8), (0, 11, 12), (1, 15, 16)]
+    assert [h[:3] for h in sync.history] == [(0, 3, 4), (1, 7, 8), (0, 11, 12), (1, 15, 16)]
     # strided, untied: fragment 0 = embedding + layers 0, 2; fragment 1 = layers 1, 3 + output
     assert sync.fragment_units == [["embedding", "layers.0", "layers.2"], ["layers.1", "layers.3", "output"]]
 
@@ -293,7 +293,7 @@ def test_cocodc_state_with_a_sync_in_flight_resumes_exactly():
     resumed.finish_training(20)
     assert torch.equal(other.ctx.optimizer.shard, resumed.ctx.optimizer.shard)
     assert torch.equal(other.outer.anchors[0], resumed.outer.anchors[0])
-    assert [h for h in other.history if h[1] > 9] == resumed.history  # the same syncs after the resume
+    assert [h for h in other.history if h[2] > 9] == list(resumed.history)  # the same syncs after the resume
     assert resumed.stats()["N"] == 4
 
 
