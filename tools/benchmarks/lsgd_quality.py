@@ -12,7 +12,8 @@ Without --data-path (or if it does not exist) it runs on --mock-data and says so
 every output.
 
 Any run's flags can be extended, or a new labelled run defined, with `--run-args
-LABEL=FLAGS` (a new label's FLAGS name its --lsgd-algorithm). With `--eval-interval N`
+LABEL=FLAGS` (a new label's FLAGS name its --lsgd-algorithm; `LABEL@RUN=FLAGS` is RUN's
+flags followed by FLAGS, later flags winning). With `--eval-interval N`
 validation runs every N iterations, and `--target RUN` adds a table of the iterations each
 run needs to reach RUN's final validation loss (linear interpolation between evaluations)
 and a plot of the validation curves, e.g. for CoCoDC against Streaming DiLoCo at 4 sites:
@@ -112,7 +113,7 @@ def main() -> None:
     p.add_argument("--syncs-per-round", type=int, default=0, help="--lsgd-cocodc-syncs-per-round (0: measure)")
     p.add_argument("--run-args", action="append", default=[], metavar="LABEL=FLAGS",
                    help="extra pretrain_gpt.py flags for one run; a label that is not built in defines a new run "
-                        "(its FLAGS must name --lsgd-algorithm)")
+                        "(its FLAGS must name --lsgd-algorithm), and LABEL@RUN=FLAGS a variant of RUN")
     p.add_argument("--extra-args", default="", help="extra pretrain_gpt.py flags for every run")
     p.add_argument("--eval-interval", type=int, default=0, help="validate every N iterations (0: at the end only)")
     p.add_argument("--target", default=None,
@@ -160,9 +161,14 @@ def main() -> None:
     for item in args.run_args:
         label, _, flags = item.partition("=")
         extra = shlex.split(flags)
-        if label not in configs and "--lsgd-algorithm" not in extra:
-            p.error(f"--run-args {item!r}: {label!r} is not a built-in run, so its flags must name --lsgd-algorithm")
-        configs[label] = configs.get(label, []) + extra
+        label, _, base_run = label.partition("@")  # NEW@BASE: a variant of another run (later flags win)
+        if base_run and base_run not in configs:
+            p.error(f"--run-args {item!r}: {base_run!r} is not a run defined before it")
+        base_flags = configs[base_run] if base_run else configs.get(label, [])
+        if not base_flags and "--lsgd-algorithm" not in extra:
+            p.error(f"--run-args {item!r}: {label!r} is not a built-in run, so its flags must name --lsgd-algorithm "
+                    f"(or write LABEL@RUN=FLAGS for a variant of RUN)")
+        configs[label] = base_flags + extra
     for name in args.runs.split(","):
         if name not in configs:
             p.error(f"--runs: {name!r} is neither built in ({', '.join(configs)}) nor defined by --run-args")

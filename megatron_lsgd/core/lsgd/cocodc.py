@@ -240,7 +240,8 @@ class CoCoDC(StreamingDiLoCo):
                 values[2], values[3] = seconds, 1.0
             if rec.side is not None and rec.side.mean is not None:
                 values[4], values[5] = float(rec.side.mean[0]), float(rec.side.mean[1])
-        agreed = torch.tensor(values, dtype=torch.float64)
+        # on the training device: the site group is NCCL on GPUs
+        agreed = torch.tensor(values, dtype=torch.float64, device=self.ctx.optimizer.main_param_shards()[0].device)
         site = getattr(self.ctx.pgs, "site", None)
         n = 1
         if site is not None and dist.get_world_size(site) > 1:

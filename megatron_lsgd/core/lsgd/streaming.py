@@ -169,7 +169,6 @@ class StreamingDiLoCo(Synchronizer):
         self.last_land = [0] * self.num_fragments
         self.dirty = [False] * self.num_fragments  # local copy may differ from the anchor
         self.syncs = 0  # landed fragment syncs
-        self.peak_sync_bytes = 0  # largest single sync event this rank sent
         # (fragment, start, land, bytes this rank sent) of this process's recent syncs, for tests and tools
         self.history: deque = deque(maxlen=10000)
         self._step_started: Optional[float] = None
@@ -257,7 +256,6 @@ class StreamingDiLoCo(Synchronizer):
     def land(self, rec: InFlight, t: int) -> None:
         """Wait for the fragment's mean, take its outer step, merge, push it into the model."""
         mean = rec.ticket.result if rec.ticket.done else self.queue.wait(rec.ticket)
-        self.peak_sync_bytes = max(self.peak_sync_bytes, rec.ticket.bytes_sent)
         views = self.views[rec.fragment]
         self.dirty[rec.fragment] = self.merge(rec, mean, t)
         self.ctx.optimizer.copy_main_to_model_params(views)  # a site collective even when this rank's views are empty
@@ -290,9 +288,13 @@ class StreamingDiLoCo(Synchronizer):
 
     # ---- end of training, quiesce, state ----------------------------------------------------------------
     def quiesce(self) -> None:
-        """Let every reduction in flight finish (each is applied at its usual step)."""
+        """Let every reduction in flight finish (each is applied at its usual step). A
+        reduction finished here was waited for, not observed, so it carries no time."""
         if len(self.queue):
+            unfinished = [r.ticket for r in self.in_flight if not r.ticket.done]
             self.queue.drain()
+            for ticket in unfinished:
+                ticket.finished_at = None
 
     def finish_training(self, iteration: int) -> None:
         if not self.active:

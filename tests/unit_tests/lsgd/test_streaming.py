@@ -338,3 +338,11 @@ def test_defaults_build_and_compression_is_accepted():
         cfg = _config(["--lsgd-algorithm", algo, "--lsgd-compression", "int4"]).lsgd
         assert cfg.algo.fragments == 2 and cfg.algo.sync_delay == 1 and cfg.rounds.interval == 50
     assert catalog.synchronizer_class("cocodc").Options().dc_lambda == 0.5
+
+
+def test_a_checkpoint_of_another_fragment_schedule_is_refused_naming_the_flag():
+    saved = _roundtrip(_cocodc(0.5).state_dict())
+    with pytest.raises(ValueError, match="--lsgd-fragment-sync-delay 2, this run has 1"):
+        _cocodc(0.5, sync_delay=1).load_state_dict(saved)
+    with pytest.raises(ValueError, match="--lsgd-cocodc-schedule round-robin, this run has adaptive"):
+        _cocodc(0.5, schedule="adaptive").load_state_dict(saved)
