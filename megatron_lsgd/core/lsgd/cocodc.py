@@ -138,6 +138,13 @@ def choose_fragment(t: int, interval: int, slot_max: int, ratios: Sequence[float
     return min(eligible, key=lambda q: (last_start[q] + interval, q))
 
 
+def _moving_average(old: float, new: float, weight: float = 0.25) -> float:
+    """Exponential moving average of measured seconds; 0 means "none yet" on either side."""
+    if new <= 0:
+        return old
+    return new if old <= 0 else (1 - weight) * old + weight * new
+
+
 def counted_spans(ctx: SyncContext, views) -> List[Tuple[int, int, int]]:
     """(range, lo, hi) of each parameter piece counted once in a norm over the site: pieces
     replicated over TP count on TP rank 0, the last stage's tied embedding copy not at all."""
@@ -254,7 +261,9 @@ class CoCoDC(StreamingDiLoCo):
         self.site_step_seconds = float(agreed[1]) / n
         if float(agreed[3]) > 0:
             self.site_sync_seconds = float(agreed[2]) / float(agreed[3])
-        self.job_step_seconds, self.job_sync_seconds = float(agreed[4]) / n, float(agreed[5]) / n
+        # online moving averages of the job's times (identical inputs everywhere, so identical results)
+        self.job_step_seconds = _moving_average(self.job_step_seconds, float(agreed[4]) / n)
+        self.job_sync_seconds = _moving_average(self.job_sync_seconds, float(agreed[5]) / n)
         self.num_syncs = syncs_per_round(self.num_fragments, self.interval, self.ctx.config.algo.gamma,
                                          self.job_step_seconds, self.job_sync_seconds)
         self.slot = max(1, self.interval // self.num_syncs)
