@@ -222,13 +222,15 @@ class CoCoDC(StreamingDiLoCo):
         tau = t - rec.started  # τ, or fewer steps when finish_training lands it early
         if views.empty:
             return tau > 0
-        now = [m.to(self.device, copy=True) for m in views.main]
+        progress = [m.to(self.device) - s for m, s in zip(views.main, rec.snapshot)]  # u, before the outer step
         self.outer.step(views, mean)
         coef = self.dc_lambda / (tau * self.interval) if tau > 0 else 0.0
-        for m, a, s, local in zip(views.main, self.outer.anchor(views), rec.snapshot, now):
-            u = local - s
-            d = a - s
-            m.copy_(a + u - u.mul(u).mul_(d).mul_(coef))  # λ = 0: exactly a + u
+        for m, a, s, u in zip(views.main, self.outer.anchor(views), rec.snapshot, progress):
+            target = torch.add(a, u, out=m) if m.device == a.device else a + u  # λ = 0: exactly a + u
+            if coef:
+                target.sub_((a - s).mul_(u).mul_(u).mul_(coef))  # (λ / (τH)) u ⊙ u ⊙ d
+            if target is not m:
+                m.copy_(target)
         return tau > 0
 
     def after_landing(self, rec: InFlight, mean: List[torch.Tensor], t: int) -> None:
@@ -237,7 +239,8 @@ class CoCoDC(StreamingDiLoCo):
         p = rec.fragment
         sq = 0.0
         for r, lo, hi in self.spans[p]:
-            sq += float(mean[r][lo:hi].double().pow(2).sum())
+            piece = mean[r][lo:hi]
+            sq += float(torch.dot(piece, piece))
         values = [sq, 0.0, 0.0, 0.0, 0.0, 0.0]
         if self.measuring:
             if self.step_count:
