@@ -20,6 +20,7 @@ from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.training.checkpointing.config import CheckpointConfig
+from megatron_lsgd.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat_args
 from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
 
@@ -213,6 +214,8 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only and start at iteration 0 (fresh optimizer, scheduler, RNG, data)")
+    g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
+                   help="skip comparing every loaded file with the SHA-256 recorded in metadata.json at save time")
 
 
 def _emulation_args(p: argparse.ArgumentParser) -> None:
@@ -232,7 +235,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, _lsgd_args,
-                _checkpoint_args, _emulation_args):
+                _checkpoint_args, _emulation_args, add_megatron_compat_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -332,12 +335,15 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     lsgd.validate(dims.sites)
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
-        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune)
+        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+        verify_checksums=not args.no_verify_checkpoint_checksums)
     checkpoint.validate()
     stragglers = StragglerConfig.from_args(args)
     stragglers.validate(world_size)
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
-    return RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
-                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
-                     checkpoint=checkpoint, stragglers=stragglers)
+    run = RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
+                    tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
+                    checkpoint=checkpoint, stragglers=stragglers)
+    apply_megatron_compat_args(args, run)
+    return run

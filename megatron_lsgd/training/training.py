@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NoReturn, Optional
@@ -24,9 +23,10 @@ from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
 from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
-from megatron_lsgd.training.checkpointing import CheckpointError
 from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
 from megatron_lsgd.training.data_samplers import build_data_iterator
+from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
+                                          exit_with_error, take_save_lock)
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
@@ -206,7 +206,10 @@ class Trainer:
                 if math.isnan(grad_norm):
                     nans += 1
                 norm_sum, norm_count = norm_sum + grad_norm, norm_count + 1
-            for k, v in self._reduce_site_losses(losses).items():
+            site_losses = self._reduce_site_losses(losses)
+            if self.config.optimizer.check_for_nan_in_grad and (ok or not t.fp16):
+                check_finite_loss(site_losses, t.fp16)
+            for k, v in site_losses.items():
                 sums[k] = sums.get(k, torch.zeros_like(v)) + v
 
             if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
@@ -277,12 +280,9 @@ class Trainer:
         return result
 
 
-def _exit_on_bad_input(err: Exception) -> NoReturn:
-    """Bad flags or a bad checkpoint: one clear line on stderr and exit code 2, no traceback."""
-    if dist.get_rank() == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-    dist.destroy_process_group()
-    raise SystemExit(2) from err
+def _exit_on_bad_input(err: Exception, prefix: str = "") -> NoReturn:
+    """Bad flags, files or a diverged run: one clear line on stderr and exit code 2, no traceback."""
+    exit_with_error(err, prefix)
 
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable, forward_step_func: Callable,
@@ -290,7 +290,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     """Megatron's entry point: parse flags, initialize, build, train. Returns the result
     (and the model) so tests and benchmarks can inspect the run."""
     args = parse_args(argv, extra_args_provider)
-    device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    try:
+        device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    except ValueError as err:
+        _exit_on_bad_input(err)
     try:
         config = build_config(args, dist.get_world_size())
     except ValueError as err:
@@ -300,12 +303,22 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x DP {d.dp_intra} per site x "
               f"{d.sites} sites | algorithm {config.lsgd.algorithm} | micro-batches per step "
               f"{config.num_microbatches} | device {device}", flush=True)
+    lock = None
     try:
-        trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device)
-    except CheckpointError as err:
-        _exit_on_bad_input(err)
-    if dist.get_rank() == 0:
-        n = sum(p.numel() for p in trainer.model.module.parameters())
-        print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
-              flush=True)
-    return trainer.train()
+        try:  # user input: flags, tokenizer and data files, the checkpoint to load, --save
+            lock = take_save_lock(config.checkpoint.save)
+            trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device)
+        except STARTUP_ERRORS as err:
+            _exit_on_bad_input(err)
+        if dist.get_rank() == 0:
+            n = sum(p.numel() for p in trainer.model.module.parameters())
+            print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
+                  flush=True)
+        try:  # a diverged run, a failed save (disk full), a corrupt sample
+            return trainer.train()
+        except RUN_ERRORS as err:
+            _exit_on_bad_input(err, prefix=f"iteration {trainer.iteration + 1}: " if isinstance(
+                err, NonFiniteError) else "")
+    finally:
+        if lock is not None:
+            lock.release()

@@ -19,6 +19,26 @@ from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices
 from megatron_lsgd.training.initialize import free_port
 
 
+def tree_digest(path: str) -> Dict[str, str]:
+    """Relative path -> SHA-256 of every file under `path` (or of `path` itself), plus every
+    directory, so a test can show that a failed command changed nothing on disk."""
+    import hashlib
+
+    if not os.path.exists(path):
+        return {}
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return {".": hashlib.sha256(f.read()).hexdigest()}
+    out = {}
+    for dirpath, dirs, files in os.walk(path):
+        out[os.path.relpath(dirpath, path) + "/"] = "dir"
+        for name in files:
+            full = os.path.join(dirpath, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
 def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

@@ -25,6 +25,9 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # Stop (NonFiniteError) instead of applying an update whose gradient norm is NaN/Inf
+    # (Megatron's --check-for-nan-in-loss-and-grad; fp16 overflow skips are not affected).
+    check_for_nan_in_grad: bool = True
 
     def validate(self, train_iters: int) -> None:
         if self.optimizer not in ("adam", "sgd"):

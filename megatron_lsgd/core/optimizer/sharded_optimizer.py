@@ -23,6 +23,11 @@ from megatron_lsgd.core.optimizer.grad_scaler import ConstantGradScaler, Dynamic
 from megatron_lsgd.core.parallel_state import ProcessGroups
 
 
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm is NaN/Inf: the run diverged. Raised before any update
+    is applied, so the model stays finite."""
+
+
 @dataclass
 class ShardPiece:
     """The part of one parameter that lives in this rank's shard."""
@@ -121,6 +126,9 @@ class ShardedOptimizer:
             if found_inf:
                 return False, None
         norm = self.grad_norm()
+        if self.config.check_for_nan_in_grad and not math.isfinite(norm):
+            raise NonFiniteError(f"the gradient norm is {norm}: training diverged, so no update was applied and "
+                                 f"the checkpoints on disk stay finite (lower --lr or lengthen the warmup)")
         if self.config.clip_grad > 0 and norm > self.config.clip_grad:
             coeff = self.config.clip_grad / (norm + 1e-6)
             for _, _, grad in self.main_shards:
