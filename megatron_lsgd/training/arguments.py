@@ -20,6 +20,7 @@ from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.training.checkpointing.config import CheckpointConfig
+from megatron_lsgd.training.guard import check_output_paths
 from megatron_lsgd.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat_args
 from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
@@ -254,6 +255,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
     if args.micro_batch_size < 1:
         raise ValueError("--micro-batch-size must be >= 1")
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise ValueError(f"--global-batch-size must be >= 1 (got {args.global_batch_size})")
     global_batch = args.global_batch_size or args.micro_batch_size * dims.dp
     per_step = args.micro_batch_size * dims.dp
     if global_batch % per_step:
@@ -346,4 +349,5 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
                     checkpoint=checkpoint, stragglers=stragglers)
     apply_megatron_compat_args(args, run)
+    check_output_paths(args)
     return run

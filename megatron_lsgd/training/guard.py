@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Dict, NoReturn, Optional
 
@@ -59,6 +60,31 @@ def warn_once(key: str, message: str, rank: int = 0) -> None:
     if rank == 0 and key not in _warned:
         _warned.add(key)
         print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _parent_is_a_file(path: str) -> Optional[str]:
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return parent if parent and not os.path.isdir(parent) else None
+
+
+def check_output_paths(args) -> None:
+    """Paths the run writes to, checked before anything is built (read-only checks; --save
+    is checked by take_save_lock, which has to create it anyway)."""
+    for flag, path, want in (("--json-log", getattr(args, "json_log", None), "file"),
+                             ("--tensorboard-dir", getattr(args, "tensorboard_dir", None), "dir"),
+                             ("--data-cache-path", getattr(args, "data_cache_path", None), "dir")):
+        if not path:
+            continue
+        if want == "file" and os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a directory; give a file path (one JSON object per line is "
+                             f"appended to it)")
+        if want == "dir" and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a file; give a directory")
+        blocked = _parent_is_a_file(path)
+        if blocked:
+            raise ValueError(f"{flag} {path} cannot be created: {blocked} is a file")
 
 
 def take_save_lock(save_dir: Optional[str]) -> Optional[SaveLock]:

@@ -53,3 +53,10 @@ class OptimizerConfig:
             raise ValueError("--weight-decay must be >= 0")
         if self.clip_grad < 0:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ValueError(f"--loss-scale {self.loss_scale} must be > 0")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ValueError(f"--min-loss-scale {self.min_loss_scale} and --initial-loss-scale "
+                             f"{self.initial_loss_scale} must satisfy 0 < min <= initial")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ValueError("--loss-scale-window and --hysteresis must be >= 1")

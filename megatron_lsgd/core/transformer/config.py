@@ -15,7 +15,7 @@ class TransformerConfig:
     num_attention_heads: int = 4
     ffn_hidden_size: Optional[int] = None  # default 4h (GELU) or Llama's 8h/3 rounded (SwiGLU)
     num_query_groups: Optional[int] = None  # None: multi-head attention (groups == heads)
-    kv_channels: Optional[int] = None  # per-head size; default hidden / heads
+    kv_channels: Optional[int] = None  # per-head size; default hidden / heads (left unset when it does not divide)
     seq_length: int = 128
     max_position_embeddings: Optional[int] = None
     padded_vocab_size: int = 128
@@ -35,7 +35,10 @@ class TransformerConfig:
     def __post_init__(self):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None and self.num_attention_heads > 0:
+        # Only an exact default: a hidden size the heads do not divide stays unset, so that
+        # validate() can tell the user instead of silently training a narrower attention.
+        if self.kv_channels is None and self.num_attention_heads > 0 \
+                and self.hidden_size % self.num_attention_heads == 0:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
@@ -54,9 +57,17 @@ class TransformerConfig:
         need(self.num_layers >= 1, "--num-layers must be >= 1")
         need(self.hidden_size >= 1 and self.num_attention_heads >= 1,
              "--hidden-size and --num-attention-heads must be >= 1")
-        need(self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
+        need(self.kv_channels is not None,
              f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-             f"{self.num_attention_heads}; set --kv-channels")
+             f"{self.num_attention_heads}; change one of them or set --kv-channels (the per-head size)")
+        need(self.kv_channels >= 1, f"--kv-channels must be >= 1 (got {self.kv_channels})")
+        need(self.num_query_groups >= 1, f"--num-query-groups must be >= 1 (got {self.num_query_groups})")
+        need(self.ffn_hidden_size >= 1, f"--ffn-hidden-size must be >= 1 (got {self.ffn_hidden_size})")
+        need(self.max_position_embeddings >= 1,
+             f"--max-position-embeddings must be >= 1 (got {self.max_position_embeddings})")
+        need(self.norm_epsilon > 0, f"--norm-epsilon must be > 0 (got {self.norm_epsilon})")
+        need(self.init_method_std >= 0, f"--init-method-std must be >= 0 (got {self.init_method_std})")
+        need(self.rotary_base > 0, f"--rotary-base must be > 0 (got {self.rotary_base})")
         need(self.num_attention_heads % self.num_query_groups == 0,
              f"--num-attention-heads {self.num_attention_heads} must be a multiple of "
              f"--num-query-groups {self.num_query_groups}")

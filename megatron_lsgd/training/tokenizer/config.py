@@ -28,6 +28,8 @@ class TokenizerConfig:
             raise ValueError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
         if self.tokenizer_type == "NullTokenizer" and not self.vocab_size:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"--vocab-size must be >= 2 (got {self.vocab_size})")
         if self.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer") \
                 and not self.tokenizer_model:
             raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model")
