@@ -27,6 +27,7 @@ class ScheduleSpec:
     device: torch.device
     forward_only: bool = False
     loss_scale: float = 1.0  # fp16: scale the loss before backward
+    free_sent_outputs: bool = True  # 1F1B: drop a stage output's values once sent (see _free_sent_output)
 
 
 def _microbatch_context(model, is_last: bool):
@@ -46,12 +47,29 @@ def _forward(forward_step_func, data_iterator, model, input_tensor, spec: Schedu
     return output
 
 
+def _free_sent_output(output: torch.Tensor, spec: ScheduleSpec) -> None:
+    """1F1B keeps a stage's output until its backward, but once the output has been sent to
+    the next stage only its autograd graph is still needed (backward starts from the
+    gradient the next stage sends back), not its values. Like Megatron, replace the values
+    with a one-element placeholder right after the send, so up to PP - stage in-flight
+    outputs stop holding [s, b, h] each. Views are left alone (their storage is shared)."""
+    if spec.free_sent_outputs and not spec.forward_only and output._base is None:
+        output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
 def _backward(input_tensor, output, output_grad, spec: ScheduleSpec):
     if input_tensor is not None:
         input_tensor.retain_grad()
     if output_grad is None:  # last stage: output is the scalar loss
         output = output * spec.loss_scale
-    torch.autograd.backward(output, grad_tensors=output_grad)
+    if output_grad is not None and output.shape != output_grad.shape:
+        # A freed output (_free_sent_output): torch.autograd.backward would compare the
+        # placeholder's shape with the gradient's, so call the engine directly. The graph
+        # node recorded the real shape and checks the gradient against it.
+        torch.autograd.Variable._execution_engine.run_backward(
+            (output,), (output_grad,), False, False, (), True, True)
+    else:
+        torch.autograd.backward(output, grad_tensors=output_grad)
     return None if input_tensor is None else input_tensor.grad
 
 
@@ -97,6 +115,8 @@ def forward_backward_pipelining_1f1b(forward_step_func: Callable, data_iterator,
             output = _forward(forward_step_func, data_iterator, model, input_tensor, spec, pgs, losses)
         p2p.send_forward(output)
         if not spec.forward_only:
+            if not pgs.is_last_stage:
+                _free_sent_output(output, spec)
             inputs.append(input_tensor)
             outputs.append(output)
 
@@ -111,6 +131,8 @@ def forward_backward_pipelining_1f1b(forward_step_func: Callable, data_iterator,
                 input_tensor = p2p.recv_forward()
             continue
         output_grad = p2p.send_forward_recv_backward(output)
+        if not pgs.is_last_stage:
+            _free_sent_output(output, spec)
         inputs.append(input_tensor)
         outputs.append(output)
         input_grad = run_backward(inputs.pop(0), outputs.pop(0), output_grad)
