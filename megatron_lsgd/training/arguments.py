@@ -14,8 +14,8 @@ import torch
 
 from megatron_lsgd.core.datasets.config import DataConfig
 from megatron_lsgd.core.distributed.data_parallel import DDPConfig
+from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.config import LsgdConfig
-from megatron_lsgd.core.lsgd.registry import registered_algorithms
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
@@ -30,7 +30,9 @@ from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerCo
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None
-    train_iters: int = 100
+    train_iters: int = 100  # given, or derived from a sample/token budget
+    train_samples: Optional[int] = None  # the job's sample budget (all sites), when given as one
+    exit_duration_in_mins: Optional[float] = None
     eval_interval: int = 1000
     eval_iters: int = 10
     log_interval: int = 100
@@ -110,7 +112,17 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, required=True)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro batch size x data-parallel size")
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="inner steps to train (or give a budget: --train-samples / --train-tokens)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train on this many samples in total, all sites together (iterations = samples // "
+                        "global batch size)")
+    g.add_argument("--train-tokens", type=int, default=None,
+                   help="train on this many tokens in total, all sites together (samples = tokens // "
+                        "--seq-length)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (saving a checkpoint with --save) once this many minutes have passed since start-up; "
+                        "every rank stops at the same iteration and a resumed run continues exactly")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100, help="0 disables evaluation")
     g.add_argument("--log-interval", type=int, default=100)
@@ -161,48 +173,6 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
 
 
-def _lsgd_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cross-site synchronization")
-    g.add_argument("--lsgd-algorithm", choices=registered_algorithms(), default="sync",
-                   help="how data parallelism crosses sites (sync: average gradients every step)")
-    g.add_argument("--lsgd-warmup-iters", type=int, default=0,
-                   help="fully synchronous steps before a local-SGD algorithm starts")
-    g.add_argument("--lsgd-interval", type=int, default=50, help="H: inner steps per outer round (diloco, dilocox)")
-    g.add_argument("--lsgd-outer-lr", type=float, default=0.7, help="outer Nesterov SGD learning rate")
-    g.add_argument("--lsgd-outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
-    g.add_argument("--lsgd-outer-offload", action="store_true",
-                   help="keep the anchor and outer momentum of this rank's shard on CPU")
-    g.add_argument("--lsgd-dilocox-restart", choices=["eager", "anchor"], default="eager",
-                   help="where dilocox's next round starts: eager = anchor minus this site's own in-flight "
-                        "pseudo-gradient, anchor = the (one round late) anchor itself")
-    g.add_argument("--lsgd-dilocox-apply-step", type=int, default=0, metavar="TAU",
-                   help="dilocox: apply round t's mean after TAU inner steps of round t+1 instead of at its "
-                        "end (0, the default: TAU = H, DiLoCoX's one-round delay). A smaller TAU shortens the "
-                        "time sites train on stale averages; the transfer must then hide in TAU steps")
-    g.add_argument("--lsgd-compression", choices=["none", "int8", "int4", "lowrank-int4"], default="none",
-                   help="dilocox pseudo-gradient compression (with error feedback)")
-    g.add_argument("--lsgd-rank", type=int, default=0, help="low-rank compression rank (lowrank-int4)")
-    g.add_argument("--lsgd-quant-block", type=int, default=64, help="values per quantization scale")
-    g.add_argument("--lsgd-quantized-mean", choices=["auto", "allgather", "alltoall"], default="auto",
-                   help="quantized mean across sites (auto: allgather for <= 2 sites, alltoall above)")
-    g.add_argument("--lsgd-adaptive", action="store_true", help="dilocox: adapt the rank and H every round")
-    g.add_argument("--lsgd-adaptive-energy", type=float, default=0.9,
-                   help="effective rank = smallest k holding this share of the reduced P's spectral energy")
-    g.add_argument("--lsgd-adaptive-window", type=int, default=5, help="rounds averaged for the next rank")
-    g.add_argument("--lsgd-adaptive-min-rank", type=int, default=1)
-    g.add_argument("--lsgd-adaptive-h-rule", choices=["hide-comm", "scale-with-rank"], default="hide-comm",
-                   help="hide-comm: smallest H whose compute hides the measured transfer; "
-                        "scale-with-rank: H proportional to the current rank")
-    g.add_argument("--lsgd-adaptive-h-min", type=int, default=None, help="default: --lsgd-interval")
-    g.add_argument("--lsgd-adaptive-h-max", type=int, default=None, help="default: 4 x --lsgd-interval")
-    g.add_argument("--lsgd-adaptive-h-slack", type=float, default=1.2,
-                   help="hide-comm: compute time must cover this multiple of the transfer time")
-    g.add_argument("--simulate-inter-site-bandwidth", type=float, default=0.0,
-                   help="Mbit/s of a simulated inter-site link (0: unlimited)")
-    g.add_argument("--simulate-inter-site-latency", type=float, default=0.0,
-                   help="ms added to every inter-site collective")
-
-
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing (docs/checkpointing.md)")
     g.add_argument("--save", type=str, default=None, help="directory to save checkpoints to")
@@ -235,7 +205,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     p = argparse.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, _lsgd_args,
+    for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, catalog.add_arguments,
                 _checkpoint_args, _emulation_args, add_megatron_compat_args):
         add(p)
     if extra_args_provider is not None:
@@ -245,6 +215,26 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
 
 def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None):
     return build_parser(extra_args_provider).parse_args(argv)
+
+
+def _training_length(args: argparse.Namespace, global_batch: int):
+    """(train_iters, train_samples or None) from exactly one of the three length flags."""
+    given = [f for f, v in (("--train-iters", args.train_iters), ("--train-samples", args.train_samples),
+                            ("--train-tokens", args.train_tokens)) if v is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of --train-iters, --train-samples, --train-tokens"
+                         + (f" (got {', '.join(given)})" if given else ""))
+    if args.train_iters is not None:
+        if args.train_iters < 1:
+            raise ValueError("--train-iters must be >= 1")
+        return args.train_iters, None
+    if args.train_tokens is not None:
+        samples, flag = args.train_tokens // args.seq_length, f"--train-tokens {args.train_tokens}"
+    else:
+        samples, flag = args.train_samples, f"--train-samples {args.train_samples}"
+    if samples < global_batch:
+        raise ValueError(f"{flag} is less than one global batch ({global_batch} samples of {args.seq_length} tokens)")
+    return samples // global_batch, samples
 
 
 def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -263,8 +253,9 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         raise ValueError(
             f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {args.micro_batch_size} x "
             f"data-parallel size {dims.dp} (= {dims.dp_intra} per site x {dims.sites} sites) = {per_step}")
-    if args.train_iters < 1:
-        raise ValueError("--train-iters must be >= 1")
+    train_iters, train_samples = _training_length(args, global_batch)
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ValueError(f"--exit-duration-in-mins must be > 0 (got {args.exit_duration_in_mins:g})")
     for flag, value in (("--log-interval", args.log_interval), ("--eval-interval", args.eval_interval)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1")
@@ -282,7 +273,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         raise ValueError("--distributed-timeout-minutes must be >= 1")
 
     training = TrainingConfig(
-        micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, train_iters=args.train_iters,
+        micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, train_iters=train_iters,
+        train_samples=train_samples, exit_duration_in_mins=args.exit_duration_in_mins,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, log_interval=args.log_interval,
         exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
         tensorboard_dir=args.tensorboard_dir, json_log=args.json_log, distributed_backend=args.distributed_backend,
@@ -309,7 +301,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         lr_decay_iters=args.lr_decay_iters, loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
-    optimizer.validate(args.train_iters)
+    optimizer.validate(train_iters)
     tokenizer_type = args.tokenizer_type or ("NullTokenizer" if args.mock_data else None)
     if tokenizer_type is None:
         raise ValueError("--tokenizer-type is required (NullTokenizer with --vocab-size for --mock-data)")
@@ -324,18 +316,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         num_workers=args.num_workers)
     data.validate()
-    lsgd = LsgdConfig(
-        algorithm=args.lsgd_algorithm, warmup_iters=args.lsgd_warmup_iters, interval=args.lsgd_interval,
-        outer_lr=args.lsgd_outer_lr, outer_momentum=args.lsgd_outer_momentum, outer_offload=args.lsgd_outer_offload,
-        dilocox_restart=args.lsgd_dilocox_restart, dilocox_apply_step=args.lsgd_dilocox_apply_step,
-        compression=args.lsgd_compression, rank=args.lsgd_rank, quant_block=args.lsgd_quant_block,
-        quantized_mean=args.lsgd_quantized_mean, seed=args.seed, adaptive=args.lsgd_adaptive,
-        adaptive_energy=args.lsgd_adaptive_energy, adaptive_window=args.lsgd_adaptive_window,
-        adaptive_min_rank=args.lsgd_adaptive_min_rank, adaptive_h_rule=args.lsgd_adaptive_h_rule,
-        adaptive_h_min=args.lsgd_adaptive_h_min, adaptive_h_max=args.lsgd_adaptive_h_max,
-        adaptive_h_slack=args.lsgd_adaptive_h_slack, sim_bandwidth_mbit=args.simulate_inter_site_bandwidth,
-        sim_latency_ms=args.simulate_inter_site_latency)
-    lsgd.validate(dims.sites)
+    lsgd = catalog.config_from_args(args, dims.sites)
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,

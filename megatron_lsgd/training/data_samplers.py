@@ -1,8 +1,15 @@
-"""Which samples each data-parallel rank reads, Megatron style.
+"""Which samples each data-parallel rank reads: Megatron's order, one stream per site.
 
-A global batch is cut into chunks of micro_batch x DP consecutive sample indices; DP rank
-r takes the r-th micro-batch of each chunk. The set of micro-batches per global batch is
-therefore the same for every layout, which makes DP/site layouts equivalent to one rank.
+A global batch is cut into chunks of micro_batch x DP consecutive sample indices
+(DP = DP_intra x S); inside a chunk, site s owns the DP_intra micro-batches
+[s DP_intra mb, (s+1) DP_intra mb), and its DP_intra rank r the r-th of those. So every
+layout reads the same micro-batches per global batch as one rank would, which is what
+makes DP/site layouts equivalent.
+
+Each site walks only its own column of that grid, counting its own consumed samples. Sites
+that advance together (every lockstep algorithm) read exactly Megatron's global order;
+sites that run at different speeds (A-EDiT, ACCO's variable micro-batch counts) never read
+the same sample, and each resumes from its own count.
 """
 
 from __future__ import annotations
@@ -12,40 +19,48 @@ from typing import Iterator, List
 import torch
 
 
-class PretrainingSampler:
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int):
-        if consumed_samples > total_samples:
-            raise ValueError(f"consumed samples {consumed_samples} exceed the dataset's {total_samples}")
+class SiteSampler:
+    def __init__(self, total_samples: int, site_consumed: int, micro_batch_size: int, site: int, sites: int,
+                 dp_intra_rank: int, dp_intra: int):
+        self.site_chunk = micro_batch_size * dp_intra  # one micro-batch per rank of the site
+        self.chunk = self.site_chunk * sites
+        if site_consumed % self.site_chunk:
+            raise ValueError(f"site consumed samples {site_consumed} is not a multiple of micro batch x "
+                             f"data-parallel ranks per site ({self.site_chunk})")
+        if site_consumed // self.site_chunk * self.chunk > total_samples:
+            raise ValueError(f"consumed samples {site_consumed} (this site) exceed the dataset's share "
+                             f"{total_samples // sites}")
         self.total = total_samples
-        self.consumed = consumed_samples
+        self.consumed = site_consumed
         self.mb = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
+        self.offset = site * self.site_chunk + dp_intra_rank * micro_batch_size
 
     def __len__(self) -> int:
-        return (self.total - self.consumed) // (self.mb * self.dp_size)
+        return self.total // self.chunk - self.consumed // self.site_chunk
 
     def __iter__(self) -> Iterator[List[int]]:
-        chunk = self.mb * self.dp_size
-        for start in range(self.consumed, self.total - chunk + 1, chunk):
-            lo = start + self.dp_rank * self.mb
+        for c in range(self.consumed // self.site_chunk, self.total // self.chunk):
+            lo = c * self.chunk + self.offset
             yield list(range(lo, lo + self.mb))
 
 
-def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                        num_workers: int = 0, cyclic: bool = False):
+def build_data_iterator(dataset, site_consumed: int, micro_batch_size: int, pgs, num_workers: int = 0,
+                        cyclic: bool = False):
+    """An iterator of this rank's micro-batches, starting after `site_consumed` samples of
+    its site's stream (the validation iterator is cyclic and always starts at 0)."""
     if dataset is None:
         return None
+    dims = pgs.dims
 
     def make_loader(consumed):
-        sampler = PretrainingSampler(len(dataset), consumed, micro_batch_size, dp_rank, dp_size)
+        sampler = SiteSampler(len(dataset), consumed, micro_batch_size, pgs.site_rank, dims.sites, pgs.dp_intra_rank,
+                              dims.dp_intra)
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                            pin_memory=torch.cuda.is_available(),
                                            persistent_workers=num_workers > 0)
 
     if not cyclic:
-        return iter(make_loader(consumed_samples))
+        return iter(make_loader(site_consumed))
 
     def forever():
         while True:

@@ -1,7 +1,8 @@
 """The training loop: `pretrain(datasets_provider, model_provider, forward_step_func)`.
 
-The loop calls the synchronizer's hooks at fixed points and never asks which algorithm
-is running (see megatron_lsgd/core/lsgd/base.py for the hook order).
+The loop hands the synchronizer the parts of an inner step to compose, calls its hooks at
+fixed points and never asks which algorithm is running (the order is documented in
+megatron_lsgd/core/lsgd/protocol.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
-from megatron_lsgd.core.lsgd.base import SyncContext
+from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, SimulatedLink
-from megatron_lsgd.core.lsgd.registry import synchronizer_class
+from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
@@ -28,9 +29,11 @@ from megatron_lsgd.training.data_samplers import build_data_iterator
 from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
                                           exit_with_error, take_save_lock)
 from megatron_lsgd.training.initialize import init_distributed, initialize
+from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
 from megatron_lsgd.training.stragglers import Straggler
+from megatron_lsgd.training.termination import Termination
 from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
 
 
@@ -52,7 +55,7 @@ class TrainingResult:
 
 class Trainer:
     def __init__(self, config: RunConfig, model_provider: Callable, datasets_provider: Callable,
-                 forward_step_func: Callable, device: torch.device):
+                 forward_step_func: Callable, device: torch.device, start_time: Optional[float] = None):
         self.config = config
         self.device = device
         self.forward_step_func = forward_step_func
@@ -73,73 +76,69 @@ class Trainer:
                                           build_grad_scaler(config.optimizer, config.training.fp16))
         self.scheduler = LRScheduler(config.optimizer)
 
-        comm = InterSiteComm(pgs.dp_inter, config.dims.sites,
-                             SimulatedLink(config.lsgd.sim_latency_ms, config.lsgd.sim_bandwidth_mbit),
+        link = config.lsgd.link
+        comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                              config.training.distributed_timeout_minutes)
         units = model.sync_units()
         sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units))
         self.comm = comm
+        self.phase = UnitHookPhase()
         self._wire_unit_hooks(units)
-        self.train_step = self.synchronizer.wrap_train_step(self._train_step)
 
         t = config.training
         gbs = t.global_batch_size
         eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
         train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
                                                   (t.train_iters * gbs, eval_runs * gbs, t.eval_iters * gbs))
-        self.consumed_samples = 0
+        self.consumed_samples = 0  # the whole job's (all sites)
+        self.site_consumed_samples = 0  # this site's own position in its sample stream
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
-        self.train_iterator = build_data_iterator(train_ds, self.consumed_samples, t.micro_batch_size,
-                                                  pgs.dp_rank, config.dims.dp, config.data.num_workers)
-        self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs.dp_rank, config.dims.dp,
-                                                  config.data.num_workers, cyclic=True)
+        self.train_iterator = build_data_iterator(train_ds, 0, t.micro_batch_size, pgs, config.data.num_workers)
+        self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
+                                                  cyclic=True)
         self.forward_backward = get_forward_backward_func(config.dims.pp)
         seq = config.model.seq_length // (config.dims.tp if config.model.sequence_parallel else 1)
         self.tensor_shape = (seq, t.micro_batch_size, config.model.hidden_size)
+        self.straggler = Straggler(config.stragglers, pgs.rank)
+        self.inner_step = InnerStep(self.model, self.optimizer, self.scheduler, pgs, self.forward_backward,
+                                    forward_step_func, self._schedule_spec, config.num_microbatches, self.straggler,
+                                    self.phase)
+        self.termination = Termination(t, self.synchronizer, time.monotonic() if start_time is None else start_time,
+                                       range(config.dims.world_size))
         self.iteration = 0
         self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.log_rank)
-        self.straggler = Straggler(config.stragglers, pgs.rank)
         self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.log_rank)
         self.last_saved_iteration = None
         if config.checkpoint.load and load_checkpoint(self, config.checkpoint):
             self.last_saved_iteration = self.iteration  # nothing new to save until the next step
 
     def save_checkpoint(self) -> None:
+        self.synchronizer.quiesce()  # nothing in flight: the saved state is complete
         save_checkpoint(self, self.config.checkpoint)
         self.last_saved_iteration = self.iteration
 
     # ---- hooks -----------------------------------------------------------------------------
     def _wire_unit_hooks(self, units) -> None:
-        sync = self.synchronizer
+        """Unit hooks fire in training only (the phase says so) and know the micro-batch."""
+        sync, phase = self.synchronizer, self.phase
+
+        def before_forward(unit):
+            if phase.training:
+                sync.before_unit_forward(unit, phase.current())
+
         if sync.uses_unit_forward_hooks:
             for unit in units:
-                unit.modules[0].register_forward_pre_hook(lambda _m, _a, unit=unit: sync.before_unit_forward(unit))
-        if sync.uses_unit_backward_hooks:
-            self.model.add_unit_backward_listener(units, sync.after_unit_backward)
+                unit.modules[0].register_forward_pre_hook(lambda _m, _a, unit=unit: before_forward(unit))
+        if sync.uses_unit_backward_hooks:  # backward runs in training only
+            self.model.add_unit_backward_listener(units, lambda unit: sync.after_unit_backward(unit, phase.last()))
 
-    # ---- one step ----------------------------------------------------------------------------
-    def _schedule_spec(self, forward_only: bool) -> ScheduleSpec:
-        return ScheduleSpec(num_microbatches=self.config.num_microbatches, tensor_shape=self.tensor_shape,
-                            dtype=self.config.model.params_dtype, device=self.device, forward_only=forward_only,
-                            loss_scale=self.optimizer.loss_scale)
-
-    def _train_step(self, data_iterator):
-        sync = self.synchronizer
-        self.model.train()
-        self.model.zero_grad_buffer()
-        sync.before_forward_backward(self.iteration)
-        with self.straggler.around_compute(self.iteration):
-            losses = self.forward_backward(self.forward_step_func, data_iterator, self.model,
-                                           self._schedule_spec(False), self.pgs)
-        self.model.finish_grad_sync()
-        sync.after_forward_backward(self.iteration)
-        update_successful, grad_norm = self.optimizer.step(self.scheduler.next_lr())
-        if update_successful:
-            self.scheduler.step()
-        sync.after_optimizer_step(self.iteration, update_successful)
-        return losses, update_successful, grad_norm
+    def _schedule_spec(self, forward_only: bool, num_microbatches: Optional[int] = None,
+                       on_forward: Optional[Callable[[int], None]] = None) -> ScheduleSpec:
+        return ScheduleSpec(num_microbatches=num_microbatches or self.config.num_microbatches,
+                            tensor_shape=self.tensor_shape, dtype=self.config.model.params_dtype, device=self.device,
+                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward)
 
     def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
@@ -167,6 +166,7 @@ class Trainer:
         t = self.config.training
         if self.valid_iterator is None or t.eval_iters == 0:
             return None
+        self.synchronizer.quiesce()  # evaluate a consistent model, nothing in flight
         self.model.eval()
         collected: List[Dict[str, torch.Tensor]] = []
         for _ in range(t.eval_iters):
@@ -187,6 +187,7 @@ class Trainer:
         t = self.config.training
         result = TrainingResult(model=self.model.module, config=self.config)
         gbs = t.global_batch_size
+        site_samples_per_mb = t.micro_batch_size * self.config.dims.dp_intra
         tokens_per_iter = gbs * self.config.model.seq_length
         sums: Dict[str, torch.Tensor] = {}
         interval_iters = skipped = nans = total_skipped = 0
@@ -195,9 +196,13 @@ class Trainer:
         interval_start = time.perf_counter()
         run_start = interval_start
         while self.iteration < t.train_iters:
-            losses, ok, grad_norm = self.train_step(self.train_iterator)
+            self.inner_step.iteration = self.iteration
+            step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
+            losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
             self.iteration += 1
-            self.consumed_samples += gbs
+            site_samples = step.num_microbatches * site_samples_per_mb
+            self.site_consumed_samples += site_samples
+            self.consumed_samples += site_samples * self.config.dims.sites
             interval_iters += 1
             if not ok:
                 skipped += 1
@@ -248,7 +253,8 @@ class Trainer:
                 comm_before = comm_now
                 interval_start = time.perf_counter()
 
-            if self.iteration == t.train_iters:  # before the final evaluation and save
+            stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
+            if stop is not None and stop.ends_training:  # before the final evaluation and save
                 self.synchronizer.finish_training(self.iteration)
             if t.eval_iters > 0 and self.iteration % t.eval_interval == 0:
                 loss = self.evaluate()
@@ -258,10 +264,12 @@ class Trainer:
             ckpt = self.config.checkpoint
             if ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0:
                 self.save_checkpoint()
-            if t.exit_interval and self.iteration % t.exit_interval == 0:
-                print_rank(f"exiting at iteration {self.iteration} (--exit-interval {t.exit_interval})",
-                           self.pgs.rank, self.log_rank)
+            if stop is not None:
+                if not stop.ends_training:
+                    print_rank(f"exiting at iteration {self.iteration} ({stop.reason})", self.pgs.rank, self.log_rank)
                 break
+        self.synchronizer.quiesce()
+        self.termination.close()
         result.iteration = self.iteration
         result.skipped_iterations = total_skipped
         if self.config.checkpoint.save and self.last_saved_iteration != self.iteration and self.iteration > 0:
@@ -289,6 +297,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None) -> TrainingResult:
     """Megatron's entry point: parse flags, initialize, build, train. Returns the result
     (and the model) so tests and benchmarks can inspect the run."""
+    start_time = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's does
     args = parse_args(argv, extra_args_provider)
     try:
         device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
@@ -307,7 +316,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     try:
         try:  # user input: flags, tokenizer and data files, the checkpoint to load, --save
             lock = take_save_lock(config.checkpoint.save)
-            trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device)
+            trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
+                              start_time)
         except STARTUP_ERRORS as err:
             _exit_on_bad_input(err)
         if dist.get_rank() == 0:

@@ -5,7 +5,7 @@ import pytest
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.optimizer.grad_scaler import DynamicGradScaler
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
-from megatron_lsgd.training.data_samplers import PretrainingSampler
+from megatron_lsgd.training.data_samplers import SiteSampler
 
 
 def schedule(style, **kw):
@@ -55,14 +55,35 @@ def test_dynamic_loss_scale_backoff_with_hysteresis_and_growth():
     assert g.scale == 1  # never below min
 
 
-def test_sampler_splits_each_chunk_by_dp_rank():
-    batches = [list(PretrainingSampler(16, 0, 2, r, 2)) for r in range(2)]
-    assert batches[0][:2] == [[0, 1], [4, 5]] and batches[1][:2] == [[2, 3], [6, 7]]
-    union = sorted(i for r in batches for b in r for i in b)
-    assert union == list(range(16))
+def _megatron_order(total, consumed, mb, dp_rank, dp):
+    """Megatron's sampler: chunks of mb x DP, DP rank r takes the r-th micro-batch."""
+    chunk = mb * dp
+    return [list(range(s + dp_rank * mb, s + (dp_rank + 1) * mb)) for s in range(consumed, total - chunk + 1, chunk)]
 
 
-def test_sampler_resumes_from_consumed_samples():
-    assert list(PretrainingSampler(16, 8, 2, 1, 2)) == [[10, 11], [14, 15]]
+@pytest.mark.parametrize("sites,dp_intra", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 2)])
+def test_sites_advancing_together_read_megatrons_order(sites, dp_intra):
+    dp, mb, total = sites * dp_intra, 2, 100
+    for consumed_steps in (0, 3):
+        for site in range(sites):
+            for r in range(dp_intra):
+                got = list(SiteSampler(total, consumed_steps * mb * dp_intra, mb, site, sites, r, dp_intra))
+                assert got == _megatron_order(total, consumed_steps * mb * dp, mb, site * dp_intra + r, dp)
+
+
+def test_sites_at_different_speeds_never_share_a_sample():
+    # site 0 ran 7 micro-batch chunks, site 1 only 2: their next 5 draws are still disjoint
+    fast = [i for b in list(SiteSampler(64, 7 * 2, 2, 0, 2, 0, 1))[:5] for i in b]
+    slow = [i for b in list(SiteSampler(64, 2 * 2, 2, 1, 2, 0, 1))[:5] for i in b]
+    assert not set(fast) & set(slow)
+    seen = [i for b in SiteSampler(64, 0, 2, 0, 2, 0, 1) for i in b] + [i for b in SiteSampler(64, 0, 2, 1, 2, 0, 1)
+                                                                       for i in b]
+    assert sorted(seen) == list(range(64))  # together the two streams cover the data once
+
+
+def test_sampler_resumes_from_its_site_position():
+    assert list(SiteSampler(16, 8, 2, 0, 1, 1, 2)) == [[10, 11], [14, 15]]
     with pytest.raises(ValueError, match="consumed samples"):
-        PretrainingSampler(4, 8, 1, 0, 1)
+        SiteSampler(4, 8, 1, 0, 1, 0, 1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        SiteSampler(16, 3, 2, 0, 1, 0, 1)

@@ -1,5 +1,7 @@
-"""The training loop calls every synchronizer hook at its documented point, for any
-registered algorithm, without knowing which algorithm it is."""
+"""The training loop lets the synchronizer compose the inner step and calls every hook at
+its documented point, for any registered algorithm, without knowing which algorithm it
+is: the parts of the step in order, unit hooks with their micro-batch and in training
+only (never in evaluation), quiesce() before every evaluation, checkpoint save and exit."""
 
 from __future__ import annotations
 
@@ -11,12 +13,35 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_lsgd.core.lsgd.base import Synchronizer, register, registered_algorithms
+from megatron_lsgd.core.lsgd.protocol import Synchronizer
+from megatron_lsgd.core.lsgd.registry import register, registered_algorithms
 from tests.unit_tests.harness import free_port
+
+PARTS = ("zero_grads", "compute_grads", "reduce_in_site", "apply")
+
+
+class _RecordingStep:
+    """Forwards to the real InnerStep, recording each part as it is called."""
+
+    def __init__(self, step, events):
+        self._step, self._events = step, events
+
+    def __getattr__(self, name):
+        attr = getattr(self._step, name)
+        if name not in PARTS:
+            return attr
+
+        def part(*args, **kwargs):
+            self._events.append(("part", name))
+            return attr(*args, **kwargs)
+        return part
+
 
 if "recording" not in registered_algorithms():
     @register
     class RecordingSynchronizer(Synchronizer):
+        """Records every hook (tests only)"""
+
         name = "recording"
         uses_unit_forward_hooks = True
         uses_unit_backward_hooks = True
@@ -25,30 +50,29 @@ if "recording" not in registered_algorithms():
             super().__init__(ctx)
             self.events = []
 
-        def wrap_train_step(self, step_fn):
-            self.events.append(("wrap",))
-
-            def wrapped(it):
-                self.events.append(("step",))
-                return step_fn(it)
-            return wrapped
+        def train_step(self, step, data_iterator, iteration):
+            self.events.append(("step", iteration))
+            return super().train_step(_RecordingStep(step, self.events), data_iterator, iteration)
 
         def before_forward_backward(self, iteration):
             self.events.append(("before_fb", iteration))
 
-        def before_unit_forward(self, unit):
-            self.events.append(("unit_fwd", unit.name))
+        def before_unit_forward(self, unit, microbatch):
+            self.events.append(("unit_fwd", unit.name, microbatch.index, microbatch.count))
 
-        def after_unit_backward(self, unit):
+        def after_unit_backward(self, unit, microbatch):
             # the unit's gradient for the step is complete when this fires
             grads_ready = all(p.main_grad.abs().sum() > 0 for p in unit.parameters() if p.ndim > 1)
-            self.events.append(("unit_bwd", unit.name, grads_ready))
+            self.events.append(("unit_bwd", unit.name, grads_ready, microbatch.last))
 
         def after_forward_backward(self, iteration):
             self.events.append(("after_fb", iteration))
 
         def after_optimizer_step(self, iteration, ok):
             self.events.append(("after_opt", iteration, ok))
+
+        def quiesce(self):
+            self.events.append(("quiesce",))
 
         def finish_training(self, iteration):
             self.events.append(("finish", iteration))
@@ -59,22 +83,14 @@ def _worker(rank, world, port, out_dir):
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import pretrain_gpt
-    from megatron_lsgd.training import training
 
-    captured = {}
-    original = training.Trainer.__init__
-
-    def spy(self, *a, **k):
-        original(self, *a, **k)
-        captured["sync"] = self.synchronizer
-
-    training.Trainer.__init__ = spy
-    pretrain_gpt.main(["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2",
-                       "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "3",
-                       "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
-                       "--eval-iters", "0", "--log-interval", "1", "--pipeline-model-parallel-size", "2",
-                       "--lsgd-algorithm", "recording"])
-    torch.save(captured["sync"].events, os.path.join(out_dir, f"{rank}.pt"))
+    result = pretrain_gpt.main(["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2",
+                                "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "3",
+                                "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
+                                "--eval-interval", "1", "--eval-iters", "2", "--log-interval", "1",
+                                "--save", os.path.join(out_dir, "ckpt"), "--save-interval", "2",
+                                "--pipeline-model-parallel-size", "2", "--lsgd-algorithm", "recording"])
+    torch.save(result.synchronizer.events, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -85,21 +101,27 @@ def test_hooks_fire_in_documented_order_on_each_pipeline_stage():
         events = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
     stage_units = [["embedding", "layers.0", "layers.1"], ["layers.2", "layers.3", "output"]]
     for rank, ev in enumerate(events):
-        assert ev[0] == ("wrap",)
-        steps = [i for i, e in enumerate(ev) if e == ("step",)]
-        assert len(steps) == 2
-        assert ev[-1] == ("finish", 2) and sum(e[0] == "finish" for e in ev) == 1  # once, at --train-iters
-        ev = ev[:-1]
-        for s, start in enumerate(steps):
-            end = steps[s + 1] if s + 1 < len(steps) else len(ev)
-            step = ev[start + 1:end]
+        starts = [i for i, e in enumerate(ev) if e[0] == "step"]
+        assert [ev[i] for i in starts] == [("step", 0), ("step", 1)]
+        # between and after the steps: evaluation (quiesced first, no unit hook), the end
+        assert ev[:starts[0]] == []
+        assert ev[starts[1] - 1:starts[1]] == [("quiesce",)]  # evaluation at iteration 1
+        tail = ev[ev.index(("after_opt", 1, True)) + 1:]
+        # iteration 2 ends training: finish, then quiesce before evaluation, before the save, at exit
+        assert tail == [("finish", 2), ("quiesce",), ("quiesce",), ("quiesce",)]
+        for s, start in enumerate(starts):
+            step = ev[start + 1:ev.index(("after_opt", s, True)) + 1]
             kinds = [e[0] for e in step]
-            assert kinds[0] == "before_fb" and step[0][1] == s
-            assert kinds[-2:] == ["after_fb", "after_opt"]
-            assert step[-1] == ("after_opt", s, True)
-            fwd = [e[1] for e in step if e[0] == "unit_fwd"]
-            assert fwd == stage_units[rank] * 3  # three micro-batches, units in forward order
+            outline = [e[1] if e[0] == "part" else e[0] for e in step if e[0] not in ("unit_fwd", "unit_bwd")]
+            assert outline == ["zero_grads", "before_fb", "compute_grads", "reduce_in_site", "after_fb", "apply",
+                               "after_opt"]
+            compute, reduce = step.index(("part", "compute_grads")), step.index(("part", "reduce_in_site"))
+            units = [i for i, k in enumerate(kinds) if k in ("unit_fwd", "unit_bwd")]
+            assert compute < min(units) and max(units) < reduce, "unit hooks fire inside compute_grads"
+            fwd = [(e[1], e[2], e[3]) for e in step if e[0] == "unit_fwd"]
+            # three micro-batches, units in forward order, each hook knowing its micro-batch
+            assert fwd == [(u, mb, 3) for mb in range(3) for u in stage_units[rank]]
             bwd = [e for e in step if e[0] == "unit_bwd"]
             assert sorted(e[1] for e in bwd) == sorted(stage_units[rank])  # once per step each
             assert all(e[2] for e in bwd), "a unit was reported done before its gradient was complete"
-            assert kinds.index("after_fb") > max(i for i, k in enumerate(kinds) if k == "unit_bwd")
+            assert all(e[3] for e in bwd), "after_unit_backward fires on the last micro-batch"

@@ -30,7 +30,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
-from megatron_lsgd.core.lsgd.registry import registered_algorithms  # noqa: E402
+from megatron_lsgd.core.lsgd.catalog import registered_algorithms  # noqa: E402
 from tools.benchmarks import wan_report  # noqa: E402
 from tools.wan.launch import SiteJob, add_link_args, raise_on_termination, run_jobs, topology_from_args, \
     torchrun_cmd  # noqa: E402

@@ -1,45 +1,47 @@
-"""`diloco`: H inner steps on each site, then a blocking fp32 mean of the outer gradient
+"""`diloco`: H inner steps on each site, then a blocking mean of the outer gradient
 Δ = θ_g - θ_local across sites and an outer Nesterov step on the anchor; every site
 restarts from the new anchor (Douillard et al., DiLoCo; DESIGN.md §4.1).
 
-Each rank handles only its own ZeRO-1 shard: the all-reduce runs on dp_inter, and the
-site's all-gather in copy_main_to_model_params() spreads the result inside the site.
-With one site there is nothing to average and the synchronizer does nothing, so S = 1 is
-plain Megatron (DESIGN.md §3).
+Each rank handles only its own ZeRO-1 shard: the whole model is one fragment
+(`optimizer.views()`), its mean runs on dp_inter through the fragment's compressor (fp32
+by default, any `--lsgd-compression` with error feedback), and the site's all-gather in
+copy_main_to_model_params() spreads the result inside the site. With one site there is
+nothing to average and the synchronizer does nothing, so S = 1 is plain Megatron.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Dict, List
+from typing import Dict
 
-import torch
-
-from megatron_lsgd.core.lsgd.base import SyncContext, Synchronizer, register
-from megatron_lsgd.core.lsgd.compression import fp32_mean, run_blocking
-from megatron_lsgd.core.lsgd.outer_optimizer import OuterOptimizer
+from megatron_lsgd.core.lsgd.compressors import CompressorBank
+from megatron_lsgd.core.lsgd.outer_state import OuterState
+from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
+from megatron_lsgd.core.lsgd.reduction import run_blocking
+from megatron_lsgd.core.lsgd.registry import register
 from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
 
 
-def split_like(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
-    return list(flat.split([t.numel() for t in like]))
-
-
 class LocalSGDBase(Synchronizer, abc.ABC):
-    """Shared by the DiLoCo family: warm-up, anchors, round bookkeeping."""
+    """Shared by the DiLoCo family: warm-up, anchors, rounds of H inner steps."""
 
-    def __init__(self, ctx: SyncContext):
+    uses = frozenset({"rounds", "outer", "compression"})
+
+    def __init__(self, ctx: SyncContext, energy: float = 0.9):
         super().__init__(ctx)
         cfg = ctx.config
         self.active = ctx.comm.num_sites > 1
-        self.interval = cfg.interval
+        self.interval = cfg.rounds.interval
         self.steps_in_round = 0
         self.outer_rounds = 0
-        self.outer = OuterOptimizer(ctx.optimizer.main_param_shards(), cfg.outer_lr, cfg.outer_momentum,
-                                    cfg.outer_offload) if self.active else None
+        self.views = ctx.optimizer.views()  # the whole model: one fragment
+        self.outer = OuterState(ctx.optimizer.main_param_shards(), cfg.outer) if self.active else None
+        self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed, energy)
+        device = self.outer.device if self.outer else self.views.main[0].device
+        self.compressor = self.compressors.for_views(self.views, device)
 
     def in_warmup(self, iteration: int) -> bool:
-        return iteration < self.ctx.config.warmup_iters
+        return iteration < self.ctx.config.rounds.warmup_iters
 
     def after_forward_backward(self, iteration: int) -> None:
         if self.active and self.in_warmup(iteration):
@@ -49,8 +51,8 @@ class LocalSGDBase(Synchronizer, abc.ABC):
         if not self.active:
             return
         if self.in_warmup(iteration):
-            if iteration == self.ctx.config.warmup_iters - 1:  # local phase starts from here
-                self.outer.reset_anchors(self.ctx.optimizer.main_param_shards())
+            if iteration == self.ctx.config.rounds.warmup_iters - 1:  # local phase starts from here
+                self.outer.reset(self.views)
             return
         # Skipped (fp16 overflow) steps count too: sites must agree on round boundaries.
         self.steps_in_round += 1
@@ -70,9 +72,8 @@ class LocalSGDBase(Synchronizer, abc.ABC):
             self._close_round()
 
     def restart_from_anchor(self) -> None:
-        opt = self.ctx.optimizer
-        self.outer.load_into(opt.main_param_shards())
-        opt.copy_main_to_model_params()
+        self.outer.load_into(self.views)
+        self.ctx.optimizer.copy_main_to_model_params()
 
     @abc.abstractmethod
     def end_round(self) -> None:
@@ -80,7 +81,8 @@ class LocalSGDBase(Synchronizer, abc.ABC):
 
     def _base_state(self) -> Dict:
         return {"steps_in_round": self.steps_in_round, "outer_rounds": self.outer_rounds,
-                "interval": self.interval, "outer": self.outer.state_dict() if self.outer else {}}
+                "interval": self.interval, "outer": self.outer.state_dict() if self.outer else {},
+                "reducer": self.compressor.state_dict()}
 
     def _load_base_state(self, state: Dict) -> None:
         self.steps_in_round = int(state["steps_in_round"])
@@ -88,16 +90,20 @@ class LocalSGDBase(Synchronizer, abc.ABC):
         self.interval = int(state["interval"])
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
+        if "reducer" in state:  # absent in diloco checkpoints written before diloco could compress
+            self.compressor.load_state_dict(state["reducer"])
 
 
 @register
 class DiLoCo(LocalSGDBase):
+    """H local steps, then a blocking mean of the pseudo-gradient and an outer Nesterov step"""
+
     name = "diloco"
 
     def end_round(self) -> None:
-        deltas = self.outer.outer_gradient(self.ctx.optimizer.main_param_shards())
-        mean, _ = run_blocking(fp32_mean(self.ctx.comm, torch.cat(deltas)))
-        self.outer.step(split_like(mean, deltas))
+        deltas = self.outer.pseudo_gradient(self.views)
+        mean = run_blocking(self.compressor.reduce(deltas))
+        self.outer.step(self.views, mean)
         self.restart_from_anchor()
 
     def state_dict(self) -> Dict:
@@ -107,4 +113,7 @@ class DiLoCo(LocalSGDBase):
         self._load_base_state(state)
 
     def stats(self) -> Dict[str, float]:
-        return {"H": self.interval, "outer rounds": self.outer_rounds}
+        stats = {"H": self.interval, "outer rounds": self.outer_rounds}
+        if self.compressor.last_input_norm > 0:
+            stats["comp rel err"] = self.compressor.last_error_norm / self.compressor.last_input_norm
+        return stats

@@ -35,15 +35,75 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_lsgd.core.lsgd.base import SyncContext, register
-from megatron_lsgd.core.lsgd.compression import ErrorFeedbackReducer, PendingReduce
 from megatron_lsgd.core.lsgd.diloco import LocalSGDBase
+from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.lsgd.protocol import SyncContext
+from megatron_lsgd.core.lsgd.reduction import PendingReduce
+from megatron_lsgd.core.lsgd.registry import register
+
+H_RULES = ("hide-comm", "scale-with-rank")
+
+
+@dataclass
+class DiLoCoXOptions(OptionGroup):
+    restart: str = option("--lsgd-dilocox-restart", "eager",
+                          "where the next round starts: eager = anchor minus this site's own in-flight "
+                          "pseudo-gradient, anchor = the (one round late) anchor itself", choices=("eager", "anchor"))
+    apply_step: int = option("--lsgd-dilocox-apply-step", 0,
+                             "apply round t's mean after TAU inner steps of round t+1 instead of at its end (0, "
+                             "the default: TAU = H, DiLoCoX's one-round delay). A smaller TAU shortens the time "
+                             "sites train on stale averages; the transfer must then hide in TAU steps",
+                             metavar="TAU")
+    adaptive: bool = option("--lsgd-adaptive", False, "adapt the low-rank rank and H every round")
+    adaptive_energy: float = option("--lsgd-adaptive-energy", 0.9,
+                                    "effective rank = smallest k holding this share of the reduced P's spectral "
+                                    "energy")
+    adaptive_window: int = option("--lsgd-adaptive-window", 5, "rounds averaged for the next rank")
+    adaptive_min_rank: int = option("--lsgd-adaptive-min-rank", 1, "smallest rank the adaptive rule may pick")
+    adaptive_h_rule: str = option("--lsgd-adaptive-h-rule", "hide-comm",
+                                  "hide-comm: smallest H whose compute hides the measured transfer; "
+                                  "scale-with-rank: H proportional to the current rank", choices=H_RULES)
+    adaptive_h_min: Optional[int] = option("--lsgd-adaptive-h-min", None, "default: --lsgd-interval", type=int)
+    adaptive_h_max: Optional[int] = option("--lsgd-adaptive-h-max", None, "default: 4 x --lsgd-interval", type=int)
+    adaptive_h_slack: float = option("--lsgd-adaptive-h-slack", 1.2,
+                                     "hide-comm: compute time must cover this multiple of the transfer time")
+
+    def validate(self, config, num_sites: int, **_) -> None:
+        interval, comp = config.rounds.interval, config.compression
+        if self.restart not in ("eager", "anchor"):
+            raise ValueError(f"--lsgd-dilocox-restart {self.restart!r}: choose eager or anchor")
+        if self.apply_step < 0:
+            raise ValueError(f"--lsgd-dilocox-apply-step must be >= 0 (got {self.apply_step}; 0 means H)")
+        if self.apply_step > interval:
+            raise ValueError(f"--lsgd-dilocox-apply-step {self.apply_step} must be <= --lsgd-interval {interval}")
+        if not self.adaptive:
+            return
+        if not 0 < self.adaptive_energy <= 1:
+            raise ValueError("--lsgd-adaptive-energy must be in (0, 1]")
+        if self.adaptive_window < 1:
+            raise ValueError("--lsgd-adaptive-window must be >= 1")
+        if comp.kind == "lowrank-int4" and not 1 <= self.adaptive_min_rank <= comp.rank:
+            raise ValueError(f"--lsgd-adaptive-min-rank must be in [1, --lsgd-rank {comp.rank}]")
+        if self.adaptive_h_rule not in H_RULES:
+            raise ValueError(f"--lsgd-adaptive-h-rule {self.adaptive_h_rule!r}: choose one of {', '.join(H_RULES)}")
+        if self.adaptive_h_rule == "scale-with-rank" and comp.kind != "lowrank-int4":
+            raise ValueError("--lsgd-adaptive-h-rule scale-with-rank needs --lsgd-compression lowrank-int4")
+        if self.adaptive_h_min is None:
+            self.adaptive_h_min = interval
+        if self.adaptive_h_max is None:
+            self.adaptive_h_max = 4 * interval
+        if not 1 <= self.adaptive_h_min <= self.adaptive_h_max:
+            raise ValueError(f"--lsgd-adaptive-h-min {self.adaptive_h_min} and --lsgd-adaptive-h-max "
+                             f"{self.adaptive_h_max} must satisfy 1 <= min <= max")
+        if self.adaptive_h_slack <= 0:
+            raise ValueError("--lsgd-adaptive-h-slack must be > 0")
 
 
 def _max_rank_allowed(layout) -> int:
@@ -59,35 +119,34 @@ def _max_rank_allowed(layout) -> int:
 
 @register
 class DiLoCoX(LocalSGDBase):
+    """DiLoCo with one-round-delay overlap, compressed pseudo-gradients, adaptive rank and H"""
+
     name = "dilocox"
+    Options = DiLoCoXOptions
     requires_multiple_sites = True
 
     def __init__(self, ctx: SyncContext):
-        super().__init__(ctx)
+        super().__init__(ctx, energy=ctx.config.algo.adaptive_energy)
         cfg = ctx.config
-        opt = ctx.optimizer
-        layout = opt.shard_layout()
-        if cfg.compression == "lowrank-int4":
+        xcfg = cfg.algo
+        layout = self.views.layout()
+        if cfg.compression.kind == "lowrank-int4":
             # Every rank must reach the same verdict, or the healthy ranks would hang later.
             allowed = torch.tensor([_max_rank_allowed(layout)], dtype=torch.int64)
             if dist.is_initialized():
                 dist.all_reduce(allowed, op=dist.ReduceOp.MIN)
-            if cfg.rank > int(allowed):
-                raise ValueError(f"--lsgd-rank {cfg.rank} is larger than the smallest weight matrix "
+            if cfg.compression.rank > int(allowed):
+                raise ValueError(f"--lsgd-rank {cfg.compression.rank} is larger than the smallest weight matrix "
                                  f"dimension ({int(allowed)}) on some tensor/pipeline-parallel rank")
         if self.active:  # reductions advance between steps: keep them off the shared dp_inter group
             minutes = ctx.comm.timeout_minutes
             ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
-        shards = opt.main_param_shards()
-        self.reducer = ErrorFeedbackReducer(
-            ctx.comm, [s.shape for s in shards], layout, cfg.compression, cfg.rank, cfg.quant_block,
-            cfg.quantized_mean, cfg.seed, cfg.adaptive_energy, self.outer.device if self.outer else shards[0].device)
         self.pending: Optional[PendingReduce] = None
         self.start_offsets: Optional[List[torch.Tensor]] = None
         self.pending_round = -1  # which round's mean is in flight
         self.applied_rounds: List[int] = []  # round whose mean each outer step applied (-1: none)
-        self.rank_window: deque = deque(maxlen=cfg.adaptive_window)
-        self.initial_rank = self.reducer.rank
+        self.rank_window: deque = deque(maxlen=xcfg.adaptive_window)
+        self.initial_rank = self.compressor.rank
         # timing for the hide-comm rule
         self._round_compute = 0.0
         self._step_start: Optional[float] = None
@@ -104,7 +163,7 @@ class DiLoCoX(LocalSGDBase):
         if self._step_start is not None:
             self._round_compute += time.perf_counter() - self._step_start
         super().after_optimizer_step(iteration, update_successful)
-        tau = min(self.ctx.config.dilocox_apply_step or self.interval, self.interval)
+        tau = min(self.ctx.config.algo.apply_step or self.interval, self.interval)
         if self.pending is not None and 0 < self.steps_in_round == tau:  # (τ = H is handled by end_round)
             self._apply_mean_mid_round()
 
@@ -114,7 +173,7 @@ class DiLoCoX(LocalSGDBase):
         if not self.pending.done:
             self.pending.wait()
             self._comm_seconds = time.perf_counter() - self._comm_issued
-        self.outer.step(self.pending.result)
+        self.outer.step(self.views, self.pending.result)
         self.applied_rounds.append(self.pending_round)
         self.pending, self.pending_round, self.start_offsets = None, -1, None
 
@@ -123,18 +182,18 @@ class DiLoCoX(LocalSGDBase):
         the local replica by the same amount, keeping this round's progress so far; the rest
         of the round is then measured from the new anchor."""
         opt = self.ctx.optimizer
-        shards = opt.main_param_shards()
+        shards, anchors = self.views.main, self.outer.anchor(self.views)
         offsets = self.start_offsets or [None] * len(shards)
         progress = [s.to(a.device) - (a if off is None else a - off)
-                    for s, a, off in zip(shards, self.outer.anchors, offsets)]
+                    for s, a, off in zip(shards, anchors, offsets)]
         self._apply_pending_mean()
-        for s, a, p in zip(shards, self.outer.anchors, progress):
+        for s, a, p in zip(shards, anchors, progress):
             s.copy_(a + p)
         opt.copy_main_to_model_params()
 
     def end_round(self) -> None:
         opt = self.ctx.optimizer
-        deltas = self.outer.outer_gradient(opt.main_param_shards())
+        deltas = self.outer.pseudo_gradient(self.views)
         if self.start_offsets is not None:  # the round started at θ_g − offset, not at θ_g
             for d, off in zip(deltas, self.start_offsets):
                 d.sub_(off)
@@ -142,24 +201,30 @@ class DiLoCoX(LocalSGDBase):
             self._apply_pending_mean()
         elif not self.applied_rounds:
             self.applied_rounds.append(-1)  # round 1 has nothing to apply
-        if self.ctx.config.adaptive:
+        if self.ctx.config.algo.adaptive:
             # Before issuing the new reduction: the link is idle now, so the small H
             # agreement is not queued behind a bulk transfer on a bandwidth-limited link.
             self._adapt()
         self._comm_issued = time.perf_counter()
-        self.pending = PendingReduce(self.reducer.reduce(deltas))
+        self.pending = PendingReduce(self.compressor.reduce(deltas))
         self.pending_round = self.outer_rounds
-        if self.ctx.config.dilocox_restart == "eager":
+        if self.ctx.config.algo.restart == "eager":
             # Start the next round from θ_g − Δ_t (own, not yet averaged progress) instead of
             # θ_g, so a round does not redo the progress still in flight; the anchor itself
             # only ever takes averaged, identical-on-every-site steps.
             self.start_offsets = [d.clone() for d in deltas]
-            for shard, a, d in zip(opt.main_param_shards(), self.outer.anchors, deltas):
+            for shard, a, d in zip(self.views.main, self.outer.anchor(self.views), deltas):
                 shard.copy_(a - d)
             opt.copy_main_to_model_params()
         else:
             self.restart_from_anchor()
         self._round_compute = 0.0
+
+    def quiesce(self) -> None:
+        """Let the mean in flight land (it is applied at its usual step, not now)."""
+        if self.pending is not None and not self.pending.done:
+            self.pending.wait()
+            self._comm_seconds = time.perf_counter() - self._comm_issued
 
     def finish_training(self, iteration: int) -> None:
         super().finish_training(iteration)
@@ -172,27 +237,28 @@ class DiLoCoX(LocalSGDBase):
 
     # ---- adaptive rank and H --------------------------------------------------------------------
     def _adapt(self) -> None:
-        cfg = self.ctx.config
-        old_rank = self.reducer.rank
+        cfg = self.ctx.config.algo
+        comp = self.ctx.config.compression
+        old_rank = self.compressor.rank
         new_rank = old_rank
-        if cfg.compression == "lowrank-int4" and self.reducer.last_effective_ranks:
-            self.rank_window.append(max(self.reducer.last_effective_ranks))
+        if comp.kind == "lowrank-int4" and self.compressor.last_effective_ranks:
+            self.rank_window.append(max(self.compressor.last_effective_ranks))
             mean = sum(self.rank_window) / len(self.rank_window)
-            new_rank = max(cfg.adaptive_min_rank, min(self.reducer.max_rank, math.ceil(mean)))
+            new_rank = max(cfg.adaptive_min_rank, min(self.compressor.max_rank, math.ceil(mean)))
         if cfg.adaptive_h_rule == "scale-with-rank":
-            proposal = round(cfg.interval * new_rank / max(1, self.initial_rank))
+            proposal = round(self.ctx.config.rounds.interval * new_rank / max(1, self.initial_rank))
         else:
-            bytes_before = self.reducer.payload_bytes_per_round()
-            self.reducer.rank = new_rank
-            bytes_after = self.reducer.payload_bytes_per_round()
-            self.reducer.rank = old_rank
+            bytes_before = self.compressor.payload_bytes_per_round()
+            self.compressor.rank = new_rank
+            bytes_after = self.compressor.payload_bytes_per_round()
+            self.compressor.rank = old_rank
             t_step = self._round_compute / max(1, self.interval)
             t_comm = self._comm_seconds * bytes_after / max(1, bytes_before)
             proposal = math.ceil(cfg.adaptive_h_slack * t_comm / t_step) if t_step > 0 else self.interval
         proposal = max(cfg.adaptive_h_min, min(cfg.adaptive_h_max, proposal))
         self.interval = self._agree_max(proposal)
         if new_rank != old_rank:
-            self.reducer.set_rank(new_rank)
+            self.compressor.set_rank(new_rank)
 
     def _agree_max(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.float64)
@@ -204,10 +270,11 @@ class DiLoCoX(LocalSGDBase):
 
     # ---- state and stats -------------------------------------------------------------------------
     def state_dict(self) -> Dict:
+        # A checkpoint holds the finished mean (applied at its usual step after a resume), and
+        # finishing it also completes the error-feedback update, so quiesce before reading.
+        self.quiesce()
         state = self._base_state()
-        if self.pending is not None:
-            self.pending.wait()  # a checkpoint holds the finished mean, applied at the next round end
-        state.update(reducer=self.reducer.state_dict(), rank_window=list(self.rank_window),
+        state.update(rank_window=list(self.rank_window),
                      pending_round=self.pending_round, applied_rounds=list(self.applied_rounds),
                      pending_mean=[m.clone() for m in self.pending.result] if self.pending is not None else [],
                      has_pending=int(self.pending is not None), comm_seconds=self._comm_seconds,
@@ -216,21 +283,20 @@ class DiLoCoX(LocalSGDBase):
 
     def load_state_dict(self, state: Dict) -> None:
         self._load_base_state(state)
-        self.reducer.load_state_dict(state["reducer"])
-        self.rank_window = deque((int(r) for r in state["rank_window"]), maxlen=self.ctx.config.adaptive_window)
+        self.rank_window = deque((int(r) for r in state["rank_window"]), maxlen=self.ctx.config.algo.adaptive_window)
         self.pending_round = int(state["pending_round"])
         self.applied_rounds = [int(r) for r in state["applied_rounds"]]
-        self.pending = PendingReduce.finished([m.to(self.reducer.device) for m in state["pending_mean"]]) \
+        self.pending = PendingReduce.finished([m.to(self.compressor.device) for m in state["pending_mean"]]) \
             if state["has_pending"] else None
         self._comm_seconds = float(state["comm_seconds"])
         offsets = state.get("start_offsets", state.get("eager_offsets"))  # renamed; older checkpoints
-        self.start_offsets = [o.to(self.reducer.device) for o in offsets] if offsets else None
+        self.start_offsets = [o.to(self.compressor.device) for o in offsets] if offsets else None
 
     def stats(self) -> Dict[str, float]:
-        r = self.reducer
+        r = self.compressor
         rel = r.last_error_norm / r.last_input_norm if r.last_input_norm > 0 else 0.0
         stats = {"H": self.interval, "outer rounds": self.outer_rounds,
                  "comp err norm": r.last_error_norm, "comp rel err": rel}
-        if self.ctx.config.compression == "lowrank-int4":  # rank means nothing for plain quantization
+        if self.ctx.config.compression.kind == "lowrank-int4":  # rank means nothing for plain quantization
             stats["rank"] = r.rank
         return stats

@@ -5,13 +5,17 @@ rank of a site steps only its 1/DP_intra slice (optimizer state sharded likewise
 updated parameters are all-gathered inside the site. Main parameters are fp32: for fp32
 models they are views of the parameter buffer itself (no copy); for bf16/fp16 models a
 separate fp32 copy of the shard is kept and cast back after each step.
+
+Cross-site synchronizers read and write the main shards through `views(units)` (the
+unit <-> shard bridge, shard_views.py) and push what they changed back into the model
+with `copy_main_to_model_params(views)`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +24,7 @@ from megatron_lsgd.core.distributed.collectives import all_gather_flat
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_lsgd.core.optimizer.shard_views import BucketExtent, ShardViews, build_views
 from megatron_lsgd.core.parallel_state import ProcessGroups
 
 
@@ -50,6 +55,7 @@ class ShardedOptimizer:
 
         # One fp32 main tensor per bucket shard (a view when the model is already fp32).
         self.main_shards: List[Tuple[object, torch.Tensor, torch.Tensor]] = []  # (bucket, main, grad)
+        self._buffers: List[object] = []  # the ParamAndGradBuffer of each main shard's bucket
         self.pieces: List[ShardPiece] = []
         self._layout: List[List[tuple]] = []
         for model in models:
@@ -59,10 +65,20 @@ class ShardedOptimizer:
                 main = param_shard if param_shard.dtype == torch.float32 else param_shard.detach().float().clone()
                 grad = bucket.grad_shard(self.shard_index)
                 self.main_shards.append((bucket, main, grad))
+                self._buffers.append(buffer)
                 self._layout.append([])
                 for p, p_lo, p_hi, s_lo, s_hi in buffer.shard_pieces(bucket, self.shard_index):
                     self.pieces.append(ShardPiece(p, main[s_lo:s_hi], grad[s_lo:s_hi], self._counts_in_norm(p)))
                     self._layout[-1].append((tuple(p.shape), p_lo, p_hi, s_lo, s_hi))
+
+        self._param_names: Dict[int, str] = {}
+        for model in models:
+            module = getattr(model, "module", model)
+            named = module.global_named_parameters() if hasattr(module, "global_named_parameters") \
+                else module.named_parameters()
+            self._param_names.update({id(p): name for name, p in named})
+        self._all_param_ids = {id(p) for buffer in self._buffers for b in buffer.buckets for p in b.params}
+        self._views: Dict[Tuple[str, ...], ShardViews] = {}
 
         decay = [pc.main for pc in self.pieces if pc.param.ndim > 1]
         no_decay = [pc.main for pc in self.pieces if pc.param.ndim <= 1]  # biases and norms
@@ -144,15 +160,77 @@ class ShardedOptimizer:
         return True, norm
 
     @torch.no_grad()
-    def copy_main_to_model_params(self) -> None:
+    def copy_main_to_model_params(self, views: Optional[ShardViews] = None) -> None:
         """Cast main shards into the parameter buffer (if separate) and, under ZeRO-1,
-        all-gather every bucket's shards inside the site."""
+        all-gather inside the site. With `views`, only those units: their ranges are cast
+        and one all-gather over dp_intra spreads their extents (see _gather_extents)."""
+        if views is not None and not views.whole:
+            for r, main in zip(views.ranges, views.main):
+                shard = self.main_shards[r.shard][0].param_shard(self.shard_index)[r.lo:r.hi]
+                if main.data_ptr() != shard.data_ptr():
+                    shard.copy_(main)
+            if self.sharded:
+                self._gather_extents(views.extents)
+            return
         for bucket, main, _ in self.main_shards:
             shard = bucket.param_shard(self.shard_index)
             if main.data_ptr() != shard.data_ptr():
                 shard.copy_(main)
             if self.sharded:
                 all_gather_flat(bucket.param_data, shard.clone(), group=self.pgs.dp_intra)
+
+    def _gather_extents(self, extents: Sequence[BucketExtent]) -> None:
+        """Spread a part of each bucket inside the site with one all-gather. Rank r holds
+        [r S, (r+1) S) of a bucket (S = shard size), so its piece of an extent [lo, hi) is
+        the intersection; pieces are padded to the largest one so the collective has equal
+        sizes. Cost per rank: (DP_intra - 1) x sum over extents of the largest piece, which
+        is about the extent's size when it spans several shards and at most DP_intra x its
+        size when it sits inside one shard (a full-model gather moves every bucket)."""
+        dp = self.pgs.dims.dp_intra
+        me = self.shard_index
+        plan = []  # (bucket, [(lo, hi) per rank], padded length)
+        for e in extents:
+            bucket = self.main_shards[e.bucket][0]
+            size = bucket.shard_size
+            parts = [(max(e.lo, r * size), min(e.hi, (r + 1) * size)) for r in range(dp)]
+            width = max(max(hi - lo, 0) for lo, hi in parts)
+            if width:
+                plan.append((bucket, parts, width))
+        if not plan:
+            return
+        total = sum(width for _, _, width in plan)
+        dtype, device = plan[0][0].param_data.dtype, plan[0][0].param_data.device
+        send = torch.zeros(total, dtype=dtype, device=device)
+        offset = 0
+        for bucket, parts, width in plan:
+            lo, hi = parts[me]
+            if hi > lo:
+                send[offset:offset + hi - lo] = bucket.param_data[lo:hi]
+            offset += width
+        recv = torch.empty(dp * total, dtype=dtype, device=device)
+        all_gather_flat(recv, send, group=self.pgs.dp_intra)
+        for r in range(dp):
+            offset = r * total
+            for bucket, parts, width in plan:
+                lo, hi = parts[r]
+                if hi > lo and r != me:
+                    bucket.param_data[lo:hi] = recv[offset:offset + hi - lo]
+                offset += width
+
+    def views(self, units: Optional[Sequence[object]] = None) -> ShardViews:
+        """This rank's share of `units` (SyncUnits; None: all of them), cached. A set that
+        covers every parameter of this rank is the whole main shard, padding included."""
+        key = tuple(sorted(u.name for u in units)) if units is not None else ("*",)
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached
+        ids = {id(p) for u in units for p in u.parameters()} if units is not None else set(self._all_param_ids)
+        whole = ids >= self._all_param_ids
+        name = "all" if whole else "+".join(key)
+        views = build_views(name, key, ids, self.main_shards, self._buffers, self.shard_index, self._param_names,
+                            whole)
+        self._views[key] = views
+        return views
 
     def main_param_shards(self) -> List[torch.Tensor]:
         """This rank's fp32 main parameters, one flat tensor per bucket (what a cross-site

@@ -3,7 +3,8 @@
 A schedule knows nothing about synchronizers. It calls `forward_step_func(data_iterator,
 model)` -> (output, loss_func) and marks the last micro-batch's backward so the DDP layer
 fires its per-bucket reductions and per-layer "backward done" notifications; per-layer
-forward hooks are plain module pre-hooks on the model's sync units.
+forward hooks are plain module pre-hooks on the model's sync units, and `on_forward(i)`
+tells whoever asked which micro-batch is about to run forward.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class ScheduleSpec:
     forward_only: bool = False
     loss_scale: float = 1.0  # fp16: scale the loss before backward
     free_sent_outputs: bool = True  # 1F1B: drop a stage output's values once sent (see _free_sent_output)
+    on_forward: Optional[Callable[[int], None]] = None  # called with a micro-batch's index before its forward
 
 
 def _microbatch_context(model, is_last: bool):
@@ -37,7 +39,9 @@ def _microbatch_context(model, is_last: bool):
 
 
 def _forward(forward_step_func, data_iterator, model, input_tensor, spec: ScheduleSpec, pgs: ProcessGroups,
-             losses: List[Dict[str, torch.Tensor]]):
+             losses: List[Dict[str, torch.Tensor]], index: int):
+    if spec.on_forward is not None:
+        spec.on_forward(index)
     model.set_input_tensor(input_tensor)
     output, loss_func = forward_step_func(data_iterator, model)
     if pgs.is_last_stage:
@@ -81,7 +85,7 @@ def forward_backward_no_pipelining(forward_step_func: Callable, data_iterator, m
         with _microbatch_context(model, is_last):
             ctx = torch.no_grad() if spec.forward_only else contextlib.nullcontext()
             with ctx:
-                output = _forward(forward_step_func, data_iterator, model, None, spec, pgs, losses)
+                output = _forward(forward_step_func, data_iterator, model, None, spec, pgs, losses, i)
             if not spec.forward_only:
                 _backward(None, output, None, spec)
     return losses
@@ -99,6 +103,7 @@ def forward_backward_pipelining_1f1b(forward_step_func: Callable, data_iterator,
     inputs: List[Optional[torch.Tensor]] = []
     outputs: List[torch.Tensor] = []
     backward_done = 0
+    forward_done = 0
 
     def run_backward(input_tensor, output, output_grad):
         nonlocal backward_done
@@ -109,10 +114,17 @@ def forward_backward_pipelining_1f1b(forward_step_func: Callable, data_iterator,
         return grad
 
     grad_ctx = torch.no_grad() if spec.forward_only else contextlib.nullcontext()
+
+    def run_forward(input_tensor):
+        nonlocal forward_done
+        with grad_ctx:
+            output = _forward(forward_step_func, data_iterator, model, input_tensor, spec, pgs, losses, forward_done)
+        forward_done += 1
+        return output
+
     for _ in range(warmup):
         input_tensor = p2p.recv_forward()
-        with grad_ctx:
-            output = _forward(forward_step_func, data_iterator, model, input_tensor, spec, pgs, losses)
+        output = run_forward(input_tensor)
         p2p.send_forward(output)
         if not spec.forward_only:
             if not pgs.is_last_stage:
@@ -123,8 +135,7 @@ def forward_backward_pipelining_1f1b(forward_step_func: Callable, data_iterator,
     input_tensor = p2p.recv_forward() if steady > 0 else None
     for i in range(steady):
         last_steady = i == steady - 1
-        with grad_ctx:
-            output = _forward(forward_step_func, data_iterator, model, input_tensor, spec, pgs, losses)
+        output = run_forward(input_tensor)
         if spec.forward_only:
             p2p.send_forward(output)
             if not last_steady:

@@ -141,7 +141,8 @@ def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
         raise _save_failed(err, iteration, cfg.save) from err
 
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
+    dist.all_gather_object(gathered, {"files": records, "site": pgs.site_rank,
+                                      "site_consumed_samples": trainer.site_consumed_samples})
     error = None
     if pgs.rank == 0:
         try:
@@ -164,12 +165,16 @@ def _remove_partial(pgs, partial: str) -> None:
 def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration: int, gathered, start) -> None:
     """Rank 0: metadata.json, fsync, rename, tracker (in that order)."""
     d = trainer.pgs.dims
-    records = {k: v for part in gathered for k, v in part.items()}
+    records = {k: v for part in gathered for k, v in part["files"].items()}
     files = {k: size for k, (size, _) in records.items()}
+    site_samples = [0] * d.sites
+    for part in gathered:
+        site_samples[part["site"]] = part["site_consumed_samples"]
     raw = trainer.config.raw_args
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
         "consumed_samples": trainer.consumed_samples,
+        "site_consumed_samples": site_samples,  # each site's position in its own sample stream
         "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites},
         "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
         "lsgd_algorithm": trainer.config.lsgd.algorithm,
@@ -323,12 +328,14 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
     if not cfg.finetune:
         trainer.iteration = int(meta["iteration"])
         trainer.consumed_samples = int(meta["consumed_samples"])
+        per_site = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
+        trainer.site_consumed_samples = int(per_site[pgs.site_rank]) if per_site and same_dp \
+            else trainer.consumed_samples // pgs.dims.sites
         if not cfg.load_optim:
             trainer.scheduler.num_steps = trainer.iteration
         t = trainer.config.training
-        trainer.train_iterator = build_data_iterator(
-            trainer.train_ds, trainer.consumed_samples, t.micro_batch_size, pgs.dp_rank, pgs.dims.dp,
-            trainer.config.data.num_workers)
+        trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
+                                                     t.micro_batch_size, pgs, trainer.config.data.num_workers)
     if cfg.load_rng:  # last: building the data iterator above draws from the torch generator
         restore_rng_state(rank_state["rng"], trainer.rng_tracker)
     if pgs.rank == 0:

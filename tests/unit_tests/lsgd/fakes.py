@@ -8,29 +8,66 @@ from typing import List
 
 import torch
 
-from megatron_lsgd.core.lsgd.base import SyncContext
+from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
-from megatron_lsgd.core.lsgd.config import LsgdConfig
+from megatron_lsgd.core.lsgd.config import CompressionOptions, LsgdConfig, OuterOptions, RoundOptions
+from megatron_lsgd.core.lsgd.outer_state import OuterState
+from megatron_lsgd.core.lsgd.protocol import SyncContext
+from megatron_lsgd.core.optimizer.shard_views import BucketExtent, PieceView, ShardRange, ShardViews
+
+_SHARED = {"interval": ("rounds", "interval"), "warmup_iters": ("rounds", "warmup_iters"),
+           "outer_lr": ("outer", "lr"), "outer_momentum": ("outer", "momentum"), "outer_offload": ("outer", "offload"),
+           "compression": ("compression", "kind"), "rank": ("compression", "rank"),
+           "quant_block": ("compression", "quant_block"), "quantized_mean": ("compression", "quantized_mean")}
+
+
+def lsgd_config(algorithm: str, num_sites: int = 2, **flat) -> LsgdConfig:
+    """An LsgdConfig from flat keywords: shared knobs by the names above, anything else is
+    a field of the algorithm's own Options. Validated like the command line's."""
+    groups = {"rounds": {}, "outer": {}, "compression": {}}
+    own = {}
+    for key, value in flat.items():
+        if key in _SHARED:
+            group, field_name = _SHARED[key]
+            groups[group][field_name] = value
+        else:
+            own[key] = value
+    cls = catalog.synchronizer_class(algorithm)
+    cfg = LsgdConfig(algorithm=algorithm, rounds=RoundOptions(**groups["rounds"]),
+                     outer=OuterOptions(**groups["outer"]), compression=CompressionOptions(**groups["compression"]),
+                     algo=cls.Options(**own))
+    catalog.validate(cfg, num_sites)
+    return cfg
+
+
+def whole_views(shards: List[torch.Tensor], layout=None) -> ShardViews:
+    """The whole-model views of flat fake shards (what ShardedOptimizer.views() returns)."""
+    layout = layout if layout is not None else [[((s.numel(),), 0, s.numel(), 0, s.numel())] for s in shards]
+    ranges = [ShardRange(i, 0, s.numel()) for i, s in enumerate(shards)]
+    pieces = [PieceView(f"p{i}.{j}", shape, p_lo, p_hi, i, lo, hi)
+              for i, entries in enumerate(layout) for j, (shape, p_lo, p_hi, lo, hi) in enumerate(entries)]
+    return ShardViews("all", ("*",), ranges, pieces, [s[0:s.numel()] for s in shards],
+                      [torch.zeros_like(s) for s in shards], [BucketExtent(i, 0, s.numel()) for i, s in enumerate(shards)],
+                      whole=True)
 
 
 class FakeOptimizer:
     def __init__(self, shards: List[torch.Tensor], layout):
         self.shards = shards
-        self.layout = layout
+        self._views = whole_views(shards, layout)
         self.copies = 0
 
     def main_param_shards(self):
         return self.shards
 
-    def shard_layout(self):
-        return self.layout
+    def views(self, units=None):
+        return self._views
 
-    def copy_main_to_model_params(self):
+    def copy_main_to_model_params(self, views=None):
         self.copies += 1
 
 
 def make_context(config: LsgdConfig, shards: List[torch.Tensor], layout=None) -> SyncContext:
-    layout = layout if layout is not None else [[((s.numel(),), 0, s.numel(), 0, s.numel())] for s in shards]
     pgs = SimpleNamespace(site=None)
     return SyncContext(pgs=pgs, config=config, models=[], optimizer=FakeOptimizer(shards, layout),
                        comm=InterSiteComm(None, 1))
@@ -38,10 +75,6 @@ def make_context(config: LsgdConfig, shards: List[torch.Tensor], layout=None) ->
 
 def active(sync):
     """Force the local-SGD path on a one-site fake (the real loop disables it at S = 1)."""
-    from megatron_lsgd.core.lsgd.outer_optimizer import OuterOptimizer
-
-    cfg = sync.ctx.config
     sync.active = True
-    sync.outer = OuterOptimizer(sync.ctx.optimizer.main_param_shards(), cfg.outer_lr, cfg.outer_momentum,
-                                cfg.outer_offload)
+    sync.outer = OuterState(sync.ctx.optimizer.main_param_shards(), sync.ctx.config.outer)
     return sync

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
-from megatron_lsgd.core.lsgd.compression import (ErrorFeedbackReducer, PendingReduce, effective_rank,
-                                                 lowrank_mean, quantized_mean, run_blocking, split_segments)
+from megatron_lsgd.core.lsgd.compressors import build_compressor, split_segments
+from megatron_lsgd.core.lsgd.config import CompressionOptions
+from megatron_lsgd.core.lsgd.means import effective_rank, lowrank_mean, quantized_mean
+from megatron_lsgd.core.lsgd.reduction import PendingReduce, run_blocking
 
 ONE_SITE = InterSiteComm(None, 1)
 
@@ -42,8 +44,8 @@ def test_effective_rank():
 def test_error_feedback_conserves_mass(compression, rank):
     shapes = [torch.Size([48 * 20 + 5]), torch.Size([40])]
     layout = [[((48, 20), 0, 960, 0, 960), ((5,), 0, 5, 960, 965)], [((40,), 0, 40, 0, 40)]]
-    red = ErrorFeedbackReducer(ONE_SITE, shapes, layout, compression, rank, 32, "auto", 3, 0.9,
-                               torch.device("cpu"))
+    red = build_compressor(CompressionOptions(kind=compression, rank=rank, quant_block=32), ONE_SITE, shapes, layout,
+                           seed=3, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     total_in = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     total_out = [torch.zeros(s, dtype=torch.float64) for s in shapes]

@@ -1,8 +1,21 @@
-"""Incompatible lsgd flags fail at start with a message naming the flag."""
+"""Incompatible lsgd flags fail at start with a message naming the flag; each algorithm's
+options form their own --help group; every existing flag keeps its meaning."""
+
+import subprocess
+import sys
 
 import pytest
 
-from megatron_lsgd.training.arguments import build_config, parse_args
+from megatron_lsgd.core.lsgd.protocol import Synchronizer
+from megatron_lsgd.core.lsgd.registry import register, registered_algorithms
+from megatron_lsgd.training.arguments import build_config, build_parser, parse_args
+
+if "no-compression-test" not in registered_algorithms():
+    @register
+    class _Uncompressed(Synchronizer):
+        """A test algorithm that sends nothing compressible"""
+
+        name = "no-compression-test"
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--vocab-size", "100"]
@@ -16,7 +29,8 @@ def config(extra, world=2):
     (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-interval", "0"], "--lsgd-interval"),
     (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-outer-lr", "0"], "--lsgd-outer-lr"),
     (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-outer-momentum", "1.0"], "--lsgd-outer-momentum"),
-    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-compression", "int4"], "--lsgd-compression"),
+    (["--num-sites", "2", "--lsgd-algorithm", "no-compression-test", "--lsgd-compression", "int4"],
+     "--lsgd-compression int4 is not supported by --lsgd-algorithm no-compression-test"),
     (["--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4"], "--lsgd-rank"),
     (["--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "int4", "--lsgd-rank", "4"],
      "--lsgd-rank"),
@@ -30,7 +44,10 @@ def config(extra, world=2):
      "--lsgd-dilocox-apply-step"),
     (["--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-dilocox-apply-step", "-1"],
      "--lsgd-dilocox-apply-step"),
-    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-dilocox-apply-step", "2"], "--lsgd-dilocox-apply-step"),
+    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-dilocox-apply-step", "2"],
+     "--lsgd-dilocox-apply-step needs --lsgd-algorithm dilocox"),
+    (["--num-sites", "2", "--lsgd-algorithm", "sync", "--lsgd-adaptive-window", "3"],
+     "--lsgd-adaptive-window needs --lsgd-algorithm dilocox"),
 ])
 def test_bad_flags_name_the_flag(extra, flag):
     with pytest.raises(ValueError, match=flag):
@@ -39,6 +56,49 @@ def test_bad_flags_name_the_flag(extra, flag):
 
 def test_good_flags_build():
     cfg = config(["--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
-                  "--lsgd-rank", "8", "--lsgd-adaptive", "--lsgd-interval", "25", "--optimizer", "sgd"])
-    assert cfg.lsgd.rank == 8 and cfg.lsgd.adaptive_h_min == 25 and cfg.lsgd.adaptive_h_max == 100
-    assert cfg.optimizer.optimizer == "sgd"
+                  "--lsgd-rank", "8", "--lsgd-adaptive", "--lsgd-interval", "25", "--optimizer", "sgd",
+                  "--simulate-inter-site-latency", "5", "--lsgd-outer-offload"])
+    lsgd = cfg.lsgd
+    assert lsgd.compression.kind == "lowrank-int4" and lsgd.compression.rank == 8 and lsgd.rounds.interval == 25
+    assert lsgd.algo.adaptive and lsgd.algo.adaptive_h_min == 25 and lsgd.algo.adaptive_h_max == 100
+    assert lsgd.link.latency_ms == 5 and lsgd.outer.offload and cfg.optimizer.optimizer == "sgd"
+
+
+@pytest.mark.parametrize("algorithm", ["sync", "diloco", "dilocox"])
+def test_any_of_the_built_in_algorithms_takes_a_compressor(algorithm):
+    cfg = config(["--num-sites", "2", "--lsgd-algorithm", algorithm, "--lsgd-compression", "int8"])
+    assert cfg.lsgd.compression.kind == "int8"
+
+
+def test_help_shows_one_group_per_algorithm():
+    groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in build_parser()._action_groups}
+    assert "dilocox (--lsgd-algorithm dilocox)" in groups
+    assert "--lsgd-dilocox-apply-step" in groups["dilocox (--lsgd-algorithm dilocox)"]
+    shared = [t for t in groups if t.startswith("outer optimizer")]
+    assert shared and groups[shared[0]] == ["--lsgd-outer-lr", "--lsgd-outer-momentum", "--lsgd-outer-offload"]
+    text = subprocess.run([sys.executable, "pretrain_gpt.py", "--help"], capture_output=True, text=True, timeout=120,
+                          cwd=__file__.rsplit("/tests/", 1)[0]).stdout
+    for name in ("sync", "diloco", "dilocox"):
+        assert f"--lsgd-algorithm {name}" in text
+    assert "Shared option groups it uses: compression, outer, rounds." in text  # diloco's group describes itself
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--train-iters", "5", "--train-samples", "40"], "give exactly one of --train-iters, --train-samples"),
+    (["--train-samples", "1"], "--train-samples 1 is less than one global batch"),
+    (["--train-tokens", "40"], "--train-tokens 40 is less than one global batch"),
+    (["--train-iters", "5", "--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0"),
+])
+def test_training_length_flags(extra, message):
+    base = [a for a in BASE if a not in ("--train-iters", "10")]
+    with pytest.raises(ValueError, match=message):
+        build_config(parse_args(base + extra), 2)
+
+
+def test_budgets_become_iterations_like_megatron():
+    base = [a for a in BASE if a not in ("--train-iters", "10")] + ["--global-batch-size", "4"]
+    by_samples = build_config(parse_args(base + ["--train-samples", "42"]), 2)
+    assert by_samples.training.train_iters == 10 and by_samples.training.train_samples == 42  # 42 // 4
+    by_tokens = build_config(parse_args(base + ["--train-tokens", str(41 * 32 + 5)]), 2)
+    assert by_tokens.training.train_iters == 10 and by_tokens.training.train_samples == 41
+    assert by_tokens.optimizer.lr_decay_iters == 10

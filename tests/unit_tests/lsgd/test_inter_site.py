@@ -15,7 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout
-from megatron_lsgd.core.lsgd.compression import ErrorFeedbackReducer, quantized_mean, run_blocking
+from megatron_lsgd.core.lsgd.compressors import build_compressor
+from megatron_lsgd.core.lsgd.config import CompressionOptions
+from megatron_lsgd.core.lsgd.means import quantized_mean
+from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.quantization import Quantized
 from tests.unit_tests.harness import free_port
 
@@ -40,8 +43,8 @@ def _collectives(rank, port, out_dir):
     # error feedback over several rounds, lowrank-int4 on a (40, 20) matrix + a vector
     shapes = [torch.Size([820])]
     layout = [[((40, 20), 0, 800, 0, 800), ((20,), 0, 20, 800, 820)]]
-    red = ErrorFeedbackReducer(comm, shapes, layout, "lowrank-int4", 3, 32, "allgather", 9, 0.9,
-                               torch.device("cpu"))
+    red = build_compressor(CompressionOptions("lowrank-int4", 3, 32, "allgather"), comm, shapes, layout, 9,
+                           torch.device("cpu"))
     total_in, total_mean = torch.zeros(820, dtype=torch.float64), torch.zeros(820, dtype=torch.float64)
     for _ in range(5):
         d = torch.randn(820, generator=g)
@@ -49,8 +52,8 @@ def _collectives(rank, port, out_dir):
         total_mean += run_blocking(red.reduce([d]))[0].double()
     record["ef"] = (x, total_in, total_mean, red.errors[0].clone())
     # all-to-all int4: the owner of each chunk feeds its requantization error back too
-    red = ErrorFeedbackReducer(comm, [torch.Size([300])], [[((300,), 0, 300, 0, 300)]], "int4", 0, 32,
-                               "alltoall", 9, 0.9, torch.device("cpu"))
+    red = build_compressor(CompressionOptions("int4", 0, 32, "alltoall"), comm, [torch.Size([300])],
+                           [[((300,), 0, 300, 0, 300)]], 9, torch.device("cpu"))
     total_in, total_mean = torch.zeros(300, dtype=torch.float64), torch.zeros(300, dtype=torch.float64)
     for _ in range(5):
         d = torch.randn(300, generator=g)

@@ -6,17 +6,17 @@ import io
 import pytest
 import torch
 
-from megatron_lsgd.core.lsgd.config import LsgdConfig
+from megatron_lsgd.core.lsgd.config import OuterOptions
 from megatron_lsgd.core.lsgd.diloco import DiLoCo
 from megatron_lsgd.core.lsgd.dilocox import DiLoCoX
-from megatron_lsgd.core.lsgd.outer_optimizer import OuterOptimizer
-from tests.unit_tests.lsgd.fakes import active, make_context
+from megatron_lsgd.core.lsgd.outer_state import OuterState
+from tests.unit_tests.lsgd.fakes import active, lsgd_config, make_context, whole_views
 
 
 def run_rounds(sync, rounds, h, drift, restart_check=True):
     """Each inner step moves the local shard by -drift(round); returns anchors after each round."""
     shard = sync.ctx.optimizer.shards[0]
-    anchors, it = [], sync.ctx.config.warmup_iters
+    anchors, it = [], sync.ctx.config.rounds.warmup_iters
     for r in range(rounds):
         for _ in range(h):
             sync.before_forward_backward(it)
@@ -31,7 +31,7 @@ def run_rounds(sync, rounds, h, drift, restart_check=True):
 
 @pytest.mark.parametrize("restart", ["anchor", "eager"])
 def test_dilocox_round1_applies_nothing_round_k_applies_round_k_minus_1(restart):
-    cfg = LsgdConfig(algorithm="dilocox", interval=3, outer_lr=1.0, outer_momentum=0.0, dilocox_restart=restart)
+    cfg = lsgd_config("dilocox", interval=3, outer_lr=1.0, outer_momentum=0.0, restart=restart)
     sync = active(DiLoCoX(make_context(cfg, [torch.zeros(6)])))
     drift = lambda r: float(r + 1)  # noqa: E731  round r's pseudo-gradient is 3 (r + 1)
     anchors = run_rounds(sync, 4, 3, drift, restart_check=restart == "anchor")
@@ -47,7 +47,7 @@ def test_dilocox_round1_applies_nothing_round_k_applies_round_k_minus_1(restart)
 
 @pytest.mark.parametrize("restart", ["anchor", "eager"])
 def test_dilocox_finish_training_applies_the_last_mean_and_a_partial_round(restart):
-    cfg = LsgdConfig(algorithm="dilocox", interval=3, outer_lr=1.0, outer_momentum=0.0, dilocox_restart=restart)
+    cfg = lsgd_config("dilocox", interval=3, outer_lr=1.0, outer_momentum=0.0, restart=restart)
     sync = active(DiLoCoX(make_context(cfg, [torch.zeros(6)])))
     shard = sync.ctx.optimizer.shards[0]
     run_rounds(sync, 2, 3, lambda r: 1.0, restart_check=False)  # round 2's mean still in flight
@@ -66,8 +66,8 @@ def test_dilocox_finish_training_applies_the_last_mean_and_a_partial_round(resta
 
 @pytest.mark.parametrize("restart", ["anchor", "eager"])
 def test_dilocox_apply_step_applies_the_mean_tau_steps_into_the_next_round(restart):
-    cfg = LsgdConfig(algorithm="dilocox", interval=3, outer_lr=1.0, outer_momentum=0.0, dilocox_restart=restart,
-                     dilocox_apply_step=1)
+    cfg = lsgd_config("dilocox", interval=3, outer_lr=1.0, outer_momentum=0.0, restart=restart,
+                     apply_step=1)
     sync = active(DiLoCoX(make_context(cfg, [torch.zeros(2)])))
     shard = sync.ctx.optimizer.shards[0]
     trace = []
@@ -88,7 +88,7 @@ def test_dilocox_apply_step_applies_the_mean_tau_steps_into_the_next_round(resta
 
 
 def test_diloco_finish_training_closes_a_partial_round():
-    cfg = LsgdConfig(algorithm="diloco", interval=4, outer_lr=1.0, outer_momentum=0.0)
+    cfg = lsgd_config("diloco", interval=4, outer_lr=1.0, outer_momentum=0.0)
     sync = active(DiLoCo(make_context(cfg, [torch.zeros(3)])))
     shard = sync.ctx.optimizer.shards[0]
     sync.finish_training(0)  # nothing run yet: nothing to do
@@ -102,7 +102,7 @@ def test_diloco_finish_training_closes_a_partial_round():
 
 
 def test_diloco_applies_its_own_round_immediately_and_warmup_is_synchronous():
-    cfg = LsgdConfig(algorithm="diloco", interval=2, outer_lr=1.0, outer_momentum=0.0, warmup_iters=3)
+    cfg = lsgd_config("diloco", interval=2, outer_lr=1.0, outer_momentum=0.0, warmup_iters=3)
     sync = active(DiLoCo(make_context(cfg, [torch.zeros(4)])))
     shard = sync.ctx.optimizer.shards[0]
     for it in range(3):  # warm-up: nothing happens to the shard, anchor taken at the end
@@ -116,13 +116,13 @@ def test_diloco_applies_its_own_round_immediately_and_warmup_is_synchronous():
 
 def test_outer_nesterov_matches_formula():
     shard = [torch.zeros(3)]
-    outer = OuterOptimizer(shard, lr=0.5, momentum=0.9)
+    outer, views = OuterState(shard, OuterOptions(lr=0.5, momentum=0.9)), whole_views(shard)
     g1, g2 = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-1.0, 0.5, 0.0])
-    outer.step([g1])
+    outer.step(views, [g1])
     buf = g1.clone()
     expected = -0.5 * (g1 + 0.9 * buf)
     torch.testing.assert_close(outer.anchors[0], expected)
-    outer.step([g2])
+    outer.step(views, [g2])
     buf = 0.9 * buf + g2
     expected = expected - 0.5 * (g2 + 0.9 * buf)
     torch.testing.assert_close(outer.anchors[0], expected)
@@ -139,9 +139,8 @@ def _roundtrip(state):
 def test_dilocox_state_dict_is_complete_and_weights_only(compression, rank):
     layout = [[((8, 6), 0, 48, 0, 48)]]
     # Adaptive state travels too (the timing-free rule keeps both runs deterministic).
-    cfg = LsgdConfig(algorithm="dilocox", interval=2, compression=compression, rank=rank, quant_block=16,
+    cfg = lsgd_config("dilocox", interval=2, compression=compression, rank=rank, quant_block=16,
                      adaptive=rank > 0, adaptive_h_rule="scale-with-rank", outer_offload=True)
-    cfg.validate(2)
 
     def build():
         return active(DiLoCoX(make_context(cfg, [torch.zeros(48)], layout)))
@@ -161,7 +160,7 @@ def test_dilocox_state_dict_is_complete_and_weights_only(compression, rank):
 
 
 def test_diloco_state_dict_weights_only():
-    cfg = LsgdConfig(algorithm="diloco", interval=2, outer_momentum=0.9)
+    cfg = lsgd_config("diloco", interval=2, outer_momentum=0.9)
     a = active(DiLoCo(make_context(cfg, [torch.zeros(5)])))
     run_rounds(a, 2, 2, lambda r: 0.3)
     b = active(DiLoCo(make_context(cfg, [torch.zeros(5)])))
@@ -173,9 +172,8 @@ def test_diloco_state_dict_weights_only():
 
 def test_adaptive_rules():
     layout = [[((64, 32), 0, 2048, 0, 2048)]]
-    cfg = LsgdConfig(algorithm="dilocox", interval=4, compression="lowrank-int4", rank=8, adaptive=True,
+    cfg = lsgd_config("dilocox", interval=4, compression="lowrank-int4", rank=8, adaptive=True,
                      adaptive_window=2, adaptive_min_rank=2, adaptive_h_slack=1.0)
-    cfg.validate(2)
     sync = active(DiLoCoX(make_context(cfg, [torch.zeros(2048)], layout)))
     # hide-comm: 4 steps of 10 ms hide 25 ms of transfer -> smallest H is 3, clamped to h-min 4;
     # 100 ms of transfer needs 10 steps; h-max (16) caps 1 s.
@@ -184,13 +182,13 @@ def test_adaptive_rules():
         sync._adapt()
         assert sync.interval == expected_h, comm_s
     # rank: mean of the last 2 effective ranks, clamped to [min rank, --lsgd-rank]
-    sync.reducer.last_effective_ranks = [3, 1]
+    sync.compressor.last_effective_ranks = [3, 1]
     sync._adapt()
-    assert sync.reducer.rank == 3
-    sync.reducer.last_effective_ranks = [1]
+    assert sync.compressor.rank == 3
+    sync.compressor.last_effective_ranks = [1]
     sync._adapt()
-    assert sync.reducer.rank == 2  # ceil(mean(3, 1))
-    sync.reducer.last_effective_ranks = [1]
+    assert sync.compressor.rank == 2  # ceil(mean(3, 1))
+    sync.compressor.last_effective_ranks = [1]
     sync._adapt()
-    assert sync.reducer.rank == 2  # min rank
-    assert sync.reducer.qs[0].shape == (32, 8)  # warm start keeps its full width for regrowth
+    assert sync.compressor.rank == 2  # min rank
+    assert sync.compressor.qs[0].shape == (32, 8)  # warm start keeps its full width for regrowth

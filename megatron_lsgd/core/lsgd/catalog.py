@@ -1,0 +1,82 @@
+"""The built-in synchronizers and their command line.
+
+Importing this module registers every built-in algorithm. `add_arguments` puts
+`--lsgd-algorithm`, the shared option groups and one group per algorithm on a parser (so
+`--help` shows each algorithm's flags together); `config_from_args` builds the LsgdConfig
+and validates it as a whole, with every message naming its flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Dict, List
+
+from megatron_lsgd.core.lsgd import diloco, dilocox, sync  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig
+from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
+
+__all__ = ["add_arguments", "config_from_args", "registered_algorithms", "synchronizer_class", "validate"]
+
+
+def _summary(cls: type) -> str:
+    doc = (cls.__doc__ or "").strip().splitlines()
+    first = doc[0].rstrip(".") if doc else cls.name
+    shared = ", ".join(sorted(cls.uses)) or "none"
+    return f"{first}. Shared option groups it uses: {shared}."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("cross-site synchronization (docs/algorithms/)")
+    g.add_argument("--lsgd-algorithm", choices=registered_algorithms(), default="sync",
+                   help="how data parallelism crosses sites (sync: average gradients every step)")
+    for group in SHARED_GROUPS.values():
+        group.add_arguments(parser)
+    LinkOptions.add_arguments(parser)
+    declared: List[str] = []
+    for name in registered_algorithms():
+        cls = synchronizer_class(name)
+        cls.Options.add_arguments(parser, skip=declared, title=f"{name} (--lsgd-algorithm {name})",
+                                  description=_summary(cls))
+        declared += cls.Options.flags()
+
+
+def _owners() -> Dict[str, List[str]]:
+    """flag -> the algorithms whose own options declare it."""
+    owners: Dict[str, List[str]] = {}
+    for name in registered_algorithms():
+        for flag in synchronizer_class(name).Options.flags():
+            owners.setdefault(flag, []).append(name)
+    return owners
+
+
+def config_from_args(args: argparse.Namespace, num_sites: int) -> LsgdConfig:
+    cls = synchronizer_class(args.lsgd_algorithm)
+    shared = {key: group.from_args(args) for key, group in SHARED_GROUPS.items()}
+    config = LsgdConfig(algorithm=cls.name, seed=args.seed, link=LinkOptions.from_args(args),
+                        algo=cls.Options.from_args(args), **shared)
+    validate(config, num_sites, args)
+    return config
+
+
+def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None) -> None:
+    """Check the whole configuration; `args` (the parsed flags) lets flags that belong to
+    another algorithm be reported instead of silently ignored."""
+    cls = synchronizer_class(config.algorithm)
+    if cls.requires_multiple_sites and num_sites < 2:
+        raise ValueError(f"--lsgd-algorithm {cls.name} needs --num-sites >= 2 (got {num_sites})")
+    for group in (config.rounds, config.outer, config.compression, config.link):
+        group.validate()
+    if config.compression.enabled and "compression" not in cls.uses:
+        takers = [n for n in registered_algorithms() if "compression" in synchronizer_class(n).uses]
+        raise ValueError(f"--lsgd-compression {config.compression.kind} is not supported by --lsgd-algorithm "
+                         f"{cls.name} (algorithms that compress: {', '.join(takers)})")
+    if args is not None:
+        own = set(cls.Options.flags())
+        owners = _owners()
+        for name in registered_algorithms():
+            if name == cls.name:
+                continue
+            for flag in synchronizer_class(name).Options.from_args(args).changed_flags():
+                if flag not in own:
+                    raise ValueError(f"{flag} needs --lsgd-algorithm {' or '.join(owners[flag])}")
+    config.algo.validate(config=config, num_sites=num_sites)

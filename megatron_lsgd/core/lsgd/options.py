@@ -1,0 +1,85 @@
+"""Typed option groups: a dataclass whose fields carry their command-line flag.
+
+Each group (a shared piece such as the outer optimizer, or one algorithm's own knobs)
+declares its fields once, with `option(...)`; the same declaration gives the argparse
+group (`add_arguments`), the typed object (`from_args`) and the list of flags a user set
+to something other than the default (`changed_flags`, for "this flag needs another
+algorithm" errors). Validation is each group's own `validate()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
+
+
+def option(flag: str, default: Any, help: str, *, choices: Optional[Sequence] = None, metavar: Optional[str] = None,
+           type: Optional[type] = None) -> Any:
+    """A dataclass field bound to `flag`. Booleans become store_true flags."""
+    meta = {"flag": flag, "help": help, "choices": tuple(choices) if choices else None, "metavar": metavar,
+            "type": type}
+    return field(default=default, metadata=meta)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+@dataclass
+class OptionGroup:
+    """Base for option dataclasses. Subclasses set `title` and may override `validate`."""
+
+    title: ClassVar[str] = "options"
+    description: ClassVar[Optional[str]] = None
+
+    @classmethod
+    def option_fields(cls):
+        return [f for f in fields(cls) if "flag" in f.metadata]
+
+    @classmethod
+    def flags(cls) -> List[str]:
+        return [f.metadata["flag"] for f in cls.option_fields()]
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, skip: Sequence[str] = (), title: Optional[str] = None,
+                      description: Optional[str] = None) -> None:
+        """Add one argparse group holding every flag of this class (except `skip`: flags an
+        earlier group already declared, e.g. a subclass sharing its parent's flags)."""
+        group = parser.add_argument_group(title or cls.title, description or cls.description)
+        for f in cls.option_fields():
+            m = f.metadata
+            if m["flag"] in skip:
+                continue
+            default = f.default if f.default is not MISSING else None
+            if isinstance(default, bool) and m["type"] is None:
+                group.add_argument(m["flag"], action="store_true", help=m["help"])
+                continue
+            kind = m["type"] or (type(default) if default is not None else str)
+            group.add_argument(m["flag"], type=kind, default=default, choices=m["choices"], metavar=m["metavar"],
+                               help=m["help"])
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace):
+        values: Dict[str, Any] = {}
+        for f in cls.option_fields():
+            dest = _dest(f.metadata["flag"])
+            values[f.name] = getattr(args, dest, f.default)
+        return cls(**values)
+
+    def changed_flags(self) -> List[str]:
+        """Flags whose value differs from the declared default."""
+        out = []
+        for f in self.option_fields():
+            if getattr(self, f.name) != f.default:
+                out.append(f.metadata["flag"])
+        return out
+
+    def validate(self, **context) -> None:
+        """Raise ValueError naming the flag; `context` carries what a group may need
+        (num_sites, the shared options, ...)."""
+
+
+@dataclass
+class NoOptions(OptionGroup):
+    """An algorithm with no knobs of its own."""

@@ -1,0 +1,97 @@
+"""The outer half of the dual optimizer policy, for any part of the model.
+
+Each rank keeps, for its own ZeRO-1 main shard only, the fp32 anchor θ_g and the outer
+momentum: one flat tensor per main shard, on the training device or, with
+`--lsgd-outer-offload`, in (pinned) host memory where the outer arithmetic then runs.
+Everything is addressed through `ShardViews` (a fragment: the whole model, one sync unit,
+a set of layers), so the same four operations serve every algorithm:
+
+    reset(views)             θ_g ← θ_local                       (start of local training)
+    pseudo_gradient(views)   Δ = θ_g − θ_local                   (DiLoCo / torchft sign)
+    step(views, Δ̄)           θ_g ← OuterSGD(θ_g, grad = Δ̄)       (Nesterov when momentum > 0)
+    load_into(views)         θ_local ← θ_g                        (then copy_main_to_model_params)
+
+The step is torch's own SGD (`torch.optim.sgd.sgd`, the function behind torch.optim.SGD)
+applied to the views, so a fragment's step is exactly torch.optim.SGD's arithmetic on its
+part of the anchor. A fragment's momentum starts (as torch's does) as a copy of its first
+outer gradient; fragments stepped separately must therefore be disjoint.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set
+
+import torch
+from torch.optim.sgd import sgd
+
+from megatron_lsgd.core.lsgd.config import OuterOptions
+
+
+class OuterState:
+    def __init__(self, shards: List[torch.Tensor], options: OuterOptions):
+        self.lr, self.momentum = options.lr, options.momentum
+        self.offload = options.offload
+        self.device = torch.device("cpu") if options.offload else (shards[0].device if shards else torch.device("cpu"))
+        pin = options.offload and torch.cuda.is_available()
+        self.anchors = [self._alloc(s, pin) for s in shards]
+        for a, s in zip(self.anchors, shards):
+            a.copy_(s)
+        self.momenta = [torch.zeros_like(a) for a in self.anchors] if self.momentum > 0 else []
+        self._started: Set[str] = set()  # fragments (views keys) whose momentum holds a first step
+
+    def _alloc(self, shard: torch.Tensor, pin: bool) -> torch.Tensor:
+        t = torch.empty(shard.shape, dtype=torch.float32, device=self.device)
+        return t.pin_memory() if pin else t
+
+    def anchor(self, views) -> List[torch.Tensor]:
+        return views.select(self.anchors)
+
+    @torch.no_grad()
+    def reset(self, views) -> None:
+        for a, m in zip(self.anchor(views), views.main):
+            a.copy_(m)
+
+    @torch.no_grad()
+    def pseudo_gradient(self, views) -> List[torch.Tensor]:
+        """Δ = θ_g − θ_local per range (on the anchor's device)."""
+        return [a - m.to(self.device, non_blocking=True) for a, m in zip(self.anchor(views), views.main)]
+
+    @torch.no_grad()
+    def step(self, views, mean_grads: List[torch.Tensor]) -> None:
+        params = self.anchor(views)
+        grads = [g.to(self.device) for g in mean_grads]
+        started = views.key in self._started
+        buffers: List[Optional[torch.Tensor]] = views.select(self.momenta) if started else [None] * len(params)
+        sgd(params, grads, buffers, weight_decay=0.0, momentum=self.momentum, lr=self.lr, dampening=0.0,
+            nesterov=self.momentum > 0, maximize=False)
+        if self.momentum > 0 and not started:  # torch created each buffer as a copy of the first grad
+            for dst, buf in zip(views.select(self.momenta), buffers):
+                dst.copy_(buf)
+            self._started.add(views.key)
+
+    @torch.no_grad()
+    def load_into(self, views) -> None:
+        """Restart this rank's local replica of the fragment from the anchor."""
+        for a, m in zip(self.anchor(views), views.main):
+            m.copy_(a, non_blocking=True)
+
+    def momentum_norm(self) -> float:
+        return float(sum(float(m.pow(2).sum()) for m in self.momenta) ** 0.5)
+
+    # weights_only-loadable: tensors, numbers, strings, lists, dicts.
+    def state_dict(self) -> Dict:
+        return {"anchors": [a.clone() for a in self.anchors], "momentum": [m.clone() for m in self.momenta],
+                "momentum_started": sorted(self._started)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Dict) -> None:
+        for a, saved in zip(self.anchors, state["anchors"]):
+            a.copy_(saved)
+        if "has_momentum" in state:  # written before fragments existed: one whole-model momentum
+            started = ["all"] if state["has_momentum"] else []
+        else:
+            started = list(state["momentum_started"])
+        self._started = set(started)
+        if self.momentum > 0 and started:
+            for m, saved in zip(self.momenta, state["momentum"]):
+                m.copy_(saved)

@@ -1,0 +1,193 @@
+"""The protocol every cross-site synchronizer implements.
+
+The training loop and the pipeline schedule call these methods and never look at which
+algorithm is running. One training step, as the default `train_step` composes it:
+
+    train_step(step, data, it)        the synchronizer composes the inner step from its parts:
+      step.zero_grads()
+      before_forward_backward(it)
+      step.compute_grads(data)        the schedule over the micro-batches; inside it:
+        before_unit_forward(unit, mb)   per sync unit, just before it computes, every micro-batch
+        after_unit_backward(unit, mb)   per sync unit, once per step, when its final gradient
+                                        of the step is in main_grad (mb is the last micro-batch)
+      step.reduce_in_site()           TP/embedding reduces, then the intra-site buckets
+      after_forward_backward(it)      `sync` averages gradients across sites here
+      step.apply()                    clip, inner optimizer on this rank's shard, main -> model
+      after_optimizer_step(it, ok)    DiLoCo-style outer steps go here
+
+    quiesce()                         finish everything in flight; called before evaluation,
+                                      before a checkpoint save and when the run stops
+    finish_training(it)               once, when training ends (--train-iters or a sample
+                                      budget; not --exit-interval / --exit-duration-in-mins):
+                                      close open rounds so every site ends with the same model
+
+A synchronizer may compose the parts differently (ACCO/DPU overlap a previous round's
+reduce + apply with the next compute_grads). Unit hooks fire in training only, never in
+evaluation. `after_unit_backward` runs inside backward, in the post-accumulate-grad hook of
+the unit's last parameter to receive its gradient: on the thread that runs autograd (the
+calling thread for CPU tensors; autograd's device thread for CUDA, while the calling
+thread waits in backward). At that point the unit's gradient is complete in main_grad but
+not reduced inside the site: with --overlap-grad-reduce the reduce of a bucket this
+parameter completed has been launched (not finished) just before; without it, intra-site
+reduction starts in reduce_in_site().
+
+Everything an algorithm keeps between steps goes through state_dict/load_state_dict, which
+the checkpoint calls after quiesce().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, FrozenSet, List, Optional, Protocol, Tuple
+
+import torch
+
+from megatron_lsgd.core.lsgd.comm import InterSiteComm
+from megatron_lsgd.core.lsgd.config import LsgdConfig
+from megatron_lsgd.core.lsgd.options import NoOptions
+from megatron_lsgd.core.parallel_state import ProcessGroups
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Which micro-batch of the step a unit hook fires in."""
+
+    index: int
+    count: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+@dataclass
+class StepResult:
+    losses: List[Dict[str, torch.Tensor]]  # what the loss function reported, per micro-batch (last stage)
+    update_successful: bool  # False: fp16 overflow, the inner update was skipped
+    grad_norm: Optional[float]
+    num_microbatches: int  # micro-batches this rank computed (ACCO varies it per site)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a non-lockstep synchronizer sees when deciding whether to stop."""
+
+    iteration: int  # this site's inner steps so far
+    site_samples: int  # samples this site has consumed
+    elapsed_s: float  # since start-up
+    train_iters: int  # --train-iters (or derived from a budget): a cap on this site's steps
+    train_samples: Optional[int]  # the job's sample budget, all sites together (None: none given)
+    exit_duration_s: Optional[float]  # --exit-duration-in-mins in seconds (None: none given)
+
+
+@dataclass(frozen=True)
+class Stop:
+    ends_training: bool  # True: finish_training runs (the final model); False: a pause to resume from
+    reason: str  # for the log, names the flag
+
+
+class InnerStep(Protocol):
+    """The parts of one inner step (training/inner_step.py implements it)."""
+
+    def zero_grads(self) -> None: ...
+
+    def compute_grads(self, data_iterator, num_microbatches: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
+        """Forward and backward over the micro-batches (default: the configured count);
+        gradients accumulate in the fp32 main_grad buffer."""
+
+    def reduce_in_site(self) -> None: ...
+
+    def apply(self) -> Tuple[bool, Optional[float]]:
+        """Clip, step the inner optimizer at the scheduled LR (advancing the schedule on
+        success), copy main parameters into the model. Returns (update_successful, grad_norm)."""
+
+    @property
+    def num_microbatches(self) -> int: ...
+
+
+@dataclass
+class SyncContext:
+    """What a synchronizer may touch, handed over once at construction."""
+
+    pgs: ProcessGroups
+    config: LsgdConfig
+    models: List[object]  # DistributedDataParallel chunks (grad buffers)
+    optimizer: object  # ShardedOptimizer: views(units), copy_main_to_model_params(views), state
+    comm: InterSiteComm
+    units: List[object] = field(default_factory=list)  # SyncUnits of this stage, forward order
+
+
+class Synchronizer:
+    name: ClassVar[str] = ""
+    # The algorithm's own options (an OptionGroup dataclass; its flags form one --help group).
+    Options: ClassVar[type] = NoOptions
+    # Shared option groups it reads (config.SHARED_GROUPS): "rounds", "outer", "compression".
+    uses: ClassVar[FrozenSet[str]] = frozenset()
+    # True when the algorithm only makes sense with more than one site.
+    requires_multiple_sites: ClassVar[bool] = False
+    # False when sites take different numbers of inner steps (A-EDiT): the loop then cannot
+    # agree on stopping by itself and asks `agree_to_stop` instead.
+    lockstep: ClassVar[bool] = True
+    # Which unit hooks the loop must wire (registering module hooks costs time per call).
+    uses_unit_forward_hooks: ClassVar[bool] = False
+    uses_unit_backward_hooks: ClassVar[bool] = False
+
+    def __init__(self, ctx: SyncContext):
+        self.ctx = ctx
+
+    # ---- the step --------------------------------------------------------------------------
+    def train_step(self, step: InnerStep, data_iterator, iteration: int) -> StepResult:
+        """Today's synchronous step, with a hook between each part."""
+        step.zero_grads()
+        self.before_forward_backward(iteration)
+        losses = step.compute_grads(data_iterator)
+        step.reduce_in_site()
+        self.after_forward_backward(iteration)
+        ok, norm = step.apply()
+        self.after_optimizer_step(iteration, ok)
+        return StepResult(losses, ok, norm, step.num_microbatches)
+
+    # ---- hooks (defaults do nothing) -----------------------------------------------------
+    def before_forward_backward(self, iteration: int) -> None:
+        pass
+
+    def before_unit_forward(self, unit, microbatch: MicroBatch) -> None:
+        pass
+
+    def after_unit_backward(self, unit, microbatch: MicroBatch) -> None:
+        pass
+
+    def after_forward_backward(self, iteration: int) -> None:
+        pass
+
+    def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
+        pass
+
+    def quiesce(self) -> None:
+        """Finish all communication in flight so state_dict() is complete and the model
+        evaluated or saved is consistent. Must not change the numbers the run produces:
+        a finished reduction is applied when it would have been anyway."""
+
+    def finish_training(self, iteration: int) -> None:
+        pass
+
+    def agree_to_stop(self, progress: Progress) -> Optional[Stop]:
+        """Non-lockstep algorithms only: called after every inner step; return a Stop, on
+        every rank of every site, after the step at which that rank stops (sites agree
+        where they meet, in the synchronizer's own collectives)."""
+        raise TypeError(f"--lsgd-algorithm {self.name} is not lockstep and must implement agree_to_stop")
+
+    # ---- state and statistics ---------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        return {}
+
+    def load_state_dict(self, state: Dict) -> None:
+        pass
+
+    def stats(self) -> Dict[str, float]:
+        """Algorithm-specific numbers for the log line (comm totals come from ctx.comm)."""
+        return {}

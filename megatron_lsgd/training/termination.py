@@ -1,0 +1,87 @@
+"""When the run stops, at the same step on every rank.
+
+Conditions, checked after every inner step:
+- `--train-iters N` (or a budget, `--train-samples` / `--train-tokens`, which build_config
+  turns into N = budget // global batch): training *ends*; the synchronizer's
+  finish_training closes its rounds so every site holds the same final model.
+- `--exit-interval N`: the run *pauses* at multiples of N (save, exit; a resumed run
+  continues exactly as if it had not stopped, so nothing is closed early).
+- `--exit-duration-in-mins M`: the run pauses once M minutes have passed since start-up
+  (Megatron's meaning: leave in time before a job's time limit, with a checkpoint).
+
+Iteration counts agree on every rank of a lockstep run by construction. Clocks do not, so
+each rank's "time is up" is all-reduced (MAX) over all ranks on a small gloo group of its
+own, asynchronously and one step late: the 4-byte collective's latency (a WAN round trip)
+hides behind a step, and every rank reads the same verdict at the same iteration.
+Algorithms whose sites take different numbers of steps (`Synchronizer.lockstep = False`)
+decide in `Synchronizer.agree_to_stop`, at the points where their sites meet.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.lsgd.protocol import Progress, Stop
+
+
+class StopVote:
+    """One-step-late agreement: `cast(flag)` returns the OR over all ranks of the flags
+    cast in the previous call, and casts this one."""
+
+    def __init__(self, group):
+        self.group = group
+        self._flag: Optional[torch.Tensor] = None
+        self._work = None
+
+    def cast(self, flag: bool) -> bool:
+        agreed = self.close()
+        self._flag = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return agreed
+
+    def close(self) -> bool:
+        """Wait for the vote in flight (if any) and return its verdict."""
+        if self._work is None:
+            return False
+        self._work.wait()
+        self._work = None
+        return bool(self._flag.item())
+
+
+class Termination:
+    def __init__(self, training_config, synchronizer, start_time: float, world_ranks):
+        self.cfg = training_config
+        self.synchronizer = synchronizer
+        self.start_time = start_time
+        self.duration_s = 60.0 * training_config.exit_duration_in_mins \
+            if training_config.exit_duration_in_mins is not None else None
+        self.vote = None
+        if self.duration_s is not None and synchronizer.lockstep and dist.is_initialized():
+            # Collective: every rank runs this constructor with the same config.
+            self.vote = StopVote(dist.new_group(list(world_ranks), backend="gloo"))
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start_time
+
+    def after_step(self, iteration: int, site_samples: int) -> Optional[Stop]:
+        if not self.synchronizer.lockstep:
+            progress = Progress(iteration, site_samples, self.elapsed(), self.cfg.train_iters, self.cfg.train_samples,
+                                self.duration_s)
+            return self.synchronizer.agree_to_stop(progress)
+        time_up = self.vote.cast(self.elapsed() >= self.duration_s) if self.vote is not None else False
+        if iteration >= self.cfg.train_iters:
+            return Stop(True, f"--train-iters {self.cfg.train_iters}")
+        if time_up:
+            return Stop(False, f"--exit-duration-in-mins {self.cfg.exit_duration_in_mins:g}: "
+                               f"{self.elapsed() / 60:.2f} min elapsed")
+        if self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0:
+            return Stop(False, f"--exit-interval {self.cfg.exit_interval}")
+        return None
+
+    def close(self) -> None:
+        if self.vote is not None:
+            self.vote.close()
