@@ -20,7 +20,7 @@ from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.training.checkpointing.config import CheckpointConfig
-from megatron_lsgd.training.guard import check_output_paths
+from megatron_lsgd.training.guard import startup_checks
 from megatron_lsgd.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat_args
 from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
@@ -330,5 +330,5 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
                     checkpoint=checkpoint, stragglers=stragglers)
     apply_megatron_compat_args(args, run)
-    check_output_paths(args)
+    startup_checks(args, run)
     return run

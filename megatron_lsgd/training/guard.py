@@ -87,6 +87,24 @@ def check_output_paths(args) -> None:
             raise ValueError(f"{flag} {path} cannot be created: {blocked} is a file")
 
 
+def _validation_weight(split: str) -> float:
+    parts = [float(p) for p in split.replace("/", ",").split(",")]
+    return parts[1] if len(parts) > 1 else 0.0
+
+
+def startup_checks(args, run) -> None:
+    """Called once by build_config: output paths (errors), then choices that run but are
+    probably not what was meant (one warning each, on rank 0)."""
+    check_output_paths(args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    t, data = run.training, run.data
+    if t.eval_iters > 0 and not data.mock_data and _validation_weight(data.split) == 0:
+        warn_once("no-validation-split",
+                  f"--split {data.split} gives the validation set no data, so evaluation (--eval-iters "
+                  f"{t.eval_iters} every --eval-interval {t.eval_interval} iterations) is skipped; give the "
+                  f"second --split weight a share or pass --eval-iters 0", rank)
+
+
 def take_save_lock(save_dir: Optional[str]) -> Optional[SaveLock]:
     """Collective. Rank 0 locks --save (creating it if needed); every rank raises the same
     CheckpointError when it cannot (another run holds it, it is a file, not writable)."""

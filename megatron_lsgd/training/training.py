@@ -95,6 +95,8 @@ class Trainer:
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
+        self.valid_ds = valid_ds
+        self.consumed_valid_samples = 0  # the whole job's validation samples, restored on resume
         self.train_iterator = build_data_iterator(train_ds, 0, t.micro_batch_size, pgs, config.data.num_workers)
         self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
                                                   cyclic=True)
@@ -172,6 +174,7 @@ class Trainer:
         for _ in range(t.eval_iters):
             collected += self.forward_backward(self.forward_step_func, self.valid_iterator, self.model,
                                                self._schedule_spec(True), self.pgs)
+        self.consumed_valid_samples += t.eval_iters * t.global_batch_size
         self.model.train()
         reduced = self._mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
         loss = reduced.get("lm loss")

@@ -92,3 +92,16 @@ def test_json_log_directory(monkeypatch, capsys, tmp_path):
     code, _, err = _run(["--train-iters", "2", "--json-log", str(tmp_path)], monkeypatch, capsys)
     assert code == 2 and f"error: --json-log {tmp_path} is a directory" in err
     assert os.listdir(tmp_path) == []
+
+
+def test_evaluation_without_a_validation_split_warns_once(monkeypatch, capsys, tmp_path):
+    from megatron_lsgd.training import guard
+
+    monkeypatch.setattr(guard, "_warned", set())
+    prefix = _dataset(str(tmp_path / "c"), 250)
+    code, out, err = _run(["--train-iters", "4", "--data-path", prefix, "--tokenizer-type", "NullTokenizer",
+                           "--vocab-size", "250", "--split", "100,0,0", "--eval-iters", "2", "--eval-interval", "2"],
+                          monkeypatch, capsys, base=FILES)
+    assert code == 0 and "validation loss" not in out
+    assert err.count("warning: --split 100,0,0 gives the validation set no data, so evaluation (--eval-iters 2 "
+                     "every --eval-interval 2 iterations) is skipped") == 1

@@ -175,6 +175,7 @@ def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration:
         "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
         "consumed_samples": trainer.consumed_samples,
         "site_consumed_samples": site_samples,  # each site's position in its own sample stream
+        "consumed_valid_samples": getattr(trainer, "consumed_valid_samples", 0),  # the validation stream's
         "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites},
         "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
         "lsgd_algorithm": trainer.config.lsgd.algorithm,
@@ -336,6 +337,10 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         t = trainer.config.training
         trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
+        trainer.consumed_valid_samples = int(meta.get("consumed_valid_samples", 0))
+        trainer.valid_iterator = build_data_iterator(trainer.valid_ds, trainer.consumed_valid_samples // pgs.dims.sites,
+                                                     t.micro_batch_size, pgs, trainer.config.data.num_workers,
+                                                     cyclic=True)
     if cfg.load_rng:  # last: building the data iterator above draws from the torch generator
         restore_rng_state(rank_state["rng"], trainer.rng_tracker)
     if pgs.rank == 0:

@@ -239,3 +239,32 @@ def test_without_the_check_a_non_finite_model_is_still_never_saved(tmp_path, mon
                            "--no-check-for-nan-in-loss-and-grad"], monkeypatch, capsys)
     assert code == 2 and "refusing to save a non-finite model" in err
     assert _all_finite(save)
+
+
+# ---- validation position ----------------------------------------------------------------------
+def _validation_losses(text: str):
+    import re
+
+    return dict(re.findall(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)", text))
+
+
+def test_resume_restores_the_validation_position(tmp_path, monkeypatch, capsys):
+    """A resumed run evaluates on the samples the uninterrupted run would have used next,
+    so its validation losses are the same (not those of the first evaluation again)."""
+    evals = ["--eval-interval", "2", "--eval-iters", "2", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    full = str(tmp_path / "full")
+    code, out, _ = _run(["--train-iters", "4", "--save", full, "--save-interval", "2", *evals], monkeypatch, capsys)
+    assert code == 0
+    uninterrupted = _validation_losses(out)
+    assert set(uninterrupted) == {"2", "4"} and uninterrupted["2"] != uninterrupted["4"]
+    meta = json.load(open(os.path.join(full, ITER, "metadata.json")))
+    assert meta["consumed_valid_samples"] == 2 * 2  # one evaluation of 2 iterations x global batch 2
+
+    resumed = str(tmp_path / "resumed")
+    os.makedirs(resumed)
+    shutil.copytree(os.path.join(full, ITER), os.path.join(resumed, ITER))
+    with open(os.path.join(resumed, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    code, out, _ = _run(["--train-iters", "4", "--load", resumed, "--save", resumed, *evals], monkeypatch, capsys)
+    assert code == 0 and "loaded checkpoint" in out
+    assert _validation_losses(out) == {"4": uninterrupted["4"]}
