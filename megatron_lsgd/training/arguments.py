@@ -21,7 +21,8 @@ from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.training.checkpointing.config import CheckpointConfig
 from megatron_lsgd.training.guard import startup_checks
-from megatron_lsgd.training.megatron_compat import add_megatron_compat_args, apply_megatron_compat_args
+from megatron_lsgd.training.megatron_compat import (CompatConfig, add_megatron_compat_args,
+                                                    apply_megatron_compat_args, normalize_megatron_args)
 from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
 
@@ -64,6 +65,7 @@ class RunConfig:
     raw_args: Optional[argparse.Namespace] = field(default=None, repr=False)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)  # Megatron run-time options (megatron_compat.py)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -241,6 +243,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Validate everything once; raise ValueError with a message naming the flag."""
     dims = ParallelDims.from_world(world_size, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size, args.num_sites)
+    normalize_megatron_args(args, dims)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
     if args.micro_batch_size < 1:

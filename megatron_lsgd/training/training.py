@@ -25,6 +25,8 @@ from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, bui
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
 from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
 from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
+from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention_backend
+from megatron_lsgd.training.compat_runtime import flops_per_sample as compat_flops_per_sample
 from megatron_lsgd.training.data_samplers import build_data_iterator
 from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
                                           exit_with_error, take_save_lock)
@@ -106,7 +108,9 @@ class Trainer:
         self.straggler = Straggler(config.stragglers, pgs.rank)
         self.inner_step = InnerStep(self.model, self.optimizer, self.scheduler, pgs, self.forward_backward,
                                     forward_step_func, self._schedule_spec, config.num_microbatches, self.straggler,
-                                    self.phase)
+                                    self.phase, samples_per_microbatch=t.micro_batch_size * config.dims.dp,
+                                    empty_unused_memory_level=config.compat.empty_unused_memory_level)
+        self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
         self.termination = Termination(t, self.synchronizer, time.monotonic() if start_time is None else start_time,
                                        range(config.dims.world_size))
         self.iteration = 0
@@ -140,7 +144,8 @@ class Trainer:
                        on_forward: Optional[Callable[[int], None]] = None) -> ScheduleSpec:
         return ScheduleSpec(num_microbatches=num_microbatches or self.config.num_microbatches,
                             tensor_shape=self.tensor_shape, dtype=self.config.model.params_dtype, device=self.device,
-                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward)
+                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward,
+                            per_token_loss=self.config.model.calculate_per_token_loss)
 
     def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
@@ -148,7 +153,14 @@ class Trainer:
             return {}
         out = {}
         for key in losses[0]:
-            value = torch.stack([d[key].float() for d in losses]).mean().reshape(1)
+            stacked = torch.stack([d[key].float() for d in losses])
+            if stacked.dim() == 2:  # (loss sum, tokens) per micro-batch (--calculate-per-token-loss)
+                pair = stacked.sum(0)
+                if self.config.dims.dp_intra > 1:
+                    dist.all_reduce(pair, group=self.pgs.dp_intra)
+                out[key] = (pair[0] / pair[1].clamp(min=1)).reshape(1)
+                continue
+            value = stacked.mean().reshape(1)
             if self.config.dims.dp_intra > 1:
                 value /= self.config.dims.dp_intra
                 dist.all_reduce(value, group=self.pgs.dp_intra)
@@ -169,6 +181,7 @@ class Trainer:
         if self.valid_iterator is None or t.eval_iters == 0:
             return None
         self.synchronizer.quiesce()  # evaluate a consistent model, nothing in flight
+        self.compat.around_eval()
         self.model.eval()
         collected: List[Dict[str, torch.Tensor]] = []
         for _ in range(t.eval_iters):
@@ -176,6 +189,7 @@ class Trainer:
                                                self._schedule_spec(True), self.pgs)
         self.consumed_valid_samples += t.eval_iters * t.global_batch_size
         self.model.train()
+        self.compat.around_eval()
         reduced = self._mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
         loss = reduced.get("lm loss")
         if loss is not None and self.pgs.rank == self.log_rank:
@@ -189,24 +203,31 @@ class Trainer:
     def train(self) -> TrainingResult:
         t = self.config.training
         result = TrainingResult(model=self.model.module, config=self.config)
-        gbs = t.global_batch_size
+        gbs = t.global_batch_size  # of the last step (a batch-size schedule changes it)
         site_samples_per_mb = t.micro_batch_size * self.config.dims.dp_intra
-        tokens_per_iter = gbs * self.config.model.seq_length
+        seq = self.config.model.seq_length
+        batch_schedule = self.config.compat.batch_schedule
+        flops_per_sample = compat_flops_per_sample(self.config.model, self.config.model.padded_vocab_size)
         sums: Dict[str, torch.Tensor] = {}
-        interval_iters = skipped = nans = total_skipped = 0
+        interval_iters = interval_samples = skipped = nans = total_skipped = 0
         norm_sum, norm_count = 0.0, 0
         comm_before = self.comm.snapshot()
         interval_start = time.perf_counter()
         run_start = interval_start
         while self.iteration < t.train_iters:
             self.inner_step.iteration = self.iteration
+            if batch_schedule is not None:
+                self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
             step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
             losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
             self.iteration += 1
             site_samples = step.num_microbatches * site_samples_per_mb
             self.site_consumed_samples += site_samples
             self.consumed_samples += site_samples * self.config.dims.sites
+            gbs = site_samples * self.config.dims.sites
+            interval_samples += gbs
             interval_iters += 1
+            self.compat.after_step(self.iteration)
             if not ok:
                 skipped += 1
                 total_skipped += 1
@@ -230,12 +251,15 @@ class Trainer:
                 moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
                             - comm_before["bytes_sent"] - comm_before["bytes_received"]) / 2**20
                 exposed_ms = 1e3 * (comm_now["exposed_seconds"] - comm_before["exposed_seconds"]) / interval_iters
-                tokens_per_s = tokens_per_iter * interval_iters / elapsed
+                tokens_per_s = interval_samples * seq / elapsed
                 result.tokens_per_second = tokens_per_s
                 if self.pgs.rank == self.log_rank:
                     norm = norm_sum / norm_count if norm_count else None
                     extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
                              "exposed comm ms": f"{exposed_ms:.1f}"}
+                    if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
+                        tflops = flops_per_sample * interval_samples / elapsed / self.config.dims.world_size / 1e12
+                        extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
                     extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
                     print(training_log_line(self.iteration, t.train_iters, self.consumed_samples,
                                             1e3 * elapsed / interval_iters, self.scheduler.current_lr, gbs, means,
@@ -248,11 +272,12 @@ class Trainer:
                                      **self.synchronizer.stats()}, self.iteration)
                     self.json_log.write({"iteration": self.iteration, "interval_iters": interval_iters,
                                          "elapsed_s": elapsed, "wall_s": time.perf_counter() - run_start,
-                                         "tokens": tokens_per_iter * interval_iters, "tokens_per_s": tokens_per_s,
+                                         "tokens": interval_samples * seq, "tokens_per_s": tokens_per_s,
                                          "losses": means, "inter_site_bytes": moved_mb * 2**20,
                                          "exposed_comm_s": exposed_ms * interval_iters / 1e3,
                                          "sync_stats": self.synchronizer.stats()})
                 sums, interval_iters, skipped, nans, norm_sum, norm_count = {}, 0, 0, 0, 0.0, 0
+                interval_samples = 0
                 comm_before = comm_now
                 interval_start = time.perf_counter()
 
@@ -288,6 +313,7 @@ class Trainer:
                                  "straggler_sleep_s": self.straggler.slept_seconds})
         self.json_log.close()
         self.tb.close()
+        self.compat.close()
         return result
 
 
@@ -318,6 +344,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     lock = None
     try:
         try:  # user input: flags, tokenizer and data files, the checkpoint to load, --save
+            check_attention_backend(config.model, device)
             lock = take_save_lock(config.checkpoint.save)
             trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
                               start_time)

@@ -30,7 +30,6 @@ def test_defaults_build():
     (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-query-groups 3"),
     (["--group-query-attention", "--num-query-groups", "4", "--tensor-model-parallel-size", "8",
       "--num-attention-heads", "8"], 8, "--num-query-groups 4 is not divisible by --tensor-model-parallel-size 8"),
-    (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--bf16", "--fp16"], 1, "mutually exclusive"),
     (["--lr-warmup-iters", "10", "--lr-decay-iters", "5"], 1, "--lr-decay-iters 5 is shorter"),
     (["--lr", "0"], 1, "--lr must be > 0"),
@@ -94,3 +93,9 @@ def test_output_paths_are_checked_before_the_run(tmp_path, flag, kind, message):
     with pytest.raises(ValueError) as err:
         config([flag, str(target)])
     assert f"{flag} {target}" in str(err.value) and message in str(err.value)
+
+
+def test_sequence_parallel_without_tensor_parallel_is_turned_off_with_a_warning(capsys):
+    c = config(["--sequence-parallel"])  # Megatron's Llama 3 8B script passes it with TP 1
+    assert c.model.sequence_parallel is False
+    assert "--sequence-parallel has no effect with --tensor-model-parallel-size 1" in capsys.readouterr().err

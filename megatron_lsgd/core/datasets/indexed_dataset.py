@@ -146,14 +146,16 @@ class _Index:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of a `.bin/.idx` pair.
+    """Read-only, memory-mapped view of a `.bin/.idx` pair (`mmap=False`: the .bin is read
+    into memory instead, Megatron's --no-mmap-bin-files).
 
     `ds[i]` is sequence i as a numpy array; `ds.get(i, offset, length)` a slice of it
     (what the GPT dataset uses to cut samples that straddle sequences).
     """
 
-    def __init__(self, path_prefix: str):
+    def __init__(self, path_prefix: str, mmap: bool = True):
         self.path_prefix = _strip_suffix(path_prefix)
+        self.mmap = mmap
         self.idx_path = index_file_path(self.path_prefix)
         self.bin_path = data_file_path(self.path_prefix)
         for p in (self.idx_path, self.bin_path):
@@ -163,15 +165,19 @@ class IndexedDataset:
         bin_size = os.path.getsize(self.bin_path)
         self.index = _Index(self.idx_path, bin_size, self.bin_path)
         # np.memmap refuses empty files; an empty dataset simply has no token buffer.
-        self._bin = (np.memmap(self.bin_path, mode="r", dtype=np.uint8) if bin_size
-                     else np.zeros(0, dtype=np.uint8))
+        if not bin_size:
+            self._bin = np.zeros(0, dtype=np.uint8)
+        elif mmap:
+            self._bin = np.memmap(self.bin_path, mode="r", dtype=np.uint8)
+        else:
+            self._bin = np.fromfile(self.bin_path, dtype=np.uint8)
 
-    # Pickle by path (DataLoader workers under spawn): reopen instead of copying the memmaps.
+    # Pickle by path (DataLoader workers under spawn): reopen instead of copying the buffers.
     def __getstate__(self) -> dict:
-        return {"path_prefix": self.path_prefix}
+        return {"path_prefix": self.path_prefix, "mmap": self.mmap}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path_prefix"])
+        self.__init__(state["path_prefix"], state.get("mmap", True))
 
     @property
     def dtype(self) -> np.dtype:

@@ -17,8 +17,15 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
     lr_decay_style: str = "linear"  # constant | linear | cosine
-    lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None  # default: --train-iters
+    lr_warmup_iters: float = 0  # in lr_unit (a float with --lr-warmup-fraction)
+    lr_decay_iters: Optional[int] = None  # in lr_unit; default: --train-iters
+    # "iterations", or "samples" (Megatron's sample-based schedule: the scheduler advances by
+    # each step's global batch, warmup and decay spans count samples).
+    lr_unit: str = "iterations"
+    # --decoupled-lr / --decoupled-min-lr: the input embedding and output layer follow the same
+    # schedule shape between these bounds instead of lr / min_lr.
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
     # fp16 dynamic loss scaling (ignored unless --fp16)
     loss_scale: Optional[float] = None  # static scale when set
     initial_loss_scale: float = 2.0 ** 32

@@ -29,6 +29,10 @@ class ScheduleSpec:
     forward_only: bool = False
     loss_scale: float = 1.0  # fp16: scale the loss before backward
     free_sent_outputs: bool = True  # 1F1B: drop a stage output's values once sent (see _free_sent_output)
+    # --calculate-per-token-loss: the loss function returns (loss sum, tokens, report); the
+    # schedule backpropagates the sums and adds up the tokens here (the caller normalizes).
+    per_token_loss: bool = False
+    num_tokens: Optional[torch.Tensor] = None
     on_forward: Optional[Callable[[int], None]] = None  # called with a micro-batch's index before its forward
 
 
@@ -45,9 +49,21 @@ def _forward(forward_step_func, data_iterator, model, input_tensor, spec: Schedu
     model.set_input_tensor(input_tensor)
     output, loss_func = forward_step_func(data_iterator, model)
     if pgs.is_last_stage:
-        loss, reported = loss_func(output)
+        result = loss_func(output)
+        if len(result) == 3:  # Megatron's contract: (loss summed over tokens, number of tokens, report)
+            loss, num_tokens, reported = result
+            if spec.per_token_loss:
+                spec.num_tokens = num_tokens if spec.num_tokens is None else spec.num_tokens + num_tokens
+                output = loss
+            else:
+                output = loss / num_tokens.clamp(min=1) / spec.num_microbatches
+        else:
+            loss, reported = result
+            if spec.per_token_loss:
+                raise ValueError("--calculate-per-token-loss needs a loss function returning (loss sum, number "
+                                 "of tokens, report), as Megatron's does")
+            output = loss / spec.num_microbatches
         losses.append(reported)
-        output = loss / spec.num_microbatches
     return output
 
 

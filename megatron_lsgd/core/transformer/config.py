@@ -31,6 +31,14 @@ class TransformerConfig:
     init_method_std: float = 0.02
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
+    apply_layernorm_1p: bool = False  # norms multiply by (1 + weight), weights initialized to 0
+    rotary_percent: float = 1.0  # share of each head's channels that rope rotates
+    attention_backend: str = "auto"  # SDPA kernels: auto | flash | fused | unfused | local
+    calculate_per_token_loss: bool = False  # loss normalized by the step's loss tokens (not per micro-batch)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.kv_channels * self.rotary_percent)
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -89,6 +97,12 @@ class TransformerConfig:
              f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}")
         need(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
              "rotary embeddings need an even head size (--kv-channels)")
+        need(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
+        need(self.position_embedding_type != "rope" or (self.rotary_dim >= 2 and self.rotary_dim % 2 == 0),
+             f"--rotary-percent {self.rotary_percent} of head size {self.kv_channels} gives {self.rotary_dim} "
+             f"rotated channels; they must be an even number >= 2")
+        need(self.attention_backend in ("auto", "flash", "fused", "unfused", "local"),
+             f"--attention-backend {self.attention_backend!r}: choose auto, flash, fused, unfused or local")
         need(0.0 <= self.hidden_dropout < 1.0 and 0.0 <= self.attention_dropout < 1.0,
              "--hidden-dropout and --attention-dropout must be in [0, 1)")
         if self.sequence_parallel:

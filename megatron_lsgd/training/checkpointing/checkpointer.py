@@ -325,15 +325,19 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
             raise CheckpointError(f"optimizer state in {iter_dir} does not fit this run's parameter shards "
                                   f"(different --ddp-bucket-size?): {err}") from err
         trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
-        trainer.scheduler.load_state_dict(meta["scheduler"])
+        try:
+            trainer.scheduler.load_state_dict(meta["scheduler"])
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint {iter_dir}: {err}") from err
     if not cfg.finetune:
         trainer.iteration = int(meta["iteration"])
         trainer.consumed_samples = int(meta["consumed_samples"])
         per_site = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
         trainer.site_consumed_samples = int(per_site[pgs.site_rank]) if per_site and same_dp \
             else trainer.consumed_samples // pgs.dims.sites
-        if not cfg.load_optim:
-            trainer.scheduler.num_steps = trainer.iteration
+        if not cfg.load_optim:  # the schedule continues at the loaded position
+            trainer.scheduler.num_steps = trainer.consumed_samples if trainer.scheduler.by_samples \
+                else trainer.iteration
         t = trainer.config.training
         trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)

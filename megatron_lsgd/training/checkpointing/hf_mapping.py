@@ -25,6 +25,9 @@ def family(config: TransformerConfig) -> str:
     """'llama' or 'gpt2', or an error naming what keeps the model from either."""
     c = config
     if c.normalization == "RMSNorm" and c.position_embedding_type == "rope" and c.swiglu:
+        if c.rotary_percent != 1.0:
+            raise CheckpointError(f"--rotary-percent {c.rotary_percent}: Hugging Face Llama rotates every channel "
+                                  f"of a head; this model cannot be exported as Llama")
         return "llama"
     gpt2_needs = {"--normalization LayerNorm": c.normalization == "LayerNorm",
                   "--position-embedding-type learned_absolute": c.position_embedding_type == "learned_absolute",
@@ -230,6 +233,8 @@ def to_hf(params: Dict[str, torch.Tensor], c: TransformerConfig,
     """HF config.json and tensors. `tokenizer` ({"vocab_size", "eod", "bos"}, recorded at save
     time) trims the padded vocabulary to the true one and sets bos/eos_token_id."""
     kind = family(c)
+    if c.apply_layernorm_1p:  # stored centred on zero; Hugging Face multiplies by the weight itself
+        params = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in params.items()}
     if kind == "llama":
         config, tensors = llama_config(c), to_llama(params, c)
     else:
