@@ -36,6 +36,7 @@ from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
+from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
 from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
 
 
@@ -51,6 +52,7 @@ class TrainingResult:
     comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
     sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
     synchronizer: Optional[object] = None  # for tests and tools that inspect its state
+    traffic: Dict[str, float] = field(default_factory=dict)  # all ranks' cross-site bytes vs per-step sync
     model: Optional[torch.nn.Module] = None
     config: Optional[RunConfig] = None
 
@@ -214,6 +216,7 @@ class Trainer:
         comm_before = self.comm.snapshot()
         interval_start = time.perf_counter()
         run_start = interval_start
+        start_iter = self.iteration  # a resumed run counts its own steps
         while self.iteration < t.train_iters:
             self.inner_step.iteration = self.iteration
             if batch_schedule is not None:
@@ -304,10 +307,15 @@ class Trainer:
             self.save_checkpoint()
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
         result.synchronizer = self.synchronizer
+        if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync
+            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter)
         if self.pgs.rank == self.log_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
+            if result.traffic:
+                print(summary_line(self.config.lsgd.algorithm, self.iteration - start_iter, result.traffic),
+                      flush=True)
             self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
                                  "wall_s": time.perf_counter() - run_start,
                                  "straggler_sleep_s": self.straggler.slept_seconds})

@@ -55,7 +55,8 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
     anchors = getattr(getattr(result.synchronizer, "outer", None), "anchors", None)
     torch.save({"anchors": [a.clone() for a in anchors] if anchors else None, "losses": result.logged_losses,
                 "valid": result.validation_losses, "params": params, "skipped": result.skipped_iterations,
-                "coords": pgs.coords, "tp": pgs.dims.tp, "comm": result.comm, "sync_stats": result.sync_stats},
+                "coords": pgs.coords, "tp": pgs.dims.tp, "comm": result.comm, "sync_stats": result.sync_stats,
+                "traffic": result.traffic},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
