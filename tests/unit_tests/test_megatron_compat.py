@@ -472,3 +472,30 @@ def test_tiktokenizer_ids_merges_and_patterns(tmp_path):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         build_tokenizer(TokenizerConfig(tokenizer_type="TikTokenizer", tokenizer_model=str(tmp_path / "bad.json"),
                                         vocab_size=2000))
+
+
+def test_resume_in_the_middle_of_a_ramp_continues_it_exactly(tmp_path, monkeypatch, capsys):
+    ramp = ["--rampup-batch-size", "2", "2", "8", "--global-batch-size", "6", "--train-samples", "30",
+            "--lr-warmup-samples", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    full = str(tmp_path / "full")
+    whole = _logged(_run(ramp + ["--save", full, "--save-interval", "3"], monkeypatch, capsys, base=NO_WARMUP))
+    resumed_dir = str(tmp_path / "resumed")
+    os.makedirs(resumed_dir)
+    import shutil
+
+    shutil.copytree(os.path.join(full, "iter_0000003"), os.path.join(resumed_dir, "iter_0000003"))
+    with open(os.path.join(resumed_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    resumed = _logged(_run(ramp + ["--load", resumed_dir], monkeypatch, capsys, base=NO_WARMUP))
+    assert [x[0] for x in resumed] == ["4", "5", "6"]
+    assert resumed == whole[3:]  # batch sizes 6, 6, 6, learning rates and losses
+
+
+def test_changing_the_schedule_unit_on_resume_is_refused(tmp_path, monkeypatch, capsys):
+    ckpt = str(tmp_path / "c")
+    _run(["--train-iters", "2", "--save", ckpt], monkeypatch, capsys, base=NO_WARMUP)
+    code = run_single(["--train-samples", "8", "--load", ckpt], monkeypatch, base=NO_WARMUP)
+    err = capsys.readouterr().err
+    assert code == 2 and "the saved learning-rate schedule counts iterations, this run's counts samples" in err
+    assert run_single(["--train-samples", "8", "--load", ckpt, "--no-load-optim", "--no-load-rng"], monkeypatch,
+                      base=NO_WARMUP) == 0

@@ -85,7 +85,6 @@ def test_failed_run_leaves_an_existing_output_untouched(tmp_path, capsys):
     out = str(tmp_path / "c")
     preprocess_data.main(["--input", str(good), "--output-prefix", out, *NULL])
     capsys.readouterr()
-    before = tree_digest(str(tmp_path))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "4"}) + "\n{broken\n")
     before = tree_digest(str(tmp_path))
