@@ -171,7 +171,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer vocabulary size; TikTokenizer: its size (default there: 131072)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
 
 

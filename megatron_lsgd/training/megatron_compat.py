@@ -124,8 +124,8 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", action="store_true",
                    help="record a torch profiler trace of steps [--profile-step-start, --profile-step-end) into "
                         "--tensorboard-dir")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-step-start", type=int, default=10, help="first profiled step (counted from 0)")
+    g.add_argument("--profile-step-end", type=int, default=12, help="first step no longer profiled")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="global ranks that record a trace")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="accepted: --profile always uses the torch profiler here")
