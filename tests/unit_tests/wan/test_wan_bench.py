@@ -92,3 +92,17 @@ def test_tiny_benchmark_over_two_namespaces(tmp_path):
     assert rows["sync"]["inter_site_bytes_per_step"] > 1e6 and rows["sync"]["exposed_comm_s_per_step"] > 0
     assert 0 < rows["sync"]["ratio_to_ceiling"] < 1
     assert set(list_namespaces()) == before
+
+
+def test_one_algorithm_can_run_twice_under_labels():
+    from tools.benchmarks import wan_bench
+
+    a = wan_bench.parse_args(["--algorithms", "diloco,dx=dilocox,dx4=dilocox", "--algo-args",
+                              "dx4=--lsgd-compression int4"])
+    assert a.algorithms == ["diloco", "dx", "dx4"]
+    assert a.run_algorithm == {"diloco": "diloco", "dx": "dilocox", "dx4": "dilocox"}
+    assert a.per_algo == {"dx4": ["--lsgd-compression", "int4"]}
+    for bad in (["--algorithms", "x=nope"], ["--algorithms", "diloco,diloco"], ["--algorithms", "ceiling=sync"],
+                ["--algorithms", "sync", "--algo-args", "dx=--lsgd-interval 3"]):
+        with pytest.raises(SystemExit):
+            wan_bench.parse_args(bad)
