@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 from megatron_lsgd.training.batch_schedule import BatchSchedule
-
-if TYPE_CHECKING:
-    from megatron_lsgd.training.arguments import RunConfig
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")
@@ -206,7 +203,7 @@ def _notes(args: argparse.Namespace) -> List[str]:
     return notes
 
 
-def _lr_schedule(args: argparse.Namespace, run: "RunConfig") -> None:
+def _lr_schedule(args: argparse.Namespace, run) -> None:  # run: arguments.RunConfig
     """Megatron's learning-rate units: iteration flags with --train-iters, sample flags with a
     sample or token budget; the scheduler counts samples whenever the budget is in samples
     or the batch size varies, otherwise iterations (the two agree where both apply)."""
@@ -251,7 +248,7 @@ def _lr_schedule(args: argparse.Namespace, run: "RunConfig") -> None:
                          f"({opt.lr_warmup_iters} {unit})")
 
 
-def apply_megatron_compat_args(args: argparse.Namespace, run: "RunConfig") -> None:
+def apply_megatron_compat_args(args: argparse.Namespace, run) -> None:  # run: arguments.RunConfig
     """Late: check the compatibility flags and write them into the typed config."""
     _refusals(args)
     run.optimizer.check_for_nan_in_grad = args.check_for_nan_in_loss_and_grad
