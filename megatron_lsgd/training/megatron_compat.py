@@ -50,10 +50,10 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("Megatron schedules (sample-based learning rate, batch-size ramp-up)")
     g.add_argument("--lr-decay-samples", type=int, default=None,
-                   help="decay the learning rate over this many samples (with --train-samples/--train-tokens; "
-                        "default: the training budget)")
+                   help="decay the learning rate over this many samples (the schedule then counts samples; "
+                        "default with a --train-samples/--train-tokens budget: the budget)")
     g.add_argument("--lr-warmup-samples", type=int, default=0,
-                   help="linear warmup over this many samples (with --train-samples/--train-tokens)")
+                   help="linear warmup over this many samples (the schedule then counts samples)")
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warmup as a fraction of the decay span (instead of --lr-warmup-iters/-samples)")
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
@@ -204,22 +204,16 @@ def _notes(args: argparse.Namespace) -> List[str]:
 
 
 def _lr_schedule(args: argparse.Namespace, run) -> None:  # run: arguments.RunConfig
-    """Megatron's learning-rate units: iteration flags with --train-iters, sample flags with a
-    sample or token budget; the scheduler counts samples whenever the budget is in samples
-    or the batch size varies, otherwise iterations (the two agree where both apply)."""
+    """Megatron's learning-rate units. The scheduler counts samples, as Megatron's does,
+    when the budget is in samples, the batch size varies or a span is given in samples:
+    each successful step then advances it by that step's global batch, and spans given in
+    iterations count (final) global batches. Otherwise it counts iterations; the two agree
+    where both apply."""
     t, opt = run.training, run.optimizer
-    by_budget = t.train_samples is not None
-    if not by_budget:
-        for flag, value in (("--lr-decay-samples", args.lr_decay_samples),
-                            ("--lr-warmup-samples", args.lr_warmup_samples or None)):
-            if value is not None:
-                raise ValueError(f"{flag} needs sample-based training (--train-samples or --train-tokens); with "
-                                 f"--train-iters use --lr-decay-iters / --lr-warmup-iters, as in Megatron")
-    else:
-        for flag, value in (("--lr-decay-iters", args.lr_decay_iters), ("--lr-warmup-iters", args.lr_warmup_iters or None)):
-            if value is not None:
-                raise ValueError(f"{flag} needs --train-iters; with --train-samples/--train-tokens use "
-                                 f"{flag.replace('iters', 'samples')}, as in Megatron")
+    for kind, iters, samples in (("warmup", args.lr_warmup_iters or None, args.lr_warmup_samples or None),
+                                 ("decay", args.lr_decay_iters, args.lr_decay_samples)):
+        if iters is not None and samples is not None:
+            raise ValueError(f"give one of --lr-{kind}-iters and --lr-{kind}-samples")
     if args.lr_warmup_fraction is not None:
         if not 0 <= args.lr_warmup_fraction <= 1:
             raise ValueError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1]")
@@ -229,17 +223,19 @@ def _lr_schedule(args: argparse.Namespace, run) -> None:  # run: arguments.RunCo
         if value is not None and value < 0:
             raise ValueError(f"{flag} must be >= 0")
 
-    schedule = run.compat.batch_schedule
-    if by_budget or schedule is not None:
+    by_budget = t.train_samples is not None
+    if by_budget or run.compat.batch_schedule is not None or args.lr_decay_samples is not None \
+            or args.lr_warmup_samples:
         gbs = t.global_batch_size
         opt.lr_unit = "samples"
-        if by_budget:
-            decay = args.lr_decay_samples if args.lr_decay_samples is not None else t.train_samples
-            warmup = args.lr_warmup_samples
-        else:  # --train-iters with a varying batch size: iteration flags in units of the final batch
-            decay = (args.lr_decay_iters if args.lr_decay_iters is not None else t.train_iters) * gbs
-            warmup = args.lr_warmup_iters * gbs
-        opt.lr_decay_iters, opt.lr_warmup_iters = decay, warmup
+        if args.lr_decay_samples is not None:
+            decay = args.lr_decay_samples
+        elif args.lr_decay_iters is not None:
+            decay = args.lr_decay_iters * gbs
+        else:
+            decay = t.train_samples if by_budget else t.train_iters * gbs
+        opt.lr_decay_iters = decay
+        opt.lr_warmup_iters = args.lr_warmup_samples or args.lr_warmup_iters * gbs
     if args.lr_warmup_fraction is not None:
         opt.lr_warmup_iters = args.lr_warmup_fraction * opt.lr_decay_iters
     if opt.lr_decay_iters < opt.lr_warmup_iters:

@@ -140,7 +140,7 @@ def test_llama3_8b_script_refuses_only_what_cannot_be_honoured(tmp_path, monkeyp
     (["--rotary-percent", "0.35", "--position-embedding-type", "rope"],
      "--rotary-percent 0.35 of head size 16 gives 5"),
     (["--rotary-percent", "1.5"], "--rotary-percent 1.5 must be in (0, 1]"),
-    (["--lr-decay-samples", "100"], "--lr-decay-samples needs sample-based training"),
+    (["--lr-decay-samples", "100", "--lr-decay-iters", "4"], "give one of --lr-decay-iters and --lr-decay-samples"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "1"], "give one of --lr-warmup-fraction"),
     (["--rampup-batch-size", "2", "4", "8", "--global-batch-size", "8"], "must be START plus a whole number"),
     (["--rampup-batch-size", "3", "3", "8", "--global-batch-size", "6"],
@@ -489,6 +489,12 @@ def test_resume_in_the_middle_of_a_ramp_continues_it_exactly(tmp_path, monkeypat
     resumed = _logged(_run(ramp + ["--load", resumed_dir], monkeypatch, capsys, base=NO_WARMUP))
     assert [x[0] for x in resumed] == ["4", "5", "6"]
     assert resumed == whole[3:]  # batch sizes 6, 6, 6, learning rates and losses
+
+
+def test_iteration_spans_with_a_sample_budget_count_global_batches():
+    c = build_config(parse_args(_without(BASE, ("--train-iters", 1)) +
+                                ["--train-samples", "40", "--lr-warmup-iters", "2", "--lr-decay-iters", "8"]), 1)
+    assert (c.optimizer.lr_unit, c.optimizer.lr_warmup_iters, c.optimizer.lr_decay_iters) == ("samples", 4, 16)
 
 
 def test_changing_the_schedule_unit_on_resume_is_refused(tmp_path, monkeypatch, capsys):
