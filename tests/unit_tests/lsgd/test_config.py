@@ -101,4 +101,5 @@ def test_budgets_become_iterations_like_megatron():
     assert by_samples.training.train_iters == 10 and by_samples.training.train_samples == 42  # 42 // 4
     by_tokens = build_config(parse_args(base + ["--train-tokens", str(41 * 32 + 5)]), 2)
     assert by_tokens.training.train_iters == 10 and by_tokens.training.train_samples == 41
-    assert by_tokens.optimizer.lr_decay_iters == 10
+    # Megatron's sample-based schedule: the LR decays over the budget's samples, stepping by each batch.
+    assert by_tokens.optimizer.lr_unit == "samples" and by_tokens.optimizer.lr_decay_iters == 41
