@@ -21,6 +21,7 @@ from typing import Dict, NoReturn, Optional
 import torch.distributed as dist
 
 from megatron_lsgd.core.datasets.indexed_dataset import IndexedDatasetError
+from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.optimizer.sharded_optimizer import NonFiniteError
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 from megatron_lsgd.training.checkpointing.lock import SaveLock
@@ -98,6 +99,11 @@ def startup_checks(args, run) -> None:
     check_output_paths(args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     t, data = run.training, run.data
+    sync_cls = synchronizer_class(run.lsgd.algorithm)
+    if run.dims.sites == 1 and sync_cls.inert_with_one_site:
+        warn_once("inert-with-one-site",
+                  f"--lsgd-algorithm {sync_cls.name} with --num-sites 1 has nothing to synchronize across sites: this "
+                  f"run is plain Megatron training (set --num-sites to the number of sites)", rank)
     if t.eval_iters > 0 and not data.mock_data and _validation_weight(data.split) == 0:
         warn_once("no-validation-split",
                   f"--split {data.split} gives the validation set no data, so evaluation (--eval-iters "

@@ -105,3 +105,13 @@ def test_evaluation_without_a_validation_split_warns_once(monkeypatch, capsys, t
     assert code == 0 and "validation loss" not in out
     assert err.count("warning: --split 100,0,0 gives the validation set no data, so evaluation (--eval-iters 2 "
                      "every --eval-interval 2 iterations) is skipped") == 1
+
+
+@pytest.mark.parametrize("algorithm,warned", [("diloco", 1), ("sync", 0)])
+def test_a_local_sgd_algorithm_with_one_site_warns_once(monkeypatch, capsys, algorithm, warned):
+    from megatron_lsgd.training import guard
+
+    monkeypatch.setattr(guard, "_warned", set())
+    code, _out, err = _run(["--train-iters", "2", "--lsgd-algorithm", algorithm], monkeypatch, capsys)
+    assert code == 0
+    assert err.count(f"warning: --lsgd-algorithm {algorithm} with --num-sites 1 has nothing to synchronize") == warned
