@@ -9,10 +9,14 @@
                         main -> model (ZeRO-1 all-gather inside the site)
 
 The default composition (protocol.Synchronizer.train_step) is the plain synchronous step.
+ACCO/DPU compose them with overlap: several accumulate-only compute_grads calls with a
+common loss divisor, apply(grads=..., groups=..., copy_to_model=False) and trial_apply on
+a thread of their own (see protocol.InnerStep).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -61,23 +65,31 @@ class InnerStep:
     def zero_grads(self) -> None:
         self.model.zero_grad_buffer()
 
-    def compute_grads(self, data_iterator, num_microbatches: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
+    def compute_grads(self, data_iterator, num_microbatches: Optional[int] = None, *,
+                      loss_divisor: Optional[int] = None, accumulate_only: bool = False
+                      ) -> List[Dict[str, torch.Tensor]]:
         n = num_microbatches or self._num_microbatches
         self.model.train()
         self.phase.training, self.phase.count = True, n
+        accumulate = self.model.no_sync() if accumulate_only else contextlib.nullcontext()
         try:
-            with self._straggler.around_compute(self.iteration):
+            with self._straggler.around_compute(self.iteration), accumulate:
                 return self._forward_backward(self._forward_step_func, data_iterator, self.model,
                                               self._spec(forward_only=False, num_microbatches=n,
-                                                         on_forward=self.phase.forward), self.pgs)
+                                                         on_forward=self.phase.forward, loss_divisor=loss_divisor),
+                                              self.pgs)
         finally:
             self.phase.training = False
 
     def reduce_in_site(self) -> None:
         self.model.finish_grad_sync()
 
-    def apply(self) -> Tuple[bool, Optional[float]]:
-        ok, norm = self.optimizer.step(self.scheduler.next_lr())
+    def apply(self, *, grads=None, groups=None, copy_to_model: bool = True) -> Tuple[bool, Optional[float]]:
+        ok, norm = self.optimizer.step(self.scheduler.next_lr(), grads=grads, groups=groups,
+                                       copy_to_model=copy_to_model)
         if ok:
             self.scheduler.step()
         return ok, norm
+
+    def trial_apply(self, out, *, grads=None, groups=None) -> Tuple[bool, Optional[float]]:
+        return self.optimizer.trial_step(self.scheduler.next_lr(), out, grads=grads, groups=groups)

@@ -47,6 +47,8 @@ class TrainingResult:
     validation_losses: List[float] = field(default_factory=list)
     skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
     tokens_per_second: float = 0.0
+    consumed_samples: int = 0  # the whole job's, all sites
+    site_consumed_samples: int = 0  # this rank's site's own
     comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
     sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
     synchronizer: Optional[object] = None  # for tests and tools that inspect its state
@@ -73,15 +75,16 @@ class Trainer:
         model.to(device)
         model.initialize(config.training.seed)
         self.model = DistributedDataParallel(model, pgs, config.ddp)
+        sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.optimizer = ShardedOptimizer([self.model], config.optimizer, pgs,
-                                          build_grad_scaler(config.optimizer, config.training.fp16))
+                                          build_grad_scaler(config.optimizer, config.training.fp16),
+                                          separate_main=sync_cls.overlaps_optimizer_step)
         self.scheduler = LRScheduler(config.optimizer)
 
         link = config.lsgd.link
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                              config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank)
         units = model.sync_units()
-        sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units))
         self.comm = comm
@@ -91,10 +94,16 @@ class Trainer:
         t = config.training
         gbs = t.global_batch_size
         eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+        # A synchronizer whose sites may take more micro-batches per step than configured
+        # (ACCO/DPU's adaptive accumulation) says how many at most: size the stream for it.
+        bound = self.synchronizer.microbatches_per_step_bound(config.num_microbatches)
+        train_samples = t.train_iters * gbs if bound == config.num_microbatches else \
+            t.train_iters * bound * t.micro_batch_size * config.dims.dp
         train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
-                                                  (t.train_iters * gbs, eval_runs * gbs, t.eval_iters * gbs))
+                                                  (train_samples, eval_runs * gbs, t.eval_iters * gbs))
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
+        self._job_samples_stale = False  # sites counted differently since consumed_samples was summed
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
         self.train_iterator = build_data_iterator(train_ds, 0, t.micro_batch_size, pgs, config.data.num_workers)
         self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
@@ -117,6 +126,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.synchronizer.quiesce()  # nothing in flight: the saved state is complete
+        self._sum_site_samples()
         save_checkpoint(self, self.config.checkpoint)
         self.last_saved_iteration = self.iteration
 
@@ -136,10 +146,34 @@ class Trainer:
             self.model.add_unit_backward_listener(units, lambda unit: sync.after_unit_backward(unit, phase.last()))
 
     def _schedule_spec(self, forward_only: bool, num_microbatches: Optional[int] = None,
-                       on_forward: Optional[Callable[[int], None]] = None) -> ScheduleSpec:
+                       on_forward: Optional[Callable[[int], None]] = None,
+                       loss_divisor: Optional[int] = None) -> ScheduleSpec:
         return ScheduleSpec(num_microbatches=num_microbatches or self.config.num_microbatches,
                             tensor_shape=self.tensor_shape, dtype=self.config.model.params_dtype, device=self.device,
-                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward)
+                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward,
+                            loss_divisor=loss_divisor)
+
+    def _count_samples(self, num_microbatches: int, same_on_every_site: bool) -> None:
+        """This site's position advances by its own micro-batches; the job's total is that
+        times the number of sites when every site computed as many, else the sum of every
+        site's own position, taken (_sum_site_samples) where the loop logs or saves."""
+        site_samples = num_microbatches * self.config.training.micro_batch_size * self.config.dims.dp_intra
+        self.site_consumed_samples += site_samples
+        if same_on_every_site and not self._job_samples_stale:
+            self.consumed_samples += site_samples * self.config.dims.sites
+        else:
+            self._job_samples_stale = True
+
+    def _sum_site_samples(self) -> None:
+        """consumed_samples = the sum over sites of each site's own consumed samples (exact);
+        a few bytes across sites, only after steps whose counts differed (collective)."""
+        if not self._job_samples_stale:
+            return
+        total = torch.tensor([self.site_consumed_samples], dtype=torch.int64)
+        if self.config.dims.sites > 1:
+            dist.all_reduce(total, group=self.pgs.dp_inter)
+        self.consumed_samples = int(total.item())
+        self._job_samples_stale = False
 
     def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
@@ -187,9 +221,8 @@ class Trainer:
     def train(self) -> TrainingResult:
         t = self.config.training
         result = TrainingResult(model=self.model.module, config=self.config)
-        gbs = t.global_batch_size
-        site_samples_per_mb = t.micro_batch_size * self.config.dims.dp_intra
-        tokens_per_iter = gbs * self.config.model.seq_length
+        seq_length = self.config.model.seq_length
+        consumed_before = self.consumed_samples
         sums: Dict[str, torch.Tensor] = {}
         interval_iters = skipped = nans = total_skipped = 0
         norm_sum, norm_count = 0.0, 0
@@ -201,9 +234,7 @@ class Trainer:
             step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
             losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
             self.iteration += 1
-            site_samples = step.num_microbatches * site_samples_per_mb
-            self.site_consumed_samples += site_samples
-            self.consumed_samples += site_samples * self.config.dims.sites
+            self._count_samples(step.num_microbatches, step.same_count_on_every_site)
             interval_iters += 1
             if not ok:
                 skipped += 1
@@ -225,7 +256,10 @@ class Trainer:
                 moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
                             - comm_before["bytes_sent"] - comm_before["bytes_received"]) / 2**20
                 exposed_ms = 1e3 * (comm_now["exposed_seconds"] - comm_before["exposed_seconds"]) / interval_iters
-                tokens_per_s = tokens_per_iter * interval_iters / elapsed
+                self._sum_site_samples()
+                interval_samples = self.consumed_samples - consumed_before
+                batch = round(interval_samples / interval_iters)  # gbs, unless sites took more (ACCO/DPU)
+                tokens_per_s = interval_samples * seq_length / elapsed
                 result.tokens_per_second = tokens_per_s
                 if self.pgs.rank == self.log_rank:
                     norm = norm_sum / norm_count if norm_count else None
@@ -233,22 +267,23 @@ class Trainer:
                              "exposed comm ms": f"{exposed_ms:.1f}"}
                     extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
                     print(training_log_line(self.iteration, t.train_iters, self.consumed_samples,
-                                            1e3 * elapsed / interval_iters, self.scheduler.current_lr, gbs, means,
+                                            1e3 * elapsed / interval_iters, self.scheduler.current_lr, batch, means,
                                             self.optimizer.loss_scale, norm, skipped, nans, extra), flush=True)
                     self.tb.scalars({**{k: v for k, v in means.items()},
                                      "learning-rate": self.scheduler.current_lr, "grad-norm": norm,
-                                     "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
+                                     "loss-scale": self.optimizer.loss_scale, "batch-size": batch,
                                      "iteration-time": elapsed / interval_iters, "tokens-per-sec": tokens_per_s,
                                      "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
                                      **self.synchronizer.stats()}, self.iteration)
                     self.json_log.write({"iteration": self.iteration, "interval_iters": interval_iters,
                                          "elapsed_s": elapsed, "wall_s": time.perf_counter() - run_start,
-                                         "tokens": tokens_per_iter * interval_iters, "tokens_per_s": tokens_per_s,
+                                         "tokens": interval_samples * seq_length, "tokens_per_s": tokens_per_s,
                                          "losses": means, "inter_site_bytes": moved_mb * 2**20,
                                          "exposed_comm_s": exposed_ms * interval_iters / 1e3,
                                          "sync_stats": self.synchronizer.stats()})
                 sums, interval_iters, skipped, nans, norm_sum, norm_count = {}, 0, 0, 0, 0.0, 0
                 comm_before = comm_now
+                consumed_before = self.consumed_samples
                 interval_start = time.perf_counter()
 
             stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
@@ -268,8 +303,10 @@ class Trainer:
                 break
         self.synchronizer.quiesce()
         self.termination.close()
+        self._sum_site_samples()
         result.iteration = self.iteration
         result.skipped_iterations = total_skipped
+        result.consumed_samples, result.site_consumed_samples = self.consumed_samples, self.site_consumed_samples
         if self.config.checkpoint.save and self.last_saved_iteration != self.iteration and self.iteration > 0:
             self.save_checkpoint()
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()

@@ -29,6 +29,10 @@ class ScheduleSpec:
     forward_only: bool = False
     loss_scale: float = 1.0  # fp16: scale the loss before backward
     on_forward: Optional[Callable[[int], None]] = None  # called with a micro-batch's index before its forward
+    # Each micro-batch's loss is divided by this before backward (None: num_microbatches, the
+    # mean over the call). A caller that accumulates one step over several schedule calls
+    # (ACCO/DPU's adaptive accumulation) passes a common divisor.
+    loss_divisor: Optional[int] = None
 
 
 def _microbatch_context(model, is_last: bool):
@@ -46,7 +50,7 @@ def _forward(forward_step_func, data_iterator, model, input_tensor, spec: Schedu
     if pgs.is_last_stage:
         loss, reported = loss_func(output)
         losses.append(reported)
-        output = loss / spec.num_microbatches
+        output = loss / (spec.num_microbatches if spec.loss_divisor is None else spec.loss_divisor)
     return output
 
 
