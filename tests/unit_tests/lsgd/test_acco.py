@@ -69,3 +69,40 @@ def test_matches_the_hand_computed_update(layout):
             assert job == 6 * sum(counts[algo]) * mbs * dp_intra
         stats = run[-1]["sync_stats"]
         assert stats["rounds"] == 6 and [stats["mb site0"], stats["mb site1"]] == counts[algo]
+
+
+@pytest.mark.slow
+def test_resumes_bit_exactly_with_an_update_in_flight(tmp_path):
+    """acco, ZeRO-1 DP_intra 2 x 2 sites, unequal fixed counts, int8 compression: a checkpoint
+    at iteration 4 is taken with step 4's real update in flight (quiesce drains it and keeps
+    the estimated parameters the next step computes at). Killed after it and resumed, the
+    run reproduces the uninterrupted run bit for bit: printed losses, final weights,
+    optimizer shards, synchronizer state (error feedback included) and RNG. The
+    uninterrupted run saves at 3 and 6 instead, so quiescing at different points must not
+    change the numbers either."""
+    from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
+    from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, losses, read, run, start, \
+        wait_for
+
+    iters = 8
+    common = TINY + ["--num-sites", "2", "--use-distributed-optimizer", "--global-batch-size", "16",
+                     "--hidden-dropout", "0", "--attention-dropout", "0", "--lsgd-algorithm", "acco",
+                     "--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", "2,4", "--lsgd-compression", "int8",
+                     "--train-iters", str(iters)]
+    run(common + ["--save", str(tmp_path / "ref"), "--save-interval", "3"], 4, str(tmp_path / "ref.log"))
+    ckpt = str(tmp_path / "ckpt")
+    proc = start(common + ["--save", ckpt, "--save-interval", "4"], 4, str(tmp_path / "killed.log"),
+                 env={HOLD_ENV: "8"})
+    wait_for(lambda: (tmp_path / "ckpt" / ".holding_8").exists(), proc, str(tmp_path / "killed.log"))
+    kill(proc)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    run(common + ["--save", ckpt, "--save-interval", "4", "--load", ckpt], 4, str(tmp_path / "resumed.log"))
+    ref, resumed = losses(read(str(tmp_path / "ref.log"))), losses(read(str(tmp_path / "resumed.log")))
+    assert sorted(ref) == list(range(1, iters + 1)) and sorted(resumed) == list(range(5, iters + 1))
+    for it in resumed:
+        assert resumed[it] == ref[it], f"iteration {it}: resumed {resumed[it]} vs uninterrupted {ref[it]}"
+    saved = load_tree(str(tmp_path / "ckpt" / "iter_0000004"))
+    stashes = [v["synchronizer"]["has_stash"] for k, v in saved.items() if "synchronizer" in v]
+    assert stashes and all(stashes), "the checkpoint holds the parameters the next step computes at"
+    final = f"iter_{iters:07d}"
+    assert_same(load_tree(str(tmp_path / "ref" / final)), load_tree(str(tmp_path / "ckpt" / final)), final)
