@@ -135,7 +135,7 @@ def main() -> None:
         loss = r["valid"][-1]
         gap = f"{100 * (loss / ref['valid'][-1] - 1):+.2f}%" if ref else "-"
         sent = r["comm"].get("bytes_sent", 0)
-        ratio = f"{ref['comm']['bytes_sent'] / sent:.0f}x" if ref and sent else "-"
+        ratio = f"{ref['comm']['bytes_sent'] / sent:.3g}x" if ref and sent else "-"
         lines.append(f"| {name} | {loss:.4f} | {gap} | {sent / 2**20:.3f} | {ratio} | "
                      f"{r['comm'].get('exposed_seconds', 0):.2f} | {r['tokens_per_s']:.0f} |")
     table = "\n".join(lines)
