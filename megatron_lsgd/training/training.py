@@ -169,7 +169,7 @@ class Trainer:
         a few bytes across sites, only after steps whose counts differed (collective)."""
         if not self._job_samples_stale:
             return
-        total = torch.tensor([self.site_consumed_samples], dtype=torch.int64)
+        total = torch.tensor([self.site_consumed_samples], dtype=torch.int64, device=self.device)
         if self.config.dims.sites > 1:
             dist.all_reduce(total, group=self.pgs.dp_inter)
         self.consumed_samples = int(total.item())

@@ -254,7 +254,7 @@ class OverlappedGradientSync(Synchronizer):
         # 1/DP_intra part across sites and the site all-gathers (as sync does).
         self.split = dims.dp_intra > 1 and not ctx.optimizer.sharded
         self.part = self.views.part(ctx.pgs.dp_intra_rank, dims.dp_intra) if self.split else self.views
-        device = self.views.main[0].device
+        self.device = device = self.views.main[0].device  # small control tensors live here too (NCCL)
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
         self.compressor = self.compressors.for_views(self.part, device) \
             if cfg.compression.enabled and self.sites > 1 and self.part.ranges else None
@@ -324,7 +324,8 @@ class OverlappedGradientSync(Synchronizer):
 
     def _site_agrees_worker_done(self) -> bool:
         """True on every rank of the site once every rank's worker is done (MIN over the site)."""
-        flag = torch.tensor([1 if self._job is None or self._job.done() else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self._job is None or self._job.done() else 0], dtype=torch.int32,
+                            device=self.device)
         if self.pgs.site is not None and dist.get_world_size(self.pgs.site) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pgs.site)
         return bool(flag.item())
@@ -384,8 +385,8 @@ class OverlappedGradientSync(Synchronizer):
             return [count]
         if self.opts.accumulation == "fixed":
             return [self._stage_minimum(s, stage) for s in range(self.sites)]
-        out = torch.zeros(self.sites, dtype=torch.int64)
-        self.comm.all_gather(out, torch.tensor([count], dtype=torch.int64))
+        out = torch.zeros(self.sites, dtype=torch.int64, device=self.device)
+        self.comm.all_gather(out, torch.tensor([count], dtype=torch.int64, device=self.device))
         return [int(c) for c in out]
 
     def _mean_across_sites(self, grads: List[torch.Tensor], counts: List[int], count: int) -> None:
