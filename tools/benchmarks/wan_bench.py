@@ -3,6 +3,8 @@
     python tools/benchmarks/wan_bench.py                                  # default scenario
     python tools/benchmarks/wan_bench.py --slow-ranks 1 --slow-factor 2   # one 2x straggler
     python tools/benchmarks/wan_bench.py --algorithms sync,diloco --algo-args "diloco=--lsgd-interval 10"
+    python tools/benchmarks/wan_bench.py --algorithms diloco,dilocox,dilocox-int4=dilocox \
+        --algo-args "dilocox-int4=--lsgd-compression int4"            # two runs of one algorithm
 
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
 trains alone, at the same time, with the same per-site batch and --num-sites 1, so no
@@ -49,9 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_link_args(p)
     p.add_argument("--algorithms", default=",".join(registered_algorithms()),
-                   help="comma-separated --lsgd-algorithm values (default: every registered one)")
-    p.add_argument("--algo-args", action="append", default=[], metavar="NAME=FLAGS",
-                   help="extra pretrain_gpt.py flags for one algorithm, e.g. 'diloco=--lsgd-interval 10'")
+                   help="comma-separated runs: an --lsgd-algorithm value, or LABEL=ALGORITHM to run one algorithm "
+                        "more than once under different --algo-args (default: every registered algorithm once)")
+    p.add_argument("--algo-args", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="extra pretrain_gpt.py flags for one run, e.g. 'diloco=--lsgd-interval 10'")
     p.add_argument("--extra-args", default="", help="extra pretrain_gpt.py flags for every run (ceiling too)")
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size inside a site")
@@ -71,14 +74,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="default: runs/wan_bench/<date-time>")
     p.add_argument("--timeout-per-run", type=float, default=1800.0)
     a = p.parse_args(argv)
-    a.algorithms = [x for x in a.algorithms.split(",") if x]
-    unknown = [x for x in a.algorithms if x not in registered_algorithms()]
-    if unknown:
-        p.error(f"--algorithms: {', '.join(unknown)} not registered (have: {', '.join(registered_algorithms())})")
+    runs: Dict[str, str] = {}  # label -> algorithm, in order
+    for item in (x for x in a.algorithms.split(",") if x):
+        label, _, algo = item.partition("=")
+        algo = algo or label
+        if algo not in registered_algorithms():
+            p.error(f"--algorithms: {algo!r} is not registered (have: {', '.join(registered_algorithms())})")
+        if label in runs or label == wan_report.CEILING:
+            p.error(f"--algorithms: the label {label!r} is used twice (or is reserved)")
+        runs[label] = algo
+    if not runs:
+        p.error("--algorithms: name at least one run")
+    a.algorithms = list(runs)
+    a.run_algorithm = runs
     per_algo: Dict[str, List[str]] = {}
     for item in a.algo_args:
         name, _, flags = item.partition("=")
-        if name not in a.algorithms:
+        if name not in runs:
             p.error(f"--algo-args {item!r}: {name!r} is not among --algorithms")
         per_algo[name] = shlex.split(flags)
     a.per_algo = per_algo
@@ -116,6 +128,7 @@ def scenario(a: argparse.Namespace, backend: str) -> dict:
                      "vocab 8k (7.2M parameters)",
             "seq_length": a.seq_length, "site_batch_size": a.site_batch_size, "micro_batch_size": a.micro_batch_size,
             "train_iters": a.train_iters, "algorithm_args": {k: " ".join(v) for k, v in a.per_algo.items()},
+            "runs": {label: algo for label, algo in a.run_algorithm.items()},
             "extra_args": a.extra_args, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}",
             "command": " ".join(shlex.quote(x) for x in sys.argv)}
@@ -129,7 +142,11 @@ def main(argv=None) -> int:
         print("error: megatron_lsgd._C is not built; run `pip install -e .` (or `python setup.py build_ext "
               "--inplace`) in the repository root", file=sys.stderr)
         return 2
-    slow = [int(r) for r in a.slow_ranks.split(",") if r.strip()]
+    try:
+        slow = [int(r) for r in a.slow_ranks.split(",") if r.strip()]
+    except ValueError:
+        print(f"error: --slow-ranks {a.slow_ranks!r}: give comma-separated rank numbers", file=sys.stderr)
+        return 2
     world_per_site = a.ranks_per_site
     logs = os.path.join(a.out_dir, "logs")
     raise_on_termination()
@@ -150,13 +167,14 @@ def main(argv=None) -> int:
                                                   for p in site_logs])
             for n, algo in enumerate(a.algorithms):
                 json_log = os.path.join(logs, f"{algo}.jsonl")
-                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", algo] + a.per_algo.get(algo, [])
+                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", a.run_algorithm[algo]] \
+                    + a.per_algo.get(algo, [])
                 jobs = [SiteJob(i, torchrun_cmd(a.sites, i, world_per_site, wan.site_ip(0), 29501 + n, script),
                                 os.path.join(logs, f"{algo}.site{i}.log")) for i in range(a.sites)]
                 _run(wan, jobs, a, algo)
                 summaries[algo] = wan_report.summarize(wan_report.read_log(json_log), a.warmup_intervals)
             backend = wan.backend
-    except (WanError, RuntimeError, TimeoutError) as err:
+    except (WanError, RuntimeError, TimeoutError, ValueError) as err:  # ValueError: link or topology flags
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

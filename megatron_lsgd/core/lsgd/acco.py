@@ -177,6 +177,13 @@ class OverlapOptions(OptionGroup):
         if self.accumulation == "adaptive" and 0 < self.max_microbatches < smallest:
             raise ValueError(f"--lsgd-max-microbatches {self.max_microbatches} is below a stage's minimum "
                              f"({smallest} micro-batches)")
+        if run.per_token_loss:
+            raise ValueError(f"--calculate-per-token-loss is not supported by --lsgd-algorithm {name}: sites are "
+                             f"weighted by the micro-batches they computed, not by loss tokens")
+        if run.batch_schedule_flag and (self.accumulation != "fixed" or self.site_microbatches):
+            raise ValueError(f"{run.batch_schedule_flag} needs --lsgd-accumulation fixed (and no "
+                             f"--lsgd-site-microbatches) under --lsgd-algorithm {name}: the schedule sets every "
+                             f"site's micro-batches from the job's consumed samples")
         if run.sample_budget_flag and not (self.accumulation == "fixed" and len(set(counts)) == 1):
             raise ValueError(
                 f"{run.sample_budget_flag} needs --lsgd-accumulation fixed and the same micro-batches on every "
@@ -367,17 +374,25 @@ class OverlappedGradientSync(Synchronizer):
             counts = self._exchange_counts(count, stage)
             self._mean_across_sites(grads, counts, count)
             total = sum(counts)
+            per_mb = step.samples_per_microbatch // self.sites  # samples of one micro-batch on every rank of a site
             if kind == "estimate":
                 for kept, g in zip(self._g_est, grads):
                     kept.copy_(g)  # the real step needs it unclipped
                 self._n_est = total
-                _, norm = step.trial_apply(self._theta_est, grads=grads, groups=self.worker_groups)
+                # The LR of the coming real step (exact with fixed counts; with adaptive ones the
+                # real stage's count is not known yet, its minimum stands in, for sample-based LRs).
+                real = sum(self._stage_minimum(s, stage + 1) for s in range(self.sites))
+                _, norm = step.trial_apply(self._theta_est, grads=grads, groups=self.worker_groups,
+                                           samples=(total + real) * per_mb)
             else:
+                samples = total
                 if self.opts.stages == 2:  # (Σn~ ḡ~ + Σn ḡ) / (Σn~ + Σn)
                     w_est = self._n_est / (self._n_est + total)
                     for g, kept in zip(grads, self._g_est):
                         g.mul_(1.0 - w_est).add_(kept, alpha=w_est)
-                _, norm = step.apply(grads=grads, groups=self.worker_groups, copy_to_model=False)
+                    samples += self._n_est
+                _, norm = step.apply(grads=grads, groups=self.worker_groups, copy_to_model=False,
+                                     samples=samples * per_mb)
         return _JobResult(kind, counts, norm)
 
     def _exchange_counts(self, count: int, stage: int) -> List[int]:

@@ -106,6 +106,8 @@ class RunFacts:
     pipeline_stages: int = 1
     fp16: bool = False
     sample_budget_flag: Optional[str] = None  # "--train-samples" / "--train-tokens" when the run has one
+    batch_schedule_flag: Optional[str] = None  # "--rampup-batch-size" / "--step-batch-size-schedule" when given
+    per_token_loss: bool = False  # --calculate-per-token-loss
 
 
 @dataclass

@@ -65,7 +65,7 @@ def test_ceiling_adds_sites_and_ratios_use_it(tmp_path):
 def test_unknown_algorithm_is_refused():
     done = subprocess.run([sys.executable, "tools/benchmarks/wan_bench.py", "--algorithms", "sync,nope"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "nope not registered" in done.stderr
+    assert done.returncode == 2 and "'nope' is not registered" in done.stderr
 
 
 @pytest.mark.slow
@@ -108,3 +108,17 @@ def test_time_to_sync_final_loss():
     assert rows["sync"]["time_to_sync_loss_vs_sync"] == 1.0 and rows["slow"]["time_to_sync_loss_s"] is None
     table = wan_report.markdown_table(results)
     assert "| 2 s (0.17) |" in table and "not reached" in table
+
+
+def test_one_algorithm_can_run_twice_under_labels():
+    from tools.benchmarks import wan_bench
+
+    a = wan_bench.parse_args(["--algorithms", "diloco,dx=dilocox,dx4=dilocox", "--algo-args",
+                              "dx4=--lsgd-compression int4"])
+    assert a.algorithms == ["diloco", "dx", "dx4"]
+    assert a.run_algorithm == {"diloco": "diloco", "dx": "dilocox", "dx4": "dilocox"}
+    assert a.per_algo == {"dx4": ["--lsgd-compression", "int4"]}
+    for bad in (["--algorithms", "x=nope"], ["--algorithms", "diloco,diloco"], ["--algorithms", "ceiling=sync"],
+                ["--algorithms", "sync", "--algo-args", "dx=--lsgd-interval 3"]):
+        with pytest.raises(SystemExit):
+            wan_bench.parse_args(bad)
