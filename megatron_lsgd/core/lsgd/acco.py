@@ -180,6 +180,10 @@ class OverlapOptions(OptionGroup):
         if run.per_token_loss:
             raise ValueError(f"--calculate-per-token-loss is not supported by --lsgd-algorithm {name}: sites are "
                              f"weighted by the micro-batches they computed, not by loss tokens")
+        if run.batch_schedule_flag and self.stages == 2:
+            raise ValueError(f"{run.batch_schedule_flag} is not supported by --lsgd-algorithm acco: a small early "
+                             f"global batch would leave a stage without a micro-batch (use --lsgd-algorithm dpu "
+                             f"with --lsgd-accumulation fixed, or a constant --global-batch-size)")
         if run.batch_schedule_flag and (self.accumulation != "fixed" or self.site_microbatches):
             raise ValueError(f"{run.batch_schedule_flag} needs --lsgd-accumulation fixed (and no "
                              f"--lsgd-site-microbatches) under --lsgd-algorithm {name}: the schedule sets every "
