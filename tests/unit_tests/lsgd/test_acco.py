@@ -3,9 +3,10 @@
 - With instant communication and fixed micro-batch counts, on TP2 x PP2 x 2 sites and on
   ZeRO-1 with DP_intra 2 x 2 sites, acco equals the hand-computed two-stage update and dpu
   the hand-computed one-step-delayed update (overlap_reference.py, one rank, AdamW and
-  clipping written out), losses of every step and final parameters; on ZeRO-1 the sites
-  compute different counts (2 and 4 micro-batches per step), so the weighting by counts
-  is checked exactly, and so is the job's sample count.
+  clipping written out), losses of every step and final parameters; the sites compute
+  different counts (acco: 2 and 3 under PP, one and two micro-batches in the real stage,
+  whole pipeline passes; 2 and 4 on ZeRO-1; dpu: 2 and 1, 1 and 3), so the weighting by
+  counts is checked exactly, and so is the job's sample count.
 - Real overlap: over a simulated slow link whose transfer fits in a stage's compute, dpu
   and acco (fixed counts) hide every transfer that sync pays for; with adaptive
   accumulation and one site 4x slower, the fast site computes more micro-batches, the
@@ -30,8 +31,8 @@ COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "6",
 
 # world, layout flags, global batch, DP_intra, per-site micro-batches per rank per step (acco, dpu)
 LAYOUTS = {
-    "tp2-pp2-sites2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 8, 1,
-                       {"acco": [2, 2], "dpu": [2, 2]}),
+    "tp2-pp2-sites2-unequal": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                               8, 1, {"acco": [2, 3], "dpu": [2, 1]}),
     "zero1-dp2-sites2-unequal": (4, ["--use-distributed-optimizer", "--ddp-bucket-size", "3000"], 16, 2,
                                  {"acco": [2, 4], "dpu": [1, 3]}),
 }
