@@ -1,4 +1,4 @@
-"""Quality at equal tokens: sync vs diloco vs dilocox vs acco vs dpu across two sites (CPU/gloo or GPU).
+"""Quality at equal tokens: sync vs diloco vs dilocox vs acco vs dpu vs streaming-diloco vs cocodc across sites (CPU/gloo or GPU).
 
 Runs each algorithm in `--sites` x `--ranks-per-site` spawned processes on the same data,
 model, seed and token budget, and writes a Markdown table (final validation loss and its
@@ -10,6 +10,16 @@ communication, tokens/s) plus a PNG of training and validation loss curves.
 
 Without --data-path (or if it does not exist) it runs on --mock-data and says so in
 every output.
+
+Any run's flags can be extended, or a new labelled run defined, with `--run-args
+LABEL=FLAGS` (a new label's FLAGS name its --lsgd-algorithm; `LABEL@RUN=FLAGS` is RUN's
+flags followed by FLAGS, later flags winning). With `--eval-interval N`
+validation runs every N iterations, and `--target RUN` adds a table of the iterations each
+run needs to reach RUN's final validation loss (linear interpolation between evaluations)
+and a plot of the validation curves, e.g. for CoCoDC against Streaming DiLoCo at 4 sites:
+
+    python tools/benchmarks/lsgd_quality.py --sites 4 --num-layers 4 --interval 100 \
+        --runs streaming-diloco,cocodc --eval-interval 50 --target streaming-diloco ...
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -56,6 +67,19 @@ def run(argv: List[str], world: int) -> Dict:
             return json.load(f)
 
 
+def steps_to_reach(iters: List[int], losses: List[float], target: float):
+    """First iteration at which the validation curve reaches `target`, linearly interpolated
+    between evaluations (None if it never does)."""
+    prev_it, prev = None, None
+    for it, loss in zip(iters, losses):
+        if loss <= target:
+            if prev is None or prev == loss:
+                return float(it)
+            return prev_it + (it - prev_it) * (prev - target) / (prev - loss)
+        prev_it, prev = it, loss
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", default=None)
@@ -80,6 +104,20 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8, help="--lsgd-rank for dilocox-lowrank-int4")
     p.add_argument("--apply-step", type=int, default=0,
                    help="--lsgd-dilocox-apply-step for dilocox runs (0: H, the one-round delay)")
+    p.add_argument("--fragments", type=int, default=4, help="--lsgd-fragments for streaming-diloco and cocodc")
+    p.add_argument("--fragment-partition", default="strided", help="--lsgd-fragment-partition")
+    p.add_argument("--sync-delay", type=int, default=5, help="--lsgd-fragment-sync-delay (tau)")
+    p.add_argument("--alpha", type=float, default=0.0, help="--lsgd-fragment-update-alpha (streaming-diloco)")
+    p.add_argument("--dc-lambda", type=float, default=0.5, help="--lsgd-cocodc-lambda")
+    p.add_argument("--gamma", type=float, default=0.4, help="--lsgd-cocodc-gamma")
+    p.add_argument("--syncs-per-round", type=int, default=0, help="--lsgd-cocodc-syncs-per-round (0: measure)")
+    p.add_argument("--run-args", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="extra pretrain_gpt.py flags for one run; a label that is not built in defines a new run "
+                        "(its FLAGS must name --lsgd-algorithm), and LABEL@RUN=FLAGS a variant of RUN")
+    p.add_argument("--extra-args", default="", help="extra pretrain_gpt.py flags for every run")
+    p.add_argument("--eval-interval", type=int, default=0, help="validate every N iterations (0: at the end only)")
+    p.add_argument("--target", default=None,
+                   help="report the iterations each run needs to reach this run's final validation loss")
     args = p.parse_args()
 
     real = bool(args.data_path) and os.path.exists(args.data_path + ".bin")
@@ -96,9 +134,10 @@ def main() -> None:
             "--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--lr-decay-style", "cosine",
             "--lr-warmup-iters", str(args.train_iters // 20), "--weight-decay", "0.1", "--clip-grad", "1.0",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "10",
-            "--eval-interval", str(args.train_iters), "--eval-iters", str(args.eval_iters), "--seed", "1234",
+            "--eval-interval", str(args.eval_interval or args.train_iters), "--eval-iters", str(args.eval_iters),
+            "--seed", "1234",
             "--num-sites", str(args.sites), "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-            "--swiglu", "--disable-bias-linear"] + data
+            "--swiglu", "--disable-bias-linear"] + data + shlex.split(args.extra_args)
     outer = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
              "--lsgd-outer-momentum", str(args.outer_momentum)]
     outer_x = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
@@ -116,11 +155,37 @@ def main() -> None:
         "acco": ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed"],
         "dpu": ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"],
     }
+    fragments = ["--lsgd-fragments", str(args.fragments), "--lsgd-fragment-partition", args.fragment_partition,
+                 "--lsgd-fragment-sync-delay", str(args.sync_delay)]
+    configs["streaming-diloco"] = ["--lsgd-algorithm", "streaming-diloco", "--lsgd-fragment-update-alpha",
+                                   str(args.alpha)] + outer + fragments
+    configs["cocodc"] = ["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-lambda", str(args.dc_lambda),
+                         "--lsgd-cocodc-gamma", str(args.gamma), "--lsgd-cocodc-syncs-per-round",
+                         str(args.syncs_per_round)] + outer + fragments
+    for item in args.run_args:
+        label, _, flags = item.partition("=")
+        extra = shlex.split(flags)
+        label, _, base_run = label.partition("@")  # NEW@BASE: a variant of another run (later flags win)
+        if base_run and base_run not in configs:
+            p.error(f"--run-args {item!r}: {base_run!r} is not a run defined before it")
+        base_flags = configs[base_run] if base_run else configs.get(label, [])
+        if not base_flags and "--lsgd-algorithm" not in extra:
+            p.error(f"--run-args {item!r}: {label!r} is not a built-in run, so its flags must name --lsgd-algorithm "
+                    f"(or write LABEL@RUN=FLAGS for a variant of RUN)")
+        configs[label] = base_flags + extra
+    for name in args.runs.split(","):
+        if name not in configs:
+            p.error(f"--runs: {name!r} is neither built in ({', '.join(configs)}) nor defined by --run-args")
+    if args.target is not None and args.target not in args.runs.split(","):
+        p.error(f"--target {args.target!r} is not among --runs")
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
     for name in args.runs.split(","):
         print(f"> {name}", flush=True)
         results[name] = run(base + configs[name], world)
+        every = args.eval_interval or args.train_iters
+        results[name]["valid_iters"] = [every * (i + 1) for i in range(len(results[name]["valid"]))]
+        results[name]["flags"] = configs[name]
     with open(os.path.join(args.out_dir, "lsgd_quality.json"), "w") as f:
         json.dump({"label": label, "argv": base, "results": results}, f, indent=1)
 
@@ -138,6 +203,19 @@ def main() -> None:
         ratio = f"{ref['comm']['bytes_sent'] / sent:.3g}x" if ref and sent else "-"
         lines.append(f"| {name} | {loss:.4f} | {gap} | {sent / 2**20:.3f} | {ratio} | "
                      f"{r['comm'].get('exposed_seconds', 0):.2f} | {r['tokens_per_s']:.0f} |")
+    target = None
+    if args.target is not None:
+        target = results[args.target]["valid"][-1]
+        ref_steps = steps_to_reach(results[args.target]["valid_iters"], results[args.target]["valid"], target)
+        lines += ["", f"Iterations to reach {args.target}'s final validation loss {target:.4f} (validation every "
+                      f"{args.eval_interval or args.train_iters} iterations, linear interpolation):", "",
+                  f"| algorithm | iterations | vs {args.target} |", "|---|---|---|"]
+        for name, r in results.items():
+            steps = steps_to_reach(r["valid_iters"], r["valid"], target)
+            change = f"{100 * (steps / ref_steps - 1):+.1f}%" if steps is not None and ref_steps else "-"
+            lines.append(f"| {name} | {steps:.0f} | {change} |" if steps is not None else
+                         f"| {name} | not reached | - |")
+    lines += ["", "Flags per run: " + "; ".join(f"{n}: `{' '.join(results[n]['flags'])}`" for n in results)]
     table = "\n".join(lines)
     with open(os.path.join(args.out_dir, "lsgd_quality.md"), "w") as f:
         f.write(table + "\n")
@@ -150,7 +228,9 @@ def main() -> None:
     except ImportError:
         print("matplotlib not installed: no PNG written")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curves = any(len(r["valid"]) > 1 for r in results.values())
+    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(12 if curves else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
     for name, r in results.items():
         xs = [10 * (i + 1) for i in range(len(r["train"]))]
         ax.plot(xs, r["train"], label=f"{name} (valid {r['valid'][-1]:.3f})")
@@ -158,6 +238,17 @@ def main() -> None:
     ax.set_ylabel("training loss (mean over sites)")
     ax.set_title(f"{args.sites} sites, H={args.interval}: {label}", fontsize=9)
     ax.legend(fontsize=8)
+    if curves:
+        ax = axes[0][1]
+        for name, r in results.items():
+            ax.plot(r["valid_iters"], r["valid"], marker=".", label=name)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1,
+                       label=f"{args.target}'s final validation loss")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("validation loss (mean over sites' models)")
+        ax.set_title("validation loss", fontsize=9)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out_dir, "lsgd_quality.png"), dpi=120)
     print(f"wrote {args.out_dir}/lsgd_quality.{{md,json,png}}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Optional
 
-from megatron_lsgd.core.lsgd import acco, diloco, dilocox, sync  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, streaming, sync  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
@@ -54,15 +54,16 @@ def config_from_args(args: argparse.Namespace, num_sites: int, run: Optional[Run
     shared = {key: group.from_args(args) for key, group in SHARED_GROUPS.items()}
     config = LsgdConfig(algorithm=cls.name, seed=args.seed, link=LinkOptions.from_args(args),
                         algo=cls.Options.from_args(args), **shared)
-    validate(config, num_sites, args, run)
+    validate(config, num_sites, args, run, num_layers=getattr(args, "num_layers", None))
     return config
 
 
 def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None,
-             run: Optional[RunFacts] = None) -> None:
+             run: Optional[RunFacts] = None, num_layers: Optional[int] = None) -> None:
     """Check the whole configuration; `args` (the parsed flags) lets flags that belong to
     another algorithm be reported instead of silently ignored; `run` tells the algorithm's
-    own validate what else the run does (batch, stages, precision, budget)."""
+    own validate what else the run does (batch, stages, precision, budget); `num_layers` (the
+    model's transformer layers, when known) bounds settings such as the number of fragments."""
     cls = synchronizer_class(config.algorithm)
     if cls.requires_multiple_sites and num_sites < 2:
         raise ValueError(f"--lsgd-algorithm {cls.name} needs --num-sites >= 2 (got {num_sites})")
@@ -81,4 +82,4 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
             for flag in synchronizer_class(name).Options.from_args(args).changed_flags():
                 if flag not in own:
                     raise ValueError(f"{flag} needs --lsgd-algorithm {' or '.join(owners[flag])}")
-    config.algo.validate(config=config, num_sites=num_sites, run=run)
+    config.algo.validate(config=config, num_sites=num_sites, run=run, num_layers=num_layers)

@@ -26,8 +26,8 @@ import torch
 
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.config import CompressionOptions
-from megatron_lsgd.core.lsgd.means import (RequantizationFeedback, fp32_mean, lowrank_mean, payload_bytes,
-                                           quantized_mean)
+from megatron_lsgd.core.lsgd.means import (RequantizationFeedback, SideValues, fp32_mean, lowrank_mean,
+                                           payload_bytes, quantized_mean)
 from megatron_lsgd.core.lsgd.reduction import Reduction
 
 Layout = List[List[Tuple[Tuple[int, ...], int, int, int, int]]]
@@ -95,9 +95,10 @@ class Compressor:
     def numel(self) -> int:
         return sum(int(s.numel()) for s in self.shapes)
 
-    def reduce(self, tensors: List[torch.Tensor]) -> Reduction:
-        """Generator: returns the per-tensor means (identical on every site)."""
-        mean, _ = yield from fp32_mean(self.comm, torch.cat([t.reshape(-1) for t in tensors]))
+    def reduce(self, tensors: List[torch.Tensor], side: Optional[SideValues] = None) -> Reduction:
+        """Generator: returns the per-tensor means (identical on every site). `side`: a few
+        fp32 values averaged exactly in the same collectives (means.SideValues)."""
+        mean, _ = yield from fp32_mean(self.comm, torch.cat([t.reshape(-1) for t in tensors]), side)
         return list(mean.split([t.numel() for t in tensors]))
 
     def payload_bytes_per_round(self) -> int:
@@ -124,12 +125,13 @@ class ErrorFeedbackCompressor(Compressor, abc.ABC):
         self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
 
     @abc.abstractmethod
-    def _compressed_mean(self, ms: List[torch.Tensor]) -> Reduction:
-        """Generator returning (means, this rank's contributions), one tensor per input."""
+    def _compressed_mean(self, ms: List[torch.Tensor], side: Optional[SideValues] = None) -> Reduction:
+        """Generator returning (means, this rank's contributions), one tensor per input;
+        `side` rides along uncompressed (means.SideValues)."""
 
-    def reduce(self, tensors: List[torch.Tensor]) -> Reduction:
+    def reduce(self, tensors: List[torch.Tensor], side: Optional[SideValues] = None) -> Reduction:
         ms = [d + e for d, e in zip(tensors, self.errors)]
-        means, sents = yield from self._compressed_mean(ms)
+        means, sents = yield from self._compressed_mean(ms, side)
         err_sq = in_sq = 0.0
         for e, m, s in zip(self.errors, ms, sents):
             torch.sub(m, s, out=e)
@@ -151,10 +153,10 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         # The all-to-all variant's chunk owner feeds its requantization error back too.
         self.requant_feedback = RequantizationFeedback()
 
-    def _compressed_mean(self, ms):
+    def _compressed_mean(self, ms, side=None):
         flat = torch.cat([m.reshape(-1) for m in ms])
         mean, sent = yield from quantized_mean(self.comm, flat, self.bits, self.block, self.variant,
-                                               self.requant_feedback)
+                                               self.requant_feedback, side)
         return list(mean.split([m.numel() for m in ms])), list(sent.split([m.numel() for m in ms]))
 
     def state_dict(self) -> Dict:
@@ -206,12 +208,13 @@ class LowRankCompressor(ErrorFeedbackCompressor):
         rest = self.numel - sum(seg.rows * seg.cols for seg in self.matrix_segments)
         return payload_bytes(p, self.bits, self.block) + payload_bytes(q + rest, self.bits, self.block)
 
-    def _compressed_mean(self, ms):
+    def _compressed_mean(self, ms, side=None):
         mats = [ms[s.shard][s.lo:s.hi].view(s.rows, s.cols) for s in self.matrix_segments]
         rest_segs = [s for s in self.segments if not s.is_matrix]
         rest = torch.cat([ms[s.shard][s.lo:s.hi] for s in rest_segs]) if rest_segs else ms[0].new_zeros(0)
         qs = [q[:, :self.rank] for q in self.qs]
-        res = yield from lowrank_mean(self.comm, mats, qs, rest, self.bits, self.block, self.variant, self.energy)
+        res = yield from lowrank_mean(self.comm, mats, qs, rest, self.bits, self.block, self.variant, self.energy,
+                                      side)
         means = [torch.empty_like(m) for m in ms]
         sents = [torch.empty_like(m) for m in ms]
         for seg, mean_m, sent_m in zip(self.matrix_segments, res.mean, res.sent):

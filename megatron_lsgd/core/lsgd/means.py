@@ -18,6 +18,11 @@ above (its traffic stays flat in S).
 
 Low rank (PowerSGD-style, one power iteration, warm-started): mean of P = M Q,
 orthonormalize, mean of Q = M^T P_hat; see `lowrank_mean`.
+
+Side values (`SideValues`): every mean takes an optional handful of fp32 values that ride
+in its last collective, uncompressed, and are averaged exactly (summed in site order), so
+sites can agree on small control numbers (CoCoDC's measured step and transfer times)
+without a message of their own. Without side values every code path is unchanged.
 """
 
 from __future__ import annotations
@@ -38,22 +43,58 @@ def choose_variant(variant: str, num_sites: int) -> str:
     return variant
 
 
+class SideValues:
+    """A few fp32 values carried, uncompressed, in a reduction's last collective and averaged
+    exactly. `mean` is set when the reduction finishes and is bit-identical on every member
+    of the group (sums run in site order, or inside one all-reduce)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values.detach().float().reshape(-1).clone()
+        self.mean: Optional[torch.Tensor] = None
+
+    def raw(self, device) -> torch.Tensor:
+        """The values as bytes, to append to a byte payload."""
+        return self.values.to(device).view(torch.uint8)
+
+    def average_raw(self, chunks: List[torch.Tensor], num_sites: int) -> None:
+        """`chunks`: every site's raw bytes, in site order."""
+        total = torch.zeros_like(self.values)
+        for chunk in chunks:
+            total += chunk.clone().view(torch.float32).to(total.device)
+        self.mean = total / num_sites
+
+
 # ---- means of one flat fp32 vector -----------------------------------------------------------------
-def fp32_mean(comm: InterSiteComm, x: torch.Tensor) -> Reduction:
+def fp32_mean(comm: InterSiteComm, x: torch.Tensor, side: Optional[SideValues] = None) -> Reduction:
     """Exact mean (ring all-reduce of fp32). Returns (mean, what this rank contributed)."""
-    out = x.detach().float().clone()
+    if side is None:
+        out = x.detach().float().clone()
+    else:
+        out = torch.cat([x.detach().float().reshape(-1), side.values.to(x.device)])
     yield comm.all_reduce_mean(out, async_op=True)
+    if side is not None:
+        n = x.numel()
+        side.mean = out[n:].clone()
+        out = out[:n].reshape(x.shape)
     return out, x
 
 
-def _allgather_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int) -> Reduction:
+def _allgather_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int,
+                    side: Optional[SideValues] = None) -> Reduction:
     n, s = x.numel(), comm.num_sites
     q = quantize(x, bits, block)
     buf = q.to_bytes()
+    qn = buf.numel()
+    if side is not None:
+        buf = torch.cat([buf, side.raw(buf.device)])
     out = torch.empty(s * buf.numel(), dtype=torch.uint8, device=buf.device)
     yield comm.all_gather(out, buf, async_op=True)
     total = torch.zeros(n, dtype=torch.float32, device=x.device)
-    for chunk in out.view(s, -1):  # site order: identical sums everywhere
+    chunks = out.view(s, -1)
+    if side is not None:
+        side.average_raw([c[qn:] for c in chunks], s)
+        chunks = [c[:qn] for c in chunks]
+    for chunk in chunks:  # site order: identical sums everywhere
         total += dequantize(Quantized.from_bytes(chunk, n, bits, block)).to(x.device)
     return total / s, dequantize(q).to(x.device)
 
@@ -79,7 +120,7 @@ class RequantizationFeedback:
 
 
 def _alltoall_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int,
-                   feedback: Optional[RequantizationFeedback] = None) -> Reduction:
+                   feedback: Optional[RequantizationFeedback] = None, side: Optional[SideValues] = None) -> Reduction:
     n, s = x.numel(), comm.num_sites
     chunk = -(-n // (s * block)) * block  # whole blocks per site chunk
     padded = torch.zeros(s * chunk, dtype=torch.float32, device=x.device)
@@ -94,23 +135,31 @@ def _alltoall_mean(comm: InterSiteComm, x: torch.Tensor, bits: int, block: int,
     own /= s
     reduced = feedback.requantize(own, bits, block) if feedback is not None else quantize(own, bits, block)
     reduced = reduced.to_bytes()
+    rn = reduced.numel()
+    if side is not None:  # rides in the second (last) collective
+        reduced = torch.cat([reduced, side.raw(reduced.device)])
     gathered = torch.empty(s * reduced.numel(), dtype=torch.uint8, device=reduced.device)
     yield comm.all_gather(gathered, reduced, async_op=True)
-    mean = torch.cat([dequantize(Quantized.from_bytes(p, chunk, bits, block)) for p in gathered.view(s, -1)])
+    parts = gathered.view(s, -1)
+    if side is not None:
+        side.average_raw([p[rn:] for p in parts], s)
+        parts = [p[:rn] for p in parts]
+    mean = torch.cat([dequantize(Quantized.from_bytes(p, chunk, bits, block)) for p in parts])
     sent = torch.cat([dequantize(m) for m in mine])
     return mean[:n].to(x.device), sent[:n].to(x.device)
 
 
 def quantized_mean(comm: InterSiteComm, x: torch.Tensor, bits: Optional[int], block: int,
-                   variant: str = "auto", feedback: Optional[RequantizationFeedback] = None) -> Reduction:
+                   variant: str = "auto", feedback: Optional[RequantizationFeedback] = None,
+                   side: Optional[SideValues] = None) -> Reduction:
     """Mean over sites of a flat fp32 vector. Returns (mean, this rank's dequantized
     contribution); bits None sends fp32. `feedback` (all-to-all only) carries the owner's
-    requantization error from round to round."""
+    requantization error from round to round; `side` rides along (see SideValues)."""
     if bits is None:
-        return (yield from fp32_mean(comm, x))
+        return (yield from fp32_mean(comm, x, side))
     if choose_variant(variant, comm.num_sites) == "allgather":
-        return (yield from _allgather_mean(comm, x, bits, block))
-    return (yield from _alltoall_mean(comm, x, bits, block, feedback))
+        return (yield from _allgather_mean(comm, x, bits, block, side))
+    return (yield from _alltoall_mean(comm, x, bits, block, feedback, side))
 
 
 def payload_bytes(numel: int, bits: Optional[int], block: int) -> int:
@@ -143,9 +192,11 @@ class LowRankResult:
 
 
 def lowrank_mean(comm: InterSiteComm, mats: List[torch.Tensor], qs: List[torch.Tensor], rest: torch.Tensor,
-                 bits: Optional[int], block: int, variant: str, energy: float) -> Reduction:
+                 bits: Optional[int], block: int, variant: str, energy: float,
+                 side: Optional[SideValues] = None) -> Reduction:
     """Two phases: mean of P = M Q; orthonormalize; mean of Q = M^T P_hat together with the
-    uncompressed-by-rank remainder `rest` (1-D tensors and small matrices)."""
+    uncompressed-by-rank remainder `rest` (1-D tensors and small matrices); `side` rides in
+    the second phase."""
     ps = [m @ q for m, q in zip(mats, qs)]
     flat_p = torch.cat([p.reshape(-1) for p in ps]) if ps else rest.new_zeros(0)
     p_mean, _ = yield from quantized_mean(comm, flat_p, bits, block, variant)
@@ -158,7 +209,7 @@ def lowrank_mean(comm: InterSiteComm, mats: List[torch.Tensor], qs: List[torch.T
         p_hats.append(orthonormalize(p_avg))
     new_qs = [m.t() @ ph for m, ph in zip(mats, p_hats)]
     flat_q = torch.cat([q.reshape(-1) for q in new_qs] + [rest.reshape(-1)])
-    q_mean, q_sent = yield from quantized_mean(comm, flat_q, bits, block, variant)
+    q_mean, q_sent = yield from quantized_mean(comm, flat_q, bits, block, variant, side=side)
     means, sents, q_means = [], [], []
     offset = 0
     for ph, q in zip(p_hats, new_qs):

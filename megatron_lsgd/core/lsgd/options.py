@@ -77,7 +77,7 @@ class OptionGroup:
 
     def validate(self, **context) -> None:
         """Raise ValueError naming the flag; `context` carries what a group may need
-        (num_sites, the shared options, ...)."""
+        (num_sites, the shared options as `config`, the model's `num_layers` when known)."""
 
 
 @dataclass

@@ -324,7 +324,10 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         except (ValueError, KeyError, RuntimeError) as err:
             raise CheckpointError(f"optimizer state in {iter_dir} does not fit this run's parameter shards "
                                   f"(different --ddp-bucket-size?): {err}") from err
-        trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
+        try:
+            trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
+        except ValueError as err:  # a synchronizer's saved state that does not fit this run's flags
+            raise CheckpointError(f"synchronizer state in {iter_dir} does not fit this run: {err}") from err
         try:
             trainer.scheduler.load_state_dict(meta["scheduler"])
         except ValueError as err:

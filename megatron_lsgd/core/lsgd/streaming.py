@@ -1,0 +1,381 @@
+"""`streaming-diloco`: DiLoCo whose outer sync is spread over the round, one fragment of the
+model at a time, each fragment's all-reduce overlapping τ further inner steps (Douillard et
+al., Streaming DiLoCo; DESIGN.md §4.3). The schedule and the meaning of every knob follow
+torchft's `DiLoCo` with several fragments, so settings carry over one to one:
+
+    --lsgd-interval H               sync_every
+    --lsgd-fragments K              len(model_fragments)
+    --lsgd-fragment-sync-delay τ    fragment_sync_delay
+    --lsgd-fragment-update-alpha α  fragment_update_alpha (α weights the LOCAL copy)
+
+A round of H inner steps is cut into K slots of S = H/K steps. Slot j (counting from the
+end of the warm-up, j = 0, 1, ...) belongs to fragment j mod K:
+
+    local step (j+1)·S − τ   Δ_p = θ_g,p − θ_local,p on this rank's shard; its (compressed)
+                             mean over sites starts, on a dedicated dp_inter group
+    local step (j+1)·S       wait for the mean; keep θ_local,p aside; θ_g,p ← OuterSGD(θ_g,p, Δ̄_p)
+                             (Nesterov, this fragment's own momentum); θ_local,p ←
+                             lerp(θ_g,p, θ_local,p, α) = (1 − α)·θ_g,p + α·θ_local,p
+
+So each fragment's anchor spans H steps between its own syncs, about 1/K of the model is on
+the wire at any time, and with α = 0 the τ steps of local progress on that fragment are
+dropped (α = 1 would keep only the local copy). K = 1, τ = 0, α = 0 is `diloco` exactly.
+
+Fragments (`fragments.py`) are sets of sync units, sequential or strided over the global
+layers, with the embedding in layer 0's fragment and the output head in the last layer's
+(or, tied, in the embedding's). Everything is done on this rank's ZeRO-1 slices through
+the unit <-> shard bridge (`optimizer.views(units)`), with one `OuterState` over the
+shards stepped per fragment and one compressor (error feedback) per fragment. A pipeline
+stage that holds no unit of a fragment has empty views for it: so do its peers on every
+site (the partition is the same everywhere), and the whole dp_inter group skips that
+fragment's reduction together.
+
+When --train-iters is reached, `finish_training` lands the fragments still in flight and
+then gives every fragment that holds unsynchronized progress one last blocking sync (as
+diloco closes a partial round), so every site ends with the same model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_lsgd.core.lsgd.compressors import CompressorBank
+from megatron_lsgd.core.lsgd.fragments import PARTITIONS, partition
+from megatron_lsgd.core.lsgd.means import SideValues, fp32_mean
+from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.lsgd.outer_state import OuterState
+from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
+from megatron_lsgd.core.lsgd.reduction import QueuedReduce, Reduction, ReductionQueue
+from megatron_lsgd.core.lsgd.registry import register
+from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
+
+
+# ---- options ------------------------------------------------------------------------------------
+@dataclass
+class FragmentOptions(OptionGroup):
+    """Shared by the streaming algorithms (streaming-diloco, cocodc)."""
+
+    fragments: int = option("--lsgd-fragments", 2,
+                            "K: split the model into K fragments of sync units that sync one at a time "
+                            "(torchft: the number of model_fragments)", metavar="K")
+    partition: str = option("--lsgd-fragment-partition", "strided",
+                            "which layers form a fragment: strided (layer i in fragment i mod K) or sequential "
+                            "(K contiguous blocks); the embedding goes with layer 0, the output head with the "
+                            "last layer (with the embedding when tied)", choices=PARTITIONS)
+    sync_delay: int = option("--lsgd-fragment-sync-delay", 1,
+                             "tau: inner steps a fragment's all-reduce overlaps before its outer step is applied "
+                             "(torchft: fragment_sync_delay)", metavar="TAU")
+
+    def validate(self, config, num_sites: int, num_layers: Optional[int] = None, **_) -> None:
+        interval, k, tau = config.rounds.interval, self.fragments, self.sync_delay
+        if k < 1:
+            raise ValueError(f"--lsgd-fragments must be >= 1 (got {k})")
+        if num_layers is not None and k > num_layers:
+            raise ValueError(f"--lsgd-fragments {k} is more than the model's {num_layers} layers (--num-layers): "
+                             f"every fragment needs at least one layer")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"--lsgd-fragment-partition {self.partition!r}: choose one of {', '.join(PARTITIONS)}")
+        if k > interval:
+            raise ValueError(f"--lsgd-fragments {k} is more than --lsgd-interval {interval}: each of the K "
+                             f"fragments needs its own step of the round")
+        if tau < 0:
+            raise ValueError(f"--lsgd-fragment-sync-delay must be >= 0 (got {tau})")
+        slot = interval // k
+        if tau >= slot:
+            raise ValueError(f"--lsgd-fragment-sync-delay {tau} must be < --lsgd-interval / --lsgd-fragments = "
+                             f"{interval} // {k} = {slot}: a fragment's all-reduce must land within its slot of "
+                             f"H/K steps")
+
+
+@dataclass
+class StreamingDiLoCoOptions(FragmentOptions):
+    alpha: float = option("--lsgd-fragment-update-alpha", 0.0,
+                          "alpha: after a fragment's outer step, keep (1 - alpha) x the new global fragment + "
+                          "alpha x the local one (torchft: fragment_update_alpha; 0 drops the tau steps of local "
+                          "progress)", metavar="ALPHA")
+
+    def validate(self, config, num_sites: int, num_layers: Optional[int] = None, **_) -> None:
+        super().validate(config=config, num_sites=num_sites, num_layers=num_layers)
+        interval, k = config.rounds.interval, self.fragments
+        if interval % k:
+            raise ValueError(f"--lsgd-interval {interval} must be a multiple of --lsgd-fragments {k}: the round "
+                             f"is cut into K slots of H/K steps (as torchft requires)")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"--lsgd-fragment-update-alpha must be in [0, 1] (got {self.alpha})")
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def model_layers(ctx: SyncContext) -> Tuple[int, bool]:
+    """(global transformer layers, tied embeddings) of the model the synchronizer serves."""
+    for m in ctx.models:
+        cfg = getattr(getattr(m, "module", m), "config", None)
+        if cfg is not None and hasattr(cfg, "num_layers"):
+            return int(cfg.num_layers), not getattr(cfg, "untie_embeddings_and_output_weights", False)
+    layers = [int(u.name.split(".", 1)[1]) for u in ctx.units if u.name.startswith("layers.")]
+    return (max(layers) + 1 if layers else 1), False
+
+
+@dataclass
+class InFlight:
+    """One fragment's sync between its start and its landing."""
+
+    fragment: int
+    started: int  # local step (after warm-up) at which Δ was taken
+    lands: int  # local step at which its outer step is applied
+    ticket: QueuedReduce
+    snapshot: List[torch.Tensor] = field(default_factory=list)  # cocodc: θ_local at the start
+    side: Optional[SideValues] = None  # cocodc: measured times riding along
+
+
+# ---- the algorithm ------------------------------------------------------------------------------
+@register
+class StreamingDiLoCo(Synchronizer):
+    """Streaming DiLoCo: one fragment synced per H/K inner steps, its all-reduce overlapping tau steps (the fragment flags are listed under cocodc)"""
+
+    name = "streaming-diloco"
+    Options = StreamingDiLoCoOptions
+    uses = frozenset({"rounds", "outer", "compression"})
+
+    def __init__(self, ctx: SyncContext):
+        super().__init__(ctx)
+        cfg, algo = ctx.config, ctx.config.algo
+        self.active = ctx.comm.num_sites > 1
+        self.interval = cfg.rounds.interval
+        self.num_fragments = algo.fragments
+        self.tau = algo.sync_delay
+        num_layers, tied = model_layers(ctx)
+        groups = partition(ctx.units, num_layers, self.num_fragments, algo.partition, tied)
+        opt = ctx.optimizer
+        self.fragment_units = [[u.name for u in g] for g in groups]
+        self.views = [opt.views(g) for g in groups]
+        self.outer = OuterState(opt.main_param_shards(), cfg.outer) if self.active else None
+        self.device = self.outer.device if self.outer else opt.main_param_shards()[0].device
+        self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
+        self.fragment_compressors = [None if v.empty else self.compressors.for_views(v, self.device)
+                                     for v in self.views]
+        if self.active:  # reductions advance between steps: keep them off the shared dp_inter group
+            minutes = ctx.comm.timeout_minutes
+            ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
+        self.queue = ReductionQueue(ctx.comm)
+        self.local_step = 0  # inner steps since the warm-up ended
+        self.in_flight: List[InFlight] = []  # in start order
+        self.last_start = [0] * self.num_fragments  # local step of each fragment's last start (0: the anchor)
+        self.last_land = [0] * self.num_fragments
+        self.dirty = [False] * self.num_fragments  # local copy may differ from the anchor
+        self.syncs = 0  # landed fragment syncs
+        # (fragment, start, land, bytes this rank sent) of this process's recent syncs, for tests and tools
+        self.history: deque = deque(maxlen=10000)
+        self._step_started: Optional[float] = None
+
+    # ---- schedule (subclasses change it) ----------------------------------------------------------
+    def starts_at(self, t: int) -> List[int]:
+        """Fragments whose sync starts after local step t: torchft's fixed slots."""
+        slot = self.interval // self.num_fragments
+        if (t + self.tau) % slot:
+            return []
+        return [((t + self.tau) // slot - 1) % self.num_fragments]
+
+    # ---- hooks ----------------------------------------------------------------------------------------
+    def in_warmup(self, iteration: int) -> bool:
+        return iteration < self.ctx.config.rounds.warmup_iters
+
+    def before_forward_backward(self, iteration: int) -> None:
+        self._step_started = time.perf_counter()
+        if self.active and len(self.queue):
+            self.queue.poll()
+
+    def after_forward_backward(self, iteration: int) -> None:
+        if self.active and self.in_warmup(iteration):
+            average_grads_across_sites(self.ctx)
+
+    def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
+        if not self.active:
+            return
+        if self.in_warmup(iteration):
+            if iteration == self.ctx.config.rounds.warmup_iters - 1:  # local phase starts from here
+                self.outer.reset(self.ctx.optimizer.views())
+            return
+        if self._step_started is not None:
+            self.record_step_time(time.perf_counter() - self._step_started)
+            self._step_started = None
+        # Skipped (fp16 overflow) steps count too: sites must agree on the schedule.
+        self.local_step += 1
+        t = self.local_step
+        self.dirty = [True] * self.num_fragments
+        self.queue.poll()
+        self._land_due(t)
+        for p in self.starts_at(t):
+            self.start_sync(p, t)
+        self._land_due(t)  # τ = 0: the fragment lands in the step it started
+
+    def record_step_time(self, seconds: float) -> None:
+        """CoCoDC measures its step time here."""
+
+    # ---- one fragment's sync ----------------------------------------------------------------------------
+    def side_values(self) -> Optional[SideValues]:
+        """Small values to carry in the next sync's payload (CoCoDC's measured times)."""
+        return None
+
+    def _reduction(self, p: int, deltas: List[torch.Tensor], side: Optional[SideValues]) -> Optional[Reduction]:
+        if not self.views[p].empty:
+            return self.fragment_compressors[p].reduce(deltas, side)
+        if side is None:
+            return None  # every peer of this dp_inter group skips it too
+
+        def side_only():
+            yield from fp32_mean(self.ctx.comm, torch.zeros(0, device=self.device), side)
+            return []
+        return side_only()
+
+    def start_sync(self, p: int, t: int) -> InFlight:
+        views = self.views[p]
+        deltas = self.outer.pseudo_gradient(views)
+        side = self.side_values()
+        snapshot = self.snapshot(p)
+        gen = self._reduction(p, deltas, side)
+        ticket = self.queue.submit(gen) if gen is not None else QueuedReduce.finished([])
+        rec = InFlight(p, t, t + self.tau, ticket, snapshot, side)
+        self.in_flight.append(rec)
+        self.last_start[p] = t
+        return rec
+
+    def snapshot(self, p: int) -> List[torch.Tensor]:
+        """What the landing rule needs from the start (CoCoDC: θ_local)."""
+        return []
+
+    def _land_due(self, t: int) -> None:
+        for rec in [r for r in self.in_flight if r.lands <= t]:
+            self.land(rec, t)
+
+    def land(self, rec: InFlight, t: int) -> None:
+        """Wait for the fragment's mean, take its outer step, merge, push it into the model."""
+        mean = rec.ticket.result if rec.ticket.done else self.queue.wait(rec.ticket)
+        views = self.views[rec.fragment]
+        self.dirty[rec.fragment] = self.merge(rec, mean, t)
+        self.ctx.optimizer.copy_main_to_model_params(views)  # a site collective even when this rank's views are empty
+        self.in_flight.remove(rec)
+        self.history.append((rec.fragment, rec.started, t, rec.ticket.bytes_sent))
+        self.after_landing(rec, mean, t)
+        self.last_land[rec.fragment] = t
+        self.syncs += 1
+        self.ctx.comm.rounds += 1
+
+    @torch.no_grad()
+    def merge(self, rec: InFlight, mean: List[torch.Tensor], t: int) -> bool:
+        """θ_g ← OuterSGD(θ_g, Δ̄); θ_local ← lerp(θ_g, θ_local, α). Returns whether the local
+        copy may now differ from the anchor."""
+        views, alpha = self.views[rec.fragment], self.ctx.config.algo.alpha
+        if views.empty:
+            return alpha > 0
+        if alpha == 0:
+            self.outer.step(views, mean)
+            self.outer.load_into(views)
+            return False
+        kept = [m.to(self.device, copy=True) for m in views.main]
+        self.outer.step(views, mean)
+        for m, a, local in zip(views.main, self.outer.anchor(views), kept):
+            m.copy_(torch.lerp(a, local, alpha))
+        return True
+
+    def after_landing(self, rec: InFlight, mean: List[torch.Tensor], t: int) -> None:
+        """CoCoDC updates its schedule here."""
+
+    # ---- end of training, quiesce, state ----------------------------------------------------------------
+    def quiesce(self) -> None:
+        """Let every reduction in flight finish (each is applied at its usual step). A
+        reduction finished here was waited for, not observed, so it carries no time."""
+        if len(self.queue):
+            unfinished = [r.ticket for r in self.in_flight if not r.ticket.done]
+            self.queue.drain()
+            for ticket in unfinished:
+                ticket.finished_at = None
+
+    def finish_training(self, iteration: int) -> None:
+        if not self.active:
+            return
+        for rec in list(self.in_flight):
+            self.land(rec, self.local_step)
+        for p in range(self.num_fragments):
+            if self.dirty[p]:
+                self._final_sync(p)
+
+    def _final_sync(self, p: int) -> None:
+        """Blocking sync of one fragment, after which every site holds its anchor."""
+        views = self.views[p]
+        gen = self._reduction(p, self.outer.pseudo_gradient(views), None)
+        sent = 0
+        if gen is not None:
+            ticket = self.queue.submit(gen)
+            mean = self.queue.wait(ticket)
+            sent = ticket.bytes_sent
+            self.outer.step(views, mean)
+            self.outer.load_into(views)
+            self.syncs += 1
+        self.ctx.optimizer.copy_main_to_model_params(views)
+        self.history.append((p, self.local_step, self.local_step, sent))
+        self.dirty[p] = False
+        self.ctx.comm.rounds += 1
+
+    # what a checkpoint's schedule depends on: setting -> its flag
+    setting_flags = {"interval": "--lsgd-interval", "fragments": "--lsgd-fragments",
+                     "partition": "--lsgd-fragment-partition", "sync_delay": "--lsgd-fragment-sync-delay"}
+
+    def _settings(self) -> Dict:
+        algo = self.ctx.config.algo
+        return {"interval": self.interval, "fragments": self.num_fragments, "partition": algo.partition,
+                "sync_delay": self.tau}
+
+    def state_dict(self) -> Dict:
+        # Finishing the reductions in flight also completes their error-feedback updates.
+        self.quiesce()
+        flights = []
+        for rec in self.in_flight:
+            flights.append({"fragment": rec.fragment, "started": rec.started, "lands": rec.lands,
+                            "mean": [m.clone() for m in rec.ticket.result],
+                            "snapshot": [s.clone() for s in rec.snapshot],
+                            "has_side": int(rec.side is not None),
+                            "side_mean": rec.side.mean.clone() if rec.side is not None else torch.empty(0)})
+        return {"settings": self._settings(), "local_step": self.local_step, "last_start": list(self.last_start),
+                "last_land": list(self.last_land), "dirty": [int(d) for d in self.dirty], "syncs": self.syncs,
+                "in_flight": flights, "outer": self.outer.state_dict() if self.outer else {},
+                "compressors": self.compressors.state_dict()}
+
+    def load_state_dict(self, state: Dict) -> None:
+        saved, now = state["settings"], self._settings()
+        for key, flag in self.setting_flags.items():
+            if saved.get(key) != now[key]:
+                raise ValueError(f"the checkpoint's {self.name} state was saved with {flag} {saved[key]}, this run "
+                                 f"has {now[key]}: its fragment schedule does not carry over")
+        self.local_step = int(state["local_step"])
+        self.last_start = [int(x) for x in state["last_start"]]
+        self.last_land = [int(x) for x in state["last_land"]]
+        self.dirty = [bool(x) for x in state["dirty"]]
+        self.syncs = int(state["syncs"])
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
+        self.compressors.load_state_dict(state["compressors"], {v.key: v for v in self.views if not v.empty},
+                                         self.device)
+        self.in_flight = []
+        for f in state["in_flight"]:
+            side = None
+            if f["has_side"]:
+                side = SideValues(torch.zeros_like(f["side_mean"]))
+                side.mean = f["side_mean"].to(self.device).clone()
+            ticket = QueuedReduce.finished([m.to(self.device).clone() for m in f["mean"]])
+            self.in_flight.append(InFlight(int(f["fragment"]), int(f["started"]), int(f["lands"]), ticket,
+                                           [s.to(self.device).clone() for s in f["snapshot"]], side))
+
+    def stats(self) -> Dict[str, float]:
+        stats = {"H": self.interval, "K": self.num_fragments, "fragment syncs": self.syncs}
+        comps = [c for c in self.fragment_compressors if c is not None and c.last_input_norm > 0]
+        if comps:
+            err = sum(c.last_error_norm ** 2 for c in comps) ** 0.5
+            inp = sum(c.last_input_norm ** 2 for c in comps) ** 0.5
+            stats["comp rel err"] = err / inp
+        return stats
