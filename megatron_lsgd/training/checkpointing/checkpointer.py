@@ -4,6 +4,11 @@ Every rank writes its own files into one shared `.iter_XXXXXXX.partial/` directo
 rank 0 then writes metadata.json (the layout, the model config and every file's size),
 fsyncs the tree, renames it to `iter_XXXXXXX/` and only then rewrites the tracker. A
 crash at any point leaves the previous checkpoint and the tracker pointing at it intact.
+
+Each site's position is kept per site: its iteration, its LR schedule and its consumed
+samples (`site_iterations`, `site_schedulers`, `site_consumed_samples`). In a lockstep run
+they are equal; a non-lockstep run's sites differ, its checkpoint is named by the job's
+agreed progress (`trainer.checkpoint_iteration`) and `ended` says its training is over.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def _save_rank_files(trainer, cfg: CheckpointConfig, partial: str) -> Dict[str, 
 
 def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
     pgs, d = trainer.pgs, trainer.pgs.dims
-    iteration = trainer.iteration
+    iteration = trainer.checkpoint_iteration  # agreed by every rank (a site's own step count if lockstep)
     partial = os.path.join(cfg.save, layout.partial_dir_name(iteration))
     final = os.path.join(cfg.save, layout.iteration_dir_name(iteration))
     start = time.perf_counter()
@@ -99,17 +104,24 @@ def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"files": sizes, "site": pgs.site_rank,
-                                      "site_consumed_samples": trainer.site_consumed_samples})
+                                      "site_consumed_samples": trainer.site_consumed_samples,
+                                      "iteration": trainer.iteration,
+                                      "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict()})
     if pgs.rank == 0:
         files = {k: v for part in gathered for k, v in part["files"].items()}
-        site_samples = [0] * d.sites
+        site_samples, site_iterations, site_schedulers = [0] * d.sites, [0] * d.sites, [None] * d.sites
         for part in gathered:
             site_samples[part["site"]] = part["site_consumed_samples"]
+            site_iterations[part["site"]] = part["iteration"]
+            site_schedulers[part["site"]] = part["scheduler"]
         raw = trainer.config.raw_args
         metadata = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
             "consumed_samples": trainer.consumed_samples,
             "site_consumed_samples": site_samples,  # each site's position in its own sample stream
+            "site_iterations": site_iterations,  # each site's own steps (differ in non-lockstep runs)
+            "site_schedulers": site_schedulers,  # each site's own LR schedule position
+            "ended": bool(getattr(trainer, "ended", False)),
             "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites},
             "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
             "lsgd_algorithm": trainer.config.lsgd.algorithm,
@@ -246,9 +258,14 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
             raise CheckpointError(f"optimizer state in {iter_dir} does not fit this run's parameter shards "
                                   f"(different --ddp-bucket-size?): {err}") from err
         trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
-        trainer.scheduler.load_state_dict(meta["scheduler"])
+        site_schedulers = meta.get("site_schedulers") if same_dp else None  # absent in older checkpoints
+        trainer.scheduler.load_state_dict(site_schedulers[pgs.site_rank] if site_schedulers else meta["scheduler"])
     if not cfg.finetune:
-        trainer.iteration = int(meta["iteration"])
+        site_iterations = meta.get("site_iterations") if same_dp else None
+        trainer.iteration = int(site_iterations[pgs.site_rank]) if site_iterations else int(meta["iteration"])
+        trainer.agreed_iteration = int(meta["iteration"])
+        if not getattr(trainer, "lockstep", True):
+            trainer.ended = bool(meta.get("ended", False))
         trainer.consumed_samples = int(meta["consumed_samples"])
         per_site = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
         trainer.site_consumed_samples = int(per_site[pgs.site_rank]) if per_site and same_dp \
