@@ -1,4 +1,4 @@
-"""Quality at equal tokens: sync vs diloco vs dilocox across two sites (CPU/gloo or GPU).
+"""Quality at equal tokens: sync vs diloco vs dilocox vs edit / a-edit across two sites (CPU/gloo or GPU).
 
 Runs each algorithm in `--sites` x `--ranks-per-site` spawned processes on the same data,
 model, seed and token budget, and writes a Markdown table (final validation loss and its
@@ -10,6 +10,10 @@ communication, tokens/s) plus a PNG of training and validation loss curves.
 
 Without --data-path (or if it does not exist) it runs on --mock-data and says so in
 every output.
+
+a-edit syncs by wall-clock time (--aedit-seconds) and its sites may take different numbers
+of steps, so it gets the same budget as a number of samples (--train-samples) instead of
+--train-iters; its training curve is the logging site's own.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8, help="--lsgd-rank for dilocox-lowrank-int4")
     p.add_argument("--apply-step", type=int, default=0,
                    help="--lsgd-dilocox-apply-step for dilocox runs (0: H, the one-round delay)")
+    p.add_argument("--aedit-seconds", type=float, default=5.0,
+                   help="--lsgd-aedit-interval-seconds for a-edit runs (pick about H steps' worth of time)")
     args = p.parse_args()
 
     real = bool(args.data_path) and os.path.exists(args.data_path + ".bin")
@@ -111,19 +117,30 @@ def main() -> None:
         "dilocox-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "int4"] + outer_x,
         "dilocox-lowrank-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
                                  "--lsgd-rank", str(args.rank)] + outer_x,
+        "edit": ["--lsgd-algorithm", "edit"] + outer,
+        "edit-nopenalty": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none"] + outer,
+        "edit-int4": ["--lsgd-algorithm", "edit", "--lsgd-compression", "int4"] + outer,
+        "a-edit": ["--lsgd-algorithm", "a-edit", "--lsgd-aedit-interval-seconds", str(args.aedit_seconds),
+                   "--lsgd-outer-lr", str(args.outer_lr), "--lsgd-outer-momentum", str(args.outer_momentum)],
     }
+    budget = ["--train-samples", str(args.train_iters * args.global_batch_size)]
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
     for name in args.runs.split(","):
         print(f"> {name}", flush=True)
-        results[name] = run(base + configs[name], world)
+        argv = base + configs[name]
+        if name.startswith("a-edit"):  # not lockstep: the same budget, in samples
+            i = argv.index("--train-iters")
+            argv = argv[:i] + budget + argv[i + 2:]
+        results[name] = run(argv, world)
     with open(os.path.join(args.out_dir, "lsgd_quality.json"), "w") as f:
         json.dump({"label": label, "argv": base, "results": results}, f, indent=1)
 
     ref = results.get("sync")
     lines = [f"Data: {label}. {args.sites} sites x {args.ranks_per_site} rank(s), {args.train_iters} iterations "
              f"x {args.global_batch_size} x {args.seq_length} tokens, H = {args.interval}, outer lr {args.outer_lr}, "
-             f"outer momentum {args.outer_momentum} (diloco) / {args.dilocox_outer_momentum} (dilocox).", "",
+             f"outer momentum {args.outer_momentum} (diloco, edit) / {args.dilocox_outer_momentum} (dilocox); "
+             f"a-edit every {args.aedit_seconds:g} s.", "",
              "| algorithm | final validation loss | vs sync | inter-site MB sent (logging rank) | "
              "sync bytes / bytes | exposed comm (s) | tokens/s |",
              "|---|---|---|---|---|---|---|"]

@@ -3,11 +3,14 @@
     python tools/benchmarks/wan_bench.py                                  # default scenario
     python tools/benchmarks/wan_bench.py --slow-ranks 1 --slow-factor 2   # one 2x straggler
     python tools/benchmarks/wan_bench.py --algorithms sync,diloco --algo-args "diloco=--lsgd-interval 10"
+    python tools/benchmarks/wan_bench.py --algorithms edit,edit:no-prefetch \
+        --algo-args "edit:no-prefetch=--lsgd-edit-prefetch 0"            # one algorithm, two settings
 
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
 trains alone, at the same time, with the same per-site batch and --num-sites 1, so no
 byte crosses sites), then each algorithm on all sites. Every run trains the same model
-on the same token budget. Writes results.json, results.md and tokens_per_s.png,
+on the same token budget (`--train-samples`: --train-iters global batches; algorithms whose
+sites take different numbers of steps, A-EDiT, stop when the budget is used). Writes results.json, results.md and tokens_per_s.png,
 loss_vs_wall.png, loss_vs_tokens.png to --out-dir, plus each run's logs.
 
 Default scenario: 2 sites x 1 rank, 100 Mbit/s, 20 ms one-way, a 7.2M-parameter Llama
@@ -49,9 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_link_args(p)
     p.add_argument("--algorithms", default=",".join(registered_algorithms()),
-                   help="comma-separated --lsgd-algorithm values (default: every registered one)")
+                   help="comma-separated runs: an --lsgd-algorithm value, or ALGORITHM:LABEL to run one algorithm "
+                        "more than once with different --algo-args (default: every registered algorithm)")
     p.add_argument("--algo-args", action="append", default=[], metavar="NAME=FLAGS",
-                   help="extra pretrain_gpt.py flags for one algorithm, e.g. 'diloco=--lsgd-interval 10'")
+                   help="extra pretrain_gpt.py flags for one run (its entry in --algorithms), e.g. "
+                        "'diloco=--lsgd-interval 10'")
     p.add_argument("--extra-args", default="", help="extra pretrain_gpt.py flags for every run (ceiling too)")
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size inside a site")
@@ -59,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--site-batch-size", type=int, default=8, help="sequences per step per site")
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--train-iters", type=int, default=40)
+    p.add_argument("--train-iters", type=int, default=40,
+                   help="token budget of every run, in global batches (passed as --train-samples)")
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--warmup-intervals", type=int, default=1, help="log intervals left out of tokens/s")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -70,7 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout-per-run", type=float, default=1800.0)
     a = p.parse_args(argv)
     a.algorithms = [x for x in a.algorithms.split(",") if x]
-    unknown = [x for x in a.algorithms if x not in registered_algorithms()]
+    if len(set(a.algorithms)) != len(a.algorithms):
+        p.error("--algorithms: a run is named twice (give ALGORITHM:LABEL for another setting)")
+    unknown = [x for x in a.algorithms if x.split(":", 1)[0] not in registered_algorithms()]
     if unknown:
         p.error(f"--algorithms: {', '.join(unknown)} not registered (have: {', '.join(registered_algorithms())})")
     per_algo: Dict[str, List[str]] = {}
@@ -88,9 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def common_args(a: argparse.Namespace, num_sites: int, json_log: str, slow_ranks: List[int]) -> List[str]:
+    gbs = a.site_batch_size * num_sites
     args = ["pretrain_gpt.py", *MODEL_ARGS, *DATA_ARGS, "--seq-length", str(a.seq_length),
-            "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.site_batch_size * num_sites),
-            "--train-iters", str(a.train_iters), "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
+            "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(gbs),
+            "--train-samples", str(a.train_iters * gbs), "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, a.train_iters // 10)),
             "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
             "--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp),
@@ -146,13 +155,15 @@ def main(argv=None) -> int:
             _run(wan, jobs, a, wan_report.CEILING)
             ceiling = wan_report.combine_ceiling([wan_report.summarize(wan_report.read_log(p), a.warmup_intervals)
                                                   for p in site_logs])
-            for n, algo in enumerate(a.algorithms):
-                json_log = os.path.join(logs, f"{algo}.jsonl")
-                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", algo] + a.per_algo.get(algo, [])
+            for n, run in enumerate(a.algorithms):
+                algo = run.split(":", 1)[0]
+                label = run.replace(":", "-")
+                json_log = os.path.join(logs, f"{label}.jsonl")
+                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", algo] + a.per_algo.get(run, [])
                 jobs = [SiteJob(i, torchrun_cmd(a.sites, i, world_per_site, wan.site_ip(0), 29501 + n, script),
-                                os.path.join(logs, f"{algo}.site{i}.log")) for i in range(a.sites)]
-                _run(wan, jobs, a, algo)
-                summaries[algo] = wan_report.summarize(wan_report.read_log(json_log), a.warmup_intervals)
+                                os.path.join(logs, f"{label}.site{i}.log")) for i in range(a.sites)]
+                _run(wan, jobs, a, run)
+                summaries[run] = wan_report.summarize(wan_report.read_log(json_log), a.warmup_intervals)
             backend = wan.backend
     except (WanError, RuntimeError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
