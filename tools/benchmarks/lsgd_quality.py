@@ -86,6 +86,10 @@ def main() -> None:
                    help="--lsgd-dilocox-apply-step for dilocox runs (0: H, the one-round delay)")
     p.add_argument("--aedit-seconds", type=float, default=5.0,
                    help="--lsgd-aedit-interval-seconds for a-edit runs (pick about H steps' worth of time)")
+    p.add_argument("--edit-ema-warmup", type=int, default=3,
+                   help="--lsgd-edit-ema-warmup for edit/a-edit runs with the penalty (a short run has few syncs)")
+    p.add_argument("--fault", default="1:8:100",
+                   help="--lsgd-edit-inject-fault for the edit-fault and edit-nopenalty-fault runs")
     args = p.parse_args()
 
     real = bool(args.data_path) and os.path.exists(args.data_path + ".bin")
@@ -110,6 +114,7 @@ def main() -> None:
     outer_x = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
                "--lsgd-outer-momentum", str(args.dilocox_outer_momentum), "--lsgd-dilocox-restart", args.restart,
                "--lsgd-dilocox-apply-step", str(args.apply_step)]
+    edit_penalty = ["--lsgd-edit-ema-warmup", str(args.edit_ema_warmup)]
     configs = {
         "sync": ["--lsgd-algorithm", "sync"],
         "diloco": ["--lsgd-algorithm", "diloco"] + outer,
@@ -117,11 +122,15 @@ def main() -> None:
         "dilocox-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "int4"] + outer_x,
         "dilocox-lowrank-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
                                  "--lsgd-rank", str(args.rank)] + outer_x,
-        "edit": ["--lsgd-algorithm", "edit"] + outer,
+        "edit": ["--lsgd-algorithm", "edit"] + edit_penalty + outer,
         "edit-nopenalty": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none"] + outer,
-        "edit-int4": ["--lsgd-algorithm", "edit", "--lsgd-compression", "int4"] + outer,
+        "edit-int4": ["--lsgd-algorithm", "edit", "--lsgd-compression", "int4"] + edit_penalty + outer,
+        "edit-fault": ["--lsgd-algorithm", "edit", "--lsgd-edit-inject-fault", args.fault] + edit_penalty + outer,
+        "edit-nopenalty-fault": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none",
+                                 "--lsgd-edit-inject-fault", args.fault] + outer,
         "a-edit": ["--lsgd-algorithm", "a-edit", "--lsgd-aedit-interval-seconds", str(args.aedit_seconds),
-                   "--lsgd-outer-lr", str(args.outer_lr), "--lsgd-outer-momentum", str(args.outer_momentum)],
+                   "--lsgd-outer-lr", str(args.outer_lr), "--lsgd-outer-momentum", str(args.outer_momentum)]
+        + edit_penalty,
     }
     budget = ["--train-samples", str(args.train_iters * args.global_batch_size)]
     os.makedirs(args.out_dir, exist_ok=True)
@@ -149,8 +158,9 @@ def main() -> None:
         gap = f"{100 * (loss / ref['valid'][-1] - 1):+.2f}%" if ref else "-"
         sent = r["comm"].get("bytes_sent", 0)
         ratio = f"{ref['comm']['bytes_sent'] / sent:.0f}x" if ref and sent else "-"
+        tps = f"{r['tokens_per_s']:.0f}" + (" (logging site)" if name.startswith("a-edit") else "")
         lines.append(f"| {name} | {loss:.4f} | {gap} | {sent / 2**20:.3f} | {ratio} | "
-                     f"{r['comm'].get('exposed_seconds', 0):.2f} | {r['tokens_per_s']:.0f} |")
+                     f"{r['comm'].get('exposed_seconds', 0):.2f} | {tps} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out_dir, "lsgd_quality.md"), "w") as f:
         f.write(table + "\n")

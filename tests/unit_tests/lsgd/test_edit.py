@@ -3,9 +3,10 @@
 - penalty off, H=1, outer lr 1, momentum 0: edit is per-step parameter averaging, bit for bit
   the same run as diloco with those settings (TP2 x PP2 x 2 sites with prefetch, ZeRO-1 with
   DP_intra 2 without);
-- with the penalty under TP2 x PP2 and tied embeddings: sites end with identical models and
-  anchors, the last stage's copy of the word embedding stays identical to the first stage's,
-  and a sync where every site blows up rolls back;
+- with the penalty, TP2 x PP2 with tied embeddings takes the same decisions (norms over whole
+  units) as one rank per site; sites end with identical models and anchors, the last
+  stage's copy of the word embedding stays identical to the first stage's, and a sync where
+  every site blows up rolls back;
 - a site whose pseudo-gradient is blown up is flagged and excluded: the loss stays within 1%
   of the clean run, where plain averaging degrades it many times over; prefetch on and off
   give identical numbers.
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.unit_tests.harness import assert_replicas_identical, logged_losses, merge_full_params, run_distributed
-from tests.unit_tests.lsgd.test_algorithms import COMMON, LAYOUTS, assert_anchors_identical
+from tests.unit_tests.lsgd.test_algorithms import COMMON, LAYOUTS, SGD, assert_anchors_identical, assert_close_runs
 
 AVERAGING = ["--lsgd-interval", "1", "--lsgd-outer-lr", "1", "--lsgd-outer-momentum", "0"]
 
@@ -53,22 +54,28 @@ def test_edit_without_penalty_at_h1_is_per_step_parameter_averaging(layout, pref
 
 
 @pytest.mark.slow
-def test_edit_penalty_under_tp_and_pp_keeps_sites_and_tied_copies_identical_and_rolls_back():
-    world, args = LAYOUTS["tp2-pp2-sites2"]
+def test_penalty_norms_span_tp_pp_and_the_tied_copy_and_all_flagged_rolls_back():
+    """The penalty's norms are over each unit's whole parameters, so TP2 x PP2 takes the same
+    decisions as one rank per site (to float rounding): replicated parameters count once and
+    the last stage's tied copy follows the first stage's embedding."""
     # 1 warm-up step, then syncs after local steps 2, 4, 6 and a partial last round; at sync 3
     # every site's pseudo-gradient is 1e4 times too large: all flagged, every unit rolls back.
-    records = run_distributed(COMMON + args + [
-        "--train-iters", "8", "--lsgd-algorithm", "edit", "--lsgd-interval", "2", "--lsgd-warmup-iters", "1",
-        "--lsgd-edit-ema-warmup", "2", "--lsgd-edit-prefetch", "0", "--lsgd-edit-inject-fault", "all:3:1e4",
-        "--lr", "5e-3"], world)
-    assert all(torch.isfinite(torch.tensor(logged_losses(records))))
+    args = COMMON + SGD + ["--train-iters", "8", "--lsgd-algorithm", "edit", "--lsgd-interval", "2",
+                           "--lsgd-warmup-iters", "1", "--lsgd-edit-ema-warmup", "2", "--lsgd-edit-prefetch", "0",
+                           "--lsgd-edit-inject-fault", "all:3:1e4"]
+    ref = run_distributed(args + LAYOUTS["sites2"][1], 2)
+    world, layout = LAYOUTS["tp2-pp2-sites2"]
+    records = run_distributed(args + layout, world)
+    assert_close_runs(records, ref)
     assert_replicas_identical(records)
     assert_anchors_identical(records)
     assert_tied_copies_identical(records)
-    stats = records[-1]["sync_stats"]  # last stage: layers.1, output, and the tied copy's decision
-    assert stats["syncs"] == 4 and stats["rollbacks"] == 3
-    assert stats["flagged site0"] == stats["flagged site1"] == 3 and stats["flagged"] == 6
-    assert 0 < stats["min weight"] < 1
+    stats = ref[-1]["sync_stats"]  # embedding, layers.0, layers.1, output
+    assert stats["syncs"] == 4 and stats["rollbacks"] == 4
+    assert stats["flagged site0"] == stats["flagged site1"] == 4 and stats["flagged"] == 8
+    assert 0 < stats["min weight"] < 0.5  # the weighting is active: the sites' norms differ
+    last_stage = records[-1]["sync_stats"]  # layers.1, output, and the tied copy's decision
+    assert last_stage["rollbacks"] == 3 and last_stage["flagged"] == 6
 
 
 @pytest.mark.slow

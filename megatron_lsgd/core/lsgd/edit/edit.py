@@ -98,12 +98,13 @@ class EDiTOptions(OptionGroup):
                           "excluded), weighted (softmax of the negative norms), clip (phi); none: plain average",
                           metavar="PARTS")
     z_threshold: float = option("--lsgd-edit-z-threshold", 3.0, "anomaly: flag a site whose norm's EMA z-score "
-                                "exceeds this (delta)")
-    ema_alpha: float = option("--lsgd-edit-ema-alpha", 0.02, "anomaly: EMA weight of a new norm (alpha)")
+                                "exceeds this (delta)", metavar="DELTA")
+    ema_alpha: float = option("--lsgd-edit-ema-alpha", 0.02, "anomaly: EMA weight of a new norm (alpha)",
+                              metavar="ALPHA")
     ema_warmup: int = option("--lsgd-edit-ema-warmup", 10, "anomaly: observations per unit and site before a site "
-                             "can be flagged (mean and variance are exact over them)")
+                             "can be flagged (mean and variance are exact over them)", metavar="N")
     clip: float = option("--lsgd-edit-clip", 10.0, "clip: the averaged pseudo-gradient's norm per unit is clipped "
-                         "to this (phi)")
+                         "to this (phi)", metavar="PHI")
     inject_fault: str = option("--lsgd-edit-inject-fault", "",
                                "fault injection (tests, demonstrations): SITE:SYNC:FACTOR[,...] multiplies site "
                                "SITE's pseudo-gradient (all: every site's) by FACTOR at sync number SYNC (from 1)",
