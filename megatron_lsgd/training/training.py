@@ -21,6 +21,7 @@ lets sites take different numbers of steps; then
 from __future__ import annotations
 
 import math
+import re
 import resource
 import sys
 import time
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
-from megatron_lsgd.core.lsgd.comm import InterSiteComm, SimulatedLink
+from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
 from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
@@ -93,7 +94,7 @@ class Trainer:
 
         link = config.lsgd.link
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
-                             config.training.distributed_timeout_minutes)
+                             config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank)
         units = model.sync_units()
         sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
@@ -400,6 +401,31 @@ def _exit_on_bad_input(err: Exception) -> NoReturn:
     raise SystemExit(2) from err
 
 
+# How a failed collective reads: torch's DistError, or gloo's own transport errors, which its
+# synchronous collectives raise as plain RuntimeErrors. Anything else is a bug: keep its traceback.
+_COLLECTIVE_FAILURE = re.compile(r"gloo/transport|Connection (closed|reset) by peer|NCCL (error|communicator)|"
+                                 r"[Ss]ocket [Tt]imeout|Timed out waiting")
+
+
+def _is_lost_peer(err: BaseException) -> bool:
+    return isinstance(err, (InterSiteTimeout, dist.DistError)) or (
+        isinstance(err, RuntimeError) and bool(_COLLECTIVE_FAILURE.search(str(err))))
+
+
+def _exit_on_lost_peer(err: Exception, pgs) -> NoReturn:
+    """A collective failed mid-run (a peer rank or site stopped, or the network between them
+    failed): every rank that saw it says so in one line and exits 2, without a traceback and
+    without waiting for the peers that are gone."""
+    if isinstance(err, InterSiteTimeout):
+        message = str(err)
+    else:
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = (f"rank {pgs.rank} (site {pgs.site_rank}): a collective failed: another rank or site stopped or "
+                   f"the network between them failed; its own log says why [{cause}]")
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from err
+
+
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable, forward_step_func: Callable,
              argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None) -> TrainingResult:
     """Megatron's entry point: parse flags, initialize, build, train. Returns the result
@@ -425,4 +451,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         n = sum(p.numel() for p in trainer.model.module.parameters())
         print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
               flush=True)
-    return trainer.train()
+    try:
+        return trainer.train()
+    except RuntimeError as err:
+        if not _is_lost_peer(err):
+            raise
+        _exit_on_lost_peer(err, trainer.pgs)

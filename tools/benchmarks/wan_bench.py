@@ -3,15 +3,16 @@
     python tools/benchmarks/wan_bench.py                                  # default scenario
     python tools/benchmarks/wan_bench.py --slow-ranks 1 --slow-factor 2   # one 2x straggler
     python tools/benchmarks/wan_bench.py --algorithms sync,diloco --algo-args "diloco=--lsgd-interval 10"
-    python tools/benchmarks/wan_bench.py --algorithms edit,edit:no-prefetch \
-        --algo-args "edit:no-prefetch=--lsgd-edit-prefetch 0"            # one algorithm, two settings
+    python tools/benchmarks/wan_bench.py --algorithms diloco,dilocox,dilocox-int4=dilocox \
+        --algo-args "dilocox-int4=--lsgd-compression int4"            # two runs of one algorithm
 
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
 trains alone, at the same time, with the same per-site batch and --num-sites 1, so no
 byte crosses sites), then each algorithm on all sites. Every run trains the same model
 on the same token budget (`--train-samples`: --train-iters global batches; algorithms whose
-sites take different numbers of steps, A-EDiT, stop when the budget is used). Writes results.json, results.md and tokens_per_s.png,
-loss_vs_wall.png, loss_vs_tokens.png to --out-dir, plus each run's logs.
+sites take different numbers of steps, A-EDiT, stop when the budget is used). Writes
+results.json, results.md and tokens_per_s.png, loss_vs_wall.png, loss_vs_tokens.png to
+--out-dir, plus each run's logs.
 
 Default scenario: 2 sites x 1 rank, 100 Mbit/s, 20 ms one-way, a 7.2M-parameter Llama
 (4 layers, hidden 256, GQA, SwiGLU, RMSNorm, RoPE) on the bundled Python-docs corpus.
@@ -52,11 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_link_args(p)
     p.add_argument("--algorithms", default=",".join(registered_algorithms()),
-                   help="comma-separated runs: an --lsgd-algorithm value, or ALGORITHM:LABEL to run one algorithm "
-                        "more than once with different --algo-args (default: every registered algorithm)")
-    p.add_argument("--algo-args", action="append", default=[], metavar="NAME=FLAGS",
-                   help="extra pretrain_gpt.py flags for one run (its entry in --algorithms), e.g. "
-                        "'diloco=--lsgd-interval 10'")
+                   help="comma-separated runs: an --lsgd-algorithm value, or LABEL=ALGORITHM to run one algorithm "
+                        "more than once under different --algo-args (default: every registered algorithm once)")
+    p.add_argument("--algo-args", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="extra pretrain_gpt.py flags for one run, e.g. 'diloco=--lsgd-interval 10'")
     p.add_argument("--extra-args", default="", help="extra pretrain_gpt.py flags for every run (ceiling too)")
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size inside a site")
@@ -75,16 +75,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="default: runs/wan_bench/<date-time>")
     p.add_argument("--timeout-per-run", type=float, default=1800.0)
     a = p.parse_args(argv)
-    a.algorithms = [x for x in a.algorithms.split(",") if x]
-    if len(set(a.algorithms)) != len(a.algorithms):
-        p.error("--algorithms: a run is named twice (give ALGORITHM:LABEL for another setting)")
-    unknown = [x for x in a.algorithms if x.split(":", 1)[0] not in registered_algorithms()]
-    if unknown:
-        p.error(f"--algorithms: {', '.join(unknown)} not registered (have: {', '.join(registered_algorithms())})")
+    runs: Dict[str, str] = {}  # label -> algorithm, in order
+    for item in (x for x in a.algorithms.split(",") if x):
+        label, _, algo = item.partition("=")
+        algo = algo or label
+        if algo not in registered_algorithms():
+            p.error(f"--algorithms: {algo!r} is not registered (have: {', '.join(registered_algorithms())})")
+        if label in runs or label == wan_report.CEILING:
+            p.error(f"--algorithms: the label {label!r} is used twice (or is reserved)")
+        runs[label] = algo
+    if not runs:
+        p.error("--algorithms: name at least one run")
+    a.algorithms = list(runs)
+    a.run_algorithm = runs
     per_algo: Dict[str, List[str]] = {}
     for item in a.algo_args:
         name, _, flags = item.partition("=")
-        if name not in a.algorithms:
+        if name not in runs:
             p.error(f"--algo-args {item!r}: {name!r} is not among --algorithms")
         per_algo[name] = shlex.split(flags)
     a.per_algo = per_algo
@@ -123,6 +130,7 @@ def scenario(a: argparse.Namespace, backend: str) -> dict:
                      "vocab 8k (7.2M parameters)",
             "seq_length": a.seq_length, "site_batch_size": a.site_batch_size, "micro_batch_size": a.micro_batch_size,
             "train_iters": a.train_iters, "algorithm_args": {k: " ".join(v) for k, v in a.per_algo.items()},
+            "runs": {label: algo for label, algo in a.run_algorithm.items()},
             "extra_args": a.extra_args, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}",
             "command": " ".join(shlex.quote(x) for x in sys.argv)}
@@ -155,15 +163,14 @@ def main(argv=None) -> int:
             _run(wan, jobs, a, wan_report.CEILING)
             ceiling = wan_report.combine_ceiling([wan_report.summarize(wan_report.read_log(p), a.warmup_intervals)
                                                   for p in site_logs])
-            for n, run in enumerate(a.algorithms):
-                algo = run.split(":", 1)[0]
-                label = run.replace(":", "-")
-                json_log = os.path.join(logs, f"{label}.jsonl")
-                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", algo] + a.per_algo.get(run, [])
+            for n, algo in enumerate(a.algorithms):
+                json_log = os.path.join(logs, f"{algo}.jsonl")
+                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", a.run_algorithm[algo]] \
+                    + a.per_algo.get(algo, [])
                 jobs = [SiteJob(i, torchrun_cmd(a.sites, i, world_per_site, wan.site_ip(0), 29501 + n, script),
-                                os.path.join(logs, f"{label}.site{i}.log")) for i in range(a.sites)]
-                _run(wan, jobs, a, run)
-                summaries[run] = wan_report.summarize(wan_report.read_log(json_log), a.warmup_intervals)
+                                os.path.join(logs, f"{algo}.site{i}.log")) for i in range(a.sites)]
+                _run(wan, jobs, a, algo)
+                summaries[algo] = wan_report.summarize(wan_report.read_log(json_log), a.warmup_intervals)
             backend = wan.backend
     except (WanError, RuntimeError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
