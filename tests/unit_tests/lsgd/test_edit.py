@@ -2,7 +2,7 @@
 
 - penalty off, H=1, outer lr 1, momentum 0: edit is per-step parameter averaging, bit for bit
   the same run as diloco with those settings (TP2 x PP2 x 2 sites with prefetch, ZeRO-1 with
-  DP_intra 2 without);
+  DP_intra 2 without, DP_intra 2 without ZeRO-1, where each rank sends half as much);
 - with the penalty, TP2 x PP2 with tied embeddings takes the same decisions (norms over whole
   units) as one rank per site; sites end with identical models and anchors, the last
   stage's copy of the word embedding stays identical to the first stage's, and a sync where
@@ -21,6 +21,8 @@ from tests.unit_tests.harness import assert_replicas_identical, logged_losses, m
 from tests.unit_tests.lsgd.test_algorithms import COMMON, LAYOUTS, SGD, assert_anchors_identical, assert_close_runs
 
 AVERAGING = ["--lsgd-interval", "1", "--lsgd-outer-lr", "1", "--lsgd-outer-momentum", "0"]
+# DP_intra 2 without ZeRO-1: each rank of a site exchanges half of every unit, the site gathers
+DP2 = (4, ["--num-sites", "2", "--ddp-bucket-size", "5000"])
 
 
 def assert_same_run(a, b):
@@ -42,22 +44,24 @@ def assert_tied_copies_identical(records):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,prefetch", [("tp2-pp2-sites2", "2"), ("zero1-sites2", "0")])
+@pytest.mark.parametrize("layout,prefetch", [("tp2-pp2-sites2", "2"), ("zero1-sites2", "0"), ("dp2-sites2", "1")])
 def test_edit_without_penalty_at_h1_is_per_step_parameter_averaging(layout, prefetch):
-    world, args = LAYOUTS[layout]
+    world, args = DP2 if layout == "dp2-sites2" else LAYOUTS[layout]
     diloco = run_distributed(COMMON + args + ["--lsgd-algorithm", "diloco"] + AVERAGING, world)
     edit = run_distributed(COMMON + args + ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none",
                                             "--lsgd-edit-prefetch", prefetch] + AVERAGING, world)
     assert_same_run(edit, diloco)
     assert_replicas_identical(edit)
     assert edit[-1]["sync_stats"]["syncs"] == 6 and edit[-1]["comm"]["bytes_sent"] > 0
+    if layout == "dp2-sites2":  # diloco sends every rank's whole model; edit splits it
+        assert all(2 * e["comm"]["bytes_sent"] == d["comm"]["bytes_sent"] for e, d in zip(edit, diloco))
 
 
 @pytest.mark.slow
 def test_penalty_norms_span_tp_pp_and_the_tied_copy_and_all_flagged_rolls_back():
-    """The penalty's norms are over each unit's whole parameters, so TP2 x PP2 takes the same
-    decisions as one rank per site (to float rounding): replicated parameters count once and
-    the last stage's tied copy follows the first stage's embedding."""
+    """The penalty's norms are over each unit's whole parameters, so TP2 x PP2 and DP_intra 2
+    take the same decisions as one rank per site (to float rounding): replicated parameters
+    count once and the last stage's tied copy follows the first stage's embedding."""
     # 1 warm-up step, then syncs after local steps 2, 4, 6 and a partial last round; at sync 3
     # every site's pseudo-gradient is 1e4 times too large: all flagged, every unit rolls back.
     args = COMMON + SGD + ["--train-iters", "8", "--lsgd-algorithm", "edit", "--lsgd-interval", "2",
@@ -70,6 +74,9 @@ def test_penalty_norms_span_tp_pp_and_the_tied_copy_and_all_flagged_rolls_back()
     assert_replicas_identical(records)
     assert_anchors_identical(records)
     assert_tied_copies_identical(records)
+    split = run_distributed(args + DP2[1], DP2[0])  # each rank's half of every unit; norms summed in the site
+    assert_close_runs(split, ref)
+    assert_replicas_identical(split)
     stats = ref[-1]["sync_stats"]  # embedding, layers.0, layers.1, output
     assert stats["syncs"] == 4 and stats["rollbacks"] == 4
     assert stats["flagged site0"] == stats["flagged site1"] == 4 and stats["flagged"] == 8

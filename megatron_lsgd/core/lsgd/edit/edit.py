@@ -39,6 +39,10 @@ differ), so that combination is refused.
 Communication: each rank talks only to its dp_inter peers (same TP/PP/ZeRO coordinate on
 the other sites), on a dp_inter group of its own (comm.use_dedicated_group), in the same
 order on every site: the norm gather at the boundary, then per unit its reduction phases.
+Under ZeRO-1 a rank exchanges its slices of the unit; without ZeRO-1 (every rank of a site
+holds whole units) with DP_intra > 1, each rank exchanges its 1/DP_intra part of the unit
+(ShardViews.part, as `sync` does) and the site all-gathers the parts before the unit
+computes, so a site's traffic is split over its DP_intra links either way.
 Outer state may live on the host (--lsgd-outer-offload): the per-unit arithmetic then runs
 there (no device prefetch of offloaded state yet).
 """
@@ -60,7 +64,7 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
+from megatron_lsgd.core.lsgd.sync import _gather_parts, average_grads_across_sites
 
 Fault = Tuple[Optional[int], int, float]  # (site or None for every site, sync number, factor)
 
@@ -154,8 +158,9 @@ class _Group:
     pipeline the unit without its copy of the word embedding, and the copy itself."""
 
     stat: str  # decision / statistics key: the unit's name ("embedding" for the tied copy)
-    views: object  # ShardViews of this rank's slices
-    counted: List[Tuple[int, int, int]]  # (range, lo, hi) of the pieces that count in norms
+    views: object  # ShardViews this rank exchanges: its ZeRO slices (or, without ZeRO-1, its 1/DP_intra part)
+    whole: object  # ShardViews of everything this rank holds of the group (== views under ZeRO-1)
+    counted: List[Tuple[int, int, int]]  # (range, lo, hi) of the pieces of `views` that count in norms
     borrowed: bool  # the last stage's tied copy: norm and clip come from the first stage
     compressor: object = None
 
@@ -215,6 +220,9 @@ class EDiT(Synchronizer):
         self.outer = OuterState(opt.main_param_shards(), cfg.outer)
         self.device = opt.main_param_shards()[0].device
         self.bank = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
+        # Without ZeRO-1 every rank of a site holds the same, whole units: each then exchanges
+        # only its 1/DP_intra part (as `sync` does) and the site all-gathers the parts.
+        self.split = ctx.pgs.dims.dp_intra > 1 and not opt.sharded
         self.plans = self._plan(ctx.units)
         self.index = {p.unit.name: i for i, p in enumerate(self.plans)}
         self.stat_keys: List[str] = []
@@ -239,11 +247,12 @@ class EDiT(Synchronizer):
             return getattr(p, "shared_embedding", False) and not pgs.is_first_stage
 
         def group(stat, part, borrowed) -> _Group:
-            views = opt.views([part])
+            whole = opt.views([part])
+            views = whole.part(pgs.dp_intra_rank, pgs.dims.dp_intra) if self.split else whole
             counted_names = {names[id(p)] for p in part.parameters() if opt.counts_in_norm(p)}
             counted = [(pc.range_index, pc.lo, pc.hi) for pc in views.pieces if pc.name in counted_names]
             comp = None if views.empty else self.bank.for_views(views, self.outer.device)
-            return _Group(stat, views, counted, borrowed, comp)
+            return _Group(stat, views, whole, counted, borrowed, comp)
 
         plans = []
         for unit in units:
@@ -265,7 +274,7 @@ class EDiT(Synchronizer):
         pgs = self.ctx.pgs
         if pgs.dims.tp > 1:
             dist.all_reduce(t, group=pgs.tp)
-        if self.ctx.optimizer.sharded:
+        if self.ctx.optimizer.sharded or self.split:
             dist.all_reduce(t, group=pgs.dp_intra)
 
     def _wait_tied(self) -> None:
@@ -376,6 +385,10 @@ class EDiT(Synchronizer):
             if mean:
                 self.outer.step(g.views, mean)
                 self.outer.load_into(g.views)
+        if self.split:  # each rank synced its part of the unit: the site gathers the parts
+            pgs = self.ctx.pgs
+            _gather_parts([m for g in plan.groups for m in g.whole.main], pgs.dims.dp_intra, pgs.dp_intra_rank,
+                          pgs.dp_intra)
         self.ctx.optimizer.copy_main_to_model_params(plan.views)
 
     def _consume(self, j: int) -> None:
