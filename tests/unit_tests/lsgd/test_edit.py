@@ -74,9 +74,15 @@ def test_penalty_norms_span_tp_pp_and_the_tied_copy_and_all_flagged_rolls_back()
     assert_replicas_identical(records)
     assert_anchors_identical(records)
     assert_tied_copies_identical(records)
-    split = run_distributed(args + DP2[1], DP2[0])  # each rank's half of every unit; norms summed in the site
-    assert_close_runs(split, ref)
+    # DP_intra 2 (a site's samples are split differently from one rank per site, so local
+    # steps differ): each rank's ZeRO-1 slices vs, without ZeRO-1, its half of every unit
+    world, layout = LAYOUTS["zero1-sites2"]
+    zero1 = run_distributed(args + layout, world)
+    split = run_distributed(args + DP2[1], DP2[0])
+    assert_close_runs(split, zero1)
     assert_replicas_identical(split)
+    assert_replicas_identical(zero1)
+    assert zero1[-1]["sync_stats"]["rollbacks"] == 4
     stats = ref[-1]["sync_stats"]  # embedding, layers.0, layers.1, output
     assert stats["syncs"] == 4 and stats["rollbacks"] == 4
     assert stats["flagged site0"] == stats["flagged site1"] == 4 and stats["flagged"] == 8
