@@ -124,6 +124,7 @@ def main() -> None:
                                  "--lsgd-rank", str(args.rank)] + outer_x,
         "edit": ["--lsgd-algorithm", "edit"] + edit_penalty + outer,
         "edit-nopenalty": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none"] + outer,
+        "edit-anomaly": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "anomaly"] + edit_penalty + outer,
         "edit-int4": ["--lsgd-algorithm", "edit", "--lsgd-compression", "int4"] + edit_penalty + outer,
         "edit-fault": ["--lsgd-algorithm", "edit", "--lsgd-edit-inject-fault", args.fault] + edit_penalty + outer,
         "edit-nopenalty-fault": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none",

@@ -207,6 +207,8 @@ class EDiT(Synchronizer):
         self.flagged_counts = [0] * self.num_sites  # (unit, site) exclusions so far, per site
         self.rollbacks = 0  # units rolled back to their anchor so far
         self.last_min_weight = 1.0 / max(self.num_sites, 1)
+        self.last_max_norm = 0.0  # the largest finite per-site unit norm of the last sync (to choose phi)
+        self.clipped = 0  # unit syncs whose mean was clipped so far
         self._issued: Dict[int, List[Optional[PendingReduce]]] = {}
         self._tied_work = None
         self._tied_buf: Optional[torch.Tensor] = None
@@ -319,6 +321,8 @@ class EDiT(Synchronizer):
             norms = self._gather_norms(self._fault_factor(self.syncs))
             for j, key in enumerate(self.stat_keys):
                 self.decisions[key] = self.penalty.decide(key, [row[j] for row in norms])
+            finite = [g for row in norms for g in row if math.isfinite(g)]
+            self.last_max_norm = max(finite) if finite else math.inf
         else:
             self.decisions = {key: self.penalty.decide(key, []) for key in self.stat_keys}
         weights = []
@@ -380,6 +384,7 @@ class EDiT(Synchronizer):
             if self.penalty.clips:
                 beta = self._clip(g, mean)
                 if beta < 1.0:
+                    self.clipped += 1
                     for m in mean:
                         m.mul_(beta)
             if mean:
@@ -453,7 +458,8 @@ class EDiT(Synchronizer):
                 "interval": self.interval, "decisions": {k: d.state() for k, d in sorted(self.decisions.items())},
                 "penalty": self.penalty.state_dict(), "outer": self.outer.state_dict(),
                 "compressors": self.bank.state_dict(), "flagged_counts": list(self.flagged_counts),
-                "rollbacks": self.rollbacks, "last_min_weight": self.last_min_weight}
+                "rollbacks": self.rollbacks, "last_min_weight": self.last_min_weight,
+                "last_max_norm": self.last_max_norm, "clipped": self.clipped}
 
     def load_state_dict(self, state: Dict) -> None:
         if not self.active:
@@ -469,6 +475,8 @@ class EDiT(Synchronizer):
         self.flagged_counts = [int(c) for c in state["flagged_counts"]]
         self.rollbacks = int(state["rollbacks"])
         self.last_min_weight = float(state["last_min_weight"])
+        self.last_max_norm = float(state.get("last_max_norm", 0.0))
+        self.clipped = int(state.get("clipped", 0))
 
     def stats(self) -> Dict[str, float]:
         if not self.active:
@@ -477,6 +485,10 @@ class EDiT(Synchronizer):
         if self.penalty.parts:
             stats.update({"flagged": sum(self.flagged_counts), "rollbacks": self.rollbacks,
                           "min weight": self.last_min_weight})
+            if self.penalty.needs_norms:
+                stats["max norm"] = self.last_max_norm
+            if self.penalty.clips:
+                stats["clipped"] = self.clipped
             stats.update({f"flagged site{i}": c for i, c in enumerate(self.flagged_counts) if c})
         return stats
 
