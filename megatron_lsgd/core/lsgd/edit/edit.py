@@ -271,8 +271,9 @@ class EDiT(Synchronizer):
 
     # ---- intra-site helpers ---------------------------------------------------------------------
     def _site_sum(self, t: torch.Tensor) -> None:
-        """Sum over the ranks of this stage that hold pieces of the same units: TP ranks and,
-        under ZeRO-1, the dp_intra shards."""
+        """Sum over the ranks of this stage that hold pieces of the same units: TP ranks and
+        the site's dp_intra ranks when each holds (or exchanges) only a part of every unit
+        (ZeRO-1 shards, or the split without ZeRO-1)."""
         pgs = self.ctx.pgs
         if pgs.dims.tp > 1:
             dist.all_reduce(t, group=pgs.tp)
