@@ -142,6 +142,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
     (["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "clip", "--lsgd-edit-z-threshold", "2"],
      "--lsgd-edit-z-threshold needs 'anomaly'"),
     (["--lsgd-algorithm", "edit", "--lsgd-edit-inject-fault", "5:1:10"], "--lsgd-edit-inject-fault"),
+    (["--lsgd-algorithm", "edit", "--lsgd-edit-norms", "per-step", "--lsgd-edit-penalty", "clip"],
+     "--lsgd-edit-norms needs"),
     (["--lsgd-algorithm", "edit", "--lsgd-compression", "int4", "--pipeline-model-parallel-size", "2"],
      "--untie-embeddings-and-output-weights"),
     (["--lsgd-algorithm", "a-edit", "--lsgd-aedit-interval-seconds", "0"], "--lsgd-aedit-interval-seconds"),

@@ -200,7 +200,7 @@ class AEDiT(EDiT):
                 remaining = (budget - meeting.samples) // site_batch  # >= S: the rule above did not stop
                 if QUOTA_HORIZON * sum(steps) >= remaining:
                     self.quota = allocate_quota(remaining, steps)
-            self.begin_sync()
+            self.begin_sync(steps)
             self.interval_start = self.clock.now()
         self._meeting = Meeting(iterations, samples, meeting.time_up, synced=sync)
         return stop

@@ -107,6 +107,11 @@ class EDiTOptions(OptionGroup):
                               metavar="ALPHA")
     ema_warmup: int = option("--lsgd-edit-ema-warmup", 10, "anomaly: observations per unit and site before a site "
                              "can be flagged (mean and variance are exact over them)", metavar="N")
+    norms: str = option("--lsgd-edit-norms", "auto",
+                        "which norms the anomaly test and the weights see: raw (the paper's ||Δ||), per-step "
+                        "(||Δ|| / the site's local steps since the last sync), auto (per-step when sites take "
+                        "different numbers of steps, as with a-edit; raw otherwise)",
+                        choices=("auto", "raw", "per-step"))
     clip: float = option("--lsgd-edit-clip", 10.0, "clip: the averaged pseudo-gradient's norm per unit is clipped "
                          "to this (phi)", metavar="PHI")
     inject_fault: str = option("--lsgd-edit-inject-fault", "",
@@ -127,6 +132,11 @@ class EDiTOptions(OptionGroup):
         if not self.clip > 0:
             raise ValueError(f"--lsgd-edit-clip must be > 0 (got {self.clip})")
         defaults = type(self)()
+        if self.norms not in ("auto", "raw", "per-step"):
+            raise ValueError(f"--lsgd-edit-norms {self.norms!r}: choose auto, raw or per-step")
+        if self.norms != "auto" and not parts & {"anomaly", "weighted"}:
+            raise ValueError(f"--lsgd-edit-norms needs 'anomaly' or 'weighted' in --lsgd-edit-penalty "
+                             f"(got {self.penalty!r})")
         for part, attrs in (("anomaly", ("z_threshold", "ema_alpha", "ema_warmup")), ("clip", ("clip",))):
             for attr in attrs:
                 if part not in parts and getattr(self, attr) != getattr(defaults, attr):
@@ -200,6 +210,7 @@ class EDiT(Synchronizer):
         self.penalty = Penalty(parse_parts(opts.penalty), self.num_sites, opts.z_threshold, opts.ema_alpha,
                                opts.ema_warmup, opts.clip)
         self.faults = parse_faults(opts.inject_fault, self.num_sites)
+        self.per_step_norms = opts.norms == "per-step" or (opts.norms == "auto" and not self.lockstep)
         self.steps_in_round = 0
         self.syncs = 0
         self.pending = False  # a sync is due: carried out in the next forward (or finish_training)
@@ -313,17 +324,20 @@ class EDiT(Synchronizer):
         self.ctx.comm.all_gather(out, local)
         return out.view(self.num_sites, k).sqrt().tolist()
 
-    def begin_sync(self) -> None:
+    def begin_sync(self, site_steps: Sequence[int]) -> None:
         """At a step boundary: decide every unit's sync (collective over the stage, the site
-        and dp_inter); the data moves in the next forward (or finish_training)."""
+        and dp_inter); the data moves in the next forward (or finish_training).
+        `site_steps`: every site's local steps since the last sync (for per-step norms)."""
         self.syncs += 1
         self.ctx.comm.rounds += 1
         if self.penalty.needs_norms:
             norms = self._gather_norms(self._fault_factor(self.syncs))
-            for j, key in enumerate(self.stat_keys):
-                self.decisions[key] = self.penalty.decide(key, [row[j] for row in norms])
             finite = [g for row in norms for g in row if math.isfinite(g)]
             self.last_max_norm = max(finite) if finite else math.inf
+            if self.per_step_norms:  # a site that took more steps is not penalized for it
+                norms = [[g / max(n, 1) for g in row] for row, n in zip(norms, site_steps)]
+            for j, key in enumerate(self.stat_keys):
+                self.decisions[key] = self.penalty.decide(key, [row[j] for row in norms])
         else:
             self.decisions = {key: self.penalty.decide(key, []) for key in self.stat_keys}
         weights = []
@@ -436,7 +450,7 @@ class EDiT(Synchronizer):
         self.steps_in_round += 1  # skipped (fp16 overflow) steps count too: sites must agree
         if self.steps_in_round >= self.interval:
             self.steps_in_round = 0
-            self.begin_sync()
+            self.begin_sync([self.interval] * self.num_sites)
 
     def quiesce(self) -> None:
         self._wait_tied()
@@ -445,8 +459,8 @@ class EDiT(Synchronizer):
         if not self.active:
             return
         if self.steps_in_round > 0:  # a last, partial round
+            self.begin_sync([self.steps_in_round] * self.num_sites)
             self.steps_in_round = 0
-            self.begin_sync()
         if self.pending:
             self._sync_now()
 
