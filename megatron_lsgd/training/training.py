@@ -39,15 +39,19 @@ from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
 from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
-from megatron_lsgd.training.checkpointing import CheckpointError
 from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
+from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention_backend
+from megatron_lsgd.training.compat_runtime import flops_per_sample as compat_flops_per_sample
 from megatron_lsgd.training.data_samplers import build_data_iterator
+from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
+                                          exit_with_error, take_save_lock)
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
+from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
 from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
 
 
@@ -63,6 +67,7 @@ class TrainingResult:
     comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
     sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
     synchronizer: Optional[object] = None  # for tests and tools that inspect its state
+    traffic: Dict[str, float] = field(default_factory=dict)  # all ranks' cross-site bytes vs per-step sync
     model: Optional[torch.nn.Module] = None
     config: Optional[RunConfig] = None
 
@@ -115,6 +120,8 @@ class Trainer:
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
+        self.valid_ds = valid_ds
+        self.consumed_valid_samples = 0  # the whole job's validation samples, restored on resume
         self.train_iterator = build_data_iterator(train_ds, 0, t.micro_batch_size, pgs, config.data.num_workers)
         self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
                                                   cyclic=True)
@@ -124,7 +131,10 @@ class Trainer:
         self.straggler = Straggler(config.stragglers, pgs.rank)
         self.inner_step = InnerStep(self.model, self.optimizer, self.scheduler, pgs, self.forward_backward,
                                     forward_step_func, self._schedule_spec, config.num_microbatches, self.straggler,
-                                    self.phase)
+                                    self.phase, samples_per_microbatch=t.micro_batch_size * config.dims.dp,
+                                    empty_unused_memory_level=config.compat.empty_unused_memory_level)
+        self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
+        self.flops_per_sample = compat_flops_per_sample(config.model, config.model.padded_vocab_size)
         self.termination = Termination(t, self.synchronizer, time.monotonic() if start_time is None else start_time,
                                        range(config.dims.world_size))
         self.iteration = 0  # this site's steps
@@ -173,7 +183,8 @@ class Trainer:
                        on_forward: Optional[Callable[[int], None]] = None) -> ScheduleSpec:
         return ScheduleSpec(num_microbatches=num_microbatches or self.config.num_microbatches,
                             tensor_shape=self.tensor_shape, dtype=self.config.model.params_dtype, device=self.device,
-                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward)
+                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward,
+                            per_token_loss=self.config.model.calculate_per_token_loss)
 
     def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
@@ -181,7 +192,14 @@ class Trainer:
             return {}
         out = {}
         for key in losses[0]:
-            value = torch.stack([d[key].float() for d in losses]).mean().reshape(1)
+            stacked = torch.stack([d[key].float() for d in losses])
+            if stacked.dim() == 2:  # (loss sum, tokens) per micro-batch (--calculate-per-token-loss)
+                pair = stacked.sum(0)
+                if self.config.dims.dp_intra > 1:
+                    dist.all_reduce(pair, group=self.pgs.dp_intra)
+                out[key] = (pair[0] / pair[1].clamp(min=1)).reshape(1)
+                continue
+            value = stacked.mean().reshape(1)
             if self.config.dims.dp_intra > 1:
                 value /= self.config.dims.dp_intra
                 dist.all_reduce(value, group=self.pgs.dp_intra)
@@ -202,12 +220,15 @@ class Trainer:
         if self.valid_iterator is None or t.eval_iters == 0:
             return None
         self.synchronizer.quiesce()  # evaluate a consistent model, nothing in flight
+        self.compat.around_eval()
         self.model.eval()
         collected: List[Dict[str, torch.Tensor]] = []
         for _ in range(t.eval_iters):
             collected += self.forward_backward(self.forward_step_func, self.valid_iterator, self.model,
                                                self._schedule_spec(True), self.pgs)
+        self.consumed_valid_samples += t.eval_iters * t.global_batch_size
         self.model.train()
+        self.compat.around_eval()
         reduced = self._mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
         loss = reduced.get("lm loss")
         if loss is not None and self.pgs.rank == self.log_rank:
@@ -222,9 +243,8 @@ class Trainer:
         """One log line (and tensorboard scalars and a JSON record) for the interval just ended.
         Lockstep: the job's line, losses averaged over sites. Non-lockstep: this site's own."""
         t = self.config.training
-        gbs = t.global_batch_size
-        sites = self.config.dims.sites
-        tokens_per_iter = (gbs if self.lockstep else gbs // sites) * self.config.model.seq_length
+        gbs = acc.gbs  # of the last step (a batch-size schedule changes it)
+        tokens = acc.samples * self.config.model.seq_length  # the job's (lockstep) or this site's samples
         elapsed = time.perf_counter() - acc.start
         if self.lockstep:
             means = self._mean_across_sites({k: v / acc.iters for k, v in acc.sums.items()}) \
@@ -237,12 +257,16 @@ class Trainer:
         moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
                     - acc.comm["bytes_sent"] - acc.comm["bytes_received"]) / 2**20
         exposed_ms = 1e3 * (comm_now["exposed_seconds"] - acc.comm["exposed_seconds"]) / acc.iters
-        tokens_per_s = tokens_per_iter * acc.iters / elapsed
+        tokens_per_s = tokens / elapsed
         result.tokens_per_second = tokens_per_s
         if self.pgs.rank == self.line_rank:
             norm = acc.norm_sum / acc.norm_count if acc.norm_count else None
             extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
                      "exposed comm ms": f"{exposed_ms:.1f}"}
+            if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
+                ranks = self.config.dims.world_size // (1 if self.lockstep else self.config.dims.sites)
+                tflops = self.flops_per_sample * acc.samples / elapsed / ranks / 1e12
+                extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
             consumed = self.consumed_samples
             record = {}
             if not self.lockstep:
@@ -263,7 +287,7 @@ class Trainer:
                              **self.synchronizer.stats()}, self.iteration)
             self.json_log.write({"iteration": self.iteration, "interval_iters": acc.iters,
                                  "elapsed_s": elapsed, "wall_s": time.perf_counter() - acc.run_start,
-                                 "tokens": tokens_per_iter * acc.iters, "tokens_per_s": tokens_per_s,
+                                 "tokens": tokens, "tokens_per_s": tokens_per_s,
                                  "losses": means, "inter_site_bytes": moved_mb * 2**20,
                                  "exposed_comm_s": exposed_ms * acc.iters / 1e3,
                                  "sync_stats": self.synchronizer.stats(), **record})
@@ -277,14 +301,17 @@ class Trainer:
     def train(self) -> TrainingResult:
         t = self.config.training
         result = TrainingResult(model=self.model.module, config=self.config)
-        gbs = t.global_batch_size
         site_samples_per_mb = t.micro_batch_size * self.config.dims.dp_intra
+        batch_schedule = self.config.compat.batch_schedule
         total_skipped = 0
         acc = _Interval(comm=self.comm.snapshot())
         run_start = acc.run_start
+        start_iter, start_agreed = self.iteration, self.agreed_iteration  # a resumed run counts its own steps
         lockstep = self.lockstep
         while (self.iteration < t.train_iters) if lockstep else not self.ended:
             self.inner_step.iteration = self.iteration
+            if batch_schedule is not None:
+                self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
             step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
             losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
             self.iteration += 1
@@ -292,7 +319,10 @@ class Trainer:
             self.site_consumed_samples += site_samples
             if lockstep:
                 self.consumed_samples += site_samples * self.config.dims.sites
+            acc.gbs = site_samples * self.config.dims.sites
+            acc.samples += acc.gbs if lockstep else site_samples
             acc.iters += 1
+            self.compat.after_step(self.iteration)
             if not ok:
                 acc.skipped += 1
                 total_skipped += 1
@@ -300,7 +330,10 @@ class Trainer:
                 if math.isnan(grad_norm):
                     acc.nans += 1
                 acc.norm_sum, acc.norm_count = acc.norm_sum + grad_norm, acc.norm_count + 1
-            for k, v in self._reduce_site_losses(losses).items():
+            site_losses = self._reduce_site_losses(losses)
+            if self.config.optimizer.check_for_nan_in_grad and (ok or not t.fp16):
+                check_finite_loss(site_losses, t.fp16)
+            for k, v in site_losses.items():
                 acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
 
             if lockstep:
@@ -317,7 +350,7 @@ class Trainer:
                 if meeting is not None:  # agreed on every rank: evaluate, save, stop only here
                     self.last_meeting = meeting
                     self.consumed_samples = meeting.samples
-                    self.agreed_iteration = meeting.samples // gbs
+                    self.agreed_iteration = meeting.samples // t.global_batch_size
                     if stop is None and self._crossed(before, self.agreed_iteration, t.exit_interval):
                         stop = Stop(False, f"--exit-interval {t.exit_interval}")
                 if self.iteration % t.log_interval == 0 or stop is not None:
@@ -356,17 +389,23 @@ class Trainer:
             self.save_checkpoint()
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
         result.synchronizer = self.synchronizer
+        if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync (each rank's own steps)
+            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter)
         if self.pgs.rank == self.line_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             where = "" if lockstep else f" on site {self.pgs.site_rank}"
             print(f" done: {self.iteration} iterations{where} in {time.perf_counter() - run_start:.1f} s | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
             record = {} if lockstep else {"site": self.pgs.site_rank}
+            if result.traffic and self.pgs.rank == self.log_rank:
+                steps = self.iteration - start_iter if lockstep else self.checkpoint_iteration - start_agreed
+                print(summary_line(self.config.lsgd.algorithm, steps, result.traffic), flush=True)
             self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
                                  "wall_s": time.perf_counter() - run_start,
                                  "straggler_sleep_s": self.straggler.slept_seconds, **record})
         self.json_log.close()
         self.tb.close()
+        self.compat.close()
         return result
 
 
@@ -377,6 +416,8 @@ class _Interval:
     comm: Dict[str, float]
     sums: Dict[str, torch.Tensor] = field(default_factory=dict)
     iters: int = 0
+    samples: int = 0  # the job's samples (lockstep) or this site's (non-lockstep)
+    gbs: int = 0  # the global batch of the last step
     skipped: int = 0
     nans: int = 0
     norm_sum: float = 0.0
@@ -388,17 +429,14 @@ class _Interval:
         self.run_start = self.start
 
     def reset(self, comm: Dict[str, float]) -> None:
-        self.sums, self.iters, self.skipped, self.nans, self.norm_sum, self.norm_count = {}, 0, 0, 0, 0.0, 0
+        self.sums, self.iters, self.samples, self.skipped, self.nans, self.norm_sum, self.norm_count = {}, 0, 0, 0, 0, 0.0, 0
         self.comm = comm
         self.start = time.perf_counter()
 
 
-def _exit_on_bad_input(err: Exception) -> NoReturn:
-    """Bad flags or a bad checkpoint: one clear line on stderr and exit code 2, no traceback."""
-    if dist.get_rank() == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-    dist.destroy_process_group()
-    raise SystemExit(2) from err
+def _exit_on_bad_input(err: Exception, prefix: str = "") -> NoReturn:
+    """Bad flags, files or a diverged run: one clear line on stderr and exit code 2, no traceback."""
+    exit_with_error(err, prefix)
 
 
 # How a failed collective reads: torch's DistError, or gloo's own transport errors, which its
@@ -432,7 +470,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     (and the model) so tests and benchmarks can inspect the run."""
     start_time = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's does
     args = parse_args(argv, extra_args_provider)
-    device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    try:
+        device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    except ValueError as err:
+        _exit_on_bad_input(err)
     try:
         config = build_config(args, dist.get_world_size())
     except ValueError as err:
@@ -442,18 +483,28 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x DP {d.dp_intra} per site x "
               f"{d.sites} sites | algorithm {config.lsgd.algorithm} | micro-batches per step "
               f"{config.num_microbatches} | device {device}", flush=True)
+    lock = None
     try:
-        trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
-                          start_time)
-    except CheckpointError as err:
-        _exit_on_bad_input(err)
-    if dist.get_rank() == 0:
-        n = sum(p.numel() for p in trainer.model.module.parameters())
-        print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
-              flush=True)
-    try:
-        return trainer.train()
-    except RuntimeError as err:
-        if not _is_lost_peer(err):
-            raise
-        _exit_on_lost_peer(err, trainer.pgs)
+        try:  # user input: flags, tokenizer and data files, the checkpoint to load, --save
+            check_attention_backend(config.model, device)
+            lock = take_save_lock(config.checkpoint.save)
+            trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
+                              start_time)
+        except STARTUP_ERRORS as err:
+            _exit_on_bad_input(err)
+        if dist.get_rank() == 0:
+            n = sum(p.numel() for p in trainer.model.module.parameters())
+            print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
+                  flush=True)
+        try:  # a diverged run, a failed save (disk full), a corrupt sample, a lost peer
+            return trainer.train()
+        except RUN_ERRORS as err:
+            _exit_on_bad_input(err, prefix=f"iteration {trainer.iteration + 1}: " if isinstance(
+                err, NonFiniteError) else "")
+        except RuntimeError as err:
+            if not _is_lost_peer(err):
+                raise
+            _exit_on_lost_peer(err, trainer.pgs)
+    finally:
+        if lock is not None:
+            lock.release()

@@ -144,7 +144,11 @@ def main(argv=None) -> int:
         print("error: megatron_lsgd._C is not built; run `pip install -e .` (or `python setup.py build_ext "
               "--inplace`) in the repository root", file=sys.stderr)
         return 2
-    slow = [int(r) for r in a.slow_ranks.split(",") if r.strip()]
+    try:
+        slow = [int(r) for r in a.slow_ranks.split(",") if r.strip()]
+    except ValueError:
+        print(f"error: --slow-ranks {a.slow_ranks!r}: give comma-separated rank numbers", file=sys.stderr)
+        return 2
     world_per_site = a.ranks_per_site
     logs = os.path.join(a.out_dir, "logs")
     raise_on_termination()
@@ -172,7 +176,7 @@ def main(argv=None) -> int:
                 _run(wan, jobs, a, algo)
                 summaries[algo] = wan_report.summarize(wan_report.read_log(json_log), a.warmup_intervals)
             backend = wan.backend
-    except (WanError, RuntimeError, TimeoutError) as err:
+    except (WanError, RuntimeError, TimeoutError, ValueError) as err:  # ValueError: link or topology flags
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

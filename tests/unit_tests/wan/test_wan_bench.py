@@ -81,7 +81,7 @@ def test_ceiling_adds_sites_and_ratios_use_it(tmp_path):
 def test_unknown_algorithm_is_refused():
     done = subprocess.run([sys.executable, "tools/benchmarks/wan_bench.py", "--algorithms", "sync,nope"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "nope not registered" in done.stderr
+    assert done.returncode == 2 and "'nope' is not registered" in done.stderr
 
 
 @pytest.mark.slow
