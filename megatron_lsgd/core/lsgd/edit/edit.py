@@ -197,6 +197,7 @@ class EDiT(Synchronizer):
     Options = EDiTOptions
     uses = frozenset({"rounds", "outer", "compression"})
     uses_unit_forward_hooks = True
+    inert_with_one_site = True  # one site: plain training (a warning at start)
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)
