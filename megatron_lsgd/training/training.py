@@ -429,7 +429,8 @@ class _Interval:
         self.run_start = self.start
 
     def reset(self, comm: Dict[str, float]) -> None:
-        self.sums, self.iters, self.samples, self.skipped, self.nans, self.norm_sum, self.norm_count = {}, 0, 0, 0, 0, 0.0, 0
+        self.sums, self.iters, self.samples, self.skipped, self.nans = {}, 0, 0, 0, 0
+        self.norm_sum, self.norm_count = 0.0, 0
         self.comm = comm
         self.start = time.perf_counter()
 

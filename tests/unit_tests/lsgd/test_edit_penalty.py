@@ -148,6 +148,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
      "--untie-embeddings-and-output-weights"),
     (["--lsgd-algorithm", "a-edit", "--lsgd-aedit-interval-seconds", "0"], "--lsgd-aedit-interval-seconds"),
     (["--lsgd-algorithm", "a-edit", "--lsgd-interval", "5"], "--lsgd-interval does not apply"),
+    (["--lsgd-algorithm", "a-edit", "--rampup-batch-size", "2", "2", "8"],
+     "--rampup-batch-size with --lsgd-algorithm a-edit"),
     (["--lsgd-algorithm", "edit", "--lsgd-aedit-interval-seconds", "5"],
      "--lsgd-aedit-interval-seconds needs --lsgd-algorithm a-edit"),
     (["--lsgd-algorithm", "diloco", "--lsgd-edit-prefetch", "2"], "--lsgd-edit-prefetch needs --lsgd-algorithm"),
