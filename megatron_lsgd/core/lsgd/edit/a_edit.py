@@ -7,7 +7,9 @@ a few bytes on the fast network) and the site enters a *meeting*: a blocking all
 over dp_inter of what the site did (steps, samples, why it came). That collective is the
 barrier: a fast site waits there for the others, at most about one step of the slowest
 site. What follows is EDiT's: the penalty's norms are gathered and every unit is synced
-layer by layer in the next forward pass (edit.py). Every site then restarts its clock.
+layer by layer in the next forward pass (edit.py). Every site restarts its clock when that
+forward pass has synced its units, so τ is local training time: a sync that takes longer
+than τ (a slow link) does not make the next one due at once.
 
 Meetings are also where the run stops or pauses, by the shared rule
 (protocol.stop_at_meeting), and where the loop evaluates and saves. A site enters a meeting
@@ -142,6 +144,7 @@ class AEDiT(EDiT):
         self.quota: Optional[List[int]] = None  # the final interval's per-site step quotas
         self.meetings = 0
         self._meeting: Optional[Meeting] = None
+        self._restart_clock = False  # a sync is due in the next forward: the interval starts after it
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         self.clock.tick()
@@ -208,8 +211,15 @@ class AEDiT(EDiT):
                     self.quota = allocate_quota(remaining, steps)
             self.begin_sync(steps)
             self.interval_start = self.clock.now()
+            self._restart_clock = True
         self._meeting = Meeting(iterations, samples, meeting.time_up, synced=sync)
         return stop
+
+    def after_forward_backward(self, iteration: int) -> None:
+        super().after_forward_backward(iteration)
+        if self._restart_clock and not self.pending:  # this forward synced every unit of the stage
+            self.interval_start = self.clock.now()
+            self._restart_clock = False
 
     def meeting(self) -> Optional[Meeting]:
         return self._meeting
@@ -235,6 +245,7 @@ class AEDiT(EDiT):
         self.own_samples_at_sync = int(state["own_samples_at_sync"])
         self.last_interval_steps = [int(n) for n in state["last_interval_steps"]]
         self.quota = [int(q) for q in state["quota"]] or None
+        self._restart_clock = self.pending  # saved at a meeting whose sync runs in the next forward
 
     def stats(self) -> Dict[str, float]:
         stats = super().stats()
