@@ -64,6 +64,8 @@ class TrainingResult:
     validation_losses: List[float] = field(default_factory=list)
     skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
     tokens_per_second: float = 0.0
+    consumed_samples: int = 0  # the whole job's, all sites
+    site_consumed_samples: int = 0  # this rank's site's own
     comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
     sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
     synchronizer: Optional[object] = None  # for tests and tools that inspect its state
@@ -93,15 +95,16 @@ class Trainer:
         model.to(device)
         model.initialize(config.training.seed)
         self.model = DistributedDataParallel(model, pgs, config.ddp)
+        sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.optimizer = ShardedOptimizer([self.model], config.optimizer, pgs,
-                                          build_grad_scaler(config.optimizer, config.training.fp16))
+                                          build_grad_scaler(config.optimizer, config.training.fp16),
+                                          separate_main=sync_cls.overlaps_optimizer_step)
         self.scheduler = LRScheduler(config.optimizer)
 
         link = config.lsgd.link
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                              config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank)
         units = model.sync_units()
-        sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units))
         self.comm = comm
@@ -115,10 +118,16 @@ class Trainer:
         # The most steps one site may take: all of the budget, for a non-lockstep run.
         self.max_site_iters = t.train_iters if self.lockstep else self.job_budget_samples // (gbs // config.dims.sites)
         eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+        # A synchronizer whose sites may take more micro-batches per step than configured
+        # (ACCO/DPU's adaptive accumulation) says how many at most: size the stream for it.
+        bound = self.synchronizer.microbatches_per_step_bound(config.num_microbatches)
+        train_samples = self.max_site_iters * gbs if bound == config.num_microbatches else \
+            t.train_iters * bound * t.micro_batch_size * config.dims.dp
         train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
-                                                  (self.max_site_iters * gbs, eval_runs * gbs, t.eval_iters * gbs))
+                                                  (train_samples, eval_runs * gbs, t.eval_iters * gbs))
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
+        self._job_samples_stale = False  # sites counted differently since consumed_samples was summed
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
         self.valid_ds = valid_ds
         self.consumed_valid_samples = 0  # the whole job's validation samples, restored on resume
@@ -161,6 +170,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.synchronizer.quiesce()  # nothing in flight: the saved state is complete
+        self._sum_site_samples()
         save_checkpoint(self, self.config.checkpoint)
         self.last_saved_iteration = self.checkpoint_iteration
 
@@ -180,11 +190,38 @@ class Trainer:
             self.model.add_unit_backward_listener(units, lambda unit: sync.after_unit_backward(unit, phase.last()))
 
     def _schedule_spec(self, forward_only: bool, num_microbatches: Optional[int] = None,
-                       on_forward: Optional[Callable[[int], None]] = None) -> ScheduleSpec:
+                       on_forward: Optional[Callable[[int], None]] = None,
+                       loss_divisor: Optional[int] = None) -> ScheduleSpec:
         return ScheduleSpec(num_microbatches=num_microbatches or self.config.num_microbatches,
                             tensor_shape=self.tensor_shape, dtype=self.config.model.params_dtype, device=self.device,
                             forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward,
-                            per_token_loss=self.config.model.calculate_per_token_loss)
+                            per_token_loss=self.config.model.calculate_per_token_loss, loss_divisor=loss_divisor)
+
+    def _count_samples(self, num_microbatches: int, same_on_every_site: bool) -> Optional[int]:
+        """This site's position advances by its own micro-batches; the job's total is that
+        times the number of sites when every site computed as many, else the sum of every
+        site's own position, taken (_sum_site_samples) where the loop logs or saves.
+        Returns the step's global batch when known (None: sites differed)."""
+        site_samples = num_microbatches * self.config.training.micro_batch_size * self.config.dims.dp_intra
+        self.site_consumed_samples += site_samples
+        if not self.lockstep:  # the job's total is agreed at meetings only (the loop sets it there)
+            return site_samples * self.config.dims.sites
+        if same_on_every_site and not self._job_samples_stale:
+            self.consumed_samples += site_samples * self.config.dims.sites
+            return site_samples * self.config.dims.sites
+        self._job_samples_stale = True
+        return None
+
+    def _sum_site_samples(self) -> None:
+        """consumed_samples = the sum over sites of each site's own consumed samples (exact);
+        a few bytes across sites, only after steps whose counts differed (collective)."""
+        if not self._job_samples_stale:
+            return
+        total = torch.tensor([self.site_consumed_samples], dtype=torch.int64, device=self.device)
+        if self.config.dims.sites > 1:
+            dist.all_reduce(total, group=self.pgs.dp_inter)
+        self.consumed_samples = int(total.item())
+        self._job_samples_stale = False
 
     def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
@@ -243,9 +280,14 @@ class Trainer:
         """One log line (and tensorboard scalars and a JSON record) for the interval just ended.
         Lockstep: the job's line, losses averaged over sites. Non-lockstep: this site's own."""
         t = self.config.training
-        gbs = acc.gbs  # of the last step (a batch-size schedule changes it)
-        tokens = acc.samples * self.config.model.seq_length  # the job's (lockstep) or this site's samples
         elapsed = time.perf_counter() - acc.start
+        if self.lockstep:
+            self._sum_site_samples()  # exact job total (collective only when sites' counts differed)
+            samples = self.consumed_samples - acc.consumed_before  # the job's
+        else:
+            samples = self.site_consumed_samples - acc.site_consumed_before  # this site's
+        gbs = acc.gbs if acc.gbs is not None else round(samples / acc.iters)  # of the last step, or the mean
+        tokens = samples * self.config.model.seq_length
         if self.lockstep:
             means = self._mean_across_sites({k: v / acc.iters for k, v in acc.sums.items()}) \
                 if self.pgs.is_last_stage else {}
@@ -265,7 +307,7 @@ class Trainer:
                      "exposed comm ms": f"{exposed_ms:.1f}"}
             if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
                 ranks = self.config.dims.world_size // (1 if self.lockstep else self.config.dims.sites)
-                tflops = self.flops_per_sample * acc.samples / elapsed / ranks / 1e12
+                tflops = self.flops_per_sample * samples / elapsed / ranks / 1e12
                 extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
             consumed = self.consumed_samples
             record = {}
@@ -291,7 +333,7 @@ class Trainer:
                                  "losses": means, "inter_site_bytes": moved_mb * 2**20,
                                  "exposed_comm_s": exposed_ms * acc.iters / 1e3,
                                  "sync_stats": self.synchronizer.stats(), **record})
-        acc.reset(comm_now)
+        acc.reset(comm_now, self.consumed_samples, self.site_consumed_samples)
 
     @staticmethod
     def _crossed(before: int, now: int, interval: Optional[int]) -> bool:
@@ -301,10 +343,10 @@ class Trainer:
     def train(self) -> TrainingResult:
         t = self.config.training
         result = TrainingResult(model=self.model.module, config=self.config)
-        site_samples_per_mb = t.micro_batch_size * self.config.dims.dp_intra
         batch_schedule = self.config.compat.batch_schedule
         total_skipped = 0
-        acc = _Interval(comm=self.comm.snapshot())
+        acc = _Interval(comm=self.comm.snapshot(), consumed_before=self.consumed_samples,
+                        site_consumed_before=self.site_consumed_samples)
         run_start = acc.run_start
         start_iter, start_agreed = self.iteration, self.agreed_iteration  # a resumed run counts its own steps
         lockstep = self.lockstep
@@ -315,12 +357,7 @@ class Trainer:
             step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
             losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
             self.iteration += 1
-            site_samples = step.num_microbatches * site_samples_per_mb
-            self.site_consumed_samples += site_samples
-            if lockstep:
-                self.consumed_samples += site_samples * self.config.dims.sites
-            acc.gbs = site_samples * self.config.dims.sites
-            acc.samples += acc.gbs if lockstep else site_samples
+            acc.gbs = self._count_samples(step.num_microbatches, step.same_count_on_every_site)
             acc.iters += 1
             self.compat.after_step(self.iteration)
             if not ok:
@@ -382,8 +419,10 @@ class Trainer:
                                    f"{self.iteration} steps, all its data, without the sites agreeing to stop")
         self.synchronizer.quiesce()
         self.termination.close()
+        self._sum_site_samples()
         result.iteration = self.iteration
         result.skipped_iterations = total_skipped
+        result.consumed_samples, result.site_consumed_samples = self.consumed_samples, self.site_consumed_samples
         if self.config.checkpoint.save and self.last_saved_iteration != self.checkpoint_iteration and \
                 self.iteration > 0:
             self.save_checkpoint()
@@ -414,10 +453,11 @@ class _Interval:
     """What the loop accumulates between two log lines."""
 
     comm: Dict[str, float]
+    consumed_before: int = 0  # the job's consumed samples when the interval began (lockstep)
+    site_consumed_before: int = 0  # this site's (non-lockstep)
     sums: Dict[str, torch.Tensor] = field(default_factory=dict)
     iters: int = 0
-    samples: int = 0  # the job's samples (lockstep) or this site's (non-lockstep)
-    gbs: int = 0  # the global batch of the last step
+    gbs: Optional[int] = 0  # the global batch of the last step (None: sites computed different counts)
     skipped: int = 0
     nans: int = 0
     norm_sum: float = 0.0
@@ -428,10 +468,10 @@ class _Interval:
     def __post_init__(self):
         self.run_start = self.start
 
-    def reset(self, comm: Dict[str, float]) -> None:
-        self.sums, self.iters, self.samples, self.skipped, self.nans = {}, 0, 0, 0, 0
+    def reset(self, comm: Dict[str, float], consumed: int, site_consumed: int) -> None:
+        self.sums, self.iters, self.skipped, self.nans = {}, 0, 0, 0
         self.norm_sum, self.norm_count = 0.0, 0
-        self.comm = comm
+        self.comm, self.consumed_before, self.site_consumed_before = comm, consumed, site_consumed
         self.start = time.perf_counter()
 
 

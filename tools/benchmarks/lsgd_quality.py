@@ -1,4 +1,4 @@
-"""Quality at equal tokens: sync vs diloco vs dilocox vs edit / a-edit across two sites (CPU/gloo or GPU).
+"""Quality at equal tokens: sync, diloco, dilocox, acco, dpu, edit, a-edit across two sites (CPU/gloo or GPU).
 
 Runs each algorithm in `--sites` x `--ranks-per-site` spawned processes on the same data,
 model, seed and token budget, and writes a Markdown table (final validation loss and its
@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-iters", type=int, default=10)
-    p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4")
+    p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4,acco,dpu")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--dilocox-outer-momentum", type=float, default=0.5,
@@ -132,6 +132,10 @@ def main() -> None:
         "a-edit": ["--lsgd-algorithm", "a-edit", "--lsgd-aedit-interval-seconds", str(args.aedit_seconds),
                    "--lsgd-outer-lr", str(args.outer_lr), "--lsgd-outer-momentum", str(args.outer_momentum)]
         + edit_penalty,
+        # Equal tokens: the configured micro-batches every step (adaptive accumulation would add
+        # some whenever the overlapped reduce + step outlast a stage's compute).
+        "acco": ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed"],
+        "dpu": ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"],
     }
     budget = ["--train-samples", str(args.train_iters * args.global_batch_size)]
     os.makedirs(args.out_dir, exist_ok=True)
@@ -158,7 +162,7 @@ def main() -> None:
         loss = r["valid"][-1]
         gap = f"{100 * (loss / ref['valid'][-1] - 1):+.2f}%" if ref else "-"
         sent = r["comm"].get("bytes_sent", 0)
-        ratio = f"{ref['comm']['bytes_sent'] / sent:.0f}x" if ref and sent else "-"
+        ratio = f"{ref['comm']['bytes_sent'] / sent:.3g}x" if ref and sent else "-"
         tps = f"{r['tokens_per_s']:.0f}" + (" (logging site)" if name.startswith("a-edit") else "")
         lines.append(f"| {name} | {loss:.4f} | {gap} | {sent / 2**20:.3f} | {ratio} | "
                      f"{r['comm'].get('exposed_seconds', 0):.2f} | {tps} |")

@@ -59,16 +59,14 @@ class AEDiTOptions(EDiTOptions):
                                      "tau_time: seconds of local training on each site between syncs (a fast site "
                                      "takes more steps)", metavar="SECONDS")
 
-    def validate(self, config, num_sites: int, args=None, **context) -> None:
-        super().validate(config=config, num_sites=num_sites, args=args, **context)
+    def validate(self, config, num_sites: int, run=None, **context) -> None:
+        super().validate(config=config, num_sites=num_sites, run=run, **context)
         if not self.interval_seconds > 0:
             raise ValueError(f"--lsgd-aedit-interval-seconds must be > 0 (got {self.interval_seconds})")
-        for flag, attr in (("--rampup-batch-size", "rampup_batch_size"),
-                           ("--step-batch-size-schedule", "step_batch_size_schedule")):
-            if args is not None and getattr(args, attr, None) is not None:
-                # the meetings' budget arithmetic and final-interval quotas count fixed site batches
-                raise ValueError(f"{flag} with --lsgd-algorithm a-edit is not supported: its sites take different "
-                                 f"numbers of steps and share the budget in fixed site batches; drop {flag}")
+        flag = run.batch_schedule_flag if run is not None else None
+        if flag:  # the meetings' budget arithmetic and final-interval quotas count fixed site batches
+            raise ValueError(f"{flag} with --lsgd-algorithm a-edit is not supported: its sites take different "
+                             f"numbers of steps and share the budget in fixed site batches; drop {flag}")
         if "--lsgd-interval" in config.rounds.changed_flags():
             raise ValueError("--lsgd-interval does not apply to --lsgd-algorithm a-edit, which syncs by time: use "
                              "--lsgd-aedit-interval-seconds")

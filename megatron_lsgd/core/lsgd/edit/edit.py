@@ -119,7 +119,7 @@ class EDiTOptions(OptionGroup):
                                "SITE's pseudo-gradient (all: every site's) by FACTOR at sync number SYNC (from 1)",
                                metavar="SPEC")
 
-    def validate(self, config, num_sites: int, args=None, **_) -> None:
+    def validate(self, config, num_sites: int, run=None, **_) -> None:
         if self.prefetch < 0:
             raise ValueError(f"--lsgd-edit-prefetch must be >= 0 (got {self.prefetch})")
         parts = parse_parts(self.penalty)
@@ -143,8 +143,7 @@ class EDiTOptions(OptionGroup):
                     flag = next(f.metadata["flag"] for f in self.option_fields() if f.name == attr)
                     raise ValueError(f"{flag} needs '{part}' in --lsgd-edit-penalty (got {self.penalty!r})")
         parse_faults(self.inject_fault, num_sites)
-        if args is not None and config.compression.enabled and getattr(args, "pipeline_model_parallel_size", 1) > 1 \
-                and not getattr(args, "untie_embeddings_and_output_weights", False):
+        if run is not None and config.compression.enabled and run.pipeline_stages > 1 and run.tied_embeddings:
             raise ValueError(f"--lsgd-compression {config.compression.kind} with tied embeddings and "
                              f"--pipeline-model-parallel-size > 1: the two stages' copies of the word embedding "
                              f"would be quantized differently and drift apart; pass "
