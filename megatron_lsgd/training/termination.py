@@ -14,7 +14,10 @@ each rank's "time is up" is all-reduced (MAX) over all ranks on a small gloo gro
 own, asynchronously and one step late: the 4-byte collective's latency (a WAN round trip)
 hides behind a step, and every rank reads the same verdict at the same iteration.
 Algorithms whose sites take different numbers of steps (`Synchronizer.lockstep = False`)
-decide in `Synchronizer.agree_to_stop`, at the points where their sites meet.
+decide in `Synchronizer.agree_to_stop`, at the points where their sites meet, by the shared
+rule `protocol.stop_at_meeting`: the job's sample budget (--train-iters then counts global
+batches) or a site's --exit-duration-in-mins. --exit-interval then pauses at the first
+meeting at or past a multiple of it, counted in the job's global batches (the loop checks it).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class Termination:
     def after_step(self, iteration: int, site_samples: int) -> Optional[Stop]:
         if not self.synchronizer.lockstep:
             progress = Progress(iteration, site_samples, self.elapsed(), self.cfg.train_iters, self.cfg.train_samples,
-                                self.duration_s)
+                                self.duration_s, self.cfg.global_batch_size)
             return self.synchronizer.agree_to_stop(progress)
         time_up = self.vote.cast(self.elapsed() >= self.duration_s) if self.vote is not None else False
         if iteration >= self.cfg.train_iters:

@@ -3,6 +3,19 @@
 The loop hands the synchronizer the parts of an inner step to compose, calls its hooks at
 fixed points and never asks which algorithm is running (the order is documented in
 megatron_lsgd/core/lsgd/protocol.py).
+
+Lockstep synchronizers (every site takes the same steps) run Megatron's loop: log, evaluate,
+save and stop at iteration counts. A non-lockstep synchronizer (`lockstep = False`, A-EDiT)
+lets sites take different numbers of steps; then
+- the job's length is a budget of samples (--train-samples / --train-tokens, or --train-iters
+  global batches), and each site's data stream is sized for the fastest site (one site could
+  consume the whole budget);
+- the sites agree only at *meetings* the synchronizer holds (`agree_to_stop`, `meeting()`):
+  the loop evaluates, saves and stops there, naming the point by the job's progress
+  (samples of all sites // global batch), which is also the checkpoint's iteration; every
+  site keeps its own iteration, LR schedule and sample position in the checkpoint;
+- every site's last rank logs its own line (its own steps, loss and tokens, tagged with the
+  site, plus every site's steps at the last meeting), with no cross-site collective.
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ import torch.distributed as dist
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
-from megatron_lsgd.core.lsgd.protocol import SyncContext
+from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
@@ -70,6 +83,8 @@ class Trainer:
         self.pgs, self.rng_tracker = initialize(config, device)
         pgs = self.pgs
         self.log_rank = dist.get_world_size() - 1  # last stage of the last site holds the loss
+        # Non-lockstep runs: each site's last rank (last stage) logs that site's own line.
+        self.site_log_rank = (pgs.site_rank + 1) * (config.dims.world_size // config.dims.sites) - 1
 
         self.tokenizer = build_tokenizer(config.tokenizer)
         config.model.padded_vocab_size = padded_vocab_size(
@@ -98,11 +113,15 @@ class Trainer:
 
         t = config.training
         gbs = t.global_batch_size
+        self.lockstep = self.synchronizer.lockstep
+        self.line_rank = self.log_rank if self.lockstep else self.site_log_rank  # prints training lines
+        # The most steps one site may take: all of the budget, for a non-lockstep run.
+        self.max_site_iters = t.train_iters if self.lockstep else self.job_budget_samples // (gbs // config.dims.sites)
         eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
         # A synchronizer whose sites may take more micro-batches per step than configured
         # (ACCO/DPU's adaptive accumulation) says how many at most: size the stream for it.
         bound = self.synchronizer.microbatches_per_step_bound(config.num_microbatches)
-        train_samples = t.train_iters * gbs if bound == config.num_microbatches else \
+        train_samples = self.max_site_iters * gbs if bound == config.num_microbatches else \
             t.train_iters * bound * t.micro_batch_size * config.dims.dp
         train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
                                                   (train_samples, eval_runs * gbs, t.eval_iters * gbs))
@@ -124,20 +143,36 @@ class Trainer:
                                     self.phase, samples_per_microbatch=t.micro_batch_size * config.dims.dp,
                                     empty_unused_memory_level=config.compat.empty_unused_memory_level)
         self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
+        self.flops_per_sample = compat_flops_per_sample(config.model, config.model.padded_vocab_size)
         self.termination = Termination(t, self.synchronizer, time.monotonic() if start_time is None else start_time,
                                        range(config.dims.world_size))
-        self.iteration = 0
-        self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.log_rank)
-        self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.log_rank)
+        self.iteration = 0  # this site's steps
+        self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
+        self.ended = False  # non-lockstep: a resumed run whose training had already ended
+        self.last_meeting = None
+        self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.line_rank)
+        self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.line_rank)
         self.last_saved_iteration = None
         if config.checkpoint.load and load_checkpoint(self, config.checkpoint):
-            self.last_saved_iteration = self.iteration  # nothing new to save until the next step
+            self.last_saved_iteration = self.checkpoint_iteration  # nothing new to save until the next step
+
+    @property
+    def job_budget_samples(self) -> int:
+        """The job's sample budget, all sites together (--train-iters x global batch if none was given)."""
+        t = self.config.training
+        return t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+
+    @property
+    def checkpoint_iteration(self) -> int:
+        """The agreed point a checkpoint is named by: this step count (lockstep, where every
+        site has the same), or the job's progress at the last meeting (non-lockstep)."""
+        return self.iteration if self.lockstep else self.agreed_iteration
 
     def save_checkpoint(self) -> None:
         self.synchronizer.quiesce()  # nothing in flight: the saved state is complete
         self._sum_site_samples()
         save_checkpoint(self, self.config.checkpoint)
-        self.last_saved_iteration = self.iteration
+        self.last_saved_iteration = self.checkpoint_iteration
 
     # ---- hooks -----------------------------------------------------------------------------
     def _wire_unit_hooks(self, units) -> None:
@@ -169,6 +204,8 @@ class Trainer:
         Returns the step's global batch when known (None: sites differed)."""
         site_samples = num_microbatches * self.config.training.micro_batch_size * self.config.dims.dp_intra
         self.site_consumed_samples += site_samples
+        if not self.lockstep:  # the job's total is agreed at meetings only (the loop sets it there)
+            return site_samples * self.config.dims.sites
         if same_on_every_site and not self._job_samples_stale:
             self.consumed_samples += site_samples * self.config.dims.sites
             return site_samples * self.config.dims.sites
@@ -239,130 +276,203 @@ class Trainer:
         return loss
 
     # ---- the loop ----------------------------------------------------------------------------
+    def _log_interval(self, acc: "_Interval", result: TrainingResult) -> None:
+        """One log line (and tensorboard scalars and a JSON record) for the interval just ended.
+        Lockstep: the job's line, losses averaged over sites. Non-lockstep: this site's own."""
+        t = self.config.training
+        elapsed = time.perf_counter() - acc.start
+        if self.lockstep:
+            self._sum_site_samples()  # exact job total (collective only when sites' counts differed)
+            samples = self.consumed_samples - acc.consumed_before  # the job's
+        else:
+            samples = self.site_consumed_samples - acc.site_consumed_before  # this site's
+        gbs = acc.gbs if acc.gbs is not None else round(samples / acc.iters)  # of the last step, or the mean
+        tokens = samples * self.config.model.seq_length
+        if self.lockstep:
+            means = self._mean_across_sites({k: v / acc.iters for k, v in acc.sums.items()}) \
+                if self.pgs.is_last_stage else {}
+        else:  # no cross-site collective: sites are at different steps
+            means = {k: float((v / acc.iters).item()) for k, v in acc.sums.items()} if self.pgs.is_last_stage else {}
+        if "lm loss" in means:
+            result.logged_losses.append(means["lm loss"])
+        comm_now = self.comm.snapshot()
+        moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
+                    - acc.comm["bytes_sent"] - acc.comm["bytes_received"]) / 2**20
+        exposed_ms = 1e3 * (comm_now["exposed_seconds"] - acc.comm["exposed_seconds"]) / acc.iters
+        tokens_per_s = tokens / elapsed
+        result.tokens_per_second = tokens_per_s
+        if self.pgs.rank == self.line_rank:
+            norm = acc.norm_sum / acc.norm_count if acc.norm_count else None
+            extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
+                     "exposed comm ms": f"{exposed_ms:.1f}"}
+            if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
+                ranks = self.config.dims.world_size // (1 if self.lockstep else self.config.dims.sites)
+                tflops = self.flops_per_sample * samples / elapsed / ranks / 1e12
+                extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
+            consumed = self.consumed_samples
+            record = {}
+            if not self.lockstep:
+                consumed = self.site_consumed_samples
+                extra = {"site": str(self.pgs.site_rank), **extra}
+                record["site"] = self.pgs.site_rank
+                if self.last_meeting is not None:
+                    extra["site steps at last meeting"] = "/".join(map(str, self.last_meeting.site_iterations))
+            extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
+            print(training_log_line(self.iteration, t.train_iters, consumed, 1e3 * elapsed / acc.iters,
+                                    self.scheduler.current_lr, gbs, means, self.optimizer.loss_scale, norm,
+                                    acc.skipped, acc.nans, extra), flush=True)
+            self.tb.scalars({**{k: v for k, v in means.items()},
+                             "learning-rate": self.scheduler.current_lr, "grad-norm": norm,
+                             "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
+                             "iteration-time": elapsed / acc.iters, "tokens-per-sec": tokens_per_s,
+                             "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
+                             **self.synchronizer.stats()}, self.iteration)
+            self.json_log.write({"iteration": self.iteration, "interval_iters": acc.iters,
+                                 "elapsed_s": elapsed, "wall_s": time.perf_counter() - acc.run_start,
+                                 "tokens": tokens, "tokens_per_s": tokens_per_s,
+                                 "losses": means, "inter_site_bytes": moved_mb * 2**20,
+                                 "exposed_comm_s": exposed_ms * acc.iters / 1e3,
+                                 "sync_stats": self.synchronizer.stats(), **record})
+        acc.reset(comm_now, self.consumed_samples, self.site_consumed_samples)
+
+    @staticmethod
+    def _crossed(before: int, now: int, interval: Optional[int]) -> bool:
+        """A multiple of `interval` lies in (before, now]."""
+        return bool(interval) and now // interval > before // interval
+
     def train(self) -> TrainingResult:
         t = self.config.training
         result = TrainingResult(model=self.model.module, config=self.config)
-        gbs = t.global_batch_size  # of the last step (a batch-size schedule changes it)
-        seq = self.config.model.seq_length
-        consumed_before = self.consumed_samples
         batch_schedule = self.config.compat.batch_schedule
-        flops_per_sample = compat_flops_per_sample(self.config.model, self.config.model.padded_vocab_size)
-        sums: Dict[str, torch.Tensor] = {}
-        interval_iters = interval_samples = skipped = nans = total_skipped = 0
-        norm_sum, norm_count = 0.0, 0
-        comm_before = self.comm.snapshot()
-        interval_start = time.perf_counter()
-        run_start = interval_start
-        start_iter = self.iteration  # a resumed run counts its own steps
-        while self.iteration < t.train_iters:
+        total_skipped = 0
+        acc = _Interval(comm=self.comm.snapshot(), consumed_before=self.consumed_samples,
+                        site_consumed_before=self.site_consumed_samples)
+        run_start = acc.run_start
+        start_iter, start_agreed = self.iteration, self.agreed_iteration  # a resumed run counts its own steps
+        lockstep = self.lockstep
+        while (self.iteration < t.train_iters) if lockstep else not self.ended:
             self.inner_step.iteration = self.iteration
             if batch_schedule is not None:
                 self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
             step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
             losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
             self.iteration += 1
-            gbs = self._count_samples(step.num_microbatches, step.same_count_on_every_site)
-            interval_iters += 1
+            acc.gbs = self._count_samples(step.num_microbatches, step.same_count_on_every_site)
+            acc.iters += 1
             self.compat.after_step(self.iteration)
             if not ok:
-                skipped += 1
+                acc.skipped += 1
                 total_skipped += 1
             elif grad_norm is not None:
                 if math.isnan(grad_norm):
-                    nans += 1
-                norm_sum, norm_count = norm_sum + grad_norm, norm_count + 1
+                    acc.nans += 1
+                acc.norm_sum, acc.norm_count = acc.norm_sum + grad_norm, acc.norm_count + 1
             site_losses = self._reduce_site_losses(losses)
             if self.config.optimizer.check_for_nan_in_grad and (ok or not t.fp16):
                 check_finite_loss(site_losses, t.fp16)
             for k, v in site_losses.items():
-                sums[k] = sums.get(k, torch.zeros_like(v)) + v
+                acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
 
-            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
-                elapsed = time.perf_counter() - interval_start
-                means = self._mean_across_sites({k: v / interval_iters for k, v in sums.items()}) \
-                    if self.pgs.is_last_stage else {}
-                if "lm loss" in means:
-                    result.logged_losses.append(means["lm loss"])
-                comm_now = self.comm.snapshot()
-                moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
-                            - comm_before["bytes_sent"] - comm_before["bytes_received"]) / 2**20
-                exposed_ms = 1e3 * (comm_now["exposed_seconds"] - comm_before["exposed_seconds"]) / interval_iters
-                self._sum_site_samples()
-                interval_samples = self.consumed_samples - consumed_before
-                if gbs is None:  # sites computed different counts (ACCO/DPU): the interval's mean batch
-                    gbs = round(interval_samples / interval_iters)
-                tokens_per_s = interval_samples * seq / elapsed
-                result.tokens_per_second = tokens_per_s
-                if self.pgs.rank == self.log_rank:
-                    norm = norm_sum / norm_count if norm_count else None
-                    extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
-                             "exposed comm ms": f"{exposed_ms:.1f}"}
-                    if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
-                        tflops = flops_per_sample * interval_samples / elapsed / self.config.dims.world_size / 1e12
-                        extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
-                    extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
-                    print(training_log_line(self.iteration, t.train_iters, self.consumed_samples,
-                                            1e3 * elapsed / interval_iters, self.scheduler.current_lr, gbs, means,
-                                            self.optimizer.loss_scale, norm, skipped, nans, extra), flush=True)
-                    self.tb.scalars({**{k: v for k, v in means.items()},
-                                     "learning-rate": self.scheduler.current_lr, "grad-norm": norm,
-                                     "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
-                                     "iteration-time": elapsed / interval_iters, "tokens-per-sec": tokens_per_s,
-                                     "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
-                                     **self.synchronizer.stats()}, self.iteration)
-                    self.json_log.write({"iteration": self.iteration, "interval_iters": interval_iters,
-                                         "elapsed_s": elapsed, "wall_s": time.perf_counter() - run_start,
-                                         "tokens": interval_samples * seq, "tokens_per_s": tokens_per_s,
-                                         "losses": means, "inter_site_bytes": moved_mb * 2**20,
-                                         "exposed_comm_s": exposed_ms * interval_iters / 1e3,
-                                         "sync_stats": self.synchronizer.stats()})
-                sums, interval_iters, skipped, nans, norm_sum, norm_count = {}, 0, 0, 0, 0.0, 0
-                interval_samples = 0
-                comm_before = comm_now
-                consumed_before = self.consumed_samples
-                interval_start = time.perf_counter()
-
-            stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
+            if lockstep:
+                if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+                    self._log_interval(acc, result)
+                stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
+                eval_due = self.iteration % t.eval_interval == 0
+                save_due = bool(self.config.checkpoint.save_interval) and \
+                    self.iteration % self.config.checkpoint.save_interval == 0
+            else:
+                stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
+                meeting = self.synchronizer.meeting()
+                before = self.agreed_iteration
+                if meeting is not None:  # agreed on every rank: evaluate, save, stop only here
+                    self.last_meeting = meeting
+                    self.consumed_samples = meeting.samples
+                    self.agreed_iteration = meeting.samples // t.global_batch_size
+                    if stop is None and self._crossed(before, self.agreed_iteration, t.exit_interval):
+                        stop = Stop(False, f"--exit-interval {t.exit_interval}")
+                if self.iteration % t.log_interval == 0 or stop is not None:
+                    self._log_interval(acc, result)
+                eval_due = meeting is not None and self._crossed(before, self.agreed_iteration, t.eval_interval)
+                save_due = meeting is not None and self._crossed(before, self.agreed_iteration,
+                                                                 self.config.checkpoint.save_interval)
             if stop is not None and stop.ends_training:  # before the final evaluation and save
                 self.synchronizer.finish_training(self.iteration)
-            if t.eval_iters > 0 and self.iteration % t.eval_interval == 0:
+                self.ended = True
+            if t.eval_iters > 0 and eval_due:
                 loss = self.evaluate()
                 if loss is not None:
                     result.validation_losses.append(loss)
-                interval_start = time.perf_counter()
+                acc.start = time.perf_counter()
             ckpt = self.config.checkpoint
-            if ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0:
+            if ckpt.save and save_due:
                 self.save_checkpoint()
             if stop is not None:
                 if not stop.ends_training:
-                    print_rank(f"exiting at iteration {self.iteration} ({stop.reason})", self.pgs.rank, self.log_rank)
+                    print_rank(f"exiting at iteration {self.iteration} ({stop.reason})", self.pgs.rank,
+                               self.line_rank)
+                elif not lockstep:
+                    print_rank(f"training ends at iteration {self.iteration} of site {self.pgs.site_rank} "
+                               f"({stop.reason})", self.pgs.rank, self.line_rank)
                 break
+            if not lockstep and self.iteration >= self.max_site_iters:
+                raise RuntimeError(f"--lsgd-algorithm {self.config.lsgd.algorithm}: site {self.pgs.site_rank} took "
+                                   f"{self.iteration} steps, all its data, without the sites agreeing to stop")
         self.synchronizer.quiesce()
         self.termination.close()
         self._sum_site_samples()
         result.iteration = self.iteration
         result.skipped_iterations = total_skipped
         result.consumed_samples, result.site_consumed_samples = self.consumed_samples, self.site_consumed_samples
-        if self.config.checkpoint.save and self.last_saved_iteration != self.iteration and self.iteration > 0:
+        if self.config.checkpoint.save and self.last_saved_iteration != self.checkpoint_iteration and \
+                self.iteration > 0:
             self.save_checkpoint()
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
         result.synchronizer = self.synchronizer
-        if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync
+        if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync (each rank's own steps)
             result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter)
-        if self.pgs.rank == self.log_rank:
+        if self.pgs.rank == self.line_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "
+            where = "" if lockstep else f" on site {self.pgs.site_rank}"
+            print(f" done: {self.iteration} iterations{where} in {time.perf_counter() - run_start:.1f} s | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
-            if result.traffic:
-                print(summary_line(self.config.lsgd.algorithm, self.iteration - start_iter, result.traffic),
-                      flush=True)
+            record = {} if lockstep else {"site": self.pgs.site_rank}
+            if result.traffic and self.pgs.rank == self.log_rank:
+                steps = self.iteration - start_iter if lockstep else self.checkpoint_iteration - start_agreed
+                print(summary_line(self.config.lsgd.algorithm, steps, result.traffic), flush=True)
             self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
                                  "wall_s": time.perf_counter() - run_start,
-                                 "straggler_sleep_s": self.straggler.slept_seconds})
+                                 "straggler_sleep_s": self.straggler.slept_seconds, **record})
         self.json_log.close()
         self.tb.close()
         self.compat.close()
         return result
+
+
+@dataclass
+class _Interval:
+    """What the loop accumulates between two log lines."""
+
+    comm: Dict[str, float]
+    consumed_before: int = 0  # the job's consumed samples when the interval began (lockstep)
+    site_consumed_before: int = 0  # this site's (non-lockstep)
+    sums: Dict[str, torch.Tensor] = field(default_factory=dict)
+    iters: int = 0
+    gbs: Optional[int] = 0  # the global batch of the last step (None: sites computed different counts)
+    skipped: int = 0
+    nans: int = 0
+    norm_sum: float = 0.0
+    norm_count: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    run_start: float = 0.0
+
+    def __post_init__(self):
+        self.run_start = self.start
+
+    def reset(self, comm: Dict[str, float], consumed: int, site_consumed: int) -> None:
+        self.sums, self.iters, self.skipped, self.nans = {}, 0, 0, 0
+        self.norm_sum, self.norm_count = 0.0, 0
+        self.comm, self.consumed_before, self.site_consumed_before = comm, consumed, site_consumed
+        self.start = time.perf_counter()
 
 
 def _exit_on_bad_input(err: Exception, prefix: str = "") -> NoReturn:

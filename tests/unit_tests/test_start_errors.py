@@ -107,7 +107,7 @@ def test_evaluation_without_a_validation_split_warns_once(monkeypatch, capsys, t
                      "every --eval-interval 2 iterations) is skipped") == 1
 
 
-@pytest.mark.parametrize("algorithm,warned", [("diloco", 1), ("sync", 0)])
+@pytest.mark.parametrize("algorithm,warned", [("diloco", 1), ("edit", 1), ("sync", 0)])
 def test_a_local_sgd_algorithm_with_one_site_warns_once(monkeypatch, capsys, algorithm, warned):
     from megatron_lsgd.training import guard
 

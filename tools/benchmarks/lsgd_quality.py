@@ -1,4 +1,4 @@
-"""Quality at equal tokens: sync vs diloco vs dilocox vs acco vs dpu vs streaming-diloco vs cocodc across sites (CPU/gloo or GPU).
+"""Quality at equal tokens: sync, diloco, dilocox, acco, dpu, streaming-diloco, cocodc, edit, a-edit across sites (CPU/gloo or GPU).
 
 Runs each algorithm in `--sites` x `--ranks-per-site` spawned processes on the same data,
 model, seed and token budget, and writes a Markdown table (final validation loss and its
@@ -20,6 +20,10 @@ and a plot of the validation curves, e.g. for CoCoDC against Streaming DiLoCo at
 
     python tools/benchmarks/lsgd_quality.py --sites 4 --num-layers 4 --interval 100 \
         --runs streaming-diloco,cocodc --eval-interval 50 --target streaming-diloco ...
+
+a-edit syncs by wall-clock time (--aedit-seconds) and its sites may take different numbers
+of steps, so it gets the same budget as a number of samples (--train-samples) instead of
+--train-iters; its training curve is the logging site's own.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 
 
@@ -65,6 +70,12 @@ def run(argv: List[str], world: int) -> Dict:
         mp.spawn(_worker, args=(world, free_port(), argv, out), nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
+
+
+def lockstep(argv: List[str]) -> bool:
+    """Whether the run's algorithm (its last --lsgd-algorithm) keeps the sites in lockstep."""
+    names = [argv[i + 1] for i, a in enumerate(argv) if a == "--lsgd-algorithm"]
+    return synchronizer_class(names[-1] if names else "sync").lockstep
 
 
 def steps_to_reach(iters: List[int], losses: List[float], target: float):
@@ -118,6 +129,12 @@ def main() -> None:
     p.add_argument("--eval-interval", type=int, default=0, help="validate every N iterations (0: at the end only)")
     p.add_argument("--target", default=None,
                    help="report the iterations each run needs to reach this run's final validation loss")
+    p.add_argument("--aedit-seconds", type=float, default=5.0,
+                   help="--lsgd-aedit-interval-seconds for a-edit runs (pick about H steps' worth of time)")
+    p.add_argument("--edit-ema-warmup", type=int, default=3,
+                   help="--lsgd-edit-ema-warmup for edit/a-edit runs with the penalty (a short run has few syncs)")
+    p.add_argument("--fault", default="1:8:100",
+                   help="--lsgd-edit-inject-fault for the edit-fault and edit-nopenalty-fault runs")
     args = p.parse_args()
 
     real = bool(args.data_path) and os.path.exists(args.data_path + ".bin")
@@ -143,6 +160,7 @@ def main() -> None:
     outer_x = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
                "--lsgd-outer-momentum", str(args.dilocox_outer_momentum), "--lsgd-dilocox-restart", args.restart,
                "--lsgd-dilocox-apply-step", str(args.apply_step)]
+    edit_penalty = ["--lsgd-edit-ema-warmup", str(args.edit_ema_warmup)]
     configs = {
         "sync": ["--lsgd-algorithm", "sync"],
         "diloco": ["--lsgd-algorithm", "diloco"] + outer,
@@ -150,6 +168,16 @@ def main() -> None:
         "dilocox-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "int4"] + outer_x,
         "dilocox-lowrank-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
                                  "--lsgd-rank", str(args.rank)] + outer_x,
+        "edit": ["--lsgd-algorithm", "edit"] + edit_penalty + outer,
+        "edit-nopenalty": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none"] + outer,
+        "edit-anomaly": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "anomaly"] + edit_penalty + outer,
+        "edit-int4": ["--lsgd-algorithm", "edit", "--lsgd-compression", "int4"] + edit_penalty + outer,
+        "edit-fault": ["--lsgd-algorithm", "edit", "--lsgd-edit-inject-fault", args.fault] + edit_penalty + outer,
+        "edit-nopenalty-fault": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none",
+                                 "--lsgd-edit-inject-fault", args.fault] + outer,
+        "a-edit": ["--lsgd-algorithm", "a-edit", "--lsgd-aedit-interval-seconds", str(args.aedit_seconds),
+                   "--lsgd-outer-lr", str(args.outer_lr), "--lsgd-outer-momentum", str(args.outer_momentum)]
+        + edit_penalty,
         # Equal tokens: the configured micro-batches every step (adaptive accumulation would add
         # some whenever the overlapped reduce + step outlast a stage's compute).
         "acco": ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed"],
@@ -178,11 +206,16 @@ def main() -> None:
             p.error(f"--runs: {name!r} is neither built in ({', '.join(configs)}) nor defined by --run-args")
     if args.target is not None and args.target not in args.runs.split(","):
         p.error(f"--target {args.target!r} is not among --runs")
+    budget = ["--train-samples", str(args.train_iters * args.global_batch_size)]
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
     for name in args.runs.split(","):
         print(f"> {name}", flush=True)
-        results[name] = run(base + configs[name], world)
+        argv = base + configs[name]
+        if not lockstep(argv):  # sites take different numbers of steps: the same budget, in samples
+            i = argv.index("--train-iters")
+            argv = argv[:i] + budget + argv[i + 2:]
+        results[name] = run(argv, world)
         every = args.eval_interval or args.train_iters
         results[name]["valid_iters"] = [every * (i + 1) for i in range(len(results[name]["valid"]))]
         results[name]["flags"] = configs[name]
@@ -192,7 +225,8 @@ def main() -> None:
     ref = results.get("sync")
     lines = [f"Data: {label}. {args.sites} sites x {args.ranks_per_site} rank(s), {args.train_iters} iterations "
              f"x {args.global_batch_size} x {args.seq_length} tokens, H = {args.interval}, outer lr {args.outer_lr}, "
-             f"outer momentum {args.outer_momentum} (diloco) / {args.dilocox_outer_momentum} (dilocox).", "",
+             f"outer momentum {args.outer_momentum} (diloco, edit) / {args.dilocox_outer_momentum} (dilocox); "
+             f"a-edit every {args.aedit_seconds:g} s.", "",
              "| algorithm | final validation loss | vs sync | inter-site MB sent (logging rank) | "
              "sync bytes / bytes | exposed comm (s) | tokens/s |",
              "|---|---|---|---|---|---|---|"]
@@ -201,8 +235,9 @@ def main() -> None:
         gap = f"{100 * (loss / ref['valid'][-1] - 1):+.2f}%" if ref else "-"
         sent = r["comm"].get("bytes_sent", 0)
         ratio = f"{ref['comm']['bytes_sent'] / sent:.3g}x" if ref and sent else "-"
+        tps = f"{r['tokens_per_s']:.0f}" + (" (logging site)" if not lockstep(r["flags"]) else "")
         lines.append(f"| {name} | {loss:.4f} | {gap} | {sent / 2**20:.3f} | {ratio} | "
-                     f"{r['comm'].get('exposed_seconds', 0):.2f} | {r['tokens_per_s']:.0f} |")
+                     f"{r['comm'].get('exposed_seconds', 0):.2f} | {tps} |")
     target = None
     if args.target is not None:
         target = results[args.target]["valid"][-1]

@@ -9,8 +9,10 @@
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
 trains alone, at the same time, with the same per-site batch and --num-sites 1, so no
 byte crosses sites), then each algorithm on all sites. Every run trains the same model
-on the same token budget. Writes results.json, results.md and tokens_per_s.png,
-loss_vs_wall.png, loss_vs_tokens.png to --out-dir, plus each run's logs.
+on the same token budget (`--train-samples`: --train-iters global batches; algorithms whose
+sites take different numbers of steps, A-EDiT, stop when the budget is used). Writes
+results.json, results.md and tokens_per_s.png, loss_vs_wall.png, loss_vs_tokens.png to
+--out-dir, plus each run's logs.
 
 Default scenario: 2 sites x 1 rank, 100 Mbit/s, 20 ms one-way, a 7.2M-parameter Llama
 (4 layers, hidden 256, GQA, SwiGLU, RMSNorm, RoPE) on the bundled Python-docs corpus.
@@ -64,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "acco needs at least two per step, one per stage)")
     p.add_argument("--site-batch-size", type=int, default=8, help="sequences per step per site")
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--train-iters", type=int, default=40)
+    p.add_argument("--train-iters", type=int, default=40,
+                   help="token budget of every run, in global batches (passed as --train-samples)")
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--warmup-intervals", type=int, default=1, help="log intervals left out of tokens/s")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -102,9 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def common_args(a: argparse.Namespace, num_sites: int, json_log: str, slow_ranks: List[int]) -> List[str]:
+    gbs = a.site_batch_size * num_sites
     args = ["pretrain_gpt.py", *MODEL_ARGS, *DATA_ARGS, "--seq-length", str(a.seq_length),
-            "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.site_batch_size * num_sites),
-            "--train-iters", str(a.train_iters), "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
+            "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(gbs),
+            "--train-samples", str(a.train_iters * gbs), "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, a.train_iters // 10)),
             "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
             "--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp),

@@ -4,6 +4,11 @@ A run's log holds one record per log interval and a final {"event": "done"} reco
 (megatron_lsgd/training/training.py). The first `warmup_intervals` intervals are left out
 of throughput and exposed-communication figures (process-group connection set-up and
 first-touch allocation land there); bytes and losses use every interval.
+
+A non-lockstep run (A-EDiT) has sites taking different numbers of steps: each site's last
+rank logs its own records, tagged with `"site"` and counting that site's tokens. Its sites
+run at the same time, so the job's throughput is the sum of the sites' (as for the
+ceiling); see `summarize`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ def read_log(path: str) -> List[dict]:
 
 
 def summarize(records: Sequence[dict], warmup_intervals: int = 1) -> dict:
-    """Metrics of one job from its JSON log."""
+    """Metrics of one job from its JSON log (per-site records are combined: `combine_sites`)."""
+    sites = sorted({r["site"] for r in records if "site" in r})
+    if sites:
+        return combine_sites([_summarize_one([r for r in records if r.get("site") == s], warmup_intervals)
+                              for s in sites])
+    return _summarize_one(records, warmup_intervals)
+
+
+def _summarize_one(records: Sequence[dict], warmup_intervals: int) -> dict:
     intervals = [r for r in records if r.get("event") != "done"]
     done = next((r for r in records if r.get("event") == "done"), {})
     if not intervals:
@@ -47,6 +60,35 @@ def _cumulative(values) -> List[float]:
         total += v
         out.append(total)
     return out
+
+
+def combine_sites(per_site: Sequence[dict]) -> dict:
+    """The sites of one non-lockstep job (each site's own records): they ran at the same time,
+    so throughputs add up; exposed communication and bytes are per site step (averaged over
+    sites); the loss is the mean of the sites' last logged losses (their own models between
+    syncs); the curve merges every site's points in wall-clock order (tokens of all sites so
+    far, mean of each site's latest loss)."""
+    events = sorted((p["wall_s"], i, p) for i, s in enumerate(per_site) for p in s["curve"])
+    latest: Dict[int, float] = {}
+    done_tokens: Dict[int, float] = {}
+    curve = []
+    for wall, i, p in events:
+        latest[i], done_tokens[i] = p["loss"], p["tokens"]
+        if len(latest) == len(per_site) and all(v is not None for v in latest.values()):
+            curve.append({"iteration": p["iteration"], "wall_s": wall, "tokens": sum(done_tokens.values()),
+                          "loss": sum(latest.values()) / len(latest)})
+    losses = [s["loss"] for s in per_site if s["loss"] is not None]
+    return {
+        "tokens_per_s": sum(s["tokens_per_s"] for s in per_site),
+        "exposed_comm_s_per_step": sum(s["exposed_comm_s_per_step"] for s in per_site) / len(per_site),
+        "inter_site_bytes_per_step": sum(s["inter_site_bytes_per_step"] for s in per_site) / len(per_site),
+        "loss": sum(losses) / len(losses) if losses else None,
+        "peak_rss_mb": max((s["peak_rss_mb"] or 0) for s in per_site) or None,
+        "iterations": max(s["iterations"] for s in per_site),
+        "site_iterations": [s["iterations"] for s in per_site],
+        "site_tokens_per_s": [s["tokens_per_s"] for s in per_site],
+        "curve": curve,
+    }
 
 
 def combine_ceiling(per_site: Sequence[dict]) -> dict:
@@ -94,6 +136,7 @@ def build_results(scenario: dict, ceiling: dict, runs: Dict[str, dict]) -> dict:
         reach = time_to_loss(m["curve"], target) if target is not None and name != CEILING else None
         row = {"algorithm": name, **{k: m[k] for k in ("tokens_per_s", "inter_site_bytes_per_step",
                                                        "exposed_comm_s_per_step", "loss", "peak_rss_mb")},
+               **{k: m[k] for k in ("site_iterations", "site_tokens_per_s") if k in m},
                "ratio_to_ceiling": m["tokens_per_s"] / ceiling["tokens_per_s"],
                "bytes_vs_sync": m["inter_site_bytes_per_step"] / sync_bytes if sync_bytes else None,
                "time_to_sync_loss_s": reach,
@@ -110,6 +153,8 @@ def markdown_table(results: dict) -> str:
     for r in results["runs"]:
         vs = f"{r['bytes_vs_sync']:.3f}" if r.get("bytes_vs_sync") is not None else "-"
         loss = f"{r['loss']:.3f}" if r["loss"] is not None else "-"
+        if r.get("site_iterations"):  # non-lockstep: each site's own steps
+            loss += f" (site steps {'/'.join(map(str, r['site_iterations']))})"
         rss = f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "-"
         reach = r.get("time_to_sync_loss_vs_sync")
         reach = f"{r['time_to_sync_loss_s']:.0f} s ({reach:.2f})" if reach is not None else \

@@ -12,6 +12,7 @@ import argparse
 from typing import Dict, List, Optional
 
 from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, streaming, sync  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd.edit import a_edit, edit  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
@@ -33,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_arguments(parser)
     LinkOptions.add_arguments(parser)
     declared: List[str] = []
-    for name in registered_algorithms():
+    # An algorithm whose Options extend another's (a-edit's extend edit's) comes after it, so
+    # the shared flags are shown in the parent's group and the child's group adds its own.
+    for name in sorted(registered_algorithms(), key=lambda n: (len(synchronizer_class(n).Options.__mro__), n)):
         cls = synchronizer_class(name)
         cls.Options.add_arguments(parser, skip=declared, title=f"{name} (--lsgd-algorithm {name})",
                                   description=_summary(cls))

@@ -108,6 +108,7 @@ class RunFacts:
     sample_budget_flag: Optional[str] = None  # "--train-samples" / "--train-tokens" when the run has one
     batch_schedule_flag: Optional[str] = None  # "--rampup-batch-size" / "--step-batch-size-schedule" when given
     per_token_loss: bool = False  # --calculate-per-token-loss
+    tied_embeddings: bool = True  # the word embedding is shared with the output layer (no --untie-...)
 
 
 @dataclass

@@ -17,6 +17,10 @@ algorithm is running. One training step, as the default `train_step` composes it
 
     quiesce()                         finish everything in flight; called before evaluation,
                                       before a checkpoint save and when the run stops
+    agree_to_stop(progress), meeting() non-lockstep algorithms only (`lockstep = False`): after
+                                      every step; sites meet in the synchronizer's own
+                                      collectives, and the loop evaluates, saves and stops
+                                      only at meetings
     finish_training(it)               once, when training ends (--train-iters or a sample
                                       budget; not --exit-interval / --exit-duration-in-mins):
                                       close open rounds so every site ends with the same model
@@ -89,12 +93,53 @@ class Progress:
     train_iters: int  # --train-iters (or derived from a budget): a cap on this site's steps
     train_samples: Optional[int]  # the job's sample budget, all sites together (None: none given)
     exit_duration_s: Optional[float]  # --exit-duration-in-mins in seconds (None: none given)
+    global_batch_size: int = 0  # samples of one global step (all sites); a site's step is 1/S of it
 
 
 @dataclass(frozen=True)
 class Stop:
     ends_training: bool  # True: finish_training runs (the final model); False: a pause to resume from
     reason: str  # for the log, names the flag
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where the sites of a non-lockstep run met (every rank of every site holds the same one).
+
+    Sites of a non-lockstep algorithm take different numbers of steps; they only agree on
+    anything at meetings, which the synchronizer holds in its own collectives. The loop
+    evaluates, saves checkpoints and stops only there, naming the point by the job's
+    progress (`samples` // global batch)."""
+
+    site_iterations: Tuple[int, ...]  # each site's inner steps so far
+    site_samples: Tuple[int, ...]  # each site's consumed samples
+    time_up: bool = False  # some site's --exit-duration-in-mins has passed
+    synced: bool = False  # the synchronizer synchronizes parameters at this meeting
+
+    @property
+    def samples(self) -> int:
+        """The job's consumed samples, all sites together."""
+        return sum(self.site_samples)
+
+
+def stop_at_meeting(meeting: Meeting, progress: Progress) -> Optional[Stop]:
+    """The stop rule every non-lockstep synchronizer applies at a meeting, identically on
+    every rank (the meeting is agreed):
+
+    - the job's budget (`progress.train_samples`, or --train-iters x global batch when no
+      budget was given) has less than one global batch left: training ends;
+    - some site's --exit-duration-in-mins has passed: the run pauses (a checkpoint to resume from).
+    """
+    gbs = progress.global_batch_size
+    budget = progress.train_samples if progress.train_samples is not None else progress.train_iters * gbs
+    if budget - meeting.samples < max(gbs, 1):
+        flag = "--train-samples/--train-tokens" if progress.train_samples is not None else "--train-iters"
+        return Stop(True, f"{flag} budget of {budget} samples reached ({meeting.samples} consumed, site steps "
+                          f"{'/'.join(map(str, meeting.site_iterations))})")
+    if meeting.time_up:
+        minutes = (progress.exit_duration_s or 0.0) / 60.0
+        return Stop(False, f"--exit-duration-in-mins {minutes:g} on some site")
+    return None
 
 
 class InnerStep(Protocol):
@@ -208,8 +253,14 @@ class Synchronizer:
     def agree_to_stop(self, progress: Progress) -> Optional[Stop]:
         """Non-lockstep algorithms only: called after every inner step; return a Stop, on
         every rank of every site, after the step at which that rank stops (sites agree
-        where they meet, in the synchronizer's own collectives)."""
+        where they meet, in the synchronizer's own collectives; `stop_at_meeting` is the
+        shared rule)."""
         raise TypeError(f"--lsgd-algorithm {self.name} is not lockstep and must implement agree_to_stop")
+
+    def meeting(self) -> Optional[Meeting]:
+        """Non-lockstep algorithms only: the Meeting the sites held after the latest step
+        (read by the loop right after agree_to_stop), or None when they did not meet."""
+        return None
 
     # ---- state and statistics ---------------------------------------------------------------
     def state_dict(self) -> Dict:

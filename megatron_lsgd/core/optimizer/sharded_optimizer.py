@@ -132,6 +132,14 @@ class ShardedOptimizer:
             return False
         return True
 
+    def counts_in_norm(self, param) -> bool:
+        """Whether this rank counts `param`'s values in a norm over the model (the rule
+        grad_norm uses): parameters replicated across TP ranks count on TP rank 0 only,
+        the last stage's copy of a tied word embedding not at all. A synchronizer summing
+        squares over its views' pieces and all-reducing over TP (and dp_intra under ZeRO-1)
+        gets each value exactly once."""
+        return self._counts_in_norm(param)
+
     # ---- the step -----------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:

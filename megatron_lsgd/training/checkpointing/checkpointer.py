@@ -4,6 +4,11 @@ Every rank writes its own files into one shared `.iter_XXXXXXX.partial/` directo
 rank 0 then writes metadata.json (the layout, the model config and every file's size),
 fsyncs the tree, renames it to `iter_XXXXXXX/` and only then rewrites the tracker. A
 crash at any point leaves the previous checkpoint and the tracker pointing at it intact.
+
+Each site's position is kept per site: its iteration, its LR schedule and its consumed
+samples (`site_iterations`, `site_schedulers`, `site_consumed_samples`). In a lockstep run
+they are equal; a non-lockstep run's sites differ, its checkpoint is named by the job's
+agreed progress (`trainer.checkpoint_iteration`) and `ended` says its training is over.
 """
 
 from __future__ import annotations
@@ -106,11 +111,12 @@ def _save_failed(err: BaseException, iteration: int, save_dir: str) -> Checkpoin
 
 
 def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
-    """Write the checkpoint of trainer.iteration, or raise CheckpointError on every rank
-    (disk full, unwritable directory, a non-finite model) leaving earlier checkpoints and
-    the tracker untouched and no partial directory behind."""
+    """Write the checkpoint of the trainer's agreed iteration (its step count if lockstep),
+    or raise CheckpointError on every rank (disk full, unwritable directory, a non-finite
+    model) leaving earlier checkpoints and the tracker untouched and no partial directory
+    behind."""
     pgs = trainer.pgs
-    iteration = trainer.iteration
+    iteration = trainer.checkpoint_iteration  # agreed by every rank (a site's own step count if lockstep)
     partial = os.path.join(cfg.save, layout.partial_dir_name(iteration))
     final = os.path.join(cfg.save, layout.iteration_dir_name(iteration))
     start = time.perf_counter()
@@ -142,7 +148,9 @@ def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"files": records, "site": pgs.site_rank,
-                                      "site_consumed_samples": trainer.site_consumed_samples})
+                                      "site_consumed_samples": trainer.site_consumed_samples,
+                                      "iteration": trainer.iteration,
+                                      "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict()})
     error = None
     if pgs.rank == 0:
         try:
@@ -167,15 +175,20 @@ def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration:
     d = trainer.pgs.dims
     records = {k: v for part in gathered for k, v in part["files"].items()}
     files = {k: size for k, (size, _) in records.items()}
-    site_samples = [0] * d.sites
+    site_samples, site_iterations, site_schedulers = [0] * d.sites, [0] * d.sites, [None] * d.sites
     for part in gathered:
         site_samples[part["site"]] = part["site_consumed_samples"]
+        site_iterations[part["site"]] = part["iteration"]
+        site_schedulers[part["site"]] = part["scheduler"]
     raw = trainer.config.raw_args
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
         "consumed_samples": trainer.consumed_samples,
         "site_consumed_samples": site_samples,  # each site's position in its own sample stream
         "consumed_valid_samples": getattr(trainer, "consumed_valid_samples", 0),  # the validation stream's
+        "site_iterations": site_iterations,  # each site's own steps (differ in non-lockstep runs)
+        "site_schedulers": site_schedulers,  # each site's own LR schedule position
+        "ended": bool(getattr(trainer, "ended", False)),
         "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites},
         "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
         "lsgd_algorithm": trainer.config.lsgd.algorithm,
@@ -328,12 +341,17 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
             trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
         except ValueError as err:  # a synchronizer's saved state that does not fit this run's flags
             raise CheckpointError(f"synchronizer state in {iter_dir} does not fit this run: {err}") from err
+        site_schedulers = meta.get("site_schedulers") if same_dp else None  # absent in older checkpoints
         try:
-            trainer.scheduler.load_state_dict(meta["scheduler"])
+            trainer.scheduler.load_state_dict(site_schedulers[pgs.site_rank] if site_schedulers else meta["scheduler"])
         except ValueError as err:
             raise CheckpointError(f"checkpoint {iter_dir}: {err}") from err
     if not cfg.finetune:
-        trainer.iteration = int(meta["iteration"])
+        site_iterations = meta.get("site_iterations") if same_dp else None
+        trainer.iteration = int(site_iterations[pgs.site_rank]) if site_iterations else int(meta["iteration"])
+        trainer.agreed_iteration = int(meta["iteration"])
+        if not getattr(trainer, "lockstep", True):
+            trainer.ended = bool(meta.get("ended", False))
         trainer.consumed_samples = int(meta["consumed_samples"])
         per_site = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
         trainer.site_consumed_samples = int(per_site[pgs.site_rank]) if per_site and same_dp \

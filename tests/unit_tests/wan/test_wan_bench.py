@@ -35,6 +35,22 @@ def test_summary_skips_warmup_for_speed_but_not_for_bytes():
         wan_report.summarize([{"event": "done"}])
 
 
+def test_non_lockstep_sites_log_their_own_tokens_and_add_up():
+    # a-edit with a 2x straggler: site 0 logs 3 intervals of 1000 tokens per second, site 1
+    # 2 intervals at half the rate; the job's throughput is the sum, as for the ceiling
+    fast = [dict(r, site=0) for r in fake_log(1000, [1.0, 1.0, 1.0], bytes_per_interval=100.0, exposed=0.2)]
+    slow = [dict(r, site=1) for r in fake_log(1000, [2.0, 2.0, 2.0], bytes_per_interval=100.0, exposed=0.0,
+                                              losses=(6.0, 5.0, 4.0))]
+    m = wan_report.summarize(sorted(fast + slow, key=lambda r: r.get("wall_s", 99)))
+    assert m["tokens_per_s"] == pytest.approx(1000.0 + 500.0)
+    assert m["site_iterations"] == [6, 6] and m["site_tokens_per_s"] == pytest.approx([1000.0, 500.0])
+    assert m["exposed_comm_s_per_step"] == pytest.approx((0.1 + 0.0) / 2)
+    assert m["loss"] == pytest.approx((3.0 + 4.0) / 2)
+    assert m["curve"][-1]["tokens"] == 6000 and m["curve"][-1]["loss"] == pytest.approx(3.5)
+    lockstep = wan_report.summarize(fake_log(1000, [1.0, 1.0, 1.0]))
+    assert "site_iterations" not in lockstep
+
+
 def test_ceiling_adds_sites_and_ratios_use_it(tmp_path):
     sites = [wan_report.summarize(fake_log(500, [1.0, 1.0, 1.0], rss=r, losses=l))
              for r, l in ((100.0, (5, 4, 3)), (120.0, (5, 4, 5)))]

@@ -1,0 +1,254 @@
+"""`a-edit`: EDiT with a wall-clock sync interval instead of a step count (A-EDiT; DESIGN.md
+§4.4). Not lockstep: a fast site takes more inner steps than a slow one.
+
+After every inner step each site checks its own clock: when τ (`--lsgd-aedit-interval-seconds`)
+has passed since the last sync, the site's ranks agree on it (a MAX over the site's group,
+a few bytes on the fast network) and the site enters a *meeting*: a blocking all-gather
+over dp_inter of what the site did (steps, samples, why it came). That collective is the
+barrier: a fast site waits there for the others, at most about one step of the slowest
+site. What follows is EDiT's: the penalty's norms are gathered and every unit is synced
+layer by layer in the next forward pass (edit.py). Every site restarts its clock when that
+forward pass has synced its units, so τ is local training time: a sync that takes longer
+than τ (a slow link) does not make the next one due at once.
+
+Meetings are also where the run stops or pauses, by the shared rule
+(protocol.stop_at_meeting), and where the loop evaluates and saves. A site enters a meeting
+early when
+- the job's budget (--train-samples / --train-tokens, or --train-iters x global batch: for
+  a non-lockstep run --train-iters is the number of *global* batches to train on) would be
+  exhausted by another global batch, as far as it can tell: total at the last sync plus
+  its own samples since, scaled by the sites' step ratio of the last interval;
+- its --exit-duration-in-mins has passed (a pause: nothing is synced, the interval's elapsed
+  time is saved and the interval continues after the resume).
+So that the budget is met exactly rather than overshot by an interval, a sync meeting that
+finds the remaining budget within 1.5 intervals of the sites' last step counts gives each
+site a step quota for a final interval instead of the clock: shares of the remaining site
+steps proportional to the steps each site took last time (at least one each); the sites
+meet again when each has done its quota, and training ends there.
+
+Test hook: MEGATRON_LSGD_TEST_VIRTUAL_CLOCK="t0,t1,..." replaces the wall clock by one that
+advances t_s seconds per inner step on site s (and serves --exit-duration-in-mins), which
+makes a run deterministic, so resumed runs can be compared bit for bit with uninterrupted
+ones.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.lsgd.edit.edit import EDiT, EDiTOptions
+from megatron_lsgd.core.lsgd.options import option
+from megatron_lsgd.core.lsgd.protocol import Meeting, Progress, Stop, SyncContext, stop_at_meeting
+from megatron_lsgd.core.lsgd.registry import register
+
+VIRTUAL_CLOCK_ENV = "MEGATRON_LSGD_TEST_VIRTUAL_CLOCK"
+QUOTA_HORIZON = 1.5  # plan the final interval when the rest of the budget is within this many intervals
+# What a site reports at a meeting (one float64 each, all-gathered across sites).
+_DUE_INTERVAL, _DUE_QUOTA, _DUE_BUDGET, _TIME_UP, _ITERATION, _SAMPLES, _STEPS, _FIELDS = range(8)
+
+
+@dataclass
+class AEDiTOptions(EDiTOptions):
+    interval_seconds: float = option("--lsgd-aedit-interval-seconds", 600.0,
+                                     "tau_time: seconds of local training on each site between syncs (a fast site "
+                                     "takes more steps)", metavar="SECONDS")
+
+    def validate(self, config, num_sites: int, run=None, **context) -> None:
+        super().validate(config=config, num_sites=num_sites, run=run, **context)
+        if not self.interval_seconds > 0:
+            raise ValueError(f"--lsgd-aedit-interval-seconds must be > 0 (got {self.interval_seconds})")
+        flag = run.batch_schedule_flag if run is not None else None
+        if flag:  # the meetings' budget arithmetic and final-interval quotas count fixed site batches
+            raise ValueError(f"{flag} with --lsgd-algorithm a-edit is not supported: its sites take different "
+                             f"numbers of steps and share the budget in fixed site batches; drop {flag}")
+        if "--lsgd-interval" in config.rounds.changed_flags():
+            raise ValueError("--lsgd-interval does not apply to --lsgd-algorithm a-edit, which syncs by time: use "
+                             "--lsgd-aedit-interval-seconds")
+
+
+def allocate_quota(remaining_steps: int, last_steps: Sequence[int]) -> List[int]:
+    """Split `remaining_steps` site steps into per-site quotas proportional to `last_steps`
+    (at least 1 each; largest remainders first, ties to the lower site): the sites then meet
+    again at about the same time."""
+    s = len(last_steps)
+    if remaining_steps < s:
+        raise ValueError(f"{remaining_steps} steps cannot give {s} sites one each")
+    weights = [max(int(n), 1) for n in last_steps]
+    spare = remaining_steps - s
+    total = sum(weights)
+    exact = [spare * w / total for w in weights]
+    quota = [1 + int(e) for e in exact]
+    left = remaining_steps - sum(quota)
+    order = sorted(range(s), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    for i in order[:left]:
+        quota[i] += 1
+    return quota
+
+
+class WallClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def tick(self) -> None:
+        pass
+
+
+class VirtualClock:
+    """Advances a fixed number of seconds per inner step (MEGATRON_LSGD_TEST_VIRTUAL_CLOCK)."""
+
+    def __init__(self, seconds_per_step: float):
+        self.seconds_per_step = seconds_per_step
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def tick(self) -> None:
+        self.t += self.seconds_per_step
+
+
+def make_clock(site: int):
+    spec = os.environ.get(VIRTUAL_CLOCK_ENV)
+    if not spec:
+        return WallClock()
+    return VirtualClock(float(spec.split(",")[site]))
+
+
+@register
+class AEDiT(EDiT):
+    """EDiT synced by wall-clock interval: fast sites take more steps, nobody waits for a straggler"""
+
+    name = "a-edit"
+    Options = AEDiTOptions
+    lockstep = False
+    requires_multiple_sites = True
+
+    def __init__(self, ctx: SyncContext):
+        super().__init__(ctx)
+        self.tau = ctx.config.algo.interval_seconds
+        self.clock = make_clock(self.site)
+        self.virtual = isinstance(self.clock, VirtualClock)
+        self.interval_start = self.clock.now()
+        self.steps_in_interval = 0  # local steps since the last sync
+        self.sync_samples = 0  # the job's samples at the last sync
+        self.own_samples_at_sync = 0  # this site's samples then
+        self.last_interval_steps: List[int] = []  # every site's steps in the last finished interval
+        self.quota: Optional[List[int]] = None  # the final interval's per-site step quotas
+        self.meetings = 0
+        self._meeting: Optional[Meeting] = None
+        self._restart_clock = False  # a sync is due in the next forward: the interval starts after it
+
+    def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
+        self.clock.tick()
+        if not self._after_warmup(iteration):
+            if iteration == self.warmup_iters - 1:
+                self.interval_start = self.clock.now()
+            return
+        self.steps_in_interval += 1
+
+    # ---- meetings --------------------------------------------------------------------------------
+    def _site_vote(self, flags: torch.Tensor) -> None:
+        site = self.ctx.pgs.site
+        if site is not None and dist.get_world_size(site) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=site)
+
+    def agree_to_stop(self, progress: Progress) -> Optional[Stop]:
+        self._meeting = None
+        s, gbs = self.num_sites, progress.global_batch_size
+        site_batch = gbs // s
+        budget = progress.train_samples if progress.train_samples is not None else progress.train_iters * gbs
+        local = progress.iteration > self.warmup_iters
+        if self.warmup_iters and progress.iteration == self.warmup_iters:  # lockstep until now: exact totals
+            self.sync_samples, self.own_samples_at_sync = progress.site_samples * s, progress.site_samples
+        elapsed_since_start = self.clock.now() if self.virtual else progress.elapsed_s
+        own_since = progress.site_samples - self.own_samples_at_sync
+        last = self.last_interval_steps
+        ratio = sum(last) / last[self.site] if last and last[self.site] > 0 else float(s)
+        flags = torch.zeros(4, dtype=torch.float64, device=self.device)
+        flags[_DUE_INTERVAL] = local and self.quota is None and self.clock.now() - self.interval_start >= self.tau
+        flags[_DUE_QUOTA] = local and self.quota is not None and self.steps_in_interval >= self.quota[self.site]
+        flags[_DUE_BUDGET] = self.quota is None and self.sync_samples + own_since * ratio > budget - gbs
+        flags[_TIME_UP] = progress.exit_duration_s is not None and elapsed_since_start >= progress.exit_duration_s
+        self._site_vote(flags)
+        if not bool(flags.any()):
+            return None
+
+        # The meeting: every site's report, gathered on every rank (the barrier).
+        mine = torch.zeros(_FIELDS, dtype=torch.float64, device=self.device)
+        mine[:4] = flags
+        mine[_ITERATION], mine[_SAMPLES], mine[_STEPS] = progress.iteration, progress.site_samples, \
+            self.steps_in_interval
+        out = torch.empty(s * _FIELDS, dtype=torch.float64, device=self.device)
+        self.ctx.comm.all_gather(out, mine)
+        rows = out.view(s, _FIELDS).tolist()
+        self.meetings += 1
+        iterations = tuple(int(r[_ITERATION]) for r in rows)
+        samples = tuple(int(r[_SAMPLES]) for r in rows)
+        steps = [int(r[_STEPS]) for r in rows]
+        due = any(r[_DUE_INTERVAL] or r[_DUE_QUOTA] or r[_DUE_BUDGET] for r in rows)
+        meeting = Meeting(iterations, samples, time_up=any(r[_TIME_UP] for r in rows))
+        stop = stop_at_meeting(meeting, progress)
+        ends = stop is not None and stop.ends_training
+        sync = local and (due or (ends and any(steps)))
+        if sync:
+            # A pause meeting (time only) changes nothing here, so a resumed run continues
+            # exactly as if it had not paused.
+            self.last_interval_steps = steps
+            self.sync_samples, self.own_samples_at_sync = meeting.samples, progress.site_samples
+            self.steps_in_interval = 0
+            self.quota = None
+            if stop is None:
+                remaining = (budget - meeting.samples) // site_batch  # >= S: the rule above did not stop
+                if QUOTA_HORIZON * sum(steps) >= remaining:
+                    self.quota = allocate_quota(remaining, steps)
+            self.begin_sync(steps)
+            self.interval_start = self.clock.now()
+            self._restart_clock = True
+        self._meeting = Meeting(iterations, samples, meeting.time_up, synced=sync)
+        return stop
+
+    def after_forward_backward(self, iteration: int) -> None:
+        super().after_forward_backward(iteration)
+        if self._restart_clock and not self.pending:  # this forward synced every unit of the stage
+            self.interval_start = self.clock.now()
+            self._restart_clock = False
+
+    def meeting(self) -> Optional[Meeting]:
+        return self._meeting
+
+    def finish_training(self, iteration: int) -> None:
+        if self.pending:  # the last meeting's sync (it ended training) has not run yet
+            self._sync_now()
+
+    # ---- state and stats ---------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        state = super().state_dict()
+        state.update(interval_elapsed_s=self.clock.now() - self.interval_start,
+                     steps_in_interval=self.steps_in_interval, sync_samples=self.sync_samples,
+                     own_samples_at_sync=self.own_samples_at_sync, last_interval_steps=list(self.last_interval_steps),
+                     quota=list(self.quota) if self.quota is not None else [])
+        return state
+
+    def load_state_dict(self, state: Dict) -> None:
+        super().load_state_dict(state)
+        self.interval_start = self.clock.now() - float(state["interval_elapsed_s"])
+        self.steps_in_interval = int(state["steps_in_interval"])
+        self.sync_samples = int(state["sync_samples"])
+        self.own_samples_at_sync = int(state["own_samples_at_sync"])
+        self.last_interval_steps = [int(n) for n in state["last_interval_steps"]]
+        self.quota = [int(q) for q in state["quota"]] or None
+        self._restart_clock = self.pending  # saved at a meeting whose sync runs in the next forward
+
+    def stats(self) -> Dict[str, float]:
+        stats = super().stats()
+        stats.pop("H", None)
+        stats.update({"interval s": self.tau, "meetings": self.meetings, "steps since sync": self.steps_in_interval})
+        if self.quota is not None:
+            stats["quota"] = self.quota[self.site]
+        return stats
