@@ -9,9 +9,10 @@ and validates it as a whole, with every message naming its flag.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Dict, List
 
-from megatron_lsgd.core.lsgd import diloco, dilocox, sync  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd import diloco, dilocox, dreamddp, sync  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
@@ -53,9 +54,18 @@ def config_from_args(args: argparse.Namespace, num_sites: int) -> LsgdConfig:
     cls = synchronizer_class(args.lsgd_algorithm)
     shared = {key: group.from_args(args) for key, group in SHARED_GROUPS.items()}
     config = LsgdConfig(algorithm=cls.name, seed=args.seed, link=LinkOptions.from_args(args),
-                        algo=cls.Options.from_args(args), **shared)
+                        algo=cls.Options.from_args(args), output_dir=output_dir(args), **shared)
     validate(config, num_sites, args)
     return config
+
+
+def output_dir(args: argparse.Namespace):
+    """Where a synchronizer may write files of its own (a profile, a schedule): the directory
+    of --json-log, else --tensorboard-dir, else --save; None when the run writes nothing."""
+    json_log = getattr(args, "json_log", None)
+    if json_log:
+        return os.path.dirname(os.path.abspath(json_log))
+    return getattr(args, "tensorboard_dir", None) or getattr(args, "save", None)
 
 
 def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None) -> None:
@@ -79,4 +89,4 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
             for flag in synchronizer_class(name).Options.from_args(args).changed_flags():
                 if flag not in own:
                     raise ValueError(f"{flag} needs --lsgd-algorithm {' or '.join(owners[flag])}")
-    config.algo.validate(config=config, num_sites=num_sites)
+    config.algo.validate(config=config, num_sites=num_sites, args=args)

@@ -12,6 +12,7 @@ Shared pieces, each usable by any algorithm that declares it in `Synchronizer.us
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megatron_lsgd.core.lsgd.options import NoOptions, OptionGroup, option
 
@@ -108,3 +109,6 @@ class LsgdConfig:
     compression: CompressionOptions = field(default_factory=CompressionOptions)
     link: LinkOptions = field(default_factory=LinkOptions)
     algo: OptionGroup = field(default_factory=NoOptions)
+    # Where a synchronizer may write files of its own (catalog.output_dir: the directory of
+    # --json-log, else --tensorboard-dir, else --save); None: write nothing.
+    output_dir: Optional[str] = None
