@@ -174,6 +174,63 @@ def test_dreamddp_properties(layout):
     assert any(not torch.equal(s0[n], s1[n]) for n in s0)
 
 
+def _small_worker(rank: int, world: int, port: int, profile_path: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import pretrain_gpt
+
+    one_site = [a if a != "--num-sites" else "--num-sites" for a in COMMON]
+    one_site[one_site.index("--num-sites") + 1] = "1"
+    plain = pretrain_gpt.main(one_site + ["--train-iters", "4"])
+    dream = pretrain_gpt.main(one_site + ["--train-iters", "4", "--lsgd-algorithm", "dreamddp", "--lsgd-interval", "2"])
+    # A profile that promises a free link, on a link with 25 ms latency: the exposed time
+    # measured in the first 2 periods is far above the prediction, so the run re-profiles
+    # after step 4 (the next check would come after step 8).
+    drift = pretrain_gpt.main(COMMON + ["--train-iters", "6", "--lsgd-algorithm", "dreamddp", "--lsgd-interval", "2",
+                                        "--lsgd-dreamddp-profile", profile_path,
+                                        "--lsgd-dreamddp-reprofile-interval", "4",
+                                        "--simulate-inter-site-latency", "25"])
+    sync = drift.synchronizer
+    torch.save({"plain": _record(plain), "dream": _record(dream),
+                "drift": _record(drift, {"profile": dataclasses.asdict(sync.profile),
+                                         "plan": dataclasses.asdict(sync.plan), "reprofiles": sync.reprofiles,
+                                         "origin": sync.origin, "history": list(sync.history)})},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_one_site_is_plain_training_and_drift_reschedules(tmp_path):
+    import json
+
+    from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, UnitProfile
+
+    units = [UnitProfile(n, 0, 1e-3, 0, 0) for n in ("embedding", "layers.0", "layers.1", "output")]
+    path = tmp_path / "free_link.json"
+    path.write_text(json.dumps({"profile": Profile(units, [0.0], 0.0, 0.0, False).to_dict()}))
+    mp.spawn(_small_worker, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    recs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    # S = 1 (two data-parallel ranks in one site): dreamddp leaves training untouched
+    plain, dream = [r["plain"] for r in recs], [r["dream"] for r in recs]
+    assert plain[-1]["losses"] == dream[-1]["losses"]
+    a, b = merge_full_params(plain), merge_full_params(dream)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert dream[-1]["comm"]["bytes_sent"] == 0
+    # drift: re-profiled once at the end of step 4, from step 5 on a new period with the measured link
+    drift = [r["drift"] for r in recs]
+    assert all(d["reprofiles"] == 1 and d["origin"] == 4 for d in drift)
+    assert drift[0]["plan"] == drift[1]["plan"] and drift[0]["profile"] == drift[1]["profile"]
+    assert 0.02 < drift[0]["profile"]["latency_s"] < 0.2  # the probes saw the 25 ms
+    assert drift[0]["profile"]["source"] == "re-profiled at iteration 4"
+    history = dict(drift[0]["history"])
+    slots = drift[0]["plan"]["stages"][0]["slots"]
+    assert [list(history[it]) for it in range(4, 6)] == [slots[0], slots[1]]
+    assert [list(history[it]) for it in range(4)] == [["output", "layers.1", "layers.0", "embedding"]] * 4
+    assert_replicas_identical(drift)
+
+
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--vocab-size", "100",
         "--num-sites", "2"]

@@ -174,13 +174,15 @@ def test_drift_detection():
     profile = _profile(False)
     plan = build_plan(profile, 3, "dfs", True)
     predicted = max(sum(st.exposed_s) / 3 for st in plan.stages)
+    phase = max(profile.problem(s).deadline for s in (0, 1)) + predicted
     assert not drifted(profile, plan, profile, predicted, 0.25)
     slower = _profile(False)
     for u in slower.units:
         u.backward_s *= 1.5
     assert drifted(profile, plan, slower, predicted, 0.25)
-    assert drifted(profile, plan, profile, predicted + 0.3 * 3e-3, 0.25)  # the link got slower
-    assert not drifted(profile, plan, profile, predicted + 0.2 * 3e-3, 0.25)
+    assert drifted(profile, plan, profile, predicted + 0.3 * phase, 0.25)  # the link got slower
+    assert not drifted(profile, plan, profile, predicted + 0.2 * phase, 0.25)
+    assert drifted(profile, plan, profile, max(0.0, predicted - 0.3 * phase), 0.25) == (predicted > 0.25 * phase)
 
 
 def test_profile_file_round_trip_and_errors(tmp_path):

@@ -430,17 +430,18 @@ class DreamDDP(Synchronizer):
 
 
 def drifted(profile: Profile, plan: Plan, recent: Profile, measured_exposed_s: float, tolerance: float) -> bool:
-    """True when the agreed recent backward times moved by more than `tolerance` (relative,
-    per stage), or the measured exposed time per step exceeds the prediction by more than
-    `tolerance` x the stage's backward time."""
+    """True when a stage's agreed recent backward time moved by more than `tolerance`
+    (relative), or the measured exposed time per step is off the prediction by more than
+    `tolerance` x the predicted time of the backward phase (backward + tail + exposed), in
+    either direction: a slower link costs time, a faster one leaves room to average more."""
     for stage in range(profile.num_stages):
         old = sum(profile.problem(stage).backward)
         new = sum(recent.problem(stage).backward)
         if old > 0 and abs(new - old) > tolerance * old:
             return True
     predicted = max(sum(st.exposed_s) / plan.interval for st in plan.stages)
-    scale = max(sum(profile.problem(s).backward) for s in range(profile.num_stages))
-    return measured_exposed_s > predicted + tolerance * scale
+    phase = max(profile.problem(s).deadline for s in range(profile.num_stages)) + predicted
+    return abs(measured_exposed_s - predicted) > tolerance * phase
 
 
 __all__ = ["DreamDDP", "DreamDDPOptions", "drifted", "global_index"]
