@@ -3,6 +3,8 @@
     python tools/benchmarks/wan_bench.py                                  # default scenario
     python tools/benchmarks/wan_bench.py --slow-ranks 1 --slow-factor 2   # one 2x straggler
     python tools/benchmarks/wan_bench.py --algorithms sync,diloco --algo-args "diloco=--lsgd-interval 10"
+    python tools/benchmarks/wan_bench.py --algorithms dreamddp,dreamddp:dreamddp-enp \
+        --algo-args "dreamddp-enp=--lsgd-dreamddp-scheduler equal"   # one algorithm twice, labelled
 
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
 trains alone, at the same time, with the same per-site batch and --num-sites 1, so no
@@ -49,9 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_link_args(p)
     p.add_argument("--algorithms", default=",".join(registered_algorithms()),
-                   help="comma-separated --lsgd-algorithm values (default: every registered one)")
+                   help="comma-separated runs, each an --lsgd-algorithm value or ALGORITHM:LABEL (the same "
+                        "algorithm more than once, with its own --algo-args) (default: every registered one)")
     p.add_argument("--algo-args", action="append", default=[], metavar="NAME=FLAGS",
-                   help="extra pretrain_gpt.py flags for one algorithm, e.g. 'diloco=--lsgd-interval 10'")
+                   help="extra pretrain_gpt.py flags for one run (its algorithm or label), e.g. "
+                        "'diloco=--lsgd-interval 10'")
     p.add_argument("--extra-args", default="", help="extra pretrain_gpt.py flags for every run (ceiling too)")
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size inside a site")
@@ -69,15 +73,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="default: runs/wan_bench/<date-time>")
     p.add_argument("--timeout-per-run", type=float, default=1800.0)
     a = p.parse_args(argv)
-    a.algorithms = [x for x in a.algorithms.split(",") if x]
-    unknown = [x for x in a.algorithms if x not in registered_algorithms()]
-    if unknown:
-        p.error(f"--algorithms: {', '.join(unknown)} not registered (have: {', '.join(registered_algorithms())})")
+    runs = [x for x in a.algorithms.split(",") if x]
+    a.run_algorithm = {}  # run name -> --lsgd-algorithm
+    for item in runs:
+        algo, _, label = item.partition(":")
+        if algo not in registered_algorithms():
+            p.error(f"--algorithms: {algo} not registered (have: {', '.join(registered_algorithms())})")
+        name = label or algo
+        if name in a.run_algorithm or name == wan_report.CEILING:
+            p.error(f"--algorithms: run name {name!r} is used twice (give ALGORITHM:LABEL)")
+        a.run_algorithm[name] = algo
+    a.algorithms = list(a.run_algorithm)
     per_algo: Dict[str, List[str]] = {}
     for item in a.algo_args:
         name, _, flags = item.partition("=")
         if name not in a.algorithms:
-            p.error(f"--algo-args {item!r}: {name!r} is not among --algorithms")
+            p.error(f"--algo-args {item!r}: {name!r} is not among the runs of --algorithms")
         per_algo[name] = shlex.split(flags)
     a.per_algo = per_algo
     if a.site_batch_size % (a.micro_batch_size * (a.ranks_per_site // (a.tp * a.pp) or 1)):
@@ -148,7 +159,8 @@ def main(argv=None) -> int:
                                                   for p in site_logs])
             for n, algo in enumerate(a.algorithms):
                 json_log = os.path.join(logs, f"{algo}.jsonl")
-                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", algo] + a.per_algo.get(algo, [])
+                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", a.run_algorithm[algo]] \
+                    + a.per_algo.get(algo, [])
                 jobs = [SiteJob(i, torchrun_cmd(a.sites, i, world_per_site, wan.site_ip(0), 29501 + n, script),
                                 os.path.join(logs, f"{algo}.site{i}.log")) for i in range(a.sites)]
                 _run(wan, jobs, a, algo)

@@ -18,19 +18,7 @@ from megatron_lsgd.core.lsgd.dreamddp.scheduler import (Problem, brute_force_sch
                                                         equal_number_schedule, fill_bubbles, schedule, slot_end,
                                                         slot_exposed, total_exposed)
 from megatron_lsgd.core.lsgd.dreamddp.synchronizer import drifted
-
-
-def random_problem(rng: random.Random, num_units: int) -> Problem:
-    """Backward times of layers, averaging times from a latency + size x slope link whose
-    speed relative to compute ranges from "everything hides" to "nothing does"."""
-    backward = [rng.uniform(0.2, 2.0) for _ in range(num_units)]
-    sizes = [rng.choice([0.1, 0.5, 1.0, 1.0, 1.0, 3.0]) for _ in range(num_units)]
-    ratio = rng.choice([0.05, 0.2, 0.5, 1.0, 2.0, 5.0])  # link time of a 1.0-size unit / mean backward
-    latency = rng.choice([0.0, 0.05, 0.3])
-    mean_b = sum(backward) / num_units
-    comm = [latency + s * ratio * mean_b for s in sizes]
-    tail = rng.choice([0.0, 0.0, 0.5 * mean_b])
-    return Problem(tuple(backward), tuple(comm), tail)
+from tools.benchmarks.dreamddp_scheduler_bench import random_problem
 
 
 def test_time_model_by_hand():

@@ -60,6 +60,21 @@ def test_ceiling_adds_sites_and_ratios_use_it(tmp_path):
     assert "| sync | 250 | **0.250** |" in table and "| local | 800 | **0.800** |" in table
     assert "rank(s) 1 2x slower (consistent)" in table
     assert json.load(open(tmp_path / "results.json"))["scenario"]["rate_mbit"] == 100.0
+    # loss at equal wall-clock: when the first algorithm finished (local, at 3.75 s), interpolated
+    assert rows["local"]["equal_wall_s"] == pytest.approx(3.75) and rows["local"]["loss_at_equal_wall"] == 3.0
+    assert rows["sync"]["loss_at_equal_wall"] is None  # sync's first point is at 4 s
+    assert wan_report.loss_at(sync["curve"], "wall_s", 6.0) == pytest.approx(4.5)
+    assert "loss at 4 s" in table
+
+
+def test_one_algorithm_twice_under_labels():
+    from tools.benchmarks.wan_bench import parse_args
+
+    a = parse_args(["--algorithms", "diloco,diloco:flsgd", "--algo-args", "flsgd=--lsgd-outer-lr 1"])
+    assert a.algorithms == ["diloco", "flsgd"] and a.run_algorithm == {"diloco": "diloco", "flsgd": "diloco"}
+    assert a.per_algo == {"flsgd": ["--lsgd-outer-lr", "1"]}
+    with pytest.raises(SystemExit):
+        parse_args(["--algorithms", "diloco,diloco"])
 
 
 def test_unknown_algorithm_is_refused():
