@@ -1,4 +1,4 @@
-"""Quality at equal tokens: sync vs diloco vs dilocox across two sites (CPU/gloo or GPU).
+"""Quality at equal tokens: sync vs diloco vs dilocox vs dreamddp across two sites (CPU/gloo or GPU).
 
 Runs each algorithm in `--sites` x `--ranks-per-site` spawned processes on the same data,
 model, seed and token budget, and writes a Markdown table (final validation loss and its
@@ -9,7 +9,9 @@ communication, tokens/s) plus a PNG of training and validation loss curves.
         --tokenizer-model data/python-docs/tokenizer.model --out-dir docs/algorithms/results
 
 Without --data-path (or if it does not exist) it runs on --mock-data and says so in
-every output.
+every output. `--extra-args` adds flags to every run, e.g. a simulated slow link
+(`--simulate-inter-site-bandwidth 100 --simulate-inter-site-latency 20`), which decides
+what dreamddp's bubble filling can add for free.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -64,7 +67,7 @@ def main() -> None:
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--train-iters", type=int, default=600)
-    p.add_argument("--interval", type=int, default=50, help="H for diloco and dilocox")
+    p.add_argument("--interval", type=int, default=50, help="H for diloco, dilocox and dreamddp")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=64)
@@ -80,6 +83,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8, help="--lsgd-rank for dilocox-lowrank-int4")
     p.add_argument("--apply-step", type=int, default=0,
                    help="--lsgd-dilocox-apply-step for dilocox runs (0: H, the one-round delay)")
+    p.add_argument("--extra-args", default="", help="extra pretrain_gpt.py flags for every run")
     args = p.parse_args()
 
     real = bool(args.data_path) and os.path.exists(args.data_path + ".bin")
@@ -98,7 +102,7 @@ def main() -> None:
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "10",
             "--eval-interval", str(args.train_iters), "--eval-iters", str(args.eval_iters), "--seed", "1234",
             "--num-sites", str(args.sites), "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-            "--swiglu", "--disable-bias-linear"] + data
+            "--swiglu", "--disable-bias-linear"] + data + shlex.split(args.extra_args)
     outer = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
              "--lsgd-outer-momentum", str(args.outer_momentum)]
     outer_x = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
@@ -111,7 +115,17 @@ def main() -> None:
         "dilocox-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "int4"] + outer_x,
         "dilocox-lowrank-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
                                  "--lsgd-rank", str(args.rank)] + outer_x,
+        # dreamddp averages parameters (no outer optimizer): compare it with diloco at outer lr 1,
+        # momentum 0, which averages the whole model every H steps
+        "dreamddp": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval)],
+        "dreamddp-nofill": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval),
+                            "--lsgd-dreamddp-no-bubble-fill"],
+        "dreamddp-enp": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval),
+                         "--lsgd-dreamddp-scheduler", "equal", "--lsgd-dreamddp-no-bubble-fill"],
     }
+    unknown = [n for n in args.runs.split(",") if n not in configs]
+    if unknown:
+        p.error(f"--runs: unknown {', '.join(unknown)} (have: {', '.join(configs)})")
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
     for name in args.runs.split(","):
@@ -123,7 +137,8 @@ def main() -> None:
     ref = results.get("sync")
     lines = [f"Data: {label}. {args.sites} sites x {args.ranks_per_site} rank(s), {args.train_iters} iterations "
              f"x {args.global_batch_size} x {args.seq_length} tokens, H = {args.interval}, outer lr {args.outer_lr}, "
-             f"outer momentum {args.outer_momentum} (diloco) / {args.dilocox_outer_momentum} (dilocox).", "",
+             f"outer momentum {args.outer_momentum} (diloco) / {args.dilocox_outer_momentum} (dilocox)"
+             + (f"; every run: {args.extra_args}" if args.extra_args else "") + ".", "",
              "| algorithm | final validation loss | vs sync | inter-site MB sent (logging rank) | "
              "sync bytes / bytes | exposed comm (s) | tokens/s |",
              "|---|---|---|---|---|---|---|"]

@@ -88,6 +88,7 @@ def _worker(rank: int, world: int, port: int, layout_args, out_dir: str) -> None
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import pretrain_gpt
+    from megatron_lsgd.core.lsgd.dreamddp.plan import build_plan
     from megatron_lsgd.core.lsgd.dreamddp.profile import StepClock
 
     _register_reference()
@@ -101,6 +102,7 @@ def _worker(rank: int, world: int, port: int, layout_args, out_dir: str) -> None
     out["scheduled"] = _record(result, {
         "profile": dataclasses.asdict(sync.profile), "plan": dataclasses.asdict(sync.plan), "origin": sync.origin,
         "local": dataclasses.asdict(sync.local_measurement), "history": list(sync.history), "names": sync.names,
+        "bootstrap": dataclasses.asdict(build_plan(sync._untimed_profile(), 3, "equal", False)),
         "stage": sync.stage})
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
@@ -151,8 +153,9 @@ def test_dreamddp_properties(layout):
     for r in sched:
         history = dict(r["history"])
         assert sorted(history) == list(range(11))
-        for it in range(origin):  # profiling steps average everything
-            assert history[it] == tuple(r["names"])
+        bootstrap = r["bootstrap"]["stages"][r["stage"]]["slots"]  # the equal-number schedule
+        for it in range(origin):  # while profiling
+            assert list(history[it]) == bootstrap[it % H]
         slots = plan["stages"][r["stage"]]["slots"]
         for it in range(origin, 11):
             assert list(history[it]) == slots[(it - origin) % H]
@@ -163,6 +166,8 @@ def test_dreamddp_properties(layout):
     if layout.startswith("tp2-pp2"):
         first, last = plan["stages"][0]["slots"], plan["stages"][-1]["slots"]
         assert [("embedding" in s) for s in first] == [("output" in s) for s in last]  # tied copies together
+        boot = sched[0]["bootstrap"]["stages"]
+        assert [("embedding" in s) for s in boot[0]["slots"]] == [("output" in s) for s in boot[-1]["slots"]]
     # stopped by --exit-interval: sites differ (local SGD), but inside a site ZeRO-1's
     # all-gather in the optimizer step spread the averaged shards to every replica
     assert sched[-1]["losses"] and all(torch.isfinite(torch.tensor(sched[-1]["losses"])))

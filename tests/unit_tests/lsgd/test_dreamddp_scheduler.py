@@ -146,9 +146,9 @@ def test_link_fit_and_probe_sizes():
     assert math.isclose(latency, 0.02, rel_tol=1e-9) and math.isclose(slope, 1e-8, rel_tol=1e-9)
     assert fit_link([(4096, 0.5), (8192, 0.4)]) == (0.45, 0.0)  # never a negative slope
     assert fit_link([(4096, 0.0), (8192, 0.02)])[0] == 0.0  # nor a negative latency
-    sizes = probe_sizes(10 * 2**20)
-    assert sizes[0] == 4096 and sizes[-1] == 10 * 2**20 and len(sizes) == 3
-    assert probe_sizes(10**12)[-1] == 16 * 2**20 and all(s % 4 == 0 for s in probe_sizes(12345))
+    sizes = probe_sizes(3 * 2**20)
+    assert sizes[0] == 4096 and sizes[-1] == 3 * 2**20 and len(sizes) == 3
+    assert probe_sizes(10**12)[-1] == 4 * 2**20 and all(s % 4 == 0 for s in probe_sizes(12345))
 
 
 def test_median_sample_skips_unseen_start():

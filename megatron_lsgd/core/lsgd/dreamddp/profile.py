@@ -251,9 +251,9 @@ def median_sample(samples: List[Dict[str, object]], names: Sequence[str]) -> Tup
 # ---- the link ---------------------------------------------------------------------------------
 def probe_sizes(max_bytes: int) -> List[int]:
     """Payloads (bytes, multiples of 4) for the link fit: a small one for the latency, the
-    largest unit (capped at 16 MiB) and their geometric middle."""
+    largest unit (capped at 4 MiB, enough to see the slope) and their geometric middle."""
     small = 4096
-    large = max(16 * small, min(max(max_bytes, 4), 16 * 2**20))
+    large = max(16 * small, min(max(max_bytes, 4), 4 * 2**20))
     middle = int(math.sqrt(small * large))
     return sorted({small, 4 * (middle // 4), 4 * (large // 4)})
 

@@ -25,11 +25,13 @@ their own (`use_dedicated_group`), so nothing else (the log line's loss mean, th
 intra-site reduces launched from the same hook with --overlap-grad-reduce, which use
 dp_intra) can interleave with them.
 
-Start-up: the first `--lsgd-dreamddp-profile-steps` steps average every unit every step
-(as H = 1) while the profiler times each unit's backward; then the link is probed, the
-profile is agreed (max over all ranks), the schedule of every stage is computed on every
-rank from it (scheduler.py: DFS with the paper's pruning rules, then bubble filling),
-printed, and written with the profile to dreamddp_profile.json next to the logs.
+Start-up: for the first `--lsgd-dreamddp-profile-steps` steps the equal-number schedule
+runs (consecutive blocks of equal size, the paper's PLSGD-ENP: it needs no timings, moves
+the steady state's bytes, and with H = 1 averages everything) while the profiler times
+each unit's backward; then the link is probed, the profile is agreed (max over all ranks),
+the schedule of every stage is computed on every rank from it (scheduler.py: DFS with the
+paper's pruning rules, then bubble filling), printed, written with the profile to
+dreamddp_profile.json next to the logs, and a new period starts.
 Warm-up steps (--lsgd-warmup-iters) average gradients instead, as in the other
 local-SGD algorithms. When --train-iters is reached the whole model is averaged once, so
 every site ends with the same model. Checkpoints hold the profile, the schedule and the
@@ -52,7 +54,7 @@ import torch.distributed as dist
 from megatron_lsgd.core.lsgd.dreamddp.plan import Plan, StagePlan, build_plan, format_plan
 from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile, StepClock,
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
-                                                      median_sample, probe_link, read_profile_file)
+                                                      median_sample, probe_link, read_profile_file, stage_of)
 from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
@@ -65,8 +67,8 @@ PROFILE_FILE = "dreamddp_profile.json"
 @dataclass
 class DreamDDPOptions(OptionGroup):
     profile_steps: int = option("--lsgd-dreamddp-profile-steps", 3,
-                                "start-up steps whose backward is timed per unit (every unit is averaged in them, "
-                                "as with H = 1); the first is left out of the median when there are several",
+                                "start-up steps whose backward is timed per unit (they run the equal-number "
+                                "schedule); the first is left out of the median when there are several",
                                 metavar="N")
     profile: Optional[str] = option("--lsgd-dreamddp-profile", None,
                                     "take the per-unit backward times, tails and link fit from this JSON (the "
@@ -147,16 +149,16 @@ class DreamDDP(Synchronizer):
             minutes = ctx.comm.timeout_minutes
             ctx.comm.use_dedicated_group(pgs.dims, timedelta(minutes=minutes) if minutes else None)
         # state (checkpointed)
-        self.profile: Optional[Profile] = None
-        self.plan: Optional[Plan] = None
-        self.origin = 0  # first iteration of the first period
+        self.profile: Optional[Profile] = None  # None while profiling
+        # until then the equal-number schedule, which needs no timings (with the tied rule)
+        self.plan: Plan = build_plan(self._untimed_profile(), self.interval, "equal", False)
+        self.origin = self.warmup_iters  # first iteration of the first period
         self.profile_steps_done = 0
         self.samples: List[Dict] = []  # profiling: (step ordinal, iteration, timings)
         self.monitor: List[Dict] = []  # re-profiling window
         self.monitor_exposed_s = 0.0
         self.monitor_steps = 0
         self.reprofiles = 0
-        self.restored = False
         self.local_measurement: Optional[LocalMeasurement] = None  # this rank's own, before agreement
         # this step
         self.queue: List[str] = []
@@ -177,20 +179,25 @@ class DreamDDP(Synchronizer):
 
     @property
     def profiling(self) -> bool:
-        return self.plan is None
+        return self.profile is None
+
+    def _untimed_profile(self) -> Profile:
+        """Every stage's units with no times (what every rank knows without measuring)."""
+        names = ["embedding"] + [f"layers.{i}" for i in range(self.num_layers)] + ["output"]
+        units = [UnitProfile(n, stage_of(global_index(n, self.num_layers), self.num_layers, self.num_stages),
+                             0.0, 0, 0) for n in names]
+        return Profile(units, [0.0] * self.num_stages, 0.0, 0.0, self.tied, source="none (equal-number schedule)")
 
     def _to_average(self, iteration: int) -> List[str]:
         if self.in_warmup(iteration):
             return []
-        if self.plan is None:  # profiling steps: everything, every step (H = 1)
-            return list(self.names)
         self.slot = (iteration - self.origin) % self.interval
         return self.plan.slot_units(self.stage, self.slot)
 
     def before_forward_backward(self, iteration: int) -> None:
         if not self.active:
             return
-        if self.plan is None and self.opts.profile is not None:
+        if self.profiling and self.opts.profile is not None:
             self._plan_from_file(iteration)
         self.slot = -1
         chosen = set(self._to_average(iteration))
@@ -200,9 +207,9 @@ class DreamDDP(Synchronizer):
         self.next_issue = 0
         self.averaged = []
         self.handles = []
-        monitoring = self.plan is not None and self.opts.reprofile_interval > 0 and not self.in_warmup(iteration)
-        self.timing = self.plan is None or monitoring
-        self.blocking_sample = self.plan is None
+        monitoring = not self.profiling and self.opts.reprofile_interval > 0 and not self.in_warmup(iteration)
+        self.timing = self.profiling or monitoring
+        self.blocking_sample = self.profiling
         if self.timing:
             self.recorder.arm()
             self.recorder.begin_step()
@@ -244,11 +251,11 @@ class DreamDDP(Synchronizer):
         self.handles = []
         if self.timing:
             sample = self.recorder.sample(block=self.blocking_sample)
-            if self.plan is None:
+            if self.profiling:
                 self.samples.append({"ordinal": self.profile_steps_done, "iteration": iteration, "sample": sample})
             elif sample is not None:
                 self.monitor.append(sample)
-        if self.plan is not None and self.opts.reprofile_interval > 0 and not self.in_warmup(iteration):
+        if not self.profiling and self.opts.reprofile_interval > 0 and not self.in_warmup(iteration):
             self.monitor_exposed_s += self.ctx.comm.exposed_seconds - self._exposed_before
             self.monitor_steps += 1
 
@@ -260,7 +267,7 @@ class DreamDDP(Synchronizer):
             opt = self.ctx.optimizer
             opt.copy_main_to_model_params(opt.views([self.units[n] for n in self.averaged]))
         self.history.append((iteration, tuple(self.averaged)))
-        if self.plan is None:
+        if self.profiling:
             self.profile_steps_done += 1
             if self.profile_steps_done >= self.opts.profile_steps:
                 self._finish_profile(iteration)
@@ -378,7 +385,7 @@ class DreamDDP(Synchronizer):
     def state_dict(self) -> Dict:
         return {"version": 1,
                 "profile": dataclasses.asdict(self.profile) if self.profile is not None else {},
-                "plan": dataclasses.asdict(self.plan) if self.plan is not None else {},
+                "plan": dataclasses.asdict(self.plan),
                 "origin": self.origin, "profile_steps_done": self.profile_steps_done,
                 "samples": json.dumps(self.samples), "monitor": json.dumps(self.monitor),
                 "monitor_exposed_s": self.monitor_exposed_s, "monitor_steps": self.monitor_steps,
@@ -394,13 +401,13 @@ class DreamDDP(Synchronizer):
         self.monitor_exposed_s = float(state["monitor_exposed_s"])
         self.monitor_steps = int(state["monitor_steps"])
         self.reprofiles = int(state["reprofiles"])
+        q = state["plan"]
+        self.plan = Plan(q["interval"], q["method"], q["bubble_fill"], [StagePlan(**s) for s in q["stages"]])
         if not state["profile"]:
             return  # saved while profiling: the remaining profiling steps run after the resume
         p = state["profile"]
         self.profile = Profile([UnitProfile(**u) for u in p["units"]], list(p["tails_s"]), p["latency_s"],
                                p["seconds_per_byte"], p["tied_embeddings"], p["source"], list(p["measured_steps"]))
-        q = state["plan"]
-        self.plan = Plan(q["interval"], q["method"], q["bubble_fill"], [StagePlan(**s) for s in q["stages"]])
         note = "restored from the checkpoint"
         if self.opts.profile is not None:
             note += f" (--lsgd-dreamddp-profile {self.opts.profile} is not read: a resumed run keeps its schedule)"
@@ -408,7 +415,6 @@ class DreamDDP(Synchronizer):
                 (self.interval, self.opts.scheduler, not self.opts.no_bubble_fill):
             self.plan = build_plan(self.profile, self.interval, self.opts.scheduler, not self.opts.no_bubble_fill)
             note += "; recomputed from the checkpoint's profile for this run's --lsgd-interval / scheduler flags"
-        self.restored = True
         if self.active:
             self._announce(note + f"; periods start at iteration {self.origin + 1}")
 
@@ -416,12 +422,12 @@ class DreamDDP(Synchronizer):
         stats: Dict[str, float] = {"H": self.interval}
         if not self.active:
             return stats
-        if self.plan is None:
-            stats["profiling step"] = self.profile_steps_done
-            return stats
         if self.slot >= 0:
             stats["slot"] = self.slot + 1
         stats["synced units"] = len(self.averaged)
+        if self.profiling:
+            stats["profiling step"] = self.profile_steps_done
+            return stats
         st = self.plan.stages[self.stage]
         stats["pred exposed ms"] = 1e3 * sum(st.exposed_s) / self.interval
         if self.opts.reprofile_interval:
