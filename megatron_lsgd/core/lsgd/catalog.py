@@ -70,7 +70,8 @@ def output_dir(args: argparse.Namespace):
 
 def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None) -> None:
     """Check the whole configuration; `args` (the parsed flags) lets flags that belong to
-    another algorithm be reported instead of silently ignored."""
+    another algorithm be reported instead of silently ignored, and is handed to the
+    algorithm's own `validate` (to check its options against the model's flags)."""
     cls = synchronizer_class(config.algorithm)
     if cls.requires_multiple_sites and num_sites < 2:
         raise ValueError(f"--lsgd-algorithm {cls.name} needs --num-sites >= 2 (got {num_sites})")

@@ -77,7 +77,8 @@ class OptionGroup:
 
     def validate(self, **context) -> None:
         """Raise ValueError naming the flag; `context` carries what a group may need
-        (num_sites, the shared options, ...)."""
+        (num_sites, the shared options as `config`, the parsed command line as `args` —
+        None when validated without one — ...)."""
 
 
 @dataclass
