@@ -179,8 +179,7 @@ def test_profile_file_round_trip_and_errors(tmp_path):
     path.write_text(json.dumps({"profile": profile.to_dict()}))
     parsed = read_profile_file(str(path))
     assert parsed["backward_ms"]["layers.2"] == pytest.approx(1.0) and parsed["tails_ms"] == pytest.approx([0.1, 0.2])
-    back = Profile.from_dict(profile.to_dict())
-    assert [u.name for u in back.units] == [u.name for u in profile.units] and back.tied_embeddings
+    assert set(parsed["backward_ms"]) == {u.name for u in profile.units}
     with pytest.raises(ValueError, match="--lsgd-dreamddp-profile .*cannot read"):
         read_profile_file(str(tmp_path / "missing.json"))
     (tmp_path / "bad.json").write_text("{")

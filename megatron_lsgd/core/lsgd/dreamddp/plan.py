@@ -43,14 +43,6 @@ class Plan:
                             "predicted_exposed_ms": [1e3 * x for x in s.exposed_s], "nodes": s.nodes}
                            for s in self.stages]}
 
-    @classmethod
-    def from_dict(cls, d: Dict) -> "Plan":
-        return cls(int(d["interval"]), d["method"], bool(d["bubble_fill"]),
-                   [StagePlan(list(s["names"]), [list(x) for x in s["slots"]], [list(x) for x in s["searched"]],
-                              [list(x) for x in s["filled"]], [float(x) / 1e3 for x in s["predicted_exposed_ms"]],
-                              int(s["nodes"]))
-                    for s in d["stages"]])
-
 
 def build_plan(profile: Profile, interval: int, method: str, bubble_fill: bool) -> Plan:
     stages = []

@@ -112,15 +112,6 @@ class Profile:
                 "units": [{"name": u.name, "stage": u.stage, "backward_ms": 1e3 * u.backward_s, "bytes": u.bytes,
                            "collectives": u.collectives, "comm_ms": 1e3 * self.comm_s(u)} for u in self.units]}
 
-    @classmethod
-    def from_dict(cls, d: Dict) -> "Profile":
-        link = d["link"]
-        units = [UnitProfile(u["name"], int(u["stage"]), float(u["backward_ms"]) / 1e3, int(u["bytes"]),
-                             int(u["collectives"])) for u in d["units"]]
-        return cls(units, [float(s["tail_ms"]) / 1e3 for s in d["stages"]], float(link["latency_ms"]) / 1e3,
-                   float(link["ms_per_MB"]) / 1e3 / 2**20, bool(d["tied_embeddings"]), d.get("source", "measured"),
-                   [int(x) for x in d.get("measured_steps", [])])
-
 
 def read_profile_file(path: str) -> Dict:
     """The parts of a profile JSON a run takes from it; ValueError naming the flag."""
