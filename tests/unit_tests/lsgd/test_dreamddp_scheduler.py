@@ -13,7 +13,7 @@ import pytest
 
 from megatron_lsgd.core.lsgd.dreamddp.plan import build_plan, contiguous_count, format_plan
 from megatron_lsgd.core.lsgd.dreamddp.profile import (Profile, UnitProfile, fit_link, global_index, global_name,
-                                                      median_sample, probe_sizes, read_profile_file, stage_of)
+                                                      fastest_sample, probe_sizes, read_profile_file, stage_of)
 from megatron_lsgd.core.lsgd.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,
                                                         equal_number_schedule, fill_bubbles, schedule, slot_end,
                                                         slot_exposed, total_exposed)
@@ -151,11 +151,12 @@ def test_link_fit_and_probe_sizes():
     assert probe_sizes(10**12)[-1] == 4 * 2**20 and all(s % 4 == 0 for s in probe_sizes(12345))
 
 
-def test_median_sample_skips_unseen_start():
+def test_fastest_sample_skips_unseen_start():
     samples = [{"backward": {"a": float("nan"), "b": 2.0}, "tail": 1.0},
                {"backward": {"a": 3.0, "b": 4.0}, "tail": 3.0},
                {"backward": {"a": 5.0, "b": 6.0}, "tail": 2.0}]
-    assert median_sample(samples, ["a", "b"]) == ({"a": 4.0, "b": 4.0}, 2.0)
+    assert fastest_sample(samples, ["a", "b"]) == ({"a": 3.0, "b": 2.0}, 1.0)
+    assert fastest_sample([{"backward": {"a": float("nan")}, "tail": 0.5}], ["a"]) == ({"a": 0.0}, 0.5)
 
 
 def test_drift_detection():

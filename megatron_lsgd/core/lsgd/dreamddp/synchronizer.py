@@ -54,7 +54,7 @@ import torch.distributed as dist
 from megatron_lsgd.core.lsgd.dreamddp.plan import Plan, StagePlan, build_plan, format_plan
 from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile, StepClock,
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
-                                                      median_sample, probe_link, read_profile_file, stage_of)
+                                                      fastest_sample, probe_link, read_profile_file, stage_of)
 from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
@@ -68,7 +68,7 @@ PROFILE_FILE = "dreamddp_profile.json"
 class DreamDDPOptions(OptionGroup):
     profile_steps: int = option("--lsgd-dreamddp-profile-steps", 3,
                                 "start-up steps whose backward is timed per unit (they run the equal-number "
-                                "schedule); the first is left out of the median when there are several",
+                                "schedule); the first is left out when there are several",
                                 metavar="N")
     profile: Optional[str] = option("--lsgd-dreamddp-profile", None,
                                     "take the per-unit backward times, tails and link fit from this JSON (the "
@@ -302,7 +302,7 @@ class DreamDDP(Synchronizer):
         self.recorder.disarm()
         usable = [s for s in self.samples if s["sample"] is not None
                   and not (s["ordinal"] == 0 and self.opts.profile_steps > 1)]
-        backward, tail = median_sample([s["sample"] for s in usable], self.names)
+        backward, tail = fastest_sample([s["sample"] for s in usable], self.names)
         sizes, ranges = self._local_sizes()
         link = probe_link(self.ctx.comm, max(sizes.values(), default=0), self.device)
         latency, slope = fit_link(link)
@@ -357,7 +357,7 @@ class DreamDDP(Synchronizer):
         than the tolerance, probe the link again and reschedule (from the next iteration, a
         new period). Every decision is taken on agreed values, so all ranks take it together."""
         usable = self.monitor
-        backward, tail = median_sample(usable, self.names) if usable else (
+        backward, tail = fastest_sample(usable, self.names) if usable else (
             {u.name: u.backward_s for u in self.profile.units if u.name in self.units},
             self.profile.tails_s[self.stage])
         exposed = self.monitor_exposed_s / max(1, self.monitor_steps)
