@@ -32,10 +32,15 @@ def get_batch(data_iterator, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean token loss of the micro-batch over unmasked tokens."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
+    """Mean token loss of the micro-batch over unmasked tokens. With per_token
+    (--calculate-per-token-loss), Megatron's contract: the summed loss, the number of loss
+    tokens and the report (sum, tokens), normalized over the whole step by the schedule."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
+    if per_token:
+        total, tokens = torch.sum(losses * mask), mask.sum()
+        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.detach()])}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
     return loss, {"lm loss": loss.detach()}
 
@@ -44,7 +49,8 @@ def forward_step(data_iterator, model):
     device = next(model.parameters()).device
     batch = get_batch(data_iterator, device)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    per_token = getattr(model, "module", model).config.calculate_per_token_loss  # (model may be DDP-wrapped)
+    return output, partial(loss_func, batch["loss_mask"], per_token=per_token)
 
 
 def main(argv=None):

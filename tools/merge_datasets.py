@@ -62,8 +62,9 @@ def main(argv=None) -> None:
     try:
         prefixes = expand_inputs(args.input)
         n = merge(prefixes, args.output_prefix)
-    except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(f"error: {exc}") from None
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     print(f"merged {len(prefixes)} datasets, {n} documents -> {args.output_prefix}.{{bin,idx}}", file=sys.stderr)
 
 

@@ -41,6 +41,7 @@ class Stats:
     text_bytes: int = 0
     tokens: int = 0
     warnings: List[str] = field(default_factory=list)
+    written: Dict[str, int] = field(default_factory=dict)  # documents written per --json-keys key
 
     def add(self, other: "Stats") -> None:
         self.documents += other.documents
@@ -48,6 +49,8 @@ class Stats:
         self.bad_lines += other.bad_lines
         self.text_bytes += other.text_bytes
         self.tokens += other.tokens
+        for key, n in other.written.items():
+            self.written[key] = self.written.get(key, 0) + n
         self.warnings.extend(other.warnings[: max(0, _MAX_WARNINGS - len(self.warnings))])
 
 
@@ -99,9 +102,23 @@ def _progress(stats: Stats, start: float, label: str) -> None:
           f"{stats.text_bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
 
 
+def _empty_keys(args: argparse.Namespace, stats: Stats) -> List[str]:
+    return [key for key in args.json_keys if not stats.written.get(key)]
+
+
+def _no_documents(args: argparse.Namespace, stats: Stats) -> ValueError:
+    keys = _empty_keys(args, stats)
+    what = "no documents to write" if len(keys) == len(args.json_keys) else \
+        f"no documents for --json-keys {' '.join(keys)}"
+    return ValueError(f"{args.input}: {what} ({stats.bad_lines} bad lines and {stats.empty} empty documents "
+                      f"skipped); nothing was written")
+
+
 def process_range(args: argparse.Namespace, tok_cfg: TokenizerConfig, prefix: str, workers: int,
-                  start_line: int = 0, stop_line: Optional[int] = None, label: str = "") -> Stats:
-    """Tokenize lines [start_line, stop_line) of args.input into `{prefix}_{key}_document.*`."""
+                  start_line: int = 0, stop_line: Optional[int] = None, label: str = "",
+                  require_documents: bool = False) -> Stats:
+    """Tokenize lines [start_line, stop_line) of args.input into `{prefix}_{key}_document.*`
+    (written under temporary names and renamed at the end, so a failure leaves nothing)."""
     Encoder.init(tok_cfg, args.json_keys, args.append_eod, args.input)
     builders = {key: IndexedDatasetBuilder(data_file_path(output_prefix(prefix, key)), Encoder.dtype)
                 for key in args.json_keys}
@@ -133,9 +150,12 @@ def process_range(args: argparse.Namespace, tok_cfg: TokenizerConfig, prefix: st
                     continue
                 builders[key].add_document(doc)
                 stats.tokens += int(doc.size)
+                stats.written[key] = stats.written.get(key, 0) + 1
             stats.documents += 1
             if args.log_interval and stats.documents % args.log_interval == 0:
                 _progress(stats, start, label)
+        if require_documents and _empty_keys(args, stats):
+            raise _no_documents(args, stats)
         completed = True
     finally:
         if pool is not None:
@@ -152,9 +172,11 @@ def process_range(args: argparse.Namespace, tok_cfg: TokenizerConfig, prefix: st
 def _partition_main(args, tok_cfg, prefix, workers, start_line, stop_line, index, queue) -> None:
     try:
         queue.put((index, process_range(args, tok_cfg, prefix, workers, start_line, stop_line,
-                                        label=f"[partition {index}] "), None))
+                                        label=f"[partition {index}] "), None, False))
+    except (ValueError, OSError) as exc:  # bad input: the parent reports it as such
+        queue.put((index, None, str(exc), True))
     except BaseException as exc:  # report to the parent instead of dying silently
-        queue.put((index, None, f"{type(exc).__name__}: {exc}"))
+        queue.put((index, None, f"{type(exc).__name__}: {exc}", False))
 
 
 def run(args: argparse.Namespace) -> Stats:
@@ -163,11 +185,23 @@ def run(args: argparse.Namespace) -> Stats:
     tok_cfg.validate()
     if not os.path.isfile(args.input):
         raise FileNotFoundError(f"input file not found: {args.input}")
+    build_tokenizer(tok_cfg)  # a bad tokenizer file fails here, before any output exists
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--output-prefix {args.output_prefix}: {out_dir} is a file")
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    if args.partitions <= 1:
-        return process_range(args, tok_cfg, args.output_prefix, args.workers)
+    try:
+        if args.partitions <= 1:
+            return process_range(args, tok_cfg, args.output_prefix, args.workers, require_documents=True)
+        return _run_partitions(args, tok_cfg)
+    except BaseException:
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)  # a failed run leaves nothing behind
+        raise
 
+
+def _run_partitions(args: argparse.Namespace, tok_cfg: TokenizerConfig) -> Stats:
     total = count_lines(args.input)
     bounds = [total * i // args.partitions for i in range(args.partitions + 1)]
     workers_each = max(1, args.workers // args.partitions)
@@ -179,11 +213,11 @@ def run(args: argparse.Namespace) -> Stats:
     for p in procs:
         p.start()
     results: Dict[int, Stats] = {}
-    errors = []
+    errors, user_errors = [], []
     for _ in procs:
-        index, stats, error = queue.get()
+        index, stats, error, is_user_error = queue.get()
         if error:
-            errors.append(f"partition {index}: {error}")
+            (user_errors if is_user_error else errors).append(error if is_user_error else f"partition {index}: {error}")
         else:
             results[index] = stats
     for p in procs:
@@ -191,11 +225,22 @@ def run(args: argparse.Namespace) -> Stats:
     try:
         if errors:
             raise RuntimeError("; ".join(errors))
+        if user_errors:
+            raise ValueError(user_errors[0])
+        total = Stats()
+        for i in range(args.partitions):
+            total.add(results[i])
+        if _empty_keys(args, total):
+            raise _no_documents(args, total)
         dtype = optimal_token_dtype(build_tokenizer(tok_cfg).vocab_size)
         for key in args.json_keys:
             merged = IndexedDatasetBuilder(data_file_path(output_prefix(args.output_prefix, key)), dtype)
-            for part in part_prefixes:
-                merged.add_index(output_prefix(part, key))
+            try:
+                for part in part_prefixes:
+                    merged.add_index(output_prefix(part, key))
+            except BaseException:
+                merged.abort()
+                raise
             merged.finalize(index_file_path(output_prefix(args.output_prefix, key)))
     finally:
         for part in part_prefixes:
@@ -203,10 +248,7 @@ def run(args: argparse.Namespace) -> Stats:
                 for path in (data_file_path(output_prefix(part, key)), index_file_path(output_prefix(part, key))):
                     if os.path.exists(path):
                         os.unlink(path)
-    total_stats = Stats()
-    for i in range(args.partitions):
-        total_stats.add(results[i])
-    return total_stats
+    return total
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,14 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> Stats:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.workers < 1 or args.partitions < 1:
-        raise SystemExit("--workers and --partitions must be >= 1")
+        parser.error("--workers and --partitions must be >= 1")
     start = time.time()
     try:
         stats = run(args)
-    except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(f"error: {exc}") from None
+    except (ValueError, OSError) as exc:  # bad input (JsonlError, tokenizer files, disk full): exit 2, no traceback
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     elapsed = max(time.time() - start, 1e-9)
     outputs = ", ".join(output_prefix(args.output_prefix, k) + ".{bin,idx}" for k in args.json_keys)
     print(f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.empty} empty documents skipped, "

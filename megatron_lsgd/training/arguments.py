@@ -20,6 +20,9 @@ from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.training.checkpointing.config import CheckpointConfig
+from megatron_lsgd.training.guard import startup_checks
+from megatron_lsgd.training.megatron_compat import (CompatConfig, add_megatron_compat_args,
+                                                    apply_megatron_compat_args, normalize_megatron_args)
 from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
 
@@ -62,6 +65,7 @@ class RunConfig:
     raw_args: Optional[argparse.Namespace] = field(default=None, repr=False)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)  # Megatron run-time options (megatron_compat.py)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -167,7 +171,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer vocabulary size; TikTokenizer: its size (default there: 131072)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
 
 
@@ -183,6 +188,8 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only and start at iteration 0 (fresh optimizer, scheduler, RNG, data)")
+    g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
+                   help="skip comparing every loaded file with the SHA-256 recorded in metadata.json at save time")
 
 
 def _emulation_args(p: argparse.ArgumentParser) -> None:
@@ -202,7 +209,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, catalog.add_arguments,
-                _checkpoint_args, _emulation_args):
+                _checkpoint_args, _emulation_args, add_megatron_compat_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -237,10 +244,13 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Validate everything once; raise ValueError with a message naming the flag."""
     dims = ParallelDims.from_world(world_size, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size, args.num_sites)
+    normalize_megatron_args(args, dims)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
     if args.micro_batch_size < 1:
         raise ValueError("--micro-batch-size must be >= 1")
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise ValueError(f"--global-batch-size must be >= 1 (got {args.global_batch_size})")
     global_batch = args.global_batch_size or args.micro_batch_size * dims.dp
     per_step = args.micro_batch_size * dims.dp
     if global_batch % per_step:
@@ -313,12 +323,16 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     lsgd = catalog.config_from_args(args, dims.sites)
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
-        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune)
+        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+        verify_checksums=not args.no_verify_checkpoint_checksums)
     checkpoint.validate()
     stragglers = StragglerConfig.from_args(args)
     stragglers.validate(world_size)
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
-    return RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
-                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
-                     checkpoint=checkpoint, stragglers=stragglers)
+    run = RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
+                    tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
+                    checkpoint=checkpoint, stragglers=stragglers)
+    apply_megatron_compat_args(args, run)
+    startup_checks(args, run)
+    return run

@@ -47,7 +47,9 @@ class SiteSampler:
 def build_data_iterator(dataset, site_consumed: int, micro_batch_size: int, pgs, num_workers: int = 0,
                         cyclic: bool = False):
     """An iterator of this rank's micro-batches, starting after `site_consumed` samples of
-    its site's stream (the validation iterator is cyclic and always starts at 0)."""
+    its site's stream. A cyclic iterator (validation) restarts from the beginning whenever
+    the dataset is exhausted; `site_consumed` is then a position in that endless stream, so
+    a resumed run evaluates on the samples the uninterrupted run would have."""
     if dataset is None:
         return None
     dims = pgs.dims
@@ -62,7 +64,12 @@ def build_data_iterator(dataset, site_consumed: int, micro_batch_size: int, pgs,
     if not cyclic:
         return iter(make_loader(site_consumed))
 
+    site_chunk = micro_batch_size * dims.dp_intra
+    per_pass = len(dataset) // (site_chunk * dims.sites) * site_chunk  # this site's samples per pass
+    start = site_consumed % per_pass if per_pass else 0
+
     def forever():
+        yield from make_loader(start)
         while True:
             yield from make_loader(0)
     return forever()

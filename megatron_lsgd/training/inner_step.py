@@ -9,6 +9,13 @@
                         main -> model (ZeRO-1 all-gather inside the site)
 
 The default composition (protocol.Synchronizer.train_step) is the plain synchronous step.
+
+Megatron options folded into the parts: a batch-size schedule sets the micro-batch count
+before each step (`set_num_microbatches`); with --calculate-per-token-loss, compute_grads
+counts the site's loss tokens and reduce_in_site scales the reduced gradients by them;
+apply advances a sample-based LR schedule by the step's samples and gives the embedding
+and output layer their decoupled LR; --empty-unused-memory-level releases cached CUDA
+memory after compute_grads (1) and apply (2).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.protocol import MicroBatch
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec
@@ -41,7 +49,8 @@ class UnitHookPhase:
 
 class InnerStep:
     def __init__(self, model, optimizer, scheduler, pgs, forward_backward: Callable, forward_step_func: Callable,
-                 spec: Callable[..., ScheduleSpec], num_microbatches: int, straggler, phase: UnitHookPhase):
+                 spec: Callable[..., ScheduleSpec], num_microbatches: int, straggler, phase: UnitHookPhase,
+                 samples_per_microbatch: int = 0, empty_unused_memory_level: int = 0):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -53,10 +62,22 @@ class InnerStep:
         self._straggler = straggler
         self.phase = phase
         self.iteration = 0  # set by the loop before each step (straggler draws are per step)
+        self.samples_per_microbatch = samples_per_microbatch  # micro batch x data-parallel size (all sites)
+        self.empty_unused_memory_level = empty_unused_memory_level
+        self._last_microbatches = num_microbatches
+        self._site_tokens: Optional[torch.Tensor] = None  # --calculate-per-token-loss: this step's loss tokens
 
     @property
     def num_microbatches(self) -> int:
         return self._num_microbatches
+
+    def set_num_microbatches(self, n: int) -> None:
+        """A batch-size schedule (--rampup-batch-size) sets the coming step's count."""
+        self._num_microbatches = n
+
+    def _empty_cache(self, level: int) -> None:
+        if self.empty_unused_memory_level >= level and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def zero_grads(self) -> None:
         self.model.zero_grad_buffer()
@@ -65,19 +86,44 @@ class InnerStep:
         n = num_microbatches or self._num_microbatches
         self.model.train()
         self.phase.training, self.phase.count = True, n
+        spec = self._spec(forward_only=False, num_microbatches=n, on_forward=self.phase.forward)
         try:
             with self._straggler.around_compute(self.iteration):
-                return self._forward_backward(self._forward_step_func, data_iterator, self.model,
-                                              self._spec(forward_only=False, num_microbatches=n,
-                                                         on_forward=self.phase.forward), self.pgs)
+                losses = self._forward_backward(self._forward_step_func, data_iterator, self.model, spec, self.pgs)
         finally:
             self.phase.training = False
+        self._last_microbatches = n
+        self._site_tokens = self._count_site_tokens(spec) if spec.per_token_loss else None
+        self._empty_cache(1)
+        return losses
+
+    def _count_site_tokens(self, spec: ScheduleSpec) -> torch.Tensor:
+        """The loss tokens of the whole step on this site: the last stage counted them, the
+        other stages learn it through the pipeline group, and the site's replicas add up."""
+        device = next(iter(self.model.buckets)).grad_data.device
+        count = torch.zeros(1, dtype=torch.float64, device=device)
+        if spec.num_tokens is not None:
+            count += spec.num_tokens.to(device=device, dtype=torch.float64)
+        dims = self.pgs.dims
+        if dims.pp > 1:
+            dist.all_reduce(count, group=self.pgs.pp)
+        if dims.dp_intra > 1:
+            dist.all_reduce(count, group=self.pgs.dp_intra)
+        return count
 
     def reduce_in_site(self) -> None:
         self.model.finish_grad_sync()
+        if self._site_tokens is not None:
+            # Backward summed token losses; the reduction averaged them over dp_intra. One
+            # scale makes the gradient the site's per-token mean: x dp_intra / tokens.
+            factor = self.pgs.dims.dp_intra / max(float(self._site_tokens.item()), 1.0)
+            for bucket in self.model.buckets:
+                bucket.grad_data.mul_(factor)
 
     def apply(self) -> Tuple[bool, Optional[float]]:
-        ok, norm = self.optimizer.step(self.scheduler.next_lr())
+        samples = self._last_microbatches * self.samples_per_microbatch
+        ok, norm = self.optimizer.step(self.scheduler.next_lrs(samples))
         if ok:
-            self.scheduler.step()
+            self.scheduler.step(samples)
+        self._empty_cache(2)
         return ok, norm

@@ -8,6 +8,7 @@ megatron_lsgd/core/lsgd/protocol.py).
 from __future__ import annotations
 
 import math
+import re
 import resource
 import sys
 import time
@@ -19,21 +20,25 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
-from megatron_lsgd.core.lsgd.comm import InterSiteComm, SimulatedLink
+from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
 from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
-from megatron_lsgd.training.checkpointing import CheckpointError
 from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
+from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention_backend
+from megatron_lsgd.training.compat_runtime import flops_per_sample as compat_flops_per_sample
 from megatron_lsgd.training.data_samplers import build_data_iterator
+from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
+                                          exit_with_error, take_save_lock)
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
+from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
 from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
 
 
@@ -49,6 +54,7 @@ class TrainingResult:
     comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
     sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
     synchronizer: Optional[object] = None  # for tests and tools that inspect its state
+    traffic: Dict[str, float] = field(default_factory=dict)  # all ranks' cross-site bytes vs per-step sync
     model: Optional[torch.nn.Module] = None
     config: Optional[RunConfig] = None
 
@@ -78,7 +84,7 @@ class Trainer:
 
         link = config.lsgd.link
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
-                             config.training.distributed_timeout_minutes)
+                             config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank)
         units = model.sync_units()
         sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
@@ -95,6 +101,8 @@ class Trainer:
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
+        self.valid_ds = valid_ds
+        self.consumed_valid_samples = 0  # the whole job's validation samples, restored on resume
         self.train_iterator = build_data_iterator(train_ds, 0, t.micro_batch_size, pgs, config.data.num_workers)
         self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
                                                   cyclic=True)
@@ -104,7 +112,9 @@ class Trainer:
         self.straggler = Straggler(config.stragglers, pgs.rank)
         self.inner_step = InnerStep(self.model, self.optimizer, self.scheduler, pgs, self.forward_backward,
                                     forward_step_func, self._schedule_spec, config.num_microbatches, self.straggler,
-                                    self.phase)
+                                    self.phase, samples_per_microbatch=t.micro_batch_size * config.dims.dp,
+                                    empty_unused_memory_level=config.compat.empty_unused_memory_level)
+        self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
         self.termination = Termination(t, self.synchronizer, time.monotonic() if start_time is None else start_time,
                                        range(config.dims.world_size))
         self.iteration = 0
@@ -138,7 +148,8 @@ class Trainer:
                        on_forward: Optional[Callable[[int], None]] = None) -> ScheduleSpec:
         return ScheduleSpec(num_microbatches=num_microbatches or self.config.num_microbatches,
                             tensor_shape=self.tensor_shape, dtype=self.config.model.params_dtype, device=self.device,
-                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward)
+                            forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward,
+                            per_token_loss=self.config.model.calculate_per_token_loss)
 
     def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
@@ -146,7 +157,14 @@ class Trainer:
             return {}
         out = {}
         for key in losses[0]:
-            value = torch.stack([d[key].float() for d in losses]).mean().reshape(1)
+            stacked = torch.stack([d[key].float() for d in losses])
+            if stacked.dim() == 2:  # (loss sum, tokens) per micro-batch (--calculate-per-token-loss)
+                pair = stacked.sum(0)
+                if self.config.dims.dp_intra > 1:
+                    dist.all_reduce(pair, group=self.pgs.dp_intra)
+                out[key] = (pair[0] / pair[1].clamp(min=1)).reshape(1)
+                continue
+            value = stacked.mean().reshape(1)
             if self.config.dims.dp_intra > 1:
                 value /= self.config.dims.dp_intra
                 dist.all_reduce(value, group=self.pgs.dp_intra)
@@ -167,12 +185,15 @@ class Trainer:
         if self.valid_iterator is None or t.eval_iters == 0:
             return None
         self.synchronizer.quiesce()  # evaluate a consistent model, nothing in flight
+        self.compat.around_eval()
         self.model.eval()
         collected: List[Dict[str, torch.Tensor]] = []
         for _ in range(t.eval_iters):
             collected += self.forward_backward(self.forward_step_func, self.valid_iterator, self.model,
                                                self._schedule_spec(True), self.pgs)
+        self.consumed_valid_samples += t.eval_iters * t.global_batch_size
         self.model.train()
+        self.compat.around_eval()
         reduced = self._mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
         loss = reduced.get("lm loss")
         if loss is not None and self.pgs.rank == self.log_rank:
@@ -186,24 +207,32 @@ class Trainer:
     def train(self) -> TrainingResult:
         t = self.config.training
         result = TrainingResult(model=self.model.module, config=self.config)
-        gbs = t.global_batch_size
+        gbs = t.global_batch_size  # of the last step (a batch-size schedule changes it)
         site_samples_per_mb = t.micro_batch_size * self.config.dims.dp_intra
-        tokens_per_iter = gbs * self.config.model.seq_length
+        seq = self.config.model.seq_length
+        batch_schedule = self.config.compat.batch_schedule
+        flops_per_sample = compat_flops_per_sample(self.config.model, self.config.model.padded_vocab_size)
         sums: Dict[str, torch.Tensor] = {}
-        interval_iters = skipped = nans = total_skipped = 0
+        interval_iters = interval_samples = skipped = nans = total_skipped = 0
         norm_sum, norm_count = 0.0, 0
         comm_before = self.comm.snapshot()
         interval_start = time.perf_counter()
         run_start = interval_start
+        start_iter = self.iteration  # a resumed run counts its own steps
         while self.iteration < t.train_iters:
             self.inner_step.iteration = self.iteration
+            if batch_schedule is not None:
+                self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
             step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
             losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
             self.iteration += 1
             site_samples = step.num_microbatches * site_samples_per_mb
             self.site_consumed_samples += site_samples
             self.consumed_samples += site_samples * self.config.dims.sites
+            gbs = site_samples * self.config.dims.sites
+            interval_samples += gbs
             interval_iters += 1
+            self.compat.after_step(self.iteration)
             if not ok:
                 skipped += 1
                 total_skipped += 1
@@ -211,7 +240,10 @@ class Trainer:
                 if math.isnan(grad_norm):
                     nans += 1
                 norm_sum, norm_count = norm_sum + grad_norm, norm_count + 1
-            for k, v in self._reduce_site_losses(losses).items():
+            site_losses = self._reduce_site_losses(losses)
+            if self.config.optimizer.check_for_nan_in_grad and (ok or not t.fp16):
+                check_finite_loss(site_losses, t.fp16)
+            for k, v in site_losses.items():
                 sums[k] = sums.get(k, torch.zeros_like(v)) + v
 
             if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
@@ -224,12 +256,15 @@ class Trainer:
                 moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
                             - comm_before["bytes_sent"] - comm_before["bytes_received"]) / 2**20
                 exposed_ms = 1e3 * (comm_now["exposed_seconds"] - comm_before["exposed_seconds"]) / interval_iters
-                tokens_per_s = tokens_per_iter * interval_iters / elapsed
+                tokens_per_s = interval_samples * seq / elapsed
                 result.tokens_per_second = tokens_per_s
                 if self.pgs.rank == self.log_rank:
                     norm = norm_sum / norm_count if norm_count else None
                     extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
                              "exposed comm ms": f"{exposed_ms:.1f}"}
+                    if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
+                        tflops = flops_per_sample * interval_samples / elapsed / self.config.dims.world_size / 1e12
+                        extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
                     extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
                     print(training_log_line(self.iteration, t.train_iters, self.consumed_samples,
                                             1e3 * elapsed / interval_iters, self.scheduler.current_lr, gbs, means,
@@ -242,11 +277,12 @@ class Trainer:
                                      **self.synchronizer.stats()}, self.iteration)
                     self.json_log.write({"iteration": self.iteration, "interval_iters": interval_iters,
                                          "elapsed_s": elapsed, "wall_s": time.perf_counter() - run_start,
-                                         "tokens": tokens_per_iter * interval_iters, "tokens_per_s": tokens_per_s,
+                                         "tokens": interval_samples * seq, "tokens_per_s": tokens_per_s,
                                          "losses": means, "inter_site_bytes": moved_mb * 2**20,
                                          "exposed_comm_s": exposed_ms * interval_iters / 1e3,
                                          "sync_stats": self.synchronizer.stats()})
                 sums, interval_iters, skipped, nans, norm_sum, norm_count = {}, 0, 0, 0, 0.0, 0
+                interval_samples = 0
                 comm_before = comm_now
                 interval_start = time.perf_counter()
 
@@ -273,23 +309,51 @@ class Trainer:
             self.save_checkpoint()
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
         result.synchronizer = self.synchronizer
+        if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync
+            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter)
         if self.pgs.rank == self.log_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f" done: {self.iteration} iterations in {time.perf_counter() - run_start:.1f} s | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
+            if result.traffic:
+                print(summary_line(self.config.lsgd.algorithm, self.iteration - start_iter, result.traffic),
+                      flush=True)
             self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
                                  "wall_s": time.perf_counter() - run_start,
                                  "straggler_sleep_s": self.straggler.slept_seconds})
         self.json_log.close()
         self.tb.close()
+        self.compat.close()
         return result
 
 
-def _exit_on_bad_input(err: Exception) -> NoReturn:
-    """Bad flags or a bad checkpoint: one clear line on stderr and exit code 2, no traceback."""
-    if dist.get_rank() == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-    dist.destroy_process_group()
+def _exit_on_bad_input(err: Exception, prefix: str = "") -> NoReturn:
+    """Bad flags, files or a diverged run: one clear line on stderr and exit code 2, no traceback."""
+    exit_with_error(err, prefix)
+
+
+# How a failed collective reads: torch's DistError, or gloo's own transport errors, which its
+# synchronous collectives raise as plain RuntimeErrors. Anything else is a bug: keep its traceback.
+_COLLECTIVE_FAILURE = re.compile(r"gloo/transport|Connection (closed|reset) by peer|NCCL (error|communicator)|"
+                                 r"[Ss]ocket [Tt]imeout|Timed out waiting")
+
+
+def _is_lost_peer(err: BaseException) -> bool:
+    return isinstance(err, (InterSiteTimeout, dist.DistError)) or (
+        isinstance(err, RuntimeError) and bool(_COLLECTIVE_FAILURE.search(str(err))))
+
+
+def _exit_on_lost_peer(err: Exception, pgs) -> NoReturn:
+    """A collective failed mid-run (a peer rank or site stopped, or the network between them
+    failed): every rank that saw it says so in one line and exits 2, without a traceback and
+    without waiting for the peers that are gone."""
+    if isinstance(err, InterSiteTimeout):
+        message = str(err)
+    else:
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = (f"rank {pgs.rank} (site {pgs.site_rank}): a collective failed: another rank or site stopped or "
+                   f"the network between them failed; its own log says why [{cause}]")
+    print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2) from err
 
 
@@ -299,7 +363,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     (and the model) so tests and benchmarks can inspect the run."""
     start_time = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's does
     args = parse_args(argv, extra_args_provider)
-    device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    try:
+        device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    except ValueError as err:
+        _exit_on_bad_input(err)
     try:
         config = build_config(args, dist.get_world_size())
     except ValueError as err:
@@ -309,13 +376,28 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x DP {d.dp_intra} per site x "
               f"{d.sites} sites | algorithm {config.lsgd.algorithm} | micro-batches per step "
               f"{config.num_microbatches} | device {device}", flush=True)
+    lock = None
     try:
-        trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
-                          start_time)
-    except CheckpointError as err:
-        _exit_on_bad_input(err)
-    if dist.get_rank() == 0:
-        n = sum(p.numel() for p in trainer.model.module.parameters())
-        print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
-              flush=True)
-    return trainer.train()
+        try:  # user input: flags, tokenizer and data files, the checkpoint to load, --save
+            check_attention_backend(config.model, device)
+            lock = take_save_lock(config.checkpoint.save)
+            trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
+                              start_time)
+        except STARTUP_ERRORS as err:
+            _exit_on_bad_input(err)
+        if dist.get_rank() == 0:
+            n = sum(p.numel() for p in trainer.model.module.parameters())
+            print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
+                  flush=True)
+        try:  # a diverged run, a failed save (disk full), a corrupt sample, a lost peer
+            return trainer.train()
+        except RUN_ERRORS as err:
+            _exit_on_bad_input(err, prefix=f"iteration {trainer.iteration + 1}: " if isinstance(
+                err, NonFiniteError) else "")
+        except RuntimeError as err:
+            if not _is_lost_peer(err):
+                raise
+            _exit_on_lost_peer(err, trainer.pgs)
+    finally:
+        if lock is not None:
+            lock.release()

@@ -19,6 +19,26 @@ from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices
 from megatron_lsgd.training.initialize import free_port
 
 
+def tree_digest(path: str) -> Dict[str, str]:
+    """Relative path -> SHA-256 of every file under `path` (or of `path` itself), plus every
+    directory, so a test can show that a failed command changed nothing on disk."""
+    import hashlib
+
+    if not os.path.exists(path):
+        return {}
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return {".": hashlib.sha256(f.read()).hexdigest()}
+    out = {}
+    for dirpath, dirs, files in os.walk(path):
+        out[os.path.relpath(dirpath, path) + "/"] = "dir"
+        for name in files:
+            full = os.path.join(dirpath, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
 def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -35,7 +55,8 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
     anchors = getattr(getattr(result.synchronizer, "outer", None), "anchors", None)
     torch.save({"anchors": [a.clone() for a in anchors] if anchors else None, "losses": result.logged_losses,
                 "valid": result.validation_losses, "params": params, "skipped": result.skipped_iterations,
-                "coords": pgs.coords, "tp": pgs.dims.tp, "comm": result.comm, "sync_stats": result.sync_stats},
+                "coords": pgs.coords, "tp": pgs.dims.tp, "comm": result.comm, "sync_stats": result.sync_stats,
+                "traffic": result.traffic},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -30,7 +30,6 @@ def test_defaults_build():
     (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-query-groups 3"),
     (["--group-query-attention", "--num-query-groups", "4", "--tensor-model-parallel-size", "8",
       "--num-attention-heads", "8"], 8, "--num-query-groups 4 is not divisible by --tensor-model-parallel-size 8"),
-    (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--bf16", "--fp16"], 1, "mutually exclusive"),
     (["--lr-warmup-iters", "10", "--lr-decay-iters", "5"], 1, "--lr-decay-iters 5 is shorter"),
     (["--lr", "0"], 1, "--lr must be > 0"),
@@ -38,6 +37,16 @@ def test_defaults_build():
     (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "16"], 1,
      "--seq-length 32 exceeds --max-position-embeddings 16"),
     (["--split", "90,x,1"], 1, "--split"),
+    # Validated as the user gave them, not after defaults were derived from them.
+    (["--hidden-size", "66"], 1, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
+    (["--kv-channels", "0"], 1, "--kv-channels must be >= 1 (got 0)"),
+    (["--ffn-hidden-size", "0"], 1, "--ffn-hidden-size must be >= 1"),
+    (["--global-batch-size", "0"], 1, "--global-batch-size must be >= 1 (got 0)"),
+    (["--global-batch-size", "-4"], 1, "--global-batch-size must be >= 1 (got -4)"),
+    (["--norm-epsilon", "0"], 1, "--norm-epsilon must be > 0"),
+    (["--vocab-size", "-3"], 1, "--vocab-size must be >= 2"),
+    (["--fp16", "--loss-scale", "0"], 1, "--loss-scale 0.0 must be > 0"),
+    (["--loss-scale-window", "0"], 1, "--loss-scale-window and --hysteresis must be >= 1"),
 ])
 def test_bad_arguments_name_the_flag(extra, world, message):
     with pytest.raises(ValueError) as err:
@@ -59,3 +68,34 @@ def test_pretrain_exits_with_message(tmp_path):
     assert out.returncode == 2
     assert "error: --global-batch-size 3 is not divisible" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_hidden_size_with_explicit_kv_channels_builds():
+    c = config(["--hidden-size", "66", "--kv-channels", "16"])
+    assert c.model.kv_channels == 16
+
+
+@pytest.mark.parametrize("flag,kind,message", [
+    ("--json-log", "dir", "is a directory; give a file path"),
+    ("--tensorboard-dir", "file", "is a file; give a directory"),
+    ("--data-cache-path", "file", "is a file; give a directory"),
+    ("--json-log", "under_file", "cannot be created"),
+])
+def test_output_paths_are_checked_before_the_run(tmp_path, flag, kind, message):
+    target = tmp_path / "x"
+    if kind == "dir":
+        target.mkdir()
+    elif kind == "file":
+        target.write_text("")
+    else:
+        target.write_text("")
+        target = target / "log.jsonl"
+    with pytest.raises(ValueError) as err:
+        config([flag, str(target)])
+    assert f"{flag} {target}" in str(err.value) and message in str(err.value)
+
+
+def test_sequence_parallel_without_tensor_parallel_is_turned_off_with_a_warning(capsys):
+    c = config(["--sequence-parallel"])  # Megatron's Llama 3 8B script passes it with TP 1
+    assert c.model.sequence_parallel is False
+    assert "--sequence-parallel has no effect with --tensor-model-parallel-size 1" in capsys.readouterr().err

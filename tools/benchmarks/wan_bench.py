@@ -3,8 +3,8 @@
     python tools/benchmarks/wan_bench.py                                  # default scenario
     python tools/benchmarks/wan_bench.py --slow-ranks 1 --slow-factor 2   # one 2x straggler
     python tools/benchmarks/wan_bench.py --algorithms sync,diloco --algo-args "diloco=--lsgd-interval 10"
-    python tools/benchmarks/wan_bench.py --algorithms dreamddp,dreamddp:dreamddp-enp \
-        --algo-args "dreamddp-enp=--lsgd-dreamddp-scheduler equal"   # one algorithm twice, labelled
+    python tools/benchmarks/wan_bench.py --algorithms diloco,dilocox,dilocox-int4=dilocox \
+        --algo-args "dilocox-int4=--lsgd-compression int4"            # two runs of one algorithm
 
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
 trains alone, at the same time, with the same per-site batch and --num-sites 1, so no
@@ -51,11 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_link_args(p)
     p.add_argument("--algorithms", default=",".join(registered_algorithms()),
-                   help="comma-separated runs, each an --lsgd-algorithm value or ALGORITHM:LABEL (the same "
-                        "algorithm more than once, with its own --algo-args) (default: every registered one)")
-    p.add_argument("--algo-args", action="append", default=[], metavar="NAME=FLAGS",
-                   help="extra pretrain_gpt.py flags for one run (its algorithm or label), e.g. "
-                        "'diloco=--lsgd-interval 10'")
+                   help="comma-separated runs: an --lsgd-algorithm value, or LABEL=ALGORITHM to run one algorithm "
+                        "more than once under different --algo-args (default: every registered algorithm once)")
+    p.add_argument("--algo-args", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="extra pretrain_gpt.py flags for one run, e.g. 'diloco=--lsgd-interval 10'")
     p.add_argument("--extra-args", default="", help="extra pretrain_gpt.py flags for every run (ceiling too)")
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size inside a site")
@@ -73,22 +72,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="default: runs/wan_bench/<date-time>")
     p.add_argument("--timeout-per-run", type=float, default=1800.0)
     a = p.parse_args(argv)
-    runs = [x for x in a.algorithms.split(",") if x]
-    a.run_algorithm = {}  # run name -> --lsgd-algorithm
-    for item in runs:
-        algo, _, label = item.partition(":")
+    runs: Dict[str, str] = {}  # label -> algorithm, in order
+    for item in (x for x in a.algorithms.split(",") if x):
+        label, _, algo = item.partition("=")
+        algo = algo or label
         if algo not in registered_algorithms():
-            p.error(f"--algorithms: {algo} not registered (have: {', '.join(registered_algorithms())})")
-        name = label or algo
-        if name in a.run_algorithm or name == wan_report.CEILING:
-            p.error(f"--algorithms: run name {name!r} is used twice (give ALGORITHM:LABEL)")
-        a.run_algorithm[name] = algo
-    a.algorithms = list(a.run_algorithm)
+            p.error(f"--algorithms: {algo!r} is not registered (have: {', '.join(registered_algorithms())})")
+        if label in runs or label == wan_report.CEILING:
+            p.error(f"--algorithms: the label {label!r} is used twice (or is reserved)")
+        runs[label] = algo
+    if not runs:
+        p.error("--algorithms: name at least one run")
+    a.algorithms = list(runs)
+    a.run_algorithm = runs
     per_algo: Dict[str, List[str]] = {}
     for item in a.algo_args:
         name, _, flags = item.partition("=")
-        if name not in a.algorithms:
-            p.error(f"--algo-args {item!r}: {name!r} is not among the runs of --algorithms")
+        if name not in runs:
+            p.error(f"--algo-args {item!r}: {name!r} is not among --algorithms")
         per_algo[name] = shlex.split(flags)
     a.per_algo = per_algo
     if a.site_batch_size % (a.micro_batch_size * (a.ranks_per_site // (a.tp * a.pp) or 1)):
@@ -125,6 +126,7 @@ def scenario(a: argparse.Namespace, backend: str) -> dict:
                      "vocab 8k (7.2M parameters)",
             "seq_length": a.seq_length, "site_batch_size": a.site_batch_size, "micro_batch_size": a.micro_batch_size,
             "train_iters": a.train_iters, "algorithm_args": {k: " ".join(v) for k, v in a.per_algo.items()},
+            "runs": {label: algo for label, algo in a.run_algorithm.items()},
             "extra_args": a.extra_args, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}",
             "command": " ".join(shlex.quote(x) for x in sys.argv)}
@@ -138,7 +140,11 @@ def main(argv=None) -> int:
         print("error: megatron_lsgd._C is not built; run `pip install -e .` (or `python setup.py build_ext "
               "--inplace`) in the repository root", file=sys.stderr)
         return 2
-    slow = [int(r) for r in a.slow_ranks.split(",") if r.strip()]
+    try:
+        slow = [int(r) for r in a.slow_ranks.split(",") if r.strip()]
+    except ValueError:
+        print(f"error: --slow-ranks {a.slow_ranks!r}: give comma-separated rank numbers", file=sys.stderr)
+        return 2
     world_per_site = a.ranks_per_site
     logs = os.path.join(a.out_dir, "logs")
     raise_on_termination()
@@ -166,7 +172,7 @@ def main(argv=None) -> int:
                 _run(wan, jobs, a, algo)
                 summaries[algo] = wan_report.summarize(wan_report.read_log(json_log), a.warmup_intervals)
             backend = wan.backend
-    except (WanError, RuntimeError, TimeoutError) as err:
+    except (WanError, RuntimeError, TimeoutError, ValueError) as err:  # ValueError: link or topology flags
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -13,6 +13,9 @@ streams tensors through a queue between two processes; this tool holds the full 
 CPU memory once, which is simpler and fine up to a few tens of billions of parameters.
 Model weights only: optimizer state is not resharded (resume with --no-load-optim
 --no-load-rng). See docs/checkpointing.md.
+
+The source is never written: --save-dir may not be --load-dir, lie inside it or contain it,
+and must be empty or new unless --overwrite is given.
 """
 
 from __future__ import annotations
@@ -43,8 +46,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loader", required=True, choices=PLUGINS, help="format of --load-dir")
     p.add_argument("--saver", required=True, choices=PLUGINS, help="format of --save-dir")
     p.add_argument("--load-dir", required=True)
-    p.add_argument("--save-dir", required=True)
+    p.add_argument("--save-dir", required=True, help="a new or empty directory (see --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --save-dir: an lsgd saver adds (or replaces) the iteration and "
+                        "moves the tracker to it; the hf saver replaces the directory's contents")
     return p
+
+
+def check_paths(load_dir: str, save_dir: str, overwrite: bool) -> None:
+    """Refuse anything that could write over the source or over other data."""
+    src, dst = os.path.realpath(load_dir), os.path.realpath(save_dir)
+    if src == dst:
+        raise ValueError(f"--save-dir {save_dir} is --load-dir: converting in place would overwrite the source; "
+                         f"choose a new directory")
+    if dst.startswith(src + os.sep):
+        raise ValueError(f"--save-dir {save_dir} is inside --load-dir {load_dir}: writing there would change the "
+                         f"source checkpoint; choose a directory outside it")
+    if src.startswith(dst + os.sep):
+        raise ValueError(f"--load-dir {load_dir} is inside --save-dir {save_dir}: writing the output would replace "
+                         f"or delete the source; choose a directory outside it")
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ValueError(f"--save-dir {save_dir} is a file")
+    if os.path.isdir(save_dir) and not overwrite:
+        present = sorted(os.listdir(save_dir))
+        if present:
+            raise ValueError(f"--save-dir {save_dir} is not empty (it holds {', '.join(present[:4])}"
+                             f"{', ...' if len(present) > 4 else ''}): choose a new or empty directory, or pass "
+                             f"--overwrite to write into it")
+
+
+DROPPED_STATE_NOTE = (
+    "note: model weights only. The source's optimizer state (Adam moments, fp32 main weights, loss scale), its "
+    "synchronizer state (anchors, outer momentum, error feedback) and RNG states are not converted. Resume with "
+    "--no-load-optim --no-load-rng: the iteration, consumed samples (data position) and the LR schedule continue; "
+    "Adam restarts from zero moments with its bias correction, local-SGD rounds restart from the loaded weights, "
+    "and dropout draws differ. A short re-warmup (--lr-warmup-iters) avoids a loss spike from the fresh moments.")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -56,15 +92,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     saver.add_arguments(parser)
     args = parser.parse_args(argv)
     from megatron_lsgd.training.checkpointing.errors import CheckpointError
+    from megatron_lsgd.training.checkpointing.lock import SaveLock
 
+    lock = None
     try:
+        check_paths(args.load_dir, args.save_dir, args.overwrite)
         model = loader.load_checkpoint(args)
+        if os.path.isdir(args.save_dir):  # a training run saving there holds this lock
+            lock = SaveLock(args.save_dir, flag="--save-dir")
+            lock.acquire()
         where = saver.save_checkpoint(model, args)
-    except CheckpointError as err:
+    except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:
+            lock.release()
     n = sum(t.numel() for t in model.params.values())
     print(f"converted {args.loader}:{args.load_dir} -> {args.saver}:{where} ({n:,} parameters)")
+    if args.saver == "lsgd" and getattr(model, "source_has_optimizer", False):
+        print(DROPPED_STATE_NOTE)
     return 0
 
 

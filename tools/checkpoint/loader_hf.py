@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_lsgd.training.checkpointing.full_model import FullModel, check_complete
 from megatron_lsgd.training.checkpointing.hf_io import read_hf
-from megatron_lsgd.training.checkpointing.hf_mapping import from_hf
+from megatron_lsgd.training.checkpointing.hf_mapping import from_hf, hf_tokenizer_info
 
 
 def add_arguments(parser) -> None:
@@ -16,6 +16,7 @@ def load_checkpoint(args) -> FullModel:
     config, params = from_hf(hf_config, tensors)
     # saver_lsgd copies the tokenizer files into the checkpoint and points tokenizer_model there.
     args_out = {"tokenizer_type": "HuggingFaceTokenizer"} if tokenizer_files else {}
-    model = FullModel(config, params, args=args_out, tokenizer_files=tokenizer_files)
+    model = FullModel(config, params, args=args_out, tokenizer_files=tokenizer_files,
+                      tokenizer=hf_tokenizer_info(hf_config))
     check_complete(model, args.load_dir)
     return model

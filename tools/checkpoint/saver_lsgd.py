@@ -12,4 +12,12 @@ def add_arguments(parser) -> None:
 
 
 def save_checkpoint(model: FullModel, args) -> str:
-    return write_lsgd(model, args.save_dir, args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError("--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1")
+    try:
+        model.config.validate(tp, pp)
+    except ValueError as err:  # the model's own flags do not exist here: name this tool's
+        raise ValueError(f"cannot split the model for --target-tensor-parallel-size {tp} x "
+                         f"--target-pipeline-parallel-size {pp}: {err}") from None
+    return write_lsgd(model, args.save_dir, tp, pp)

@@ -141,6 +141,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     script = a.script[1:] if a.script[:1] == ["--"] else a.script
     if not script:
         p.error("give the training script after --, e.g. -- pretrain_gpt.py --num-layers 2 ...")
+    if a.ranks_per_site < 1 or not a.timeout > 0:
+        p.error("--ranks-per-site must be >= 1 and --timeout > 0")
     if "--num-sites" not in script:
         script += ["--num-sites", str(a.sites)]
     raise_on_termination()
@@ -150,7 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"logs in {a.log_dir}", flush=True)
             codes = run_jobs(wan, multi_site_jobs(wan, a.ranks_per_site, script, a.master_port, a.log_dir, "run"),
                              a.timeout)
-    except (WanError, TimeoutError) as err:
+    except (WanError, TimeoutError, ValueError) as err:  # ValueError: link or topology flags
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -22,16 +22,17 @@ class LinkSpec:
     queue_ms: float = 100.0  # longest wait for the rate limiter before tail drop (tbf's `latency`)
 
     def validate(self) -> None:
-        if self.rate_mbit <= 0:
-            raise ValueError(f"rate {self.rate_mbit} Mbit/s must be > 0")
-        if self.delay_ms < 0 or self.jitter_ms < 0:
-            raise ValueError("delay and jitter must be >= 0")
+        # Messages name the command-line flags every WAN tool uses for these fields.
+        if not self.rate_mbit > 0:
+            raise ValueError(f"--rate-mbit {self.rate_mbit} must be > 0")
+        if not (self.delay_ms >= 0 and self.jitter_ms >= 0):
+            raise ValueError(f"--delay-ms {self.delay_ms} and --jitter-ms {self.jitter_ms} must be >= 0")
         if self.jitter_ms > self.delay_ms:
-            raise ValueError(f"jitter {self.jitter_ms} ms must not exceed the delay {self.delay_ms} ms")
+            raise ValueError(f"--jitter-ms {self.jitter_ms} must not exceed --delay-ms {self.delay_ms}")
         if not 0 <= self.loss_pct < 100:
-            raise ValueError(f"loss {self.loss_pct}% must be in [0, 100)")
-        if self.queue_ms <= 0:
-            raise ValueError("queue_ms must be > 0")
+            raise ValueError(f"--loss-pct {self.loss_pct} must be in [0, 100)")
+        if not self.queue_ms > 0:
+            raise ValueError(f"--queue-ms {self.queue_ms} must be > 0")
 
     @property
     def needs_netem(self) -> bool:

@@ -15,6 +15,7 @@ import argparse
 import json
 import socket
 import struct
+import sys
 import time
 
 CHUNK = 1 << 16
@@ -113,12 +114,18 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if not 0 < a.bytes <= 1 << 30:
         p.error("--bytes must be in 1..1 GB")
-    if a.mode == "serve":
-        serve(a.port, a.timeout, a.connections)
-    elif a.mode == "bulk":
-        print(json.dumps(bulk(a.host, a.port, a.bytes, a.timeout)), flush=True)
-    else:
-        print(json.dumps(rtt(a.host, a.port, a.count, a.timeout)), flush=True)
+    if a.count < 1 or a.connections < 1 or not a.timeout > 0:
+        p.error("--count and --connections must be >= 1 and --timeout > 0")
+    try:
+        if a.mode == "serve":
+            serve(a.port, a.timeout, a.connections)
+        elif a.mode == "bulk":
+            print(json.dumps(bulk(a.host, a.port, a.bytes, a.timeout)), flush=True)
+        else:
+            print(json.dumps(rtt(a.host, a.port, a.count, a.timeout)), flush=True)
+    except OSError as err:  # refused, unreachable, timed out, port in use
+        print(f"error: {a.mode} {a.host}:{a.port}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

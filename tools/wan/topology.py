@@ -60,9 +60,9 @@ class WanTopology:
     def __init__(self, sites: int, link: LinkSpec, backend: str = "auto", subnet: str = "10.77.0",
                  mtu: Optional[int] = None, seed: int = 0, capabilities: Optional[Capabilities] = None):
         if not 1 <= sites <= 250:
-            raise ValueError(f"sites {sites} must be in 1..250 (one /24)")
+            raise ValueError(f"--sites {sites} must be in 1..250 (one /24)")
         if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
-            raise ValueError(f"subnet {subnet!r}: give the first three octets of a private 10.x.y.0/24")
+            raise ValueError(f"--subnet {subnet!r}: give the first three octets of a private 10.x.y.0/24")
         link.validate()
         self.sites, self.link, self.requested_backend, self.subnet = sites, link, backend, subnet
         self.mtu, self.seed, self._caps = mtu, seed, capabilities

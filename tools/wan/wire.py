@@ -163,7 +163,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if len(namespaces) != len(addresses):
         p.error("--namespaces and --addresses need one entry per site")
     spec = LinkSpec(a.rate_mbit, a.delay_ms, a.jitter_ms, a.loss_pct, a.queue_ms)
-    spec.validate()
+    try:
+        spec.validate()
+    except ValueError as err:
+        p.error(str(err))
 
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

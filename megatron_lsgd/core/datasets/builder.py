@@ -109,7 +109,7 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, num_samples: Seq
 
     prefixes, weights = parse_data_path(cfg.data_path)
     fractions = parse_split(cfg.split)
-    indexed = [IndexedDataset(p) for p in prefixes]
+    indexed = [IndexedDataset(p, mmap=cfg.mmap_bin_files) for p in prefixes]
     for ds in indexed:
         check_tokenizer_matches(ds, tokenizer.vocab_size)
     if weights is None:  # plain list of prefixes: blend in proportion to their tokens

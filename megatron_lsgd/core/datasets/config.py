@@ -19,6 +19,7 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     num_workers: int = 0
+    mmap_bin_files: bool = True  # False (--no-mmap-bin-files): read each .bin into memory
 
     def validate(self) -> None:
         if not self.mock_data and not self.data_path:

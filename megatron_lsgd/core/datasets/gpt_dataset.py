@@ -18,7 +18,7 @@ import torch
 
 from .helpers import build_sample_idx
 from .index_cache import IndexCache
-from .indexed_dataset import IndexedDataset
+from .indexed_dataset import IndexedDataset, IndexedDatasetError
 from .masks import ltor_fields
 
 _INDEX_FORMAT_VERSION = 1  # bump when the index semantics change so old caches are ignored
@@ -128,7 +128,7 @@ class GPTDataset(torch.utils.data.Dataset):
         if self.vocab_size is not None:
             lo, hi = int(text.min()), int(text.max())
             if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"{self.indexed.bin_path}: token id {hi if hi >= self.vocab_size else lo} "
+                raise IndexedDatasetError(f"{self.indexed.bin_path}: token id {hi if hi >= self.vocab_size else lo} "
                                  f"outside the tokenizer's vocabulary [0, {self.vocab_size}); "
                                  f"was this dataset preprocessed with a different tokenizer?")
         tokens = text[:-1]

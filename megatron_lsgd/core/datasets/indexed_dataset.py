@@ -146,14 +146,16 @@ class _Index:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of a `.bin/.idx` pair.
+    """Read-only, memory-mapped view of a `.bin/.idx` pair (`mmap=False`: the .bin is read
+    into memory instead, Megatron's --no-mmap-bin-files).
 
     `ds[i]` is sequence i as a numpy array; `ds.get(i, offset, length)` a slice of it
     (what the GPT dataset uses to cut samples that straddle sequences).
     """
 
-    def __init__(self, path_prefix: str):
+    def __init__(self, path_prefix: str, mmap: bool = True):
         self.path_prefix = _strip_suffix(path_prefix)
+        self.mmap = mmap
         self.idx_path = index_file_path(self.path_prefix)
         self.bin_path = data_file_path(self.path_prefix)
         for p in (self.idx_path, self.bin_path):
@@ -163,15 +165,19 @@ class IndexedDataset:
         bin_size = os.path.getsize(self.bin_path)
         self.index = _Index(self.idx_path, bin_size, self.bin_path)
         # np.memmap refuses empty files; an empty dataset simply has no token buffer.
-        self._bin = (np.memmap(self.bin_path, mode="r", dtype=np.uint8) if bin_size
-                     else np.zeros(0, dtype=np.uint8))
+        if not bin_size:
+            self._bin = np.zeros(0, dtype=np.uint8)
+        elif mmap:
+            self._bin = np.memmap(self.bin_path, mode="r", dtype=np.uint8)
+        else:
+            self._bin = np.fromfile(self.bin_path, dtype=np.uint8)
 
-    # Pickle by path (DataLoader workers under spawn): reopen instead of copying the memmaps.
+    # Pickle by path (DataLoader workers under spawn): reopen instead of copying the buffers.
     def __getstate__(self) -> dict:
-        return {"path_prefix": self.path_prefix}
+        return {"path_prefix": self.path_prefix, "mmap": self.mmap}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path_prefix"])
+        self.__init__(state["path_prefix"], state.get("mmap", True))
 
     @property
     def dtype(self) -> np.dtype:
@@ -227,14 +233,17 @@ class IndexedDatasetBuilder:
     """Streams tokens to `{prefix}.bin` and writes `{prefix}.idx` on `finalize()`.
 
     Each `add_document` call is one sequence and one document (what preprocessing writes);
-    `add_item` + `end_document` build multi-sequence documents.
+    `add_item` + `end_document` build multi-sequence documents. Both files are written under
+    temporary names and renamed by `finalize()`, so an existing pair is untouched until the
+    new one is complete, and `abort()` (or a crash) leaves it as it was.
     """
 
     def __init__(self, bin_path: str, dtype: Union[np.dtype, type] = np.int32):
         self.dtype = np.dtype(dtype)
         self._code = dtype_code(self.dtype)
         self.bin_path = bin_path
-        self._file: BinaryIO = open(bin_path, "wb")
+        self._tmp_bin = f"{bin_path}.tmp.{os.getpid()}"
+        self._file: BinaryIO = open(self._tmp_bin, "wb")
         self._lengths = array("q")
         self._doc_idx = array("q", [0])
         if np.issubdtype(self.dtype, np.integer):
@@ -294,21 +303,32 @@ class IndexedDatasetBuilder:
             other.close()
 
     def abort(self) -> None:
-        """Close and delete the partial .bin (on error before finalize)."""
+        """Close and delete the partial output (on error before finalize)."""
         self._file.close()
-        if os.path.exists(self.bin_path):
-            os.unlink(self.bin_path)
+        if os.path.exists(self._tmp_bin):
+            os.unlink(self._tmp_bin)
 
     def finalize(self, idx_path: str) -> None:
         self._file.close()
+        tmp_idx = f"{idx_path}.tmp.{os.getpid()}"
         lengths = np.frombuffer(self._lengths, dtype=np.int64) if len(self._lengths) else np.zeros(0, np.int64)
         pointers = np.zeros(lengths.size, dtype="<i8")
         if lengths.size > 1:
             np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
-        with open(idx_path, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, lengths.size, doc_idx.size))
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.tobytes())
-            f.write(doc_idx.astype("<i8").tobytes())
+        try:
+            with open(tmp_idx, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, lengths.size, doc_idx.size))
+                f.write(lengths.astype("<i4").tobytes())
+                f.write(pointers.tobytes())
+                f.write(doc_idx.astype("<i8").tobytes())
+        except BaseException:
+            for path in (tmp_idx, self._tmp_bin):
+                if os.path.exists(path):
+                    os.unlink(path)
+            raise
+        # .bin first: a reader between the two renames sees the new .bin with the old .idx,
+        # which the index check (sizes against the .bin) refuses loudly.
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(tmp_idx, idx_path)
 

@@ -66,9 +66,13 @@ class InterSiteWork:
         try:
             self._work.wait()
         except RuntimeError as err:  # gloo/nccl timeout or a peer that closed its connection
+            c = self._comm
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise InterSiteTimeout(
-                f"inter-site collective failed or did not complete within --distributed-timeout-minutes "
-                f"{self._comm.timeout_minutes}: a peer site may have disappeared ({err})") from err
+                f"rank {c.rank} (site {c.site}): an inter-site collective failed after "
+                f"{time.perf_counter() - t0:.1f} s of waiting (the limit is --distributed-timeout-minutes "
+                f"{c.timeout_minutes}): a peer site stopped or its network failed; its own log says why "
+                f"[{cause}]") from err
         remaining = self._ready_at - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -78,9 +82,10 @@ class InterSiteWork:
 
 class InterSiteComm:
     def __init__(self, group, num_sites: int, link: Optional[SimulatedLink] = None,
-                 timeout_minutes: Optional[float] = None):
+                 timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None):
         self.group = group
         self.num_sites = num_sites
+        self.rank, self.site = rank, site  # named in error messages
         self.link = link or SimulatedLink()
         self.timeout_minutes = timeout_minutes
         self.bytes_sent = 0

@@ -26,6 +26,7 @@ class LocalSGDBase(Synchronizer, abc.ABC):
     """Shared by the DiLoCo family: warm-up, anchors, rounds of H inner steps."""
 
     uses = frozenset({"rounds", "outer", "compression"})
+    inert_with_one_site = True
 
     def __init__(self, ctx: SyncContext, energy: float = 0.9):
         super().__init__(ctx)

@@ -127,8 +127,10 @@ class Synchronizer:
     Options: ClassVar[type] = NoOptions
     # Shared option groups it reads (config.SHARED_GROUPS): "rounds", "outer", "compression".
     uses: ClassVar[FrozenSet[str]] = frozenset()
-    # True when the algorithm only makes sense with more than one site.
+    # True when the algorithm only makes sense with more than one site (an error at start).
     requires_multiple_sites: ClassVar[bool] = False
+    # True when it runs with one site but then does nothing (a warning at start).
+    inert_with_one_site: ClassVar[bool] = False
     # False when sites take different numbers of inner steps (A-EDiT): the loop then cannot
     # agree on stopping by itself and asks `agree_to_stop` instead.
     lockstep: ClassVar[bool] = True

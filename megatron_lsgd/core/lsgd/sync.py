@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import torch
+
+from megatron_lsgd.core.distributed.collectives import all_gather_flat
 from megatron_lsgd.core.lsgd.compressors import CompressorBank
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
@@ -18,20 +21,49 @@ from megatron_lsgd.core.lsgd.registry import register
 
 def average_grads_across_sites(ctx: SyncContext, compressors: Optional[CompressorBank] = None) -> None:
     """Blocking mean of this rank's gradient shards over dp_inter (also used for the
-    synchronous warm-up steps of the local-SGD algorithms, always uncompressed)."""
+    synchronous warm-up steps of the local-SGD algorithms, always uncompressed).
+
+    Under ZeRO-1 each rank owns a different shard, so the site's traffic is already split
+    over its DP_intra links. Without ZeRO-1 every rank of the site holds the same, already
+    reduced, full gradient: each then averages only its 1/DP_intra part across sites and
+    the site all-gathers the parts, instead of every rank sending everything."""
     comm = ctx.comm
     if comm.num_sites == 1:
         return
     views = ctx.optimizer.views()
+    dims, pgs = ctx.pgs.dims, ctx.pgs
+    split = dims.dp_intra > 1 and not ctx.optimizer.sharded
+    mine = views.part(pgs.dp_intra_rank, dims.dp_intra) if split else views
     if compressors is None:
-        handles = [comm.all_reduce_mean(grad, async_op=True) for grad in views.grad]
+        handles = [comm.all_reduce_mean(grad, async_op=True) for grad in mine.grad]
         for h in handles:
             h.wait()
-    else:
-        compressor = compressors.for_views(views, views.grad[0].device)
-        for grad, mean in zip(views.grad, run_blocking(compressor.reduce(views.grad))):
+    elif mine.ranges:  # every rank of a dp_inter group has the same part index: all skip together
+        compressor = compressors.for_views(mine, mine.grad[0].device)
+        for grad, mean in zip(mine.grad, run_blocking(compressor.reduce(mine.grad))):
             grad.copy_(mean)
+    if split:
+        _gather_parts(views.grad, dims.dp_intra, pgs.dp_intra_rank, pgs.dp_intra)
     comm.rounds += 1
+
+
+def _gather_parts(tensors, parts: int, index: int, group) -> None:
+    """Inverse of ShardViews.part inside the site: every rank contributes its part of each
+    tensor (padded to the ceil-sized chunk), one all-gather, everyone copies the whole back."""
+    chunks = [-(-t.numel() // parts) for t in tensors]
+    send = torch.zeros(sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
+    offset = 0
+    for t, chunk in zip(tensors, chunks):
+        lo, hi = min(t.numel(), index * chunk), min(t.numel(), (index + 1) * chunk)
+        send[offset:offset + hi - lo] = t[lo:hi]
+        offset += chunk
+    recv = torch.empty(parts * send.numel(), dtype=send.dtype, device=send.device)
+    all_gather_flat(recv, send, group=group)
+    whole = recv.view(parts, -1)
+    offset = 0
+    for t, chunk in zip(tensors, chunks):
+        t.copy_(whole[:, offset:offset + chunk].reshape(-1)[:t.numel()])
+        offset += chunk
 
 
 @register

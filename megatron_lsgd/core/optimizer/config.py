@@ -17,14 +17,24 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
     lr_decay_style: str = "linear"  # constant | linear | cosine
-    lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None  # default: --train-iters
+    lr_warmup_iters: float = 0  # in lr_unit (a float with --lr-warmup-fraction)
+    lr_decay_iters: Optional[int] = None  # in lr_unit; default: --train-iters
+    # "iterations", or "samples" (Megatron's sample-based schedule: the scheduler advances by
+    # each step's global batch, warmup and decay spans count samples).
+    lr_unit: str = "iterations"
+    # --decoupled-lr / --decoupled-min-lr: the input embedding and output layer follow the same
+    # schedule shape between these bounds instead of lr / min_lr.
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
     # fp16 dynamic loss scaling (ignored unless --fp16)
     loss_scale: Optional[float] = None  # static scale when set
     initial_loss_scale: float = 2.0 ** 32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # Stop (NonFiniteError) instead of applying an update whose gradient norm is NaN/Inf
+    # (Megatron's --check-for-nan-in-loss-and-grad; fp16 overflow skips are not affected).
+    check_for_nan_in_grad: bool = True
 
     def validate(self, train_iters: int) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -50,3 +60,10 @@ class OptimizerConfig:
             raise ValueError("--weight-decay must be >= 0")
         if self.clip_grad < 0:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ValueError(f"--loss-scale {self.loss_scale} must be > 0")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ValueError(f"--min-loss-scale {self.min_loss_scale} and --initial-loss-scale "
+                             f"{self.initial_loss_scale} must satisfy 0 < min <= initial")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ValueError("--loss-scale-window and --hysteresis must be >= 1")

@@ -89,6 +89,29 @@ class ShardViews:
             out[p.range_index].append((p.shape, p.p_lo, p.p_hi, p.lo, p.hi))
         return out
 
+    def part(self, index: int, parts: int) -> "ShardViews":
+        """The index-th of `parts` near-equal consecutive pieces of every range (ceil-sized, the
+        last ones possibly shorter or empty), with their param pieces clipped: how ranks that
+        all hold the same ranges split the work on them (e.g. a site's replicas without
+        ZeRO-1, each sending only its part across sites)."""
+        ranges, main, grad, pieces, starts = [], [], [], [], {}
+        for j, r in enumerate(self.ranges):
+            chunk = -(-r.numel // parts)
+            lo, hi = min(r.numel, index * chunk), min(r.numel, (index + 1) * chunk)
+            if hi > lo:
+                starts[j] = (len(ranges), lo, hi)
+                ranges.append(ShardRange(r.shard, r.lo + lo, r.lo + hi))
+                main.append(self.main[j][lo:hi])
+                grad.append(self.grad[j][lo:hi])
+        for p in self.pieces:
+            if p.range_index not in starts:
+                continue
+            k, lo, hi = starts[p.range_index]
+            a, b = max(p.lo, lo), min(p.hi, hi)
+            if a < b:
+                pieces.append(PieceView(p.name, p.shape, p.p_lo + a - p.lo, p.p_lo + b - p.lo, k, a - lo, b - lo))
+        return ShardViews(f"{self.key}/part{index}of{parts}", self.units, ranges, pieces, main, grad, [], False)
+
     def select(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """The ranges of per-shard tensors shaped like the main shards (anchors, momenta)."""
         return [tensors[r.shard][r.lo:r.hi] for r in self.ranges]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,11 @@ from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_lsgd.core.optimizer.shard_views import BucketExtent, ShardViews, build_views
 from megatron_lsgd.core.parallel_state import ProcessGroups
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm is NaN/Inf: the run diverged. Raised before any update
+    is applied, so the model stays finite."""
 
 
 @dataclass
@@ -75,13 +80,27 @@ class ShardedOptimizer:
         self._all_param_ids = {id(p) for buffer in self._buffers for b in buffer.buckets for p in b.params}
         self._views: Dict[Tuple[str, ...], ShardViews] = {}
 
-        decay = [pc.main for pc in self.pieces if pc.param.ndim > 1]
-        no_decay = [pc.main for pc in self.pieces if pc.param.ndim <= 1]  # biases and norms
-        groups = [g for g in (
-            {"params": decay, "weight_decay": config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        # Param groups: weight decay or not (biases and norms), and with --decoupled-lr the
+        # embedding / output layer in groups of their own. `_group_kinds[i]` says which
+        # learning rate group i takes ("default" or "decoupled").
+        def kind(pc) -> str:
+            if config.decoupled_lr is None:
+                return "default"
+            name = self._param_names.get(id(pc.param), "")
+            return "decoupled" if name.endswith("word_embeddings.weight") or name.startswith("output_layer.") \
+                else "default"
+
+        groups, self._group_kinds = [], []
+        for k in ("default", "decoupled"):
+            decay = [pc.main for pc in self.pieces if pc.param.ndim > 1 and kind(pc) == k]
+            no_decay = [pc.main for pc in self.pieces if pc.param.ndim <= 1 and kind(pc) == k]
+            for params, wd in ((decay, config.weight_decay), (no_decay, 0.0)):
+                if params:
+                    groups.append({"params": params, "weight_decay": wd})
+                    self._group_kinds.append(k)
         if not groups:  # a rank whose shard holds only padding still joins every collective
             groups = [{"params": [torch.zeros(1)], "weight_decay": 0.0}]
+            self._group_kinds = ["default"]
         if config.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=0.0, foreach=True)
         else:
@@ -126,8 +145,9 @@ class ShardedOptimizer:
         return math.sqrt(sq.item())
 
     @torch.no_grad()
-    def step(self, lr: float) -> Tuple[bool, Optional[float]]:
-        """Returns (update_successful, grad_norm)."""
+    def step(self, lr: Union[float, Dict[str, float]]) -> Tuple[bool, Optional[float]]:
+        """`lr`: one learning rate, or {"default": lr, "decoupled": lr} (LRScheduler.next_lrs).
+        Returns (update_successful, grad_norm)."""
         if self.grad_scaler is not None:
             inv = 1.0 / self.grad_scaler.scale
             for _, _, grad in self.main_shards:
@@ -137,12 +157,15 @@ class ShardedOptimizer:
             if found_inf:
                 return False, None
         norm = self.grad_norm()
+        if self.config.check_for_nan_in_grad and not math.isfinite(norm):
+            raise NonFiniteError(f"the gradient norm is {norm}: training diverged, so no update was applied and "
+                                 f"the checkpoints on disk stay finite (lower --lr or lengthen the warmup)")
         if self.config.clip_grad > 0 and norm > self.config.clip_grad:
             coeff = self.config.clip_grad / (norm + 1e-6)
             for _, _, grad in self.main_shards:
                 grad.mul_(coeff)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group, kind in zip(self.optimizer.param_groups, self._group_kinds):
+            group["lr"] = lr.get(kind, lr["default"]) if isinstance(lr, dict) else lr
         for pc in self.pieces:
             pc.main.grad = pc.grad
         self.optimizer.step()

@@ -28,6 +28,11 @@ class ScheduleSpec:
     device: torch.device
     forward_only: bool = False
     loss_scale: float = 1.0  # fp16: scale the loss before backward
+    free_sent_outputs: bool = True  # 1F1B: drop a stage output's values once sent (see _free_sent_output)
+    # --calculate-per-token-loss: the loss function returns (loss sum, tokens, report); the
+    # schedule backpropagates the sums and adds up the tokens here (the caller normalizes).
+    per_token_loss: bool = False
+    num_tokens: Optional[torch.Tensor] = None
     on_forward: Optional[Callable[[int], None]] = None  # called with a micro-batch's index before its forward
 
 
@@ -44,10 +49,32 @@ def _forward(forward_step_func, data_iterator, model, input_tensor, spec: Schedu
     model.set_input_tensor(input_tensor)
     output, loss_func = forward_step_func(data_iterator, model)
     if pgs.is_last_stage:
-        loss, reported = loss_func(output)
+        result = loss_func(output)
+        if len(result) == 3:  # Megatron's contract: (loss summed over tokens, number of tokens, report)
+            loss, num_tokens, reported = result
+            if spec.per_token_loss:
+                spec.num_tokens = num_tokens if spec.num_tokens is None else spec.num_tokens + num_tokens
+                output = loss
+            else:
+                output = loss / num_tokens.clamp(min=1) / spec.num_microbatches
+        else:
+            loss, reported = result
+            if spec.per_token_loss:
+                raise ValueError("--calculate-per-token-loss needs a loss function returning (loss sum, number "
+                                 "of tokens, report), as Megatron's does")
+            output = loss / spec.num_microbatches
         losses.append(reported)
-        output = loss / spec.num_microbatches
     return output
+
+
+def _free_sent_output(output: torch.Tensor, spec: ScheduleSpec) -> None:
+    """1F1B keeps a stage's output until its backward, but once the output has been sent to
+    the next stage only its autograd graph is still needed (backward starts from the
+    gradient the next stage sends back), not its values. Like Megatron, replace the values
+    with a one-element placeholder right after the send, so up to PP - stage in-flight
+    outputs stop holding [s, b, h] each. Views are left alone (their storage is shared)."""
+    if spec.free_sent_outputs and not spec.forward_only and output._base is None:
+        output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
 
 
 def _backward(input_tensor, output, output_grad, spec: ScheduleSpec):
@@ -55,7 +82,14 @@ def _backward(input_tensor, output, output_grad, spec: ScheduleSpec):
         input_tensor.retain_grad()
     if output_grad is None:  # last stage: output is the scalar loss
         output = output * spec.loss_scale
-    torch.autograd.backward(output, grad_tensors=output_grad)
+    if output_grad is not None and output.shape != output_grad.shape:
+        # A freed output (_free_sent_output): torch.autograd.backward would compare the
+        # placeholder's shape with the gradient's, so call the engine directly. The graph
+        # node recorded the real shape and checks the gradient against it.
+        torch.autograd.Variable._execution_engine.run_backward(
+            (output,), (output_grad,), False, False, (), True, True)
+    else:
+        torch.autograd.backward(output, grad_tensors=output_grad)
     return None if input_tensor is None else input_tensor.grad
 
 
@@ -109,6 +143,8 @@ def forward_backward_pipelining_1f1b(forward_step_func: Callable, data_iterator,
         output = run_forward(input_tensor)
         p2p.send_forward(output)
         if not spec.forward_only:
+            if not pgs.is_last_stage:
+                _free_sent_output(output, spec)
             inputs.append(input_tensor)
             outputs.append(output)
 
@@ -122,6 +158,8 @@ def forward_backward_pipelining_1f1b(forward_step_func: Callable, data_iterator,
                 input_tensor = p2p.recv_forward()
             continue
         output_grad = p2p.send_forward_recv_backward(output)
+        if not pgs.is_last_stage:
+            _free_sent_output(output, spec)
         inputs.append(input_tensor)
         outputs.append(output)
         input_grad = run_backward(inputs.pop(0), outputs.pop(0), output_grad)

@@ -3,15 +3,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from megatron_lsgd.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lsgd.core.transformer.config import TransformerConfig
+
+
+def sdpa_backends(name: str):
+    """--attention-backend -> the SDPA kernels allowed (None: PyTorch chooses). Megatron's
+    names: flash (flash attention), fused (cuDNN, or the memory-efficient kernel), unfused
+    and local (the plain math kernel)."""
+    from torch.nn.attention import SDPBackend
+
+    return {"auto": None, "flash": [SDPBackend.FLASH_ATTENTION],
+            "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+            "unfused": [SDPBackend.MATH], "local": [SDPBackend.MATH]}[name]
 
 
 class RotaryEmbedding(nn.Module):
@@ -30,6 +43,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of each head (all of them unless
+    --rotary-percent < 1); the rest pass through unchanged."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -44,6 +62,7 @@ class SelfAttention(nn.Module):
         self.head_dim = c.kv_channels
         self.dropout = c.attention_dropout
         self.rng_tracker = rng_tracker
+        self.backends = sdpa_backends(c.attention_backend)
         # Per query group: [q_1..q_{heads/groups}, k, v], groups contiguous, so a plain
         # contiguous TP split of the output dim hands each rank whole groups.
         qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
@@ -77,10 +96,12 @@ class SelfAttention(nn.Module):
             kwargs = dict(is_causal=True)
         else:  # Megatron mask: True = masked out (already causal); SDPA wants True = keep
             kwargs = dict(attn_mask=~attention_mask)
-        if dropout > 0.0:  # heads differ per TP rank, so their dropout must too
-            with self.rng_tracker.fork():
-                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        kernels = contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends)
+        with kernels:
+            if dropout > 0.0:  # heads differ per TP rank, so their dropout must too
+                with self.rng_tracker.fork():
+                    ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)
+            else:
+                ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.linear_proj(ctx)

@@ -15,7 +15,7 @@ class TransformerConfig:
     num_attention_heads: int = 4
     ffn_hidden_size: Optional[int] = None  # default 4h (GELU) or Llama's 8h/3 rounded (SwiGLU)
     num_query_groups: Optional[int] = None  # None: multi-head attention (groups == heads)
-    kv_channels: Optional[int] = None  # per-head size; default hidden / heads
+    kv_channels: Optional[int] = None  # per-head size; default hidden / heads (left unset when it does not divide)
     seq_length: int = 128
     max_position_embeddings: Optional[int] = None
     padded_vocab_size: int = 128
@@ -31,11 +31,22 @@ class TransformerConfig:
     init_method_std: float = 0.02
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
+    apply_layernorm_1p: bool = False  # norms multiply by (1 + weight), weights initialized to 0
+    rotary_percent: float = 1.0  # share of each head's channels that rope rotates
+    attention_backend: str = "auto"  # SDPA kernels: auto | flash | fused | unfused | local
+    calculate_per_token_loss: bool = False  # loss normalized by the step's loss tokens (not per micro-batch)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.kv_channels * self.rotary_percent)
 
     def __post_init__(self):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None and self.num_attention_heads > 0:
+        # Only an exact default: a hidden size the heads do not divide stays unset, so that
+        # validate() can tell the user instead of silently training a narrower attention.
+        if self.kv_channels is None and self.num_attention_heads > 0 \
+                and self.hidden_size % self.num_attention_heads == 0:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
@@ -54,9 +65,17 @@ class TransformerConfig:
         need(self.num_layers >= 1, "--num-layers must be >= 1")
         need(self.hidden_size >= 1 and self.num_attention_heads >= 1,
              "--hidden-size and --num-attention-heads must be >= 1")
-        need(self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
+        need(self.kv_channels is not None,
              f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-             f"{self.num_attention_heads}; set --kv-channels")
+             f"{self.num_attention_heads}; change one of them or set --kv-channels (the per-head size)")
+        need(self.kv_channels >= 1, f"--kv-channels must be >= 1 (got {self.kv_channels})")
+        need(self.num_query_groups >= 1, f"--num-query-groups must be >= 1 (got {self.num_query_groups})")
+        need(self.ffn_hidden_size >= 1, f"--ffn-hidden-size must be >= 1 (got {self.ffn_hidden_size})")
+        need(self.max_position_embeddings >= 1,
+             f"--max-position-embeddings must be >= 1 (got {self.max_position_embeddings})")
+        need(self.norm_epsilon > 0, f"--norm-epsilon must be > 0 (got {self.norm_epsilon})")
+        need(self.init_method_std >= 0, f"--init-method-std must be >= 0 (got {self.init_method_std})")
+        need(self.rotary_base > 0, f"--rotary-base must be > 0 (got {self.rotary_base})")
         need(self.num_attention_heads % self.num_query_groups == 0,
              f"--num-attention-heads {self.num_attention_heads} must be a multiple of "
              f"--num-query-groups {self.num_query_groups}")
@@ -78,6 +97,12 @@ class TransformerConfig:
              f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}")
         need(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
              "rotary embeddings need an even head size (--kv-channels)")
+        need(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
+        need(self.position_embedding_type != "rope" or (self.rotary_dim >= 2 and self.rotary_dim % 2 == 0),
+             f"--rotary-percent {self.rotary_percent} of head size {self.kv_channels} gives {self.rotary_dim} "
+             f"rotated channels; they must be an even number >= 2")
+        need(self.attention_backend in ("auto", "flash", "fused", "unfused", "local"),
+             f"--attention-backend {self.attention_backend!r}: choose auto, flash, fused, unfused or local")
         need(0.0 <= self.hidden_dropout < 1.0 and 0.0 <= self.attention_dropout < 1.0,
              "--hidden-dropout and --attention-dropout must be in [0, 1)")
         if self.sequence_parallel:

@@ -8,6 +8,7 @@ crash at any point leaves the previous checkpoint and the tracker pointing at it
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -60,78 +61,144 @@ def _rank_relpath(pgs, file_name: str) -> str:
     return os.path.join(layout.mp_rank_dir_name(pgs.tp_rank, pgs.pp_rank, pgs.dims.pp), file_name)
 
 
-def _save_rank_files(trainer, cfg: CheckpointConfig, partial: str) -> Dict[str, int]:
+def _check_finite(model) -> None:
+    """Never write a model that has diverged: every parameter must be finite."""
+    for name, p in unwrap(model).named_parameters():
+        if not torch.isfinite(p.detach()).all():
+            raise CheckpointError(f"refusing to save a non-finite model: parameter {name} holds NaN or Inf "
+                                  f"values (the run diverged); the checkpoints already on disk are kept")
+
+
+def _save_rank_files(trainer, cfg: CheckpointConfig, partial: str) -> Dict[str, tuple]:
+    """This rank's files: relative path -> (size, sha256)."""
     pgs = trainer.pgs
-    sizes: Dict[str, int] = {}
+    records: Dict[str, tuple] = {}
+    _check_finite(trainer.model)
     os.makedirs(os.path.join(partial, _rank_relpath(pgs, "")), exist_ok=True)
     if pgs.dp_intra_rank == 0:  # replicas inside a site are identical; sites may differ (local SGD)
         rel = _rank_relpath(pgs, layout.model_file_name(pgs.site_rank))
-        sizes[rel] = save_file(model_state(unwrap(trainer.model)), os.path.join(partial, rel), rel)
+        records[rel] = save_file(model_state(unwrap(trainer.model)), os.path.join(partial, rel), rel)
     rank_state = {"rng": capture_rng_state(trainer.rng_tracker)}
     if not cfg.no_save_optim:
         rank_state["optimizer"] = trainer.optimizer.state_dict()
         rank_state["synchronizer"] = trainer.synchronizer.state_dict()
     rel = _rank_relpath(pgs, layout.rank_file_name(pgs.site_rank, pgs.dp_intra_rank))
-    sizes[rel] = save_file(rank_state, os.path.join(partial, rel), f"{rel} (synchronizer/optimizer/RNG state)")
-    return sizes
+    records[rel] = save_file(rank_state, os.path.join(partial, rel), f"{rel} (synchronizer/optimizer/RNG state)")
+    return records
+
+
+def tokenizer_info(tokenizer) -> Dict:
+    """What an export needs to know about the run's tokenizer: the true (unpadded)
+    vocabulary and the special ids."""
+    if tokenizer is None:
+        return {}
+    return {"vocab_size": int(tokenizer.vocab_size), "eod": int(tokenizer.eod),
+            "bos": None if tokenizer.bos is None else int(tokenizer.bos)}
+
+
+def _save_failed(err: BaseException, iteration: int, save_dir: str) -> CheckpointError:
+    if isinstance(err, CheckpointError):
+        return err
+    hint = " (the disk is full: free space or point --save elsewhere)" \
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC else ""
+    return CheckpointError(f"saving the checkpoint of iteration {iteration} to {save_dir} failed: {err}{hint}. "
+                           f"The checkpoints already there are intact (the incomplete one was removed)")
 
 
 def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
-    pgs, d = trainer.pgs, trainer.pgs.dims
+    """Write the checkpoint of trainer.iteration, or raise CheckpointError on every rank
+    (disk full, unwritable directory, a non-finite model) leaving earlier checkpoints and
+    the tracker untouched and no partial directory behind."""
+    pgs = trainer.pgs
     iteration = trainer.iteration
     partial = os.path.join(cfg.save, layout.partial_dir_name(iteration))
     final = os.path.join(cfg.save, layout.iteration_dir_name(iteration))
     start = time.perf_counter()
+    error = None
     if pgs.rank == 0:
-        os.makedirs(cfg.save, exist_ok=True)
-        if os.path.exists(partial):  # left by a save that was killed
-            shutil.rmtree(partial)
-        os.makedirs(partial)
-    dist.barrier()
+        try:
+            os.makedirs(cfg.save, exist_ok=True)
+            if os.path.exists(partial):  # left by a save that was killed
+                shutil.rmtree(partial)
+            os.makedirs(partial)
+        except OSError as err:
+            error = err
+    try:
+        _agree(error)
+    except (CheckpointError, OSError) as err:
+        raise _save_failed(err, iteration, cfg.save) from err
 
-    sizes: Dict[str, int] = {}
+    records: Dict[str, tuple] = {}
     error = None
     try:
-        sizes = _save_rank_files(trainer, cfg, partial)
+        records = _save_rank_files(trainer, cfg, partial)
     except (CheckpointError, OSError) as err:
         error = err
-    _agree(error)
+    try:
+        _agree(error)
+    except (CheckpointError, OSError) as err:
+        _remove_partial(pgs, partial)
+        raise _save_failed(err, iteration, cfg.save) from err
 
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"files": sizes, "site": pgs.site_rank,
+    dist.all_gather_object(gathered, {"files": records, "site": pgs.site_rank,
                                       "site_consumed_samples": trainer.site_consumed_samples})
+    error = None
     if pgs.rank == 0:
-        files = {k: v for part in gathered for k, v in part["files"].items()}
-        site_samples = [0] * d.sites
-        for part in gathered:
-            site_samples[part["site"]] = part["site_consumed_samples"]
-        raw = trainer.config.raw_args
-        metadata = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
-            "consumed_samples": trainer.consumed_samples,
-            "site_consumed_samples": site_samples,  # each site's position in its own sample stream
-            "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites},
-            "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
-            "lsgd_algorithm": trainer.config.lsgd.algorithm,
-            "has_optimizer": not cfg.no_save_optim, "has_rng": True,
-            "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict(),
-            "model_config": model_config_dict(trainer.config.model),
-            "args": {k: _jsonable(v) for k, v in vars(raw).items()} if raw is not None else {},
-            "files": files,
-        }
-        with open(os.path.join(partial, layout.METADATA), "w") as f:
-            json.dump(metadata, f, indent=1, sort_keys=True)
-        fsync_tree(partial)
-        if os.environ.get(HOLD_ENV) == str(iteration):
-            with open(os.path.join(cfg.save, f".holding_{iteration}"), "w"):
-                pass
-            while True:
-                time.sleep(1.0)
-        commit_dir(partial, final)
-        write_text_atomic(os.path.join(cfg.save, layout.TRACKER), str(iteration))
-        print(f" saved checkpoint at iteration {iteration:8d} to {cfg.save} "
-              f"({sum(files.values()) / 2**20:.1f} MB, {time.perf_counter() - start:.2f} s)", flush=True)
+        try:
+            _commit(trainer, cfg, partial, final, iteration, gathered, start)
+        except (CheckpointError, OSError) as err:
+            error = err
+    try:
+        _agree(error)
+    except (CheckpointError, OSError) as err:
+        _remove_partial(pgs, partial)
+        raise _save_failed(err, iteration, cfg.save) from err
+
+
+def _remove_partial(pgs, partial: str) -> None:
+    if pgs.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
+
+
+def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration: int, gathered, start) -> None:
+    """Rank 0: metadata.json, fsync, rename, tracker (in that order)."""
+    d = trainer.pgs.dims
+    records = {k: v for part in gathered for k, v in part["files"].items()}
+    files = {k: size for k, (size, _) in records.items()}
+    site_samples = [0] * d.sites
+    for part in gathered:
+        site_samples[part["site"]] = part["site_consumed_samples"]
+    raw = trainer.config.raw_args
+    metadata = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
+        "consumed_samples": trainer.consumed_samples,
+        "site_consumed_samples": site_samples,  # each site's position in its own sample stream
+        "consumed_valid_samples": getattr(trainer, "consumed_valid_samples", 0),  # the validation stream's
+        "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites},
+        "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
+        "lsgd_algorithm": trainer.config.lsgd.algorithm,
+        "has_optimizer": not cfg.no_save_optim, "has_rng": True,
+        "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict(),
+        "model_config": model_config_dict(trainer.config.model),
+        "tokenizer": tokenizer_info(getattr(trainer, "tokenizer", None)),
+        "args": {k: _jsonable(v) for k, v in vars(raw).items()} if raw is not None else {},
+        "files": files,
+        "sha256": {k: digest for k, (_, digest) in records.items()},
+    }
+    with open(os.path.join(partial, layout.METADATA), "w") as f:
+        json.dump(metadata, f, indent=1, sort_keys=True)
+    fsync_tree(partial)
+    if os.environ.get(HOLD_ENV) == str(iteration):
+        with open(os.path.join(cfg.save, f".holding_{iteration}"), "w"):
+            pass
+        while True:
+            time.sleep(1.0)
+    commit_dir(partial, final)
+    write_text_atomic(os.path.join(cfg.save, layout.TRACKER), str(iteration))
+    print(f" saved checkpoint at iteration {iteration:8d} to {cfg.save} "
+          f"({sum(files.values()) / 2**20:.1f} MB, {time.perf_counter() - start:.2f} s)", flush=True)
 
 
 def read_metadata(iter_dir: str) -> Dict:
@@ -218,9 +285,20 @@ def load_checkpoint(trainer, cfg: CheckpointConfig) -> bool:
     return loaded
 
 
+def _same_path(a: Optional[str], b: Optional[str]) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
 def _load_local(trainer, cfg: CheckpointConfig) -> bool:
+    if os.path.exists(cfg.load) and not os.path.isdir(cfg.load):
+        raise CheckpointError(f"--load {cfg.load} is a file; give the checkpoint directory (the one holding "
+                              f"{layout.TRACKER})")
     iter_dir = find_checkpoint(cfg.load)
     if iter_dir is None:
+        if not _same_path(cfg.load, cfg.save):  # a typo must not silently start from scratch
+            state = "does not exist" if not os.path.exists(cfg.load) else f"holds no checkpoint ({layout.TRACKER})"
+            raise CheckpointError(f"--load {cfg.load} {state}. Point --load at a checkpoint directory, or give "
+                                  f"the same directory as --save to resume-or-start")
         if trainer.pgs.rank == 0:
             print(f" no checkpoint in {cfg.load}: starting from scratch", flush=True)
         return False
@@ -228,17 +306,18 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
     pgs = trainer.pgs
     same_dp = _check_compatible(meta, trainer, cfg, iter_dir)
     files = meta["files"]
+    digests = meta.get("sha256", {}) if cfg.verify_checksums else {}
 
     site = pgs.site_rank if same_dp else 0
     rel = _rank_relpath(pgs, layout.model_file_name(site))
-    load_model_state(unwrap(trainer.model), load_file(os.path.join(iter_dir, rel), files.get(rel)),
+    load_model_state(unwrap(trainer.model), load_file(os.path.join(iter_dir, rel), files.get(rel), digests.get(rel)),
                      os.path.join(iter_dir, rel))
     _refresh_main_params(trainer.optimizer)
 
     rank_state = None
     if cfg.load_optim or cfg.load_rng:
         rel = _rank_relpath(pgs, layout.rank_file_name(pgs.site_rank, pgs.dp_intra_rank))
-        rank_state = load_file(os.path.join(iter_dir, rel), files.get(rel))
+        rank_state = load_file(os.path.join(iter_dir, rel), files.get(rel), digests.get(rel))
     if cfg.load_optim:
         try:
             trainer.optimizer.load_state_dict(rank_state["optimizer"])
@@ -246,18 +325,26 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
             raise CheckpointError(f"optimizer state in {iter_dir} does not fit this run's parameter shards "
                                   f"(different --ddp-bucket-size?): {err}") from err
         trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
-        trainer.scheduler.load_state_dict(meta["scheduler"])
+        try:
+            trainer.scheduler.load_state_dict(meta["scheduler"])
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint {iter_dir}: {err}") from err
     if not cfg.finetune:
         trainer.iteration = int(meta["iteration"])
         trainer.consumed_samples = int(meta["consumed_samples"])
         per_site = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
         trainer.site_consumed_samples = int(per_site[pgs.site_rank]) if per_site and same_dp \
             else trainer.consumed_samples // pgs.dims.sites
-        if not cfg.load_optim:
-            trainer.scheduler.num_steps = trainer.iteration
+        if not cfg.load_optim:  # the schedule continues at the loaded position
+            trainer.scheduler.num_steps = trainer.consumed_samples if trainer.scheduler.by_samples \
+                else trainer.iteration
         t = trainer.config.training
         trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
+        trainer.consumed_valid_samples = int(meta.get("consumed_valid_samples", 0))
+        trainer.valid_iterator = build_data_iterator(trainer.valid_ds, trainer.consumed_valid_samples // pgs.dims.sites,
+                                                     t.micro_batch_size, pgs, trainer.config.data.num_workers,
+                                                     cyclic=True)
     if cfg.load_rng:  # last: building the data iterator above draws from the torch generator
         restore_rng_state(rank_state["rng"], trainer.rng_tracker)
     if pgs.rank == 0:

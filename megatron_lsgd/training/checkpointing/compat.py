@@ -13,7 +13,10 @@ from megatron_lsgd.training.checkpointing.errors import CheckpointError
 ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
     "max_position_embeddings", "padded_vocab_size", "position_embedding_type", "rotary_base", "normalization",
-    "norm_epsilon", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+    "norm_epsilon", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "apply_layernorm_1p",
+    "rotary_percent")
+# What a checkpoint written before a field existed meant by its absence.
+_ABSENT_MEANS = {"apply_layernorm_1p": False, "rotary_percent": 1.0}
 
 # Flags that set each architecture field, for error messages.
 _FLAG = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
@@ -24,7 +27,8 @@ _FLAG = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
          "position_embedding_type": "--position-embedding-type", "rotary_base": "--rotary-base",
          "normalization": "--normalization", "norm_epsilon": "--norm-epsilon", "swiglu": "--swiglu",
          "add_bias_linear": "--disable-bias-linear", "untie_embeddings_and_output_weights":
-         "--untie-embeddings-and-output-weights"}
+         "--untie-embeddings-and-output-weights", "apply_layernorm_1p": "--apply-layernorm-1p",
+         "rotary_percent": "--rotary-percent"}
 
 
 def model_config_dict(config: TransformerConfig) -> Dict:
@@ -45,7 +49,7 @@ def config_from_dict(d: Dict) -> TransformerConfig:
 def architecture_differences(saved: Dict, current: Dict) -> List[str]:
     out = []
     for key in ARCHITECTURE_FIELDS:
-        a, b = saved.get(key), current.get(key)
+        a, b = saved.get(key, _ABSENT_MEANS.get(key)), current.get(key, _ABSENT_MEANS.get(key))
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
             same = float(a) == float(b)
         else:

@@ -15,6 +15,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False  # load the model only, start at iteration 0 with fresh optimizer and RNG
+    verify_checksums: bool = True  # compare every loaded file with the sha256 in metadata.json
 
     @property
     def load_optim(self) -> bool:

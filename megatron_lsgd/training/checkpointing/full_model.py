@@ -39,6 +39,9 @@ class FullModel:
     iteration: int = 0
     consumed_samples: int = 0
     tokenizer_files: List[str] = field(default_factory=list)  # paths to carry along
+    # The run's tokenizer as recorded at save time: {"vocab_size" (unpadded), "eod", "bos"}.
+    tokenizer: Dict = field(default_factory=dict)
+    source_has_optimizer: bool = False  # the source held optimizer state (dropped by conversion)
 
 
 def _single_rank_pgs() -> ProcessGroups:
@@ -90,7 +93,7 @@ def read_lsgd(load_dir: str) -> FullModel:
         seen_on_stage = set()
         for t in range(tp):
             rel = os.path.join(layout.mp_rank_dir_name(t, p, pp), layout.model_file_name(0))
-            state = load_file(os.path.join(iter_dir, rel), meta["files"].get(rel))
+            state = load_file(os.path.join(iter_dir, rel), meta["files"].get(rel), meta.get("sha256", {}).get(rel))
             for name, value in state["params"].items():
                 if name in partition and name not in seen_on_stage:
                     continue  # the last stage's copy of the tied embedding: stage 0 holds it
@@ -103,7 +106,8 @@ def read_lsgd(load_dir: str) -> FullModel:
         ordered = [by_rank[t] for t in sorted(by_rank)]
         params[name] = merge_tp_slices(ordered, dim, stride) if is_tp and len(ordered) > 1 else ordered[0]
     full = FullModel(config_from_dict(meta["model_config"]), params, meta.get("args", {}), meta["iteration"],
-                     meta["consumed_samples"])
+                     meta["consumed_samples"], tokenizer=dict(meta.get("tokenizer") or {}),
+                     source_has_optimizer=bool(meta.get("has_optimizer")))
     check_complete(full, iter_dir)
     return full
 
@@ -162,11 +166,11 @@ def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
     final = os.path.join(save_dir, layout.iteration_dir_name(full.iteration))
     if os.path.exists(partial):
         shutil.rmtree(partial)
-    files = {}
+    files, digests = {}, {}
     for (t, p), state in pieces.items():
         rel = os.path.join(layout.mp_rank_dir_name(t, p, pp), layout.model_file_name(0))
         os.makedirs(os.path.join(partial, os.path.dirname(rel)), exist_ok=True)
-        files[rel] = save_file(state, os.path.join(partial, rel), rel)
+        files[rel], digests[rel] = save_file(state, os.path.join(partial, rel), rel)
     args = dict(full.args)
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if full.tokenizer_files:  # carried along; point the args at the copy
@@ -176,7 +180,8 @@ def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
         "consumed_samples": full.consumed_samples, "layout": {"tp": tp, "pp": pp, "dp_intra": 1, "sites": 1},
         "use_distributed_optimizer": False, "lsgd_algorithm": args.get("lsgd_algorithm", "sync"),
         "has_optimizer": False, "has_rng": False, "scheduler": None,
-        "model_config": model_config_dict(full.config), "args": args, "files": files}
+        "model_config": model_config_dict(full.config), "tokenizer": full.tokenizer, "args": args,
+        "files": files, "sha256": digests}
     with open(os.path.join(partial, layout.METADATA), "w") as f:
         json.dump(metadata, f, indent=1, sort_keys=True)
     if full.tokenizer_files:

@@ -13,8 +13,9 @@ import torch
 from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 
+# generation_config.json is not a tokenizer file (it holds sampling defaults): never carried.
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                        "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
+                        "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json")
 
 
 def tokenizer_files_from_args(args: Dict) -> List[str]:
@@ -33,6 +34,23 @@ def tokenizer_files_from_args(args: Dict) -> List[str]:
     if missing:
         raise CheckpointError(f"tokenizer files named by the checkpoint's args are missing: {missing}")
     return files
+
+
+def tokenizer_info_from_args(args: Dict) -> Dict:
+    """For checkpoints saved before metadata.json recorded the tokenizer: rebuild it from the
+    run's flags ({} when that is not possible, e.g. the files are gone)."""
+    from megatron_lsgd.training.tokenizer import TokenizerConfig, build_tokenizer
+
+    kind = args.get("tokenizer_type") or ("NullTokenizer" if args.get("mock_data") else None)
+    if kind is None:
+        return {}
+    try:
+        tok = build_tokenizer(TokenizerConfig(tokenizer_type=kind, tokenizer_model=args.get("tokenizer_model"),
+                                              vocab_file=args.get("vocab_file"), merge_file=args.get("merge_file"),
+                                              vocab_size=args.get("vocab_size")))
+    except (ValueError, OSError, ImportError):
+        return {}
+    return {"vocab_size": int(tok.vocab_size), "eod": int(tok.eod), "bos": None if tok.bos is None else int(tok.bos)}
 
 
 def _hf_tokenizer_name(path: str) -> str:

@@ -7,13 +7,13 @@ Layout facts the mapping relies on:
 - SwiGLU fc1 is [gate; up] -> gate_proj, up_proj.
 - Rotary: both use rotate-half with inv_freq = base^(-2i/d): no row permutation needed.
 - GPT-2 uses Conv1D (y = x W + b, W stored [in, out]): our Linear weights transposed.
-- The vocabulary stays padded (HF vocab_size = padded size); the extra rows are never
-  produced by the tokenizer.
+- Export writes the tokenizer's true vocabulary (the padding rows are dropped) and its
+  bos/eos ids when the checkpoint recorded them; import keeps HF's vocabulary as is.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -25,6 +25,9 @@ def family(config: TransformerConfig) -> str:
     """'llama' or 'gpt2', or an error naming what keeps the model from either."""
     c = config
     if c.normalization == "RMSNorm" and c.position_embedding_type == "rope" and c.swiglu:
+        if c.rotary_percent != 1.0:
+            raise CheckpointError(f"--rotary-percent {c.rotary_percent}: Hugging Face Llama rotates every channel "
+                                  f"of a head; this model cannot be exported as Llama")
         return "llama"
     gpt2_needs = {"--normalization LayerNorm": c.normalization == "LayerNorm",
                   "--position-embedding-type learned_absolute": c.position_embedding_type == "learned_absolute",
@@ -98,6 +101,20 @@ def to_llama(params: Dict[str, torch.Tensor], c: TransformerConfig) -> Dict[str,
     return out
 
 
+def _check_heads(hidden: int, heads: int, groups: int, head_dim, names: Tuple[str, str, str]) -> None:
+    """config.json head counts that cannot describe a model, named by their fields (instead
+    of a reshape error deep in the conversion)."""
+    h_name, n_name, g_name = names
+    for value, name in ((hidden, h_name), (heads, n_name), (groups, g_name)):
+        if not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"config.json: {name} = {value!r} must be a positive integer")
+    if head_dim is None and hidden % heads:
+        raise CheckpointError(f"config.json: {h_name} {hidden} is not divisible by {n_name} {heads} and no head_dim "
+                              f"is given")
+    if heads % groups:
+        raise CheckpointError(f"config.json: {n_name} {heads} is not a multiple of {g_name} {groups}")
+
+
 def from_llama(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig, Dict[str, torch.Tensor]]:
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
@@ -105,6 +122,8 @@ def from_llama(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfi
     if cfg.get("attention_bias", False) != cfg.get("mlp_bias", False):
         raise CheckpointError("attention_bias and mlp_bias differ; this model has one --disable-bias-linear flag")
     heads = cfg["num_attention_heads"]
+    _check_heads(cfg["hidden_size"], heads, cfg.get("num_key_value_heads", heads), cfg.get("head_dim"),
+                 ("hidden_size", "num_attention_heads", "num_key_value_heads"))
     c = TransformerConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads", heads),
@@ -182,6 +201,7 @@ def from_gpt2(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig
     # Checkpoints saved from GPT2Model (or the original release) lack the "transformer." prefix.
     hf = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v for k, v in hf.items()}
     hidden, n_head = cfg["n_embd"], cfg["n_head"]
+    _check_heads(hidden, n_head, n_head, None, ("n_embd", "n_head", "n_head"))
     c = TransformerConfig(
         num_layers=cfg["n_layer"], hidden_size=hidden, num_attention_heads=n_head,
         ffn_hidden_size=cfg.get("n_inner") or 4 * hidden, seq_length=cfg["n_positions"],
@@ -205,11 +225,48 @@ def from_gpt2(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig
 IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-def to_hf(params: Dict[str, torch.Tensor], c: TransformerConfig) -> Tuple[Dict, Dict[str, torch.Tensor]]:
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight", "transformer.wte.weight")
+
+
+def to_hf(params: Dict[str, torch.Tensor], c: TransformerConfig,
+          tokenizer: Optional[Dict] = None) -> Tuple[Dict, Dict[str, torch.Tensor]]:
+    """HF config.json and tensors. `tokenizer` ({"vocab_size", "eod", "bos"}, recorded at save
+    time) trims the padded vocabulary to the true one and sets bos/eos_token_id."""
     kind = family(c)
+    if c.apply_layernorm_1p:  # stored centred on zero; Hugging Face multiplies by the weight itself
+        params = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in params.items()}
     if kind == "llama":
-        return llama_config(c), to_llama(params, c)
-    return gpt2_config(c), to_gpt2(params, c)
+        config, tensors = llama_config(c), to_llama(params, c)
+    else:
+        config, tensors = gpt2_config(c), to_gpt2(params, c)
+    tokenizer = tokenizer or {}
+    vocab = tokenizer.get("vocab_size")
+    if vocab is not None:
+        if vocab > c.padded_vocab_size:
+            raise CheckpointError(f"the tokenizer's vocabulary ({vocab}) is larger than the model's embedding "
+                                  f"({c.padded_vocab_size} rows)")
+        for name in _VOCAB_TENSORS:
+            if name in tensors:
+                tensors[name] = tensors[name][:vocab]
+        config["vocab_size"] = vocab
+    if "eod" in tokenizer:
+        config["eos_token_id"] = tokenizer["eod"]
+        config["bos_token_id"] = tokenizer.get("bos")
+        if kind == "gpt2" and config["bos_token_id"] is None:
+            config["bos_token_id"] = tokenizer["eod"]  # GPT-2's convention: <|endoftext|> both starts and ends
+    return config, tensors
+
+
+def hf_tokenizer_info(cfg: Dict) -> Dict:
+    """The vocabulary and special ids a Hugging Face config.json declares."""
+    def first(value):
+        return value[0] if isinstance(value, list) and value else value
+    info = {"vocab_size": int(cfg["vocab_size"])}
+    if first(cfg.get("eos_token_id")) is not None:
+        info["eod"] = int(first(cfg["eos_token_id"]))
+        bos = first(cfg.get("bos_token_id"))
+        info["bos"] = None if bos is None else int(bos)
+    return info
 
 
 def from_hf(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig, Dict[str, torch.Tensor]]:

@@ -8,12 +8,14 @@ later), `check_plain` rejects it at save time, naming where it sits.
 
 from __future__ import annotations
 
+import hashlib
 import os
-from typing import Any, Optional
+import pickle
+import re
+from typing import Any, Optional, Tuple
 
 import torch
 
-from megatron_lsgd.training.checkpointing.atomic import fsync_file
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -37,23 +39,69 @@ def check_plain(value: Any, where: str) -> None:
         f"str/int/float/bool/None and dicts/lists/tuples of them (loaded with weights_only=True)")
 
 
-def save_file(obj: Any, path: str, what: str) -> int:
-    """torch.save + fsync; returns the size in bytes (recorded in metadata.json)."""
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through (torch.save writes its
+    archive sequentially), so the checksum costs no second read of the file."""
+
+    def __init__(self, f):
+        self._f = f
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def save_file(obj: Any, path: str, what: str) -> Tuple[int, str]:
+    """torch.save + fsync; returns (size in bytes, sha256 hex digest), both recorded in
+    metadata.json and checked on load."""
     check_plain(obj, what)
-    torch.save(obj, path)
-    fsync_file(path)
-    return os.path.getsize(path)
+    with open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    return os.path.getsize(path), writer.sha256.hexdigest()
 
 
-def load_file(path: str, expected_size: Optional[int] = None) -> Any:
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def load_file(path: str, expected_size: Optional[int] = None, expected_sha256: Optional[str] = None) -> Any:
+    """Load one checkpoint file, checking its size and (when recorded) its checksum first."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
     size = os.path.getsize(path)
     if expected_size is not None and size != expected_size:
         raise CheckpointError(f"checkpoint file {path} is {size} bytes but metadata.json recorded "
                               f"{expected_size}: the file is truncated or was replaced")
+    if expected_sha256 is not None:
+        found = file_sha256(path)
+        if found != expected_sha256:
+            raise CheckpointError(
+                f"checkpoint file {path} does not match the checksum metadata.json recorded when it was saved "
+                f"(sha256 {expected_sha256[:16]}..., found {found[:16]}...): it was modified or corrupted since. "
+                f"Restore it, or load an earlier iteration; --no-verify-checkpoint-checksums skips this check")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # weights_only refused a pickled object: not ours
+        found = _UNSUPPORTED_GLOBAL.search(str(err))
+        what = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"checkpoint file {path} is not a valid checkpoint: it holds a pickled Python object{what}. "
+            f"Checkpoints hold only tensors and plain values, and nothing else is ever loaded, because "
+            f"unpickling an object can run arbitrary code") from None
     except Exception as err:  # torch raises several types for corrupt archives
         raise CheckpointError(f"checkpoint file {path} is unreadable ({type(err).__name__}: {err}); "
                               f"it may be truncated or corrupt") from err

@@ -25,6 +25,11 @@ def build_tokenizer(cfg: TokenizerConfig) -> AbstractTokenizer:
         return HuggingFaceTokenizer(cfg.tokenizer_model)
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+    if kind == "TikTokenizer":
+        from .tiktoken_tokenizer import TikTokenizer  # noqa: PLC0415 - needs the `regex` module
+
+        return TikTokenizer(cfg.tokenizer_model, cfg.tiktoken_pattern, cfg.tiktoken_num_special_tokens,
+                            cfg.special_tokens, cfg.vocab_size)
     raise ValueError(f"--tokenizer-type {kind!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 
 class AbstractTokenizer(ABC):
@@ -19,6 +19,12 @@ class AbstractTokenizer(ABC):
     @property
     @abstractmethod
     def eod(self) -> int: ...
+
+    @property
+    def bos(self) -> Optional[int]:
+        """Beginning-of-sequence id where the tokenizer defines one (exported to Hugging
+        Face configs); None otherwise."""
+        return None
 
     @abstractmethod
     def tokenize(self, text: str) -> List[int]: ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 TOKENIZER_TYPES = (
     "NullTokenizer",
@@ -11,6 +11,7 @@ TOKENIZER_TYPES = (
     "GPTSentencePieceTokenizer",
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
+    "TikTokenizer",
 )
 
 
@@ -22,17 +23,28 @@ class TokenizerConfig:
     merge_file: Optional[str] = None
     vocab_size: Optional[int] = None  # NullTokenizer only
     make_vocab_size_divisible_by: int = 128
+    # TikTokenizer (Megatron's): pre-tokenization pattern, ids reserved for special tokens
+    # before the vocabulary, and the special tokens themselves (None: Megatron's default list).
+    tiktoken_pattern: str = "v2"
+    tiktoken_num_special_tokens: int = 1000
+    special_tokens: Optional[List[str]] = None
 
     def validate(self) -> None:
         if self.tokenizer_type not in TOKENIZER_TYPES:
             raise ValueError(f"--tokenizer-type {self.tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
         if self.tokenizer_type == "NullTokenizer" and not self.vocab_size:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N")
-        if self.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer") \
-                and not self.tokenizer_model:
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"--vocab-size must be >= 2 (got {self.vocab_size})")
+        if self.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                                   "TikTokenizer") and not self.tokenizer_model:
             raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model")
         if self.tokenizer_type == "GPT2BPETokenizer" and not (self.vocab_file and self.merge_file):
             raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        if self.tiktoken_pattern not in ("v1", "v2"):
+            raise ValueError(f"--tiktoken-pattern {self.tiktoken_pattern!r}: choose v1 or v2")
+        if self.tokenizer_type == "TikTokenizer" and self.tiktoken_num_special_tokens < 7:
+            raise ValueError("--tiktoken-num-special-tokens must be >= 7 (the seven required special tokens)")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError("--make-vocab-size-divisible-by must be >= 1")
 

@@ -79,6 +79,10 @@ class GPT2BPETokenizer(AbstractTokenizer):
     def eod(self) -> int:
         return self.encoder[EOD_TOKEN]
 
+    @property
+    def bos(self) -> int:
+        return self.encoder[EOD_TOKEN]  # GPT-2 starts and ends text with <|endoftext|>
+
     def _bpe(self, word: str) -> List[str]:
         cached = self._cache.get(word)
         if cached is not None:

@@ -76,6 +76,12 @@ class HuggingFaceTokenizer(AbstractTokenizer):
     def eod(self) -> int:
         return self._eod
 
+    @property
+    def bos(self) -> Optional[int]:
+        if self._hf is not None:
+            return None if self._hf.bos_token_id is None else int(self._hf.bos_token_id)
+        return None
+
     def tokenize(self, text: str) -> List[int]:
         if self._hf is not None:
             return list(self._hf.encode(text, add_special_tokens=False))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from .base import AbstractTokenizer
 
@@ -46,6 +46,10 @@ class GPTSentencePieceTokenizer(AbstractTokenizer):
     def eod(self) -> int:
         return int(self._sp.eos_id())
 
+    @property
+    def bos(self) -> Optional[int]:
+        return int(self._sp.bos_id()) if self._sp.bos_id() >= 0 else None
+
     def tokenize(self, text: str) -> List[int]:
         return list(self._sp.EncodeAsIds(text))
 
@@ -69,6 +73,8 @@ class SentencePieceTokenizer(AbstractTokenizer):
             self._add_special(self._sp.IdToPiece(ident) if 0 <= ident < base else fallback)
         self._vocab_size = base + len(self._extra)
         self._eod = self._special_id("<EOD>")
+        bos = self._sp.bos_id()
+        self._bos = bos if 0 <= bos < base else self._special_id("<BOS>")
         self._id_to_extra = {v: k for k, v in self._extra.items()}
         # Appended specials written literally in the text map to their ids (Megatron does the same).
         self._special_re = re.compile("|".join(re.escape(t) for t in sorted(self._extra, key=len, reverse=True)))
@@ -87,6 +93,10 @@ class SentencePieceTokenizer(AbstractTokenizer):
     @property
     def eod(self) -> int:
         return self._eod
+
+    @property
+    def bos(self) -> Optional[int]:
+        return self._bos
 
     def tokenize(self, text: str) -> List[int]:
         ids: List[int] = []

@@ -14,8 +14,8 @@ LLAMA = ["--group-query-attention", "--num-query-groups", "2", "--normalization"
          "--untie-embeddings-and-output-weights"]
 
 
-def run_single(argv: List[str], monkeypatch) -> int:
-    """Exit code of pretrain_gpt.main(TINY + argv): 0, or 2 for a reported error."""
+def run_single(argv: List[str], monkeypatch, base: List[str] = TINY) -> int:
+    """Exit code of pretrain_gpt.main(base + argv): 0, or 2 for a reported error."""
     import pretrain_gpt
 
     monkeypatch.setenv("RANK", "0")
@@ -24,7 +24,7 @@ def run_single(argv: List[str], monkeypatch) -> int:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     try:
-        pretrain_gpt.main(TINY + ["--distributed-backend", "gloo"] + argv)
+        pretrain_gpt.main(base + ["--distributed-backend", "gloo"] + argv)
         return 0
     except SystemExit as exc:
         return int(exc.code)

@@ -36,15 +36,24 @@ def _convert(*args: str) -> int:
 
 
 @pytest.mark.parametrize("family,expected_class", [("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel")])
-def test_export_trained_checkpoint(tmp_path, monkeypatch, family, expected_class):
+def test_export_trained_checkpoint(tmp_path, monkeypatch, caplog, family, expected_class):
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     extra = LLAMA if family == "llama" else []
     assert run_single(extra + ["--train-iters", "3", "--save", ckpt], monkeypatch) == 0
     assert _convert("--loader", "lsgd", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf) == 0
-    assert json.load(open(os.path.join(hf, "config.json")))["architectures"] == [expected_class]
-    ours, theirs = _ours(ckpt), _theirs(hf)
-    assert ours.shape == theirs.shape
-    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+    config = json.load(open(os.path.join(hf, "config.json")))
+    assert config["architectures"] == [expected_class]
+    # The tokenizer's true vocabulary (NullTokenizer 250, padded to 256 for training) and its
+    # end-of-document id; GPT-2 uses <|endoftext|> as bos too, the NullTokenizer has no bos.
+    assert config["vocab_size"] == 250 and config["eos_token_id"] == 249
+    assert config["bos_token_id"] == (249 if family == "gpt2" else None)
+    transformers.logging.enable_propagation()
+    with caplog.at_level("WARNING"):
+        theirs = _theirs(hf)
+    assert not [r for r in caplog.records if "vocab" in r.getMessage().lower()]
+    ours = _ours(ckpt)
+    assert ours.shape[-1] == 256 and theirs.shape[-1] == 250
+    torch.testing.assert_close(theirs, ours[..., :250], rtol=0, atol=1e-4)
 
 
 def _random_hf_model(family: str):
@@ -72,9 +81,12 @@ def test_import_from_transformers_and_back(tmp_path, family):
     assert _convert("--loader", "hf", "--saver", "lsgd", "--load-dir", hf_in, "--save-dir", ckpt) == 0
     torch.testing.assert_close(_ours(ckpt), _theirs(hf_in), rtol=0, atol=1e-4)
 
-    # Tokenizer files travel with the checkpoint and back out to Hugging Face.
+    # Tokenizer files travel with the checkpoint and back out to Hugging Face; the generation
+    # config written by save_pretrained is not a tokenizer file and stays behind.
     meta = json.load(open(os.path.join(ckpt, "iter_0000000", "metadata.json")))
-    assert os.path.isfile(os.path.join(meta["args"]["tokenizer_model"], "tokenizer.json"))
+    assert os.path.exists(os.path.join(hf_in, "generation_config.json"))
+    assert sorted(os.listdir(meta["args"]["tokenizer_model"])) == ["tokenizer.json"]
+    assert meta["tokenizer"]["vocab_size"] == 256
     assert _convert("--loader", "lsgd", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf_out) == 0
     assert os.path.isfile(os.path.join(hf_out, "tokenizer.json"))
     torch.testing.assert_close(_theirs(hf_out), _theirs(hf_in), rtol=0, atol=1e-5)

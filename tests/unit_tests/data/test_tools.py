@@ -56,10 +56,19 @@ def test_preprocess_null_tokenizer_and_bad_lines(tmp_path, capsys):
     assert "1 empty documents skipped, 4 bad lines skipped" in err and "MB/s" in err
 
 
-def test_preprocess_strict_names_file_and_line(tmp_path):
+def _fails(capsys, main, argv) -> str:
+    """A tool's bad-input exit: code 2 and the message on stderr."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_preprocess_strict_names_file_and_line(tmp_path, capsys):
     src = _write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "1"}), "[1, 2"])
-    with pytest.raises(SystemExit, match=r"in.jsonl:2: not valid JSON"):
-        preprocess_data.main(["--input", src, "--output-prefix", str(tmp_path / "o"), "--strict", *NULL])
+    err = _fails(capsys, preprocess_data.main, ["--input", src, "--output-prefix", str(tmp_path / "o"), "--strict",
+                                                *NULL])
+    assert "in.jsonl:2: not valid JSON" in err
     assert not list(tmp_path.glob("o_*"))  # the partial .bin was removed
 
 
@@ -72,10 +81,10 @@ def test_preprocess_untokenizable_line(tmp_path, capsys, workers):
     assert f"{src}:2: cannot tokenize: NullTokenizer: 'one' is not an integer" in capsys.readouterr().err
 
 
-def test_preprocess_missing_input(tmp_path):
-    with pytest.raises(SystemExit, match="input file not found: .*absent.jsonl"):
-        preprocess_data.main(["--input", str(tmp_path / "absent.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                              *NULL])
+def test_preprocess_missing_input(tmp_path, capsys):
+    err = _fails(capsys, preprocess_data.main, ["--input", str(tmp_path / "absent.jsonl"), "--output-prefix",
+                                                str(tmp_path / "o"), *NULL])
+    assert "error: input file not found: " in err and "absent.jsonl" in err
 
 
 def test_preprocess_workers_partitions_keys_gz(tmp_path):
@@ -106,17 +115,19 @@ def test_preprocess_sentencepiece_dtype_and_text(tmp_path):
     assert doc[-1] == tok.eod and tok.detokenize(doc[:-1]) == "Hello, world.\n  indented"
 
 
-def test_merge_tool(tmp_path):
+def test_merge_tool(tmp_path, capsys):
     for name, text in (("a", "1 2"), ("b", "3")):
         src = _write_jsonl(tmp_path / f"{name}.jsonl", [json.dumps({"text": text})])
         preprocess_data.main(["--input", src, "--output-prefix", str(tmp_path / "parts" / name), *NULL])
     merge_datasets.main(["--input", str(tmp_path / "parts"), "--output-prefix", str(tmp_path / "merged")])
     assert _docs(str(tmp_path / "merged")) == [[1, 2], [3]]
-    with pytest.raises(SystemExit, match="indexed dataset file not found: .*missing.idx"):
-        merge_datasets.main(["--input", str(tmp_path / "missing"), "--output-prefix", str(tmp_path / "m")])
+    err = _fails(capsys, merge_datasets.main, ["--input", str(tmp_path / "missing"), "--output-prefix",
+                                               str(tmp_path / "m")])
+    assert "indexed dataset file not found: " in err and "missing.idx" in err
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="no .bin/.idx pairs"):
-        merge_datasets.main(["--input", str(tmp_path / "empty"), "--output-prefix", str(tmp_path / "m")])
+    err = _fails(capsys, merge_datasets.main, ["--input", str(tmp_path / "empty"), "--output-prefix",
+                                               str(tmp_path / "m")])
+    assert "no .bin/.idx pairs" in err
 
 
 def test_train_tokenizer_small(tmp_path):

@@ -131,3 +131,20 @@ def test_sync_and_diloco_compress_through_the_compressor_interface():
     assert 3.5 < ratio < 4.0  # int8 + one fp32 scale per 64 values
     gap = abs(logged_losses(sync8)[-1] - logged_losses(fp32)[-1]) / logged_losses(fp32)[-1]
     assert 0 < gap < 0.01  # compressed, but error feedback keeps it on track
+
+
+@pytest.mark.slow
+def test_sync_without_zero1_splits_the_cross_site_traffic_inside_the_site():
+    """2 sites x DP_intra 2 without ZeRO-1: every rank of a site holds the same gradient, so
+    each sends only its half across sites (as ZeRO-1 ranks do) and the site all-gathers."""
+    sites2_dp2 = ["--num-sites", "2", "--ddp-bucket-size", "5000"]
+    base = COMMON + sites2_dp2 + ["--train-iters", "4", "--lr", "5e-3", "--lsgd-algorithm", "sync"]
+    plain = run_distributed(base, 4)
+    zero1 = run_distributed(base + ["--use-distributed-optimizer"], 4)
+    assert_close_runs(plain, zero1)
+    assert_replicas_identical(plain)
+    per_rank = [r["comm"]["bytes_sent"] for r in plain]
+    assert max(per_rank) <= 1.01 * max(r["comm"]["bytes_sent"] for r in zero1)  # was 2x before the split
+    compressed = run_distributed(base + ["--lsgd-compression", "int8"], 4)
+    assert_replicas_identical(compressed)
+    assert logged_losses(compressed)[-1] < logged_losses(compressed)[0]

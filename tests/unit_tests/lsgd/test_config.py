@@ -101,4 +101,27 @@ def test_budgets_become_iterations_like_megatron():
     assert by_samples.training.train_iters == 10 and by_samples.training.train_samples == 42  # 42 // 4
     by_tokens = build_config(parse_args(base + ["--train-tokens", str(41 * 32 + 5)]), 2)
     assert by_tokens.training.train_iters == 10 and by_tokens.training.train_samples == 41
-    assert by_tokens.optimizer.lr_decay_iters == 10
+    # Megatron's sample-based schedule: the LR decays over the budget's samples, stepping by each batch.
+    assert by_tokens.optimizer.lr_unit == "samples" and by_tokens.optimizer.lr_decay_iters == 41
+
+
+@pytest.mark.slow
+def test_a_rank_larger_than_a_weight_matrix_is_a_message_on_two_sites(tmp_path):
+    """Found at start-up (it needs the model's shapes), agreed by every rank: error + exit 2."""
+    import os
+
+    from tests.unit_tests.checkpointing.launch import ROOT
+    from tests.unit_tests.harness import free_port
+
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py"] + BASE + [
+            "--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
+            "--lsgd-rank", "1000"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    err = "".join(e for _, e in outs)
+    assert err.count("error: --lsgd-rank 1000 is larger than the smallest weight matrix dimension (32)") == 1
+    assert "Traceback" not in err

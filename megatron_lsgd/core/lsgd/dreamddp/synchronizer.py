@@ -123,6 +123,7 @@ class DreamDDP(Synchronizer):
     name = "dreamddp"
     Options = DreamDDPOptions
     uses = frozenset({"rounds"})
+    inert_with_one_site = True
     uses_unit_backward_hooks = True
 
     def __init__(self, ctx: SyncContext):

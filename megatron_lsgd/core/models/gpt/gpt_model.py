@@ -90,7 +90,7 @@ class GPTModel(nn.Module):
         self.input_tensor: Optional[torch.Tensor] = None
 
         self.embedding = GPTEmbedding(config, pgs, rng_tracker) if pre_process else None
-        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.layers = nn.ModuleList(
             TransformerLayer(config, pgs.tp, tp_size, rng_tracker, self.layer_offset + i) for i in range(per_stage))
