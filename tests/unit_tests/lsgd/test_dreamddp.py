@@ -94,6 +94,10 @@ def _worker(rank: int, world: int, port: int, layout_args, out_dir: str) -> None
     _register_reference()
     out = {"h1": _record(pretrain_gpt.main(COMMON + layout_args + H1)),
            "reference": _record(pretrain_gpt.main(COMMON + layout_args + REFERENCE))}
+    if "--use-distributed-optimizer" in layout_args:  # the same site layout without ZeRO-1: split averages
+        plain = [x for x in layout_args if x != "--use-distributed-optimizer"]
+        out["h1_split"] = _record(pretrain_gpt.main(COMMON + plain + H1))
+        out["reference_split"] = _record(pretrain_gpt.main(COMMON + plain + REFERENCE))
     site = rank // (world // 2)
     if site == 1:  # this site's profiler measures every time 3x longer than it is
         StepClock.now = lambda self: 3.0 * time.perf_counter()
@@ -130,6 +134,14 @@ def test_dreamddp_properties(layout):
         a, b = merge_full_params(h1, site=site), merge_full_params(ref, site=site)
         assert all(torch.equal(a[n], b[n]) for n in a), f"site {site} differs from the reference"
     assert_replicas_identical(h1)  # the final average: every site ends with the same model
+    if "h1_split" in runs:  # without ZeRO-1 each rank averages 1/DP_intra of a unit; the site gathers
+        split, ref = runs["h1_split"], runs["reference_split"]
+        assert split[-1]["losses"] == ref[-1]["losses"]
+        for site in (0, 1):
+            a, b = merge_full_params(split, site=site), merge_full_params(ref, site=site)
+            assert all(torch.equal(a[n], b[n]) for n in a)
+        assert_replicas_identical(split)
+        assert split[0]["comm"]["bytes_sent"] < 0.6 * ref[0]["comm"]["bytes_sent"]  # half the unit each
 
     sched = runs["scheduled"]
     # one agreed profile and one schedule everywhere, although the sites measured differently
