@@ -418,8 +418,10 @@ class DreamDDP(Synchronizer):
         self.reprofiles = int(state["reprofiles"])
         q = state["plan"]
         self.plan = Plan(q["interval"], q["method"], q["bubble_fill"], [StagePlan(**s) for s in q["stages"]])
-        if not state["profile"]:
-            return  # saved while profiling: the remaining profiling steps run after the resume
+        if not state["profile"]:  # saved while profiling: the remaining profiling steps run after the resume
+            if self.plan.interval != self.interval:
+                self.plan = build_plan(self._untimed_profile(), self.interval, "equal", False)
+            return
         p = state["profile"]
         self.profile = Profile([UnitProfile(**u) for u in p["units"]], list(p["tails_s"]), p["latency_s"],
                                p["seconds_per_byte"], p["tied_embeddings"], p["source"], list(p["measured_steps"]))
