@@ -304,7 +304,7 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path):
     uninterrupted one bit for bit."""
     import json
 
-    from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, UnitProfile
+    from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, UnitProfile, read_profile_file
     from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
     from tests.unit_tests.checkpointing.launch import TINY, kill, read, run, start, wait_for
     from tests.unit_tests.checkpointing.test_resume_exact import ITERS, _check_resumed, _tracker
@@ -321,6 +321,11 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path):
     ref_text = run(common + ["--save", str(tmp_path / "ref"), "--lsgd-dreamddp-profile", str(profile_path)], 4,
                    str(tmp_path / "ref.log"))
     assert "slot 1: output  ->" in ref_text and "slot 3: layers.0, embedding  ->" in ref_text
+    # the profile and the schedule are written next to the logs (here --save: no --json-log)
+    written = tmp_path / "ref" / "dreamddp_profile.json"
+    assert json.loads(written.read_text())["schedule"]["stages"][0]["slots"] == [
+        ["output"], ["layers.1"], ["layers.0", "embedding"]]
+    assert read_profile_file(str(written))["backward_ms"]["layers.0"] == pytest.approx(1.0)
 
     ckpt = str(tmp_path / "ckpt")
     proc = start(common + ["--save", ckpt, "--lsgd-dreamddp-profile", str(profile_path)], 4,

@@ -140,7 +140,8 @@ def read_profile_file(path: str) -> Dict:
 # ---- timing inside steps ----------------------------------------------------------------------
 class StepClock:
     """Moments inside a step: perf_counter on CPU, CUDA events on the current stream on GPU
-    (so asynchronous kernels are timed where they run)."""
+    (so asynchronous kernels are timed where they run). The CUDA branch has not been run:
+    no GPU was available to this project's tests (docs/algorithms/dreamddp.md)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
