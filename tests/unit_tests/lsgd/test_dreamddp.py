@@ -340,3 +340,25 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path):
     assert schedule and schedule == [line for line in text.splitlines() if line.startswith("    slot ")]
     _check_resumed(tmp_path, str(tmp_path / "ref.log"), str(tmp_path / "resumed.log"), 4)
     assert "profiling step" not in read(str(tmp_path / "killed.log"))
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_while_profiling_resumes_the_profiling(tmp_path):
+    """2 sites, 3 profiling steps, stopped (and saved) after step 2 with H = 2, resumed with
+    H = 4: the third profiling step runs with H = 4's equal-number schedule (one unit per
+    slot, not the checkpoint's two), and the schedule is computed from steps 2 and 3, the
+    sample of step 2 coming from the checkpoint (step 1 is left out)."""
+    import re
+
+    from tests.unit_tests.checkpointing.launch import TINY, run
+
+    ckpt = str(tmp_path / "ckpt")
+    common = TINY + ["--num-sites", "2", "--global-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout",
+                     "0", "--lsgd-algorithm", "dreamddp", "--lsgd-dreamddp-profile-steps", "3", "--train-iters", "6",
+                     "--save", ckpt]
+    first = run(common + ["--lsgd-interval", "2", "--exit-interval", "2"], 2, str(tmp_path / "first.log"))
+    assert "dreamddp schedule" not in first and re.search(r"iteration +2/.*profiling step: 2", first)
+    text = run(common + ["--lsgd-interval", "4", "--load", ckpt], 2, str(tmp_path / "resumed.log"))
+    step3 = re.search(r"iteration +3/.*", text).group(0)
+    assert "H: 4 | slot: 3 | synced units: 1 " in step3  # the log line is written after the schedule
+    assert "profiled over steps [2, 3]" in text and "periods start at iteration 4" in text
