@@ -10,8 +10,9 @@ Nothing in the model reaches for global state: layers receive the `ProcessGroups
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -199,3 +200,26 @@ def build_process_groups(dims: ParallelDims, timeout=None) -> ProcessGroups:
                 setattr(pgs, kind, group)
                 pgs.group_ranks[kind] = ranks
     return pgs
+
+
+def clone_groups(pgs: ProcessGroups, kinds: Sequence[str], timeout=None) -> ProcessGroups:
+    """A copy of `pgs` in which the groups of the given kinds are fresh process groups with
+    the same members (collective: every rank calls it with the same kinds, in the same
+    order). For a thread that issues collectives beside the main thread: each process group
+    needs one order of collectives on all its members, which two threads sharing a group
+    could not guarantee."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialized before building process groups")
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    fresh = {}
+    all_groups = enumerate_group_ranks(pgs.dims)
+    for kind in kinds:
+        seen = set()
+        for ranks in all_groups[kind]:
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            group = dist.new_group(list(ranks), **kwargs)
+            if pgs.rank in ranks:
+                fresh[kind] = group
+    return dataclasses.replace(pgs, **fresh)

@@ -15,7 +15,7 @@ import torch
 from megatron_lsgd.core.datasets.config import DataConfig
 from megatron_lsgd.core.distributed.data_parallel import DDPConfig
 from megatron_lsgd.core.lsgd import catalog
-from megatron_lsgd.core.lsgd.config import LsgdConfig
+from megatron_lsgd.core.lsgd.config import LsgdConfig, RunFacts
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
@@ -320,7 +320,13 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         num_workers=args.num_workers)
     data.validate()
-    lsgd = catalog.config_from_args(args, dims.sites)
+    budget = "--train-tokens" if args.train_tokens is not None else "--train-samples" if train_samples else None
+    schedule = "--rampup-batch-size" if getattr(args, "rampup_batch_size", None) is not None else \
+        "--step-batch-size-schedule" if getattr(args, "step_batch_size_schedule", None) is not None else None
+    lsgd = catalog.config_from_args(args, dims.sites, RunFacts(
+        num_microbatches=global_batch // per_step, pipeline_stages=dims.pp, fp16=args.fp16,
+        sample_budget_flag=budget, batch_schedule_flag=schedule,
+        per_token_loss=bool(getattr(args, "calculate_per_token_loss", False))))
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,

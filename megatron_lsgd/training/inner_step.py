@@ -9,6 +9,9 @@
                         main -> model (ZeRO-1 all-gather inside the site)
 
 The default composition (protocol.Synchronizer.train_step) is the plain synchronous step.
+ACCO/DPU compose them with overlap: several accumulate-only compute_grads calls with a
+common loss divisor, apply(grads=..., groups=..., copy_to_model=False, samples=...) and
+trial_apply on a thread of their own (see protocol.InnerStep).
 
 Megatron options folded into the parts: a batch-size schedule sets the micro-batch count
 before each step (`set_num_microbatches`); with --calculate-per-token-loss, compute_grads
@@ -20,6 +23,7 @@ memory after compute_grads (1) and apply (2).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -82,13 +86,17 @@ class InnerStep:
     def zero_grads(self) -> None:
         self.model.zero_grad_buffer()
 
-    def compute_grads(self, data_iterator, num_microbatches: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
+    def compute_grads(self, data_iterator, num_microbatches: Optional[int] = None, *,
+                      loss_divisor: Optional[int] = None, accumulate_only: bool = False
+                      ) -> List[Dict[str, torch.Tensor]]:
         n = num_microbatches or self._num_microbatches
         self.model.train()
         self.phase.training, self.phase.count = True, n
-        spec = self._spec(forward_only=False, num_microbatches=n, on_forward=self.phase.forward)
+        spec = self._spec(forward_only=False, num_microbatches=n, on_forward=self.phase.forward,
+                          loss_divisor=loss_divisor)
+        accumulate = self.model.no_sync() if accumulate_only else contextlib.nullcontext()
         try:
-            with self._straggler.around_compute(self.iteration):
+            with self._straggler.around_compute(self.iteration), accumulate:
                 losses = self._forward_backward(self._forward_step_func, data_iterator, self.model, spec, self.pgs)
         finally:
             self.phase.training = False
@@ -120,10 +128,19 @@ class InnerStep:
             for bucket in self.model.buckets:
                 bucket.grad_data.mul_(factor)
 
-    def apply(self) -> Tuple[bool, Optional[float]]:
-        samples = self._last_microbatches * self.samples_per_microbatch
-        ok, norm = self.optimizer.step(self.scheduler.next_lrs(samples))
+    def apply(self, *, grads=None, groups=None, copy_to_model: bool = True,
+              samples: Optional[int] = None) -> Tuple[bool, Optional[float]]:
+        """`samples`: the step's global batch for a sample-based LR schedule (default: the
+        last compute_grads call's micro-batches on every site)."""
+        samples = self._last_microbatches * self.samples_per_microbatch if samples is None else samples
+        ok, norm = self.optimizer.step(self.scheduler.next_lrs(samples), grads=grads, groups=groups,
+                                       copy_to_model=copy_to_model)
         if ok:
             self.scheduler.step(samples)
         self._empty_cache(2)
         return ok, norm
+
+    def trial_apply(self, out, *, grads=None, groups=None, samples: Optional[int] = None
+                    ) -> Tuple[bool, Optional[float]]:
+        samples = self._last_microbatches * self.samples_per_microbatch if samples is None else samples
+        return self.optimizer.trial_step(self.scheduler.next_lrs(samples), out, grads=grads, groups=groups)

@@ -51,6 +51,8 @@ class TrainingResult:
     validation_losses: List[float] = field(default_factory=list)
     skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
     tokens_per_second: float = 0.0
+    consumed_samples: int = 0  # the whole job's, all sites
+    site_consumed_samples: int = 0  # this rank's site's own
     comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
     sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
     synchronizer: Optional[object] = None  # for tests and tools that inspect its state
@@ -78,15 +80,16 @@ class Trainer:
         model.to(device)
         model.initialize(config.training.seed)
         self.model = DistributedDataParallel(model, pgs, config.ddp)
+        sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.optimizer = ShardedOptimizer([self.model], config.optimizer, pgs,
-                                          build_grad_scaler(config.optimizer, config.training.fp16))
+                                          build_grad_scaler(config.optimizer, config.training.fp16),
+                                          separate_main=sync_cls.overlaps_optimizer_step)
         self.scheduler = LRScheduler(config.optimizer)
 
         link = config.lsgd.link
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                              config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank)
         units = model.sync_units()
-        sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units))
         self.comm = comm
@@ -96,10 +99,16 @@ class Trainer:
         t = config.training
         gbs = t.global_batch_size
         eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+        # A synchronizer whose sites may take more micro-batches per step than configured
+        # (ACCO/DPU's adaptive accumulation) says how many at most: size the stream for it.
+        bound = self.synchronizer.microbatches_per_step_bound(config.num_microbatches)
+        train_samples = t.train_iters * gbs if bound == config.num_microbatches else \
+            t.train_iters * bound * t.micro_batch_size * config.dims.dp
         train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
-                                                  (t.train_iters * gbs, eval_runs * gbs, t.eval_iters * gbs))
+                                                  (train_samples, eval_runs * gbs, t.eval_iters * gbs))
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
+        self._job_samples_stale = False  # sites counted differently since consumed_samples was summed
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
         self.valid_ds = valid_ds
         self.consumed_valid_samples = 0  # the whole job's validation samples, restored on resume
@@ -126,6 +135,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.synchronizer.quiesce()  # nothing in flight: the saved state is complete
+        self._sum_site_samples()
         save_checkpoint(self, self.config.checkpoint)
         self.last_saved_iteration = self.iteration
 
@@ -145,11 +155,36 @@ class Trainer:
             self.model.add_unit_backward_listener(units, lambda unit: sync.after_unit_backward(unit, phase.last()))
 
     def _schedule_spec(self, forward_only: bool, num_microbatches: Optional[int] = None,
-                       on_forward: Optional[Callable[[int], None]] = None) -> ScheduleSpec:
+                       on_forward: Optional[Callable[[int], None]] = None,
+                       loss_divisor: Optional[int] = None) -> ScheduleSpec:
         return ScheduleSpec(num_microbatches=num_microbatches or self.config.num_microbatches,
                             tensor_shape=self.tensor_shape, dtype=self.config.model.params_dtype, device=self.device,
                             forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward,
-                            per_token_loss=self.config.model.calculate_per_token_loss)
+                            per_token_loss=self.config.model.calculate_per_token_loss, loss_divisor=loss_divisor)
+
+    def _count_samples(self, num_microbatches: int, same_on_every_site: bool) -> Optional[int]:
+        """This site's position advances by its own micro-batches; the job's total is that
+        times the number of sites when every site computed as many, else the sum of every
+        site's own position, taken (_sum_site_samples) where the loop logs or saves.
+        Returns the step's global batch when known (None: sites differed)."""
+        site_samples = num_microbatches * self.config.training.micro_batch_size * self.config.dims.dp_intra
+        self.site_consumed_samples += site_samples
+        if same_on_every_site and not self._job_samples_stale:
+            self.consumed_samples += site_samples * self.config.dims.sites
+            return site_samples * self.config.dims.sites
+        self._job_samples_stale = True
+        return None
+
+    def _sum_site_samples(self) -> None:
+        """consumed_samples = the sum over sites of each site's own consumed samples (exact);
+        a few bytes across sites, only after steps whose counts differed (collective)."""
+        if not self._job_samples_stale:
+            return
+        total = torch.tensor([self.site_consumed_samples], dtype=torch.int64, device=self.device)
+        if self.config.dims.sites > 1:
+            dist.all_reduce(total, group=self.pgs.dp_inter)
+        self.consumed_samples = int(total.item())
+        self._job_samples_stale = False
 
     def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
@@ -208,8 +243,8 @@ class Trainer:
         t = self.config.training
         result = TrainingResult(model=self.model.module, config=self.config)
         gbs = t.global_batch_size  # of the last step (a batch-size schedule changes it)
-        site_samples_per_mb = t.micro_batch_size * self.config.dims.dp_intra
         seq = self.config.model.seq_length
+        consumed_before = self.consumed_samples
         batch_schedule = self.config.compat.batch_schedule
         flops_per_sample = compat_flops_per_sample(self.config.model, self.config.model.padded_vocab_size)
         sums: Dict[str, torch.Tensor] = {}
@@ -226,11 +261,7 @@ class Trainer:
             step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
             losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
             self.iteration += 1
-            site_samples = step.num_microbatches * site_samples_per_mb
-            self.site_consumed_samples += site_samples
-            self.consumed_samples += site_samples * self.config.dims.sites
-            gbs = site_samples * self.config.dims.sites
-            interval_samples += gbs
+            gbs = self._count_samples(step.num_microbatches, step.same_count_on_every_site)
             interval_iters += 1
             self.compat.after_step(self.iteration)
             if not ok:
@@ -256,6 +287,10 @@ class Trainer:
                 moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
                             - comm_before["bytes_sent"] - comm_before["bytes_received"]) / 2**20
                 exposed_ms = 1e3 * (comm_now["exposed_seconds"] - comm_before["exposed_seconds"]) / interval_iters
+                self._sum_site_samples()
+                interval_samples = self.consumed_samples - consumed_before
+                if gbs is None:  # sites computed different counts (ACCO/DPU): the interval's mean batch
+                    gbs = round(interval_samples / interval_iters)
                 tokens_per_s = interval_samples * seq / elapsed
                 result.tokens_per_second = tokens_per_s
                 if self.pgs.rank == self.log_rank:
@@ -284,6 +319,7 @@ class Trainer:
                 sums, interval_iters, skipped, nans, norm_sum, norm_count = {}, 0, 0, 0, 0.0, 0
                 interval_samples = 0
                 comm_before = comm_now
+                consumed_before = self.consumed_samples
                 interval_start = time.perf_counter()
 
             stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
@@ -303,8 +339,10 @@ class Trainer:
                 break
         self.synchronizer.quiesce()
         self.termination.close()
+        self._sum_site_samples()
         result.iteration = self.iteration
         result.skipped_iterations = total_skipped
+        result.consumed_samples, result.site_consumed_samples = self.consumed_samples, self.site_consumed_samples
         if self.config.checkpoint.save and self.last_saved_iteration != self.iteration and self.iteration > 0:
             self.save_checkpoint()
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()

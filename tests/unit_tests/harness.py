@@ -7,9 +7,10 @@ single-rank view so any layout can be compared with a single-rank run.
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,12 +41,26 @@ def tree_digest(path: str) -> Dict[str, str]:
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
+    _worker_many(rank, world, port, [argv], out_dir, None)
+
+
+def _worker_many(rank: int, world: int, port: int, argvs: List[List[str]], out_dir: str,
+                 setup_module: Optional[str]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if setup_module:
+        importlib.import_module(setup_module)  # e.g. registers a test-only synchronizer
     import pretrain_gpt
 
-    result = pretrain_gpt.main(argv)
+    for i, argv in enumerate(argvs):
+        _record(pretrain_gpt.main(argv), os.path.join(out_dir, f"rank{rank}.pt" if len(argvs) == 1
+                                                         else f"rank{rank}.run{i}.pt"))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _record(result, path: str) -> None:
     model = result.model
     pgs = model.pgs
     params = {}
@@ -56,10 +71,8 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
     torch.save({"anchors": [a.clone() for a in anchors] if anchors else None, "losses": result.logged_losses,
                 "valid": result.validation_losses, "params": params, "skipped": result.skipped_iterations,
                 "coords": pgs.coords, "tp": pgs.dims.tp, "comm": result.comm, "sync_stats": result.sync_stats,
-                "traffic": result.traffic},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+                "traffic": result.traffic, "consumed": (result.consumed_samples, result.site_consumed_samples)},
+               path)
 
 
 def run_distributed(argv: List[str], world: int) -> List[dict]:
@@ -67,6 +80,16 @@ def run_distributed(argv: List[str], world: int) -> List[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world, free_port(), argv, out_dir), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def run_distributed_many(argvs: List[List[str]], world: int, setup_module: Optional[str] = None
+                         ) -> List[List[dict]]:
+    """Several runs back to back in the same `world` spawned ranks (one process start-up);
+    `setup_module` is imported in every rank first. One list of records per argv."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker_many, args=(world, free_port(), argvs, out_dir, setup_module), nprocs=world, join=True)
+        return [[torch.load(os.path.join(out_dir, f"rank{r}.run{i}.pt" if len(argvs) > 1 else f"rank{r}.pt"),
+                            weights_only=False) for r in range(world)] for i in range(len(argvs))]
 
 
 def logged_losses(records: List[dict]) -> List[float]:

@@ -24,7 +24,9 @@ def _site(rank: int, port: int, log: str, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", [["--lsgd-algorithm", "sync"],
-                                       ["--lsgd-algorithm", "dilocox", "--lsgd-interval", "2"]])
+                                       ["--lsgd-algorithm", "dilocox", "--lsgd-interval", "2"],
+                                       # its cross-site collectives run on a worker thread
+                                       ["--lsgd-algorithm", "acco", "--global-batch-size", "8"]])
 def test_the_surviving_site_says_what_happened(tmp_path, algorithm):
     port = free_port()
     logs = [str(tmp_path / f"site{i}.log") for i in range(2)]

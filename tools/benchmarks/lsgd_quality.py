@@ -1,4 +1,4 @@
-"""Quality at equal tokens: sync vs diloco vs dilocox vs dreamddp across two sites (CPU/gloo or GPU).
+"""Quality at equal tokens: sync vs diloco vs dilocox vs acco vs dpu vs dreamddp across two sites (CPU/gloo or GPU).
 
 Runs each algorithm in `--sites` x `--ranks-per-site` spawned processes on the same data,
 model, seed and token budget, and writes a Markdown table (final validation loss and its
@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-iters", type=int, default=10)
-    p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4")
+    p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4,acco,dpu")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--dilocox-outer-momentum", type=float, default=0.5,
@@ -115,6 +115,10 @@ def main() -> None:
         "dilocox-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "int4"] + outer_x,
         "dilocox-lowrank-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
                                  "--lsgd-rank", str(args.rank)] + outer_x,
+        # Equal tokens: the configured micro-batches every step (adaptive accumulation would add
+        # some whenever the overlapped reduce + step outlast a stage's compute).
+        "acco": ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed"],
+        "dpu": ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"],
         # dreamddp averages parameters (no outer optimizer): compare it with diloco at outer lr 1,
         # momentum 0, which averages the whole model every H steps
         "dreamddp": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval)],
@@ -146,7 +150,7 @@ def main() -> None:
         loss = r["valid"][-1]
         gap = f"{100 * (loss / ref['valid'][-1] - 1):+.2f}%" if ref else "-"
         sent = r["comm"].get("bytes_sent", 0)
-        ratio = f"{ref['comm']['bytes_sent'] / sent:.0f}x" if ref and sent else "-"
+        ratio = f"{ref['comm']['bytes_sent'] / sent:.3g}x" if ref and sent else "-"
         lines.append(f"| {name} | {loss:.4f} | {gap} | {sent / 2**20:.3f} | {ratio} | "
                      f"{r['comm'].get('exposed_seconds', 0):.2f} | {r['tokens_per_s']:.0f} |")
     table = "\n".join(lines)

@@ -59,7 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size inside a site")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size inside a site")
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=4,
+                   help="sequences per micro-batch (the default 4 gives two micro-batches per site-batch of 8: "
+                        "acco needs at least two per step, one per stage)")
     p.add_argument("--site-batch-size", type=int, default=8, help="sequences per step per site")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--train-iters", type=int, default=40)

@@ -79,19 +79,41 @@ def loss_at(curve: Sequence[dict], key: str, x: float) -> Optional[float]:
     return points[-1][1]
 
 
+def time_to_loss(curve: Sequence[dict], target: float) -> Optional[float]:
+    """Wall-clock seconds at which a training-loss curve first reaches `target` (linear
+    between logged points; None if it never does)."""
+    prev = None
+    for p in curve:
+        if p["loss"] is not None and p["loss"] <= target:
+            if prev is None or prev["loss"] is None or prev["loss"] == p["loss"]:
+                return p["wall_s"]
+            frac = (prev["loss"] - target) / (prev["loss"] - p["loss"])
+            return prev["wall_s"] + frac * (p["wall_s"] - prev["wall_s"])
+        prev = p
+    return None
+
+
 def build_results(scenario: dict, ceiling: dict, runs: Dict[str, dict]) -> dict:
     """results.json: every algorithm's throughput as a ratio to the ceiling of the same run,
-    and its loss at equal wall-clock time: at the moment the first algorithm finished (the
-    ceiling, which trains per-site models, is left out of that moment)."""
+    and the wall-clock time at which its training loss first reaches sync's final loss, as
+    a fraction of sync's whole run (when sync ran), and its loss at equal wall-clock time: at
+    the moment the first algorithm finished (the ceiling, which trains per-site models, is
+    left out of that moment)."""
     out = []
-    sync_bytes = runs.get("sync", {}).get("inter_site_bytes_per_step")
+    sync = runs.get("sync", {})
+    sync_bytes = sync.get("inter_site_bytes_per_step")
+    target = sync.get("loss")
+    sync_wall = sync["curve"][-1]["wall_s"] if sync.get("curve") else None
     finished = [m["curve"][-1]["wall_s"] for m in runs.values() if m["curve"]]
     equal_wall = min(finished) if finished else None
     for name, m in [(CEILING, ceiling)] + list(runs.items()):
+        reach = time_to_loss(m["curve"], target) if target is not None and name != CEILING else None
         row = {"algorithm": name, **{k: m[k] for k in ("tokens_per_s", "inter_site_bytes_per_step",
                                                        "exposed_comm_s_per_step", "loss", "peak_rss_mb")},
                "ratio_to_ceiling": m["tokens_per_s"] / ceiling["tokens_per_s"],
                "bytes_vs_sync": m["inter_site_bytes_per_step"] / sync_bytes if sync_bytes else None,
+               "time_to_sync_loss_s": reach,
+               "time_to_sync_loss_vs_sync": reach / sync_wall if reach is not None and sync_wall else None,
                "equal_wall_s": equal_wall,
                "loss_at_equal_wall": loss_at(m["curve"], "wall_s", equal_wall) if equal_wall else None,
                "curve": m["curve"]}
@@ -104,16 +126,20 @@ def markdown_table(results: dict) -> str:
     wall = next((r.get("equal_wall_s") for r in runs if r.get("equal_wall_s")), None)
     wall_head = f"loss at {wall:.0f} s" if wall else "loss at equal wall-clock"
     lines = ["| algorithm | tokens/s | ratio to ceiling | inter-site MB/step | vs sync bytes | "
-             f"exposed comm s/step | final loss (equal tokens) | {wall_head} | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"exposed comm s/step | final loss (equal tokens) | {wall_head} | peak RSS MB | "
+             "time to sync's final loss (x sync's run) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         vs = f"{r['bytes_vs_sync']:.3f}" if r.get("bytes_vs_sync") is not None else "-"
         loss = f"{r['loss']:.3f}" if r["loss"] is not None else "-"
         at_wall = f"{r['loss_at_equal_wall']:.3f}" if r.get("loss_at_equal_wall") is not None else "-"
         rss = f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "-"
+        reach = r.get("time_to_sync_loss_vs_sync")
+        reach = f"{r['time_to_sync_loss_s']:.0f} s ({reach:.2f})" if reach is not None else \
+            ("not reached" if r["algorithm"] != CEILING and r.get("time_to_sync_loss_s", 0) is None else "-")
         lines.append(f"| {r['algorithm']} | {r['tokens_per_s']:.0f} | **{r['ratio_to_ceiling']:.3f}** | "
                      f"{r['inter_site_bytes_per_step'] / 2**20:.2f} | {vs} | {r['exposed_comm_s_per_step']:.3f} | "
-                     f"{loss} | {at_wall} | {rss} |")
+                     f"{loss} | {at_wall} | {rss} | {reach} |")
     return "\n".join(lines) + "\n"
 
 
@@ -149,6 +175,9 @@ def plot(results: dict, out_dir: str, title: Optional[str] = None) -> List[str]:
             style = "--" if r["algorithm"] == CEILING else "-"
             label = "ceiling (per-site models, mean)" if r["algorithm"] == CEILING else r["algorithm"]
             ax.plot([p[key] for p in r["curve"]], [p["loss"] for p in r["curve"]], style, marker=".", label=label)
+        sync = next((r for r in runs if r["algorithm"] == "sync"), None)
+        if key == "wall_s" and sync is not None and sync["loss"] is not None:
+            ax.axhline(sync["loss"], color="gray", linestyle=":", linewidth=1, label="sync's final loss")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("training loss")
         ax.set_title(title, fontsize=9)

@@ -166,6 +166,27 @@ class DistributedDataParallel(nn.Module):
         shard = self.pgs.dp_intra_rank if self.config.use_distributed_optimizer else 0
         return [b.grad_shard(shard) for b in self.buffer.buckets]
 
+    def grad_shards(self, storage: int) -> List[torch.Tensor]:
+        """Like local_grad_shards, in gradient storage `storage` (ParamAndGradBuffer's
+        double buffering) rather than the active one."""
+        shard = self.pgs.dp_intra_rank if self.config.use_distributed_optimizer else 0
+        out = []
+        for b in self.buffer.buckets:
+            lo, hi = b.shard_range(shard)
+            out.append(self.buffer.bucket_grad(b, storage)[lo:hi])
+        return out
+
+    def add_grad_storage(self) -> int:
+        """Another gradient storage for double buffering (ParamAndGradBuffer.add_grad_storage)."""
+        return self.buffer.add_grad_storage()
+
+    def use_grad_storage(self, index: int) -> None:
+        """Backward accumulates into storage `index` from now on; zero_grad_buffer and
+        finish_grad_sync act on it. Call only with no reduction in flight."""
+        if self._pending:
+            raise RuntimeError("use_grad_storage with intra-site reductions in flight")
+        self.buffer.use_grad_storage(index)
+
     def local_param_shards(self) -> List[torch.Tensor]:
         shard = self.pgs.dp_intra_rank if self.config.use_distributed_optimizer else 0
         return [b.param_shard(shard) for b in self.buffer.buckets]

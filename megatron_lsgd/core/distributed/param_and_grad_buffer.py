@@ -4,6 +4,13 @@ Parameters become views into one flat buffer and accumulate their gradients into
 (`param.main_grad`) of one flat fp32 buffer. Each bucket is padded to a multiple of the
 number of ZeRO-1 shards so that every shard is an equal contiguous slice: shard r of a
 bucket is what rank r of the site reduces, optimizes and (across sites) exchanges.
+
+Gradients can be double-buffered (ACCO/DPU compute the next step's gradients while the
+previous ones are still being reduced and applied): `add_grad_storage()` allocates another
+flat fp32 gradient storage with the same layout, and `use_grad_storage(i)` makes
+`param.main_grad`, `bucket.grad_data` and `grad_data` view storage i, so backward
+accumulates there while the other storages are left alone. Storage 0 is the one built
+here; a buffer that never calls these behaves exactly as before.
 """
 
 from __future__ import annotations
@@ -107,9 +114,34 @@ class ParamAndGradBuffer:
                 p.data = view
                 p.main_grad = self.grad_data[lo:hi].view_as(p)
         self.param_to_bucket = {id(p): b for b in self.buckets for p in b.params}
+        self.grad_storages: List[torch.Tensor] = [self.grad_data]
+        self.active_grad_storage = 0
 
     def zero_grad(self) -> None:
+        """Zero the active gradient storage."""
         self.grad_data.zero_()
+
+    # ---- double-buffered gradients ------------------------------------------------------------
+    def add_grad_storage(self) -> int:
+        """Allocate another gradient storage (zeros, same layout); returns its index."""
+        self.grad_storages.append(torch.zeros_like(self.grad_storages[0]))
+        return len(self.grad_storages) - 1
+
+    def use_grad_storage(self, index: int) -> None:
+        """Point `main_grad` of every parameter, every bucket's `grad_data` and `grad_data`
+        at storage `index` (backward accumulates there from now on)."""
+        data = self.grad_storages[index]
+        self.grad_data = data
+        for b in self.buckets:
+            b.grad_data = data[b.start:b.end]
+            for p in b.params:
+                lo, hi = self.param_offsets[id(p)]
+                p.main_grad = data[lo:hi].view_as(p)
+        self.active_grad_storage = index
+
+    def bucket_grad(self, bucket: Bucket, storage: int) -> torch.Tensor:
+        """A bucket's gradients in storage `storage` (whichever storage is active)."""
+        return self.grad_storages[storage][bucket.start:bucket.end]
 
     def shard_pieces(self, bucket: Bucket, shard: int):
         """(param, lo, hi, shard_lo, shard_hi): the part [lo, hi) of each param (in its

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from megatron_lsgd.core.lsgd import diloco, dilocox, dreamddp, sync  # noqa: F401  (register themselves)
-from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig
+from megatron_lsgd.core.lsgd import acco, diloco, dilocox, dreamddp, sync  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
 __all__ = ["add_arguments", "config_from_args", "registered_algorithms", "synchronizer_class", "validate"]
@@ -50,12 +50,12 @@ def _owners() -> Dict[str, List[str]]:
     return owners
 
 
-def config_from_args(args: argparse.Namespace, num_sites: int) -> LsgdConfig:
+def config_from_args(args: argparse.Namespace, num_sites: int, run: Optional[RunFacts] = None) -> LsgdConfig:
     cls = synchronizer_class(args.lsgd_algorithm)
     shared = {key: group.from_args(args) for key, group in SHARED_GROUPS.items()}
     config = LsgdConfig(algorithm=cls.name, seed=args.seed, link=LinkOptions.from_args(args),
                         algo=cls.Options.from_args(args), output_dir=output_dir(args), **shared)
-    validate(config, num_sites, args)
+    validate(config, num_sites, args, run)
     return config
 
 
@@ -68,10 +68,13 @@ def output_dir(args: argparse.Namespace):
     return getattr(args, "tensorboard_dir", None) or getattr(args, "save", None)
 
 
-def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None) -> None:
+def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None,
+             run: Optional[RunFacts] = None) -> None:
     """Check the whole configuration; `args` (the parsed flags) lets flags that belong to
     another algorithm be reported instead of silently ignored, and is handed to the
-    algorithm's own `validate` (to check its options against the model's flags)."""
+    algorithm's own `validate` (to check its options against the model's flags); `run`
+    tells the algorithm's own validate what else the run does (batch, stages, precision,
+    budget)."""
     cls = synchronizer_class(config.algorithm)
     if cls.requires_multiple_sites and num_sites < 2:
         raise ValueError(f"--lsgd-algorithm {cls.name} needs --num-sites >= 2 (got {num_sites})")
@@ -90,4 +93,4 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
             for flag in synchronizer_class(name).Options.from_args(args).changed_flags():
                 if flag not in own:
                     raise ValueError(f"{flag} needs --lsgd-algorithm {' or '.join(owners[flag])}")
-    config.algo.validate(config=config, num_sites=num_sites, args=args)
+    config.algo.validate(config=config, num_sites=num_sites, args=args, run=run)

@@ -97,6 +97,19 @@ class LinkOptions(OptionGroup):
 SHARED_GROUPS = {"rounds": RoundOptions, "outer": OuterOptions, "compression": CompressionOptions}
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What an algorithm's `validate` may need to know about the rest of the run (passed
+    as `run=`; None where a caller validates the lsgd options alone)."""
+
+    num_microbatches: int = 1  # per data-parallel rank per step, from --global-batch-size
+    pipeline_stages: int = 1
+    fp16: bool = False
+    sample_budget_flag: Optional[str] = None  # "--train-samples" / "--train-tokens" when the run has one
+    batch_schedule_flag: Optional[str] = None  # "--rampup-batch-size" / "--step-batch-size-schedule" when given
+    per_token_loss: bool = False  # --calculate-per-token-loss
+
+
 @dataclass
 class LsgdConfig:
     """Everything a synchronizer is configured with: the shared pieces and its own options

@@ -22,7 +22,9 @@ algorithm is running. One training step, as the default `train_step` composes it
                                       close open rounds so every site ends with the same model
 
 A synchronizer may compose the parts differently (ACCO/DPU overlap a previous round's
-reduce + apply with the next compute_grads). Unit hooks fire in training only, never in
+reduce + apply with the next compute_grads: they accumulate over several compute_grads
+calls, switch the DDP layer between two gradient storages, and apply on a thread of their
+own with `apply(grads=..., groups=..., copy_to_model=False)` / `trial_apply`). Unit hooks fire in training only, never in
 evaluation. `after_unit_backward` runs inside backward, in the post-accumulate-grad hook of
 the unit's last parameter to receive its gradient: on the thread that runs autograd (the
 calling thread for CPU tensors; autograd's device thread for CUDA, while the calling
@@ -70,6 +72,11 @@ class StepResult:
     update_successful: bool  # False: fp16 overflow, the inner update was skipped
     grad_norm: Optional[float]
     num_microbatches: int  # micro-batches this rank computed (ACCO varies it per site)
+    # False when sites may have computed different numbers of micro-batches in this step
+    # (ACCO/DPU's adaptive accumulation): the loop then counts the job's samples as the sum
+    # of every site's own count (exchanged where it logs and saves) instead of this rank's
+    # count times the number of sites.
+    same_count_on_every_site: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,15 +102,27 @@ class InnerStep(Protocol):
 
     def zero_grads(self) -> None: ...
 
-    def compute_grads(self, data_iterator, num_microbatches: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
+    def compute_grads(self, data_iterator, num_microbatches: Optional[int] = None, *,
+                      loss_divisor: Optional[int] = None, accumulate_only: bool = False
+                      ) -> List[Dict[str, torch.Tensor]]:
         """Forward and backward over the micro-batches (default: the configured count);
-        gradients accumulate in the fp32 main_grad buffer."""
+        gradients accumulate in the fp32 main_grad buffer. `loss_divisor` (default: the
+        call's count) divides each micro-batch's loss; `accumulate_only` keeps the DDP layer
+        from treating the call's last micro-batch as the step's last (no early bucket
+        reduce, no unit-backward notifications): for a step accumulated over several calls."""
 
     def reduce_in_site(self) -> None: ...
 
-    def apply(self) -> Tuple[bool, Optional[float]]:
+    def apply(self, *, grads: Optional[List[torch.Tensor]] = None, groups: Optional[ProcessGroups] = None,
+              copy_to_model: bool = True) -> Tuple[bool, Optional[float]]:
         """Clip, step the inner optimizer at the scheduled LR (advancing the schedule on
-        success), copy main parameters into the model. Returns (update_successful, grad_norm)."""
+        success), copy main parameters into the model. Returns (update_successful, grad_norm).
+        `grads`, `groups`, `copy_to_model`: see ShardedOptimizer.step."""
+
+    def trial_apply(self, out: List[torch.Tensor], *, grads: Optional[List[torch.Tensor]] = None,
+                    groups: Optional[ProcessGroups] = None) -> Tuple[bool, Optional[float]]:
+        """What apply() would make of the main shards, at the LR apply() would use, written
+        into `out`; nothing is committed (ShardedOptimizer.trial_step)."""
 
     @property
     def num_microbatches(self) -> int: ...
@@ -137,6 +156,10 @@ class Synchronizer:
     # Which unit hooks the loop must wire (registering module hooks costs time per call).
     uses_unit_forward_hooks: ClassVar[bool] = False
     uses_unit_backward_hooks: ClassVar[bool] = False
+    # True when the inner optimizer steps while the model computes (ACCO/DPU): the loop
+    # then gives the optimizer fp32 main parameters apart from the model's even for fp32
+    # models, so a step never writes into parameters a forward pass is reading.
+    overlaps_optimizer_step: ClassVar[bool] = False
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
@@ -152,6 +175,11 @@ class Synchronizer:
         ok, norm = step.apply()
         self.after_optimizer_step(iteration, ok)
         return StepResult(losses, ok, norm, step.num_microbatches)
+
+    def microbatches_per_step_bound(self, configured: int) -> int:
+        """The most micro-batches one rank may compute in one train_step (the loop sizes the
+        training dataset for it); `configured` is --global-batch-size's count."""
+        return configured
 
     # ---- hooks (defaults do nothing) -----------------------------------------------------
     def before_forward_backward(self, iteration: int) -> None:

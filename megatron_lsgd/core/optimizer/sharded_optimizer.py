@@ -9,11 +9,21 @@ separate fp32 copy of the shard is kept and cast back after each step.
 Cross-site synchronizers read and write the main shards through `views(units)` (the
 unit <-> shard bridge, shard_views.py) and push what they changed back into the model
 with `copy_main_to_model_params(views)`.
+
+For synchronizers that step the optimizer while the model computes (ACCO/DPU, on a
+background thread) the step can be told where to read gradients (`grads`: per-shard
+tensors, e.g. another gradient storage), which process groups to use for its collectives
+(`groups`: dedicated ones, so a second thread never shares a group with the first), and
+to leave the model alone (`copy_to_model=False`); `separate_main=True` keeps an fp32 main
+copy even for fp32 models so such a step never writes into parameters a forward pass is
+reading; `trial_step` computes what a step would give without committing anything
+(ACCO's estimate). With none of these the step's arithmetic is unchanged.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -41,11 +51,14 @@ class ShardPiece:
     main: torch.Tensor  # fp32, 1-D, updated by the optimizer
     grad: torch.Tensor  # fp32, 1-D view into the grad buffer
     counts_in_norm: bool
+    shard: int = 0  # which main shard holds it, and where: main_shards[shard][1][lo:hi]
+    lo: int = 0
+    hi: int = 0
 
 
 class ShardedOptimizer:
     def __init__(self, models: List[DistributedDataParallel], config: OptimizerConfig, pgs: ProcessGroups,
-                 grad_scaler=None):
+                 grad_scaler=None, separate_main: bool = False):
         self.models = models
         self.config = config
         self.pgs = pgs
@@ -62,13 +75,15 @@ class ShardedOptimizer:
             buffer = model.buffer
             for bucket in buffer.buckets:
                 param_shard = bucket.param_shard(self.shard_index)
-                main = param_shard if param_shard.dtype == torch.float32 else param_shard.detach().float().clone()
+                main = param_shard if param_shard.dtype == torch.float32 and not separate_main \
+                    else param_shard.detach().float().clone()
                 grad = bucket.grad_shard(self.shard_index)
                 self.main_shards.append((bucket, main, grad))
                 self._buffers.append(buffer)
                 self._layout.append([])
                 for p, p_lo, p_hi, s_lo, s_hi in buffer.shard_pieces(bucket, self.shard_index):
-                    self.pieces.append(ShardPiece(p, main[s_lo:s_hi], grad[s_lo:s_hi], self._counts_in_norm(p)))
+                    self.pieces.append(ShardPiece(p, main[s_lo:s_hi], grad[s_lo:s_hi], self._counts_in_norm(p),
+                                                  len(self.main_shards) - 1, s_lo, s_hi))
                     self._layout[-1].append((tuple(p.shape), p_lo, p_hi, s_lo, s_hi))
 
         self._param_names: Dict[int, str] = {}
@@ -122,64 +137,118 @@ class ShardedOptimizer:
     def loss_scale(self) -> float:
         return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
 
-    def _found_inf(self) -> bool:
-        flag = torch.zeros(1, device=self.main_shards[0][2].device)
-        for _, _, grad in self.main_shards:
+    def _piece_grads(self, grads: Optional[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
+        if grads is None:
+            return [pc.grad for pc in self.pieces]
+        return [grads[pc.shard][pc.lo:pc.hi] for pc in self.pieces]
+
+    def _shard_grads(self, grads: Optional[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
+        return [g for _, _, g in self.main_shards] if grads is None else list(grads)
+
+    def _found_inf(self, grads: Optional[Sequence[torch.Tensor]] = None, groups: Optional[ProcessGroups] = None
+                   ) -> bool:
+        shard_grads = self._shard_grads(grads)
+        flag = torch.zeros(1, device=shard_grads[0].device)
+        for grad in shard_grads:
             if not torch.isfinite(grad).all():
                 flag.fill_(1.0)
                 break
         # Everyone in the site must agree to skip (shards and stages differ).
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pgs.site)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=(groups or self.pgs).site)
         return bool(flag.item())
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, grads: Optional[Sequence[torch.Tensor]] = None, groups: Optional[ProcessGroups] = None
+                  ) -> float:
+        """Global gradient norm (of `grads`, per-shard tensors, if given; collectives on
+        `groups`' dp_intra and model_parallel, default this optimizer's)."""
+        groups = groups or self.pgs
         device = self.main_shards[0][2].device
-        grads = [pc.grad for pc in self.pieces if pc.counts_in_norm]
+        piece_grads = self._piece_grads(grads)
+        grads = [g for g, pc in zip(piece_grads, self.pieces) if pc.counts_in_norm]
         sq = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
             sq += torch.stack([g.float().pow(2).sum() for g in grads]).sum()
         if self.sharded:
-            dist.all_reduce(sq, group=self.pgs.dp_intra)
+            dist.all_reduce(sq, group=groups.dp_intra)
         if self.pgs.dims.tp * self.pgs.dims.pp > 1:
-            dist.all_reduce(sq, group=self.pgs.model_parallel)
+            dist.all_reduce(sq, group=groups.model_parallel)
         return math.sqrt(sq.item())
 
     @torch.no_grad()
-    def step(self, lr: Union[float, Dict[str, float]]) -> Tuple[bool, Optional[float]]:
+    def step(self, lr: Union[float, Dict[str, float]], *, grads: Optional[Sequence[torch.Tensor]] = None,
+             groups: Optional[ProcessGroups] = None, copy_to_model: bool = True) -> Tuple[bool, Optional[float]]:
         """`lr`: one learning rate, or {"default": lr, "decoupled": lr} (LRScheduler.next_lrs).
-        Returns (update_successful, grad_norm)."""
+        Returns (update_successful, grad_norm). `grads`: per-main-shard gradient tensors to
+        step with instead of the grad buffer's shards (they are unscaled/clipped in place);
+        `groups`: process groups for the step's collectives (norm, inf check, and the
+        all-gather when copying); `copy_to_model=False` leaves the model's parameters as they
+        are (the caller copies later, e.g. once a concurrent forward pass is done)."""
+        shard_grads = self._shard_grads(grads)
         if self.grad_scaler is not None:
             inv = 1.0 / self.grad_scaler.scale
-            for _, _, grad in self.main_shards:
+            for grad in shard_grads:
                 grad.mul_(inv)
-            found_inf = self._found_inf()
+            found_inf = self._found_inf(grads, groups)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None
-        norm = self.grad_norm()
+        norm = self.grad_norm(grads, groups)
         if self.config.check_for_nan_in_grad and not math.isfinite(norm):
             raise NonFiniteError(f"the gradient norm is {norm}: training diverged, so no update was applied and "
                                  f"the checkpoints on disk stay finite (lower --lr or lengthen the warmup)")
         if self.config.clip_grad > 0 and norm > self.config.clip_grad:
             coeff = self.config.clip_grad / (norm + 1e-6)
-            for _, _, grad in self.main_shards:
+            for grad in shard_grads:
                 grad.mul_(coeff)
         for group, kind in zip(self.optimizer.param_groups, self._group_kinds):
             group["lr"] = lr.get(kind, lr["default"]) if isinstance(lr, dict) else lr
-        for pc in self.pieces:
-            pc.main.grad = pc.grad
+        for pc, grad in zip(self.pieces, self._piece_grads(grads)):
+            pc.main.grad = grad
         self.optimizer.step()
         for pc in self.pieces:
             pc.main.grad = None
-        self.copy_main_to_model_params()
+        if copy_to_model:
+            self.copy_main_to_model_params(groups=groups)
         return True, norm
 
     @torch.no_grad()
-    def copy_main_to_model_params(self, views: Optional[ShardViews] = None) -> None:
+    def trial_step(self, lr: Union[float, Dict[str, float]], out: Sequence[torch.Tensor], *, grads: Optional[Sequence[torch.Tensor]] = None,
+                   groups: Optional[ProcessGroups] = None) -> Tuple[bool, Optional[float]]:
+        """What `step` would make of the main shards, written into `out` (per-main-shard fp32
+        tensors), without committing anything: main shards, optimizer state (moments, step
+        counts) and the loss scaler are restored afterwards. The same code path as `step`,
+        so a trial and a real step from the same state and gradients give the same bits.
+        Costs a copy of the main shards and of the optimizer state for the duration."""
+        saved_main = [main.clone() for _, main, _ in self.main_shards]
+        saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                       for p, st in self.optimizer.state.items()}
+        saved_scaler = self.grad_scaler.state_dict() if self.grad_scaler is not None else None
+        try:
+            ok, norm = self.step(lr, grads=grads, groups=groups, copy_to_model=False)
+            for o, (_, main, _) in zip(out, self.main_shards):
+                o.copy_(main)
+        finally:
+            for (_, main, _), saved in zip(self.main_shards, saved_main):
+                main.copy_(saved)
+            self.optimizer.state = defaultdict(dict, saved_state)
+            if saved_scaler is not None:
+                self.grad_scaler.load_state_dict(saved_scaler)
+        return ok, norm
+
+    @torch.no_grad()
+    def copy_main_to_model_params(self, views: Optional[ShardViews] = None, *,
+                                  source: Optional[Sequence[torch.Tensor]] = None,
+                                  groups: Optional[ProcessGroups] = None) -> None:
         """Cast main shards into the parameter buffer (if separate) and, under ZeRO-1,
         all-gather inside the site. With `views`, only those units: their ranges are cast
-        and one all-gather over dp_intra spreads their extents (see _gather_extents)."""
+        and one all-gather over dp_intra spreads their extents (see _gather_extents).
+        `source`: per-main-shard tensors to put into the model instead of the main shards
+        (whole model only; e.g. ACCO's estimated parameters, or parameters saved from the
+        model by `model_param_shards`); `groups`: whose dp_intra the all-gather uses."""
+        group = (groups or self.pgs).dp_intra
         if views is not None and not views.whole:
+            if source is not None:
+                raise ValueError("copy_main_to_model_params: source is for the whole model only")
             for r, main in zip(views.ranges, views.main):
                 shard = self.main_shards[r.shard][0].param_shard(self.shard_index)[r.lo:r.hi]
                 if main.data_ptr() != shard.data_ptr():
@@ -187,12 +256,18 @@ class ShardedOptimizer:
             if self.sharded:
                 self._gather_extents(views.extents)
             return
-        for bucket, main, _ in self.main_shards:
+        for i, (bucket, main, _) in enumerate(self.main_shards):
+            src = main if source is None else source[i]
             shard = bucket.param_shard(self.shard_index)
-            if main.data_ptr() != shard.data_ptr():
-                shard.copy_(main)
+            if src.data_ptr() != shard.data_ptr():
+                shard.copy_(src)
             if self.sharded:
-                all_gather_flat(bucket.param_data, shard.clone(), group=self.pgs.dp_intra)
+                all_gather_flat(bucket.param_data, shard.clone(), group=group)
+
+    def model_param_shards(self) -> List[torch.Tensor]:
+        """This rank's shard of the model's parameters (parameter dtype), one view per main
+        shard: what the forward pass reads, as opposed to the fp32 main shards."""
+        return [bucket.param_shard(self.shard_index) for bucket, _, _ in self.main_shards]
 
     def _gather_extents(self, extents: Sequence[BucketExtent]) -> None:
         """Spread a part of each bucket inside the site with one all-gather. Rank r holds

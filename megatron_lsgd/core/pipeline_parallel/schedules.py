@@ -34,6 +34,10 @@ class ScheduleSpec:
     per_token_loss: bool = False
     num_tokens: Optional[torch.Tensor] = None
     on_forward: Optional[Callable[[int], None]] = None  # called with a micro-batch's index before its forward
+    # Each micro-batch's loss is divided by this before backward (None: num_microbatches, the
+    # mean over the call). A caller that accumulates one step over several schedule calls
+    # (ACCO/DPU's adaptive accumulation) passes a common divisor.
+    loss_divisor: Optional[int] = None
 
 
 def _microbatch_context(model, is_last: bool):
@@ -49,6 +53,7 @@ def _forward(forward_step_func, data_iterator, model, input_tensor, spec: Schedu
     model.set_input_tensor(input_tensor)
     output, loss_func = forward_step_func(data_iterator, model)
     if pgs.is_last_stage:
+        divisor = spec.num_microbatches if spec.loss_divisor is None else spec.loss_divisor
         result = loss_func(output)
         if len(result) == 3:  # Megatron's contract: (loss summed over tokens, number of tokens, report)
             loss, num_tokens, reported = result
@@ -56,13 +61,13 @@ def _forward(forward_step_func, data_iterator, model, input_tensor, spec: Schedu
                 spec.num_tokens = num_tokens if spec.num_tokens is None else spec.num_tokens + num_tokens
                 output = loss
             else:
-                output = loss / num_tokens.clamp(min=1) / spec.num_microbatches
+                output = loss / num_tokens.clamp(min=1) / divisor
         else:
             loss, reported = result
             if spec.per_token_loss:
                 raise ValueError("--calculate-per-token-loss needs a loss function returning (loss sum, number "
                                  "of tokens, report), as Megatron's does")
-            output = loss / spec.num_microbatches
+            output = loss / divisor
         losses.append(reported)
     return output
 

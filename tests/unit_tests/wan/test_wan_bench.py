@@ -99,6 +99,22 @@ def test_tiny_benchmark_over_two_namespaces(tmp_path):
     assert set(list_namespaces()) == before
 
 
+def test_time_to_sync_final_loss():
+    curve = [{"wall_s": 10.0, "loss": 6.0}, {"wall_s": 20.0, "loss": 4.0}, {"wall_s": 30.0, "loss": 3.0}]
+    assert wan_report.time_to_loss(curve, 5.0) == pytest.approx(15.0)  # halfway between 6 and 4
+    assert wan_report.time_to_loss(curve, 7.0) == 10.0 and wan_report.time_to_loss(curve, 2.0) is None
+    sync = wan_report.summarize(fake_log(1000, [4.0, 4.0, 4.0], losses=(5.0, 4.0, 3.0)))
+    fast = wan_report.summarize(fake_log(1000, [1.0, 1.0, 1.0], losses=(4.0, 3.0, 2.5)))
+    slow = wan_report.summarize(fake_log(1000, [1.0, 1.0, 1.0], losses=(6.0, 5.0, 4.0)))
+    results = wan_report.build_results({"sites": 2, "ranks_per_site": 1, "rate_mbit": 100.0, "delay_ms": 20.0},
+                                       sync, {"sync": sync, "fast": fast, "slow": slow})
+    rows = {r["algorithm"]: r for r in results["runs"]}
+    assert rows["fast"]["time_to_sync_loss_s"] == 2.0 and rows["fast"]["time_to_sync_loss_vs_sync"] == 2.0 / 12.0
+    assert rows["sync"]["time_to_sync_loss_vs_sync"] == 1.0 and rows["slow"]["time_to_sync_loss_s"] is None
+    table = wan_report.markdown_table(results)
+    assert "| 2 s (0.17) |" in table and "not reached" in table
+
+
 def test_one_algorithm_can_run_twice_under_labels():
     from tools.benchmarks import wan_bench
 

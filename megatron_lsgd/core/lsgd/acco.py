@@ -1,0 +1,491 @@
+"""`dpu` and `acco`: gradient-synchronous training in which the cross-site gradient reduce
+and the (ZeRO-1) optimizer step of one round run on a thread of their own while the next
+round's gradients are computed (DESIGN.md §4.6; ACCO, Nabli et al., Algorithm 1 in
+appendix B.2; DPU, Ren et al., as re-purposed there).
+
+Notation: θ the committed parameters (the optimizer's fp32 main shards), Opt the inner
+optimizer step (AdamW, clipping, LR schedule), ḡ a gradient averaged over sites with every
+site weighted by the micro-batches it computed: ḡ = Σ_s n_s g_s / Σ_s n_s, where g_s is the
+site's mean over its n_s micro-batches per data-parallel rank.
+
+`dpu` (delayed parameter update), one stage per step. Step k computes g_k at the
+parameters the model holds, θ_{k-1}, while the worker thread reduces g_{k-1} across sites
+and applies it:
+
+    compute  g_k at θ_{k-1}          ‖   worker  θ_k = Opt(θ_{k-1}, ḡ_{k-1})
+    then     model <- θ_k; the worker starts on g_k: θ_{k+1} = Opt(θ_k, ḡ_k)
+
+so every update uses gradients taken one update earlier (θ_{-1} = θ_0: the first two
+gradients are both taken at θ_0, the paper's initialization).
+
+`acco`, two stages per step, no stale gradient. Each site's micro-batches of a step are
+split: n~ in the estimate stage, n in the real stage.
+
+    stage 1  compute g~_k at θ~_k     ‖   worker  θ_k = Opt(θ_{k-1}, (Σn~ ḡ~_{k-1} + Σn ḡ_{k-1}) / (Σn~ + Σn))
+             model <- θ_k; the worker starts the estimate on g~_k
+    stage 2  compute g_k at θ_k       ‖   worker  θ~_{k+1} = Opt(θ_k, ḡ~_k), nothing committed
+             model <- θ~_{k+1}; the worker starts the real step on g_k (and the kept ḡ~_k)
+
+with θ~_0 = θ_0. The real update of θ_k combines gradients taken at θ_k and at θ~_k (one
+estimated step ahead), never at an older θ.
+
+Every step's real update is started at the end of that step and finishes during the next,
+so after --train-iters T steps `finish_training` waits for the last one: T updates, and
+every micro-batch computed went into exactly one of them.
+
+Micro-batches per stage (`--lsgd-accumulation`):
+- fixed: exactly the configured count (n_s = --lsgd-site-microbatches, default the count
+  --global-batch-size gives; acco splits it n~ = n_s // 2, n = n_s - n~). Deterministic.
+- adaptive (default): at least that count, then one more micro-batch at a time while the
+  worker is still busy with the previous stage, up to --lsgd-max-microbatches; a faster
+  site computes more and weighs more. Every rank of a site must run the same number of
+  pipeline schedules, so after each extra micro-batch the site agrees (all-reduce MIN of
+  "the worker is done" over the site group, a few bytes on the fast links) and the counts
+  are exchanged across sites (all-gather of one integer) on the worker thread. The extra
+  micro-batches accumulate over separate schedule calls (whole micro-batches through the
+  whole pipeline), with a common loss divisor and one rescale at the end.
+
+Threads, process groups and the ordering rule. The compute thread (the caller of
+train_step) issues everything it always did: TP all-reduces and PP sends/receives inside
+compute_grads, the intra-site reduce (reduce_in_site) and the intra-site all-gather that
+puts new parameters into the model, the site agreement above, and the training loop's own
+collectives. The worker thread issues only the round's background collectives: the count
+all-gather and the gradient mean across sites on the synchronizer's own dp_inter group
+(`comm.use_dedicated_group`), the optimizer's norm all-reduces on its own dp_intra and
+model_parallel groups, and the loss-scale check on its own site group (parallel_state.
+clone_groups). No process group is used by both threads, so each group sees one thread's
+collectives, in program order, identical on every rank. The worker runs one job at a time,
+in the order submitted, and the compute thread waits for job j before submitting job j+1,
+so every rank runs the same job sequence. A job's collectives therefore only wait for the
+same job on other ranks, which every rank submits after the same compute stage; the
+compute thread waits for a job only after it has issued all its own collectives of the
+stage; no cycle of waits can form.
+
+Double buffering: the DDP layer holds two gradient storages; compute writes into one while
+the worker reads the other (DistributedDataParallel.use_grad_storage). The optimizer keeps
+fp32 main parameters apart from the model's (`overlaps_optimizer_step`), so the worker's
+step never writes into parameters being read by a forward pass; the compute thread puts
+new parameters into the model only between stages.
+
+Checkpoints: `quiesce()` waits for the update in flight and puts the committed θ into the
+model (what evaluation and the checkpoint's model files see), keeping the parameters the
+next compute must use (θ_{k-1} for dpu, θ~_k for acco) as this rank's shard in the
+synchronizer state; the next step restores them. Nothing else is in flight between steps.
+
+On GPU the worker thread would run its collectives and optimizer math on a CUDA side stream
+(with events recorded on the compute stream when a gradient storage is handed over and
+waited on before the model reads new parameters); that path is not written or measured
+here, since no GPU was available.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import ClassVar, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.lsgd.compressors import CompressorBank
+from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
+from megatron_lsgd.core.lsgd.reduction import run_blocking
+from megatron_lsgd.core.lsgd.registry import register
+from megatron_lsgd.core.lsgd.sync import _gather_parts
+from megatron_lsgd.core.parallel_state import clone_groups
+
+ACCUMULATION = ("adaptive", "fixed")
+DEFAULT_MAX_FACTOR = 16  # --lsgd-max-microbatches 0: this many times a stage's minimum
+
+
+def parse_site_counts(text: str, num_sites: int) -> Optional[List[int]]:
+    """'2,4' -> [2, 4]; '' -> None. Raises ValueError naming the flag."""
+    if not text:
+        return None
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) != num_sites or any(c < 1 for c in counts):
+        raise ValueError(f"--lsgd-site-microbatches {text!r}: expected one positive integer per site "
+                         f"({num_sites} sites), e.g. {','.join(['2'] * num_sites)}")
+    return counts
+
+
+@dataclass
+class OverlapOptions(OptionGroup):
+    accumulation: str = option(
+        "--lsgd-accumulation", "adaptive",
+        "micro-batches per stage: adaptive = at least the configured count, then more while the previous "
+        "stage's reduce and optimizer step still run (a faster site computes more and weighs more); "
+        "fixed = exactly the configured count (deterministic)", choices=ACCUMULATION)
+    site_microbatches: str = option(
+        "--lsgd-site-microbatches", "",
+        "micro-batches per data-parallel rank per step for each site, comma-separated (default: the count "
+        "--global-batch-size gives, on every site); acco splits each into its two stages",
+        metavar="N0,N1,...")
+    max_microbatches: int = option(
+        "--lsgd-max-microbatches", 0,
+        f"adaptive: most micro-batches one stage may accumulate (0: {DEFAULT_MAX_FACTOR} x the stage's "
+        f"minimum); the training data stream is sized for it")
+
+    stages: ClassVar[int] = 1
+
+    def site_counts(self, num_sites: int, configured: int) -> List[int]:
+        return parse_site_counts(self.site_microbatches, num_sites) or [configured] * num_sites
+
+    def stage_minimums(self, count: int) -> List[int]:
+        """A site's micro-batches per step, per stage (estimate first for acco)."""
+        if self.stages == 1:
+            return [count]
+        return [count // 2, count - count // 2]
+
+    def stage_cap(self, minimum: int) -> int:
+        if self.accumulation == "fixed":
+            return minimum
+        return max(minimum, self.max_microbatches or DEFAULT_MAX_FACTOR * minimum)
+
+    def equal_counts(self, num_sites: int, configured: int) -> bool:
+        return self.accumulation == "fixed" and len(set(self.site_counts(num_sites, configured))) == 1
+
+    def validate(self, config, num_sites: int, run=None, **_) -> None:
+        name = config.algorithm
+        if self.accumulation not in ACCUMULATION:
+            raise ValueError(f"--lsgd-accumulation {self.accumulation!r}: choose adaptive or fixed")
+        counts = parse_site_counts(self.site_microbatches, num_sites)
+        if self.max_microbatches < 0:
+            raise ValueError(f"--lsgd-max-microbatches must be >= 0 (got {self.max_microbatches}; 0: "
+                             f"{DEFAULT_MAX_FACTOR} x the stage's minimum)")
+        if run is None:
+            return
+        if run.fp16:
+            raise ValueError(f"--fp16 is not supported by --lsgd-algorithm {name}: a gradient would be computed "
+                             f"under one dynamic loss scale and applied after the scaler changed it; use --bf16")
+        counts = counts or [run.num_microbatches] * num_sites
+        if self.stages == 2 and min(counts) < 2:
+            raise ValueError(
+                f"--lsgd-algorithm acco splits each step's micro-batches into an estimate and a real stage, so "
+                f"every site needs at least 2 micro-batches per data-parallel rank per step (got {min(counts)}): "
+                f"raise --global-batch-size to at least 2 x --micro-batch-size x the data-parallel size, or set "
+                f"--lsgd-site-microbatches")
+        smallest = max(min(self.stage_minimums(c)) for c in counts)
+        if self.accumulation == "adaptive" and 0 < self.max_microbatches < smallest:
+            raise ValueError(f"--lsgd-max-microbatches {self.max_microbatches} is below a stage's minimum "
+                             f"({smallest} micro-batches)")
+        if run.per_token_loss:
+            raise ValueError(f"--calculate-per-token-loss is not supported by --lsgd-algorithm {name}: sites are "
+                             f"weighted by the micro-batches they computed, not by loss tokens")
+        if run.batch_schedule_flag and self.stages == 2:
+            raise ValueError(f"{run.batch_schedule_flag} is not supported by --lsgd-algorithm acco: a small early "
+                             f"global batch would leave a stage without a micro-batch (use --lsgd-algorithm dpu "
+                             f"with --lsgd-accumulation fixed, or a constant --global-batch-size)")
+        if run.batch_schedule_flag and (self.accumulation != "fixed" or self.site_microbatches):
+            raise ValueError(f"{run.batch_schedule_flag} needs --lsgd-accumulation fixed (and no "
+                             f"--lsgd-site-microbatches) under --lsgd-algorithm {name}: the schedule sets every "
+                             f"site's micro-batches from the job's consumed samples")
+        if run.sample_budget_flag and not (self.accumulation == "fixed" and len(set(counts)) == 1):
+            raise ValueError(
+                f"{run.sample_budget_flag} needs --lsgd-accumulation fixed and the same micro-batches on every "
+                f"site under --lsgd-algorithm {name}: otherwise the samples per step vary and the budget cannot "
+                f"be met exactly; bound the run with --train-iters or --exit-duration-in-mins instead")
+
+
+@dataclass
+class AccoOptions(OverlapOptions):
+    stages: ClassVar[int] = 2
+
+
+class _Worker:
+    """One daemon thread running submitted jobs one at a time, in order (a daemon, so a run
+    that fails elsewhere is not kept alive by a job stuck in a collective)."""
+
+    def __init__(self, name: str):
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # handed to the compute thread by future.result()
+                future.set_exception(err)
+
+
+@dataclass
+class _JobResult:
+    kind: str
+    counts: List[int]  # every site's micro-batches in this stage (per data-parallel rank)
+    grad_norm: Optional[float]
+
+
+class OverlappedGradientSync(Synchronizer):
+    """Shared by dpu and acco: stages, accumulation, the worker thread, double buffering."""
+
+    Options = OverlapOptions
+    uses = frozenset({"compression"})
+    overlaps_optimizer_step = True
+    stage_kinds: ClassVar[Tuple[str, ...]] = ()  # per stage: "estimate" (acco's trial step) or "commit"
+
+    def __init__(self, ctx: SyncContext):
+        super().__init__(ctx)
+        if len(ctx.models) != 1:
+            raise ValueError(f"--lsgd-algorithm {self.name} supports one model chunk per rank")
+        cfg = ctx.config
+        self.opts: OverlapOptions = cfg.algo
+        self.model = ctx.models[0]
+        self.optimizer = ctx.optimizer
+        self.comm = ctx.comm
+        self.pgs = ctx.pgs
+        self.sites = ctx.comm.num_sites
+        minutes = ctx.comm.timeout_minutes
+        timeout = timedelta(minutes=minutes) if minutes else None
+        # Groups of the worker thread's own (see the module docstring's ordering rule).
+        ctx.comm.use_dedicated_group(ctx.pgs.dims, timeout)
+        self.worker_groups = clone_groups(ctx.pgs, ("dp_intra", "model_parallel", "site"), timeout) \
+            if dist.is_initialized() else ctx.pgs
+        self.storages = (self.model.buffer.active_grad_storage, self.model.add_grad_storage())
+        self.active = 0  # index into self.storages: where compute accumulates
+        self.views = ctx.optimizer.views()  # the whole model: one fragment
+        dims = ctx.pgs.dims
+        # Without ZeRO-1 every rank of a site holds the whole reduced gradient: each sends its
+        # 1/DP_intra part across sites and the site all-gathers (as sync does).
+        self.split = dims.dp_intra > 1 and not ctx.optimizer.sharded
+        self.part = self.views.part(ctx.pgs.dp_intra_rank, dims.dp_intra) if self.split else self.views
+        self.device = device = self.views.main[0].device  # small control tensors live here too (NCCL)
+        self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
+        self.compressor = self.compressors.for_views(self.part, device) \
+            if cfg.compression.enabled and self.sites > 1 and self.part.ranges else None
+        if self.opts.stages == 2:
+            self._theta_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
+            self._g_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
+            self._n_est = 0
+        self._worker = _Worker(f"lsgd-{self.name}")
+        self._job: Optional[Future] = None
+        self._load_after_compute: Optional[str] = None  # "main" or "estimate": what the model takes next
+        self._stash: Optional[List[torch.Tensor]] = None  # the model's shard to restore (after quiesce)
+        self._configured: Optional[int] = None
+        self._norm: Optional[float] = None
+        self._round_counts = [0] * self.sites
+        self.last_round_counts: List[int] = []
+        self.rounds = 0
+        self.extra_microbatches = 0  # adaptive: micro-batches beyond the minimum, this site
+
+    # ---- counts --------------------------------------------------------------------------------
+    def microbatches_per_step_bound(self, configured: int) -> int:
+        self._configured = configured
+        return max(sum(self.opts.stage_cap(m) for m in self.opts.stage_minimums(c))
+                   for c in self.opts.site_counts(self.sites, configured))
+
+    def _stage_minimum(self, site: int, stage: int) -> int:
+        return self.opts.stage_minimums(self.opts.site_counts(self.sites, self._configured)[site])[stage]
+
+    # ---- the compute thread ------------------------------------------------------------------
+    def train_step(self, step, data_iterator, iteration: int) -> StepResult:
+        self._configured = step.num_microbatches
+        self._restore_stash()
+        losses, total = [], 0
+        for stage, kind in enumerate(self.stage_kinds):
+            stage_losses, n = self._stage(step, data_iterator, stage, kind)
+            losses += stage_losses
+            total += n
+        norm, self._norm = self._norm, None
+        equal = self.opts.equal_counts(self.sites, self._configured)
+        return StepResult(losses, True, norm, total, same_count_on_every_site=equal)
+
+    def _stage(self, step, data_iterator, stage: int, kind: str) -> Tuple[list, int]:
+        minimum = self._stage_minimum(self.pgs.site_rank, stage)
+        losses, n = self._accumulate(step, data_iterator, minimum)
+        self._finish_job()
+        self._load_model()
+        step.reduce_in_site()
+        storage = self.storages[self.active]
+        self._job = self._worker.submit(self._job_fn, kind, stage, storage, n, step)
+        self._load_after_compute = "main" if kind == "commit" else "estimate"
+        self.active ^= 1
+        self.model.use_grad_storage(self.storages[self.active])
+        return losses, n
+
+    def _accumulate(self, step, data_iterator, minimum: int) -> Tuple[list, int]:
+        step.zero_grads()
+        if self.opts.accumulation == "fixed":
+            return step.compute_grads(data_iterator, minimum), minimum
+        losses = step.compute_grads(data_iterator, minimum, accumulate_only=True)
+        n, cap = minimum, self.opts.stage_cap(minimum)
+        while n < cap and not self._site_agrees_worker_done():
+            losses += step.compute_grads(data_iterator, 1, loss_divisor=minimum, accumulate_only=True)
+            n += 1
+        if n > minimum:  # every micro-batch's loss was divided by `minimum`: make it the mean over n
+            self.model.buffer.grad_data.mul_(minimum / n)
+            self.extra_microbatches += n - minimum
+        return losses, n
+
+    def _site_agrees_worker_done(self) -> bool:
+        """True on every rank of the site once every rank's worker is done (MIN over the site)."""
+        flag = torch.tensor([1 if self._job is None or self._job.done() else 0], dtype=torch.int32,
+                            device=self.device)
+        if self.pgs.site is not None and dist.get_world_size(self.pgs.site) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pgs.site)
+        return bool(flag.item())
+
+    def _finish_job(self) -> None:
+        """Wait for the job in flight (time counted as exposed communication)."""
+        if self._job is None:
+            return
+        start = time.perf_counter()
+        result: _JobResult = self._job.result()
+        self.comm.record_exposed(time.perf_counter() - start)
+        self._job = None
+        self._round_counts = [a + b for a, b in zip(self._round_counts, result.counts)]
+        if result.kind == "commit":
+            self._norm = result.grad_norm
+            self.last_round_counts, self._round_counts = self._round_counts, [0] * self.sites
+            self.rounds += 1
+
+    def _load_model(self) -> None:
+        """Between stages only: put what the finished job produced into the model."""
+        if self._load_after_compute == "main":
+            self.optimizer.copy_main_to_model_params()
+        elif self._load_after_compute == "estimate":
+            self.optimizer.copy_main_to_model_params(source=self._theta_est)
+        self._load_after_compute = None
+
+    def _restore_stash(self) -> None:
+        if self._stash is None:
+            return
+        self.optimizer.copy_main_to_model_params(source=self._stash)
+        self._stash = None
+        self._load_after_compute = "main"  # after the next compute the model takes θ again
+
+    # ---- the worker thread ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _job_fn(self, kind: str, stage: int, storage: int, count: int, step) -> _JobResult:
+        with self.comm.overlapped():
+            grads = self.model.grad_shards(storage)
+            counts = self._exchange_counts(count, stage)
+            self._mean_across_sites(grads, counts, count)
+            total = sum(counts)
+            per_mb = step.samples_per_microbatch // self.sites  # samples of one micro-batch on every rank of a site
+            if kind == "estimate":
+                for kept, g in zip(self._g_est, grads):
+                    kept.copy_(g)  # the real step needs it unclipped
+                self._n_est = total
+                # The LR of the coming real step (exact with fixed counts; with adaptive ones the
+                # real stage's count is not known yet, its minimum stands in, for sample-based LRs).
+                real = sum(self._stage_minimum(s, stage + 1) for s in range(self.sites))
+                _, norm = step.trial_apply(self._theta_est, grads=grads, groups=self.worker_groups,
+                                           samples=(total + real) * per_mb)
+            else:
+                samples = total
+                if self.opts.stages == 2:  # (Σn~ ḡ~ + Σn ḡ) / (Σn~ + Σn)
+                    w_est = self._n_est / (self._n_est + total)
+                    for g, kept in zip(grads, self._g_est):
+                        g.mul_(1.0 - w_est).add_(kept, alpha=w_est)
+                    samples += self._n_est
+                _, norm = step.apply(grads=grads, groups=self.worker_groups, copy_to_model=False,
+                                     samples=samples * per_mb)
+        return _JobResult(kind, counts, norm)
+
+    def _exchange_counts(self, count: int, stage: int) -> List[int]:
+        if self.sites == 1:
+            return [count]
+        if self.opts.accumulation == "fixed":
+            return [self._stage_minimum(s, stage) for s in range(self.sites)]
+        out = torch.zeros(self.sites, dtype=torch.int64, device=self.device)
+        self.comm.all_gather(out, torch.tensor([count], dtype=torch.int64, device=self.device))
+        return [int(c) for c in out]
+
+    def _mean_across_sites(self, grads: List[torch.Tensor], counts: List[int], count: int) -> None:
+        """grads <- Σ_s n_s g_s / Σ_s n_s, identical on every site (this rank's shard)."""
+        if self.sites == 1:
+            return
+        weight = count * self.sites / sum(counts)
+        mine = self.part.select(grads) if self.split else grads
+        if mine:
+            if weight != 1.0:
+                for g in mine:
+                    g.mul_(weight)
+            if self.compressor is None:
+                handles = [self.comm.all_reduce_mean(g, async_op=True) for g in mine]
+                for h in handles:
+                    h.wait()
+            else:
+                for g, mean in zip(mine, run_blocking(self.compressor.reduce(mine))):
+                    g.copy_(mean)
+        if self.split:
+            _gather_parts(grads, self.pgs.dims.dp_intra, self.pgs.dp_intra_rank, self.worker_groups.dp_intra)
+        self.comm.rounds += 1
+
+    # ---- protocol --------------------------------------------------------------------------------
+    def quiesce(self) -> None:
+        """Wait for the update in flight and put the committed θ into the model, keeping
+        the parameters the next compute uses (restored by the next train_step)."""
+        self._finish_job()
+        if self._load_after_compute is None or self._stash is not None:
+            return
+        if self._load_after_compute != "main":
+            raise RuntimeError("quiesce() between the stages of a step")
+        self._stash = [t.clone() for t in self.optimizer.model_param_shards()]
+        self.optimizer.copy_main_to_model_params()
+
+    def finish_training(self, iteration: int) -> None:
+        """The last update lands; every site ends with the same committed θ."""
+        self._finish_job()
+        if self._stash is None and self._load_after_compute == "main":
+            self.optimizer.copy_main_to_model_params()
+        self._stash, self._load_after_compute = None, None
+
+    def state_dict(self) -> Dict:
+        self.quiesce()
+        return {"stash": [t.clone() for t in self._stash] if self._stash is not None else [],
+                "has_stash": int(self._stash is not None), "rounds": self.rounds,
+                "compressor": self.compressor.state_dict() if self.compressor is not None else {}}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.rounds = int(state["rounds"])
+        if state["has_stash"]:
+            shards = self.optimizer.model_param_shards()
+            self._stash = [saved.to(device=s.device, dtype=s.dtype) for saved, s in zip(state["stash"], shards)]
+            self._load_after_compute = "main"
+        if self.compressor is not None and state["compressor"]:
+            self.compressor.load_state_dict(state["compressor"])
+
+    def stats(self) -> Dict[str, float]:
+        out: Dict[str, float] = {"rounds": self.rounds}
+        for s, c in enumerate(self.last_round_counts):
+            out[f"mb site{s}"] = c
+        if self.opts.accumulation == "adaptive":
+            out["extra mb"] = self.extra_microbatches
+        if self.compressor is not None and self.compressor.last_input_norm > 0:
+            out["comp rel err"] = self.compressor.last_error_norm / self.compressor.last_input_norm
+        return out
+
+
+@register
+class DelayedParameterUpdate(OverlappedGradientSync):
+    """Delayed parameter update: each step's gradients are reduced and applied while the next ones are computed"""
+
+    name = "dpu"
+    stage_kinds = ("commit",)
+
+
+@register
+class Acco(OverlappedGradientSync):
+    """ACCO: reduce + optimizer step overlap the next gradients, with an estimate stage so none is stale"""
+
+    name = "acco"
+    Options = AccoOptions
+    stage_kinds = ("estimate", "commit")
