@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-iters", type=int, default=10)
-    p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4,acco,dpu")
+    p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4,acco,dpu,dreamddp")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--dilocox-outer-momentum", type=float, default=0.5,
