@@ -1,4 +1,4 @@
-"""Quality at equal tokens: sync, diloco, dilocox, acco, dpu, streaming-diloco, cocodc, edit, a-edit across sites (CPU/gloo or GPU).
+"""Quality at equal tokens: sync, diloco, dilocox, acco, dpu, dreamddp, streaming-diloco, cocodc, edit, a-edit across sites (CPU/gloo or GPU).
 
 Runs each algorithm in `--sites` x `--ranks-per-site` spawned processes on the same data,
 model, seed and token budget, and writes a Markdown table (final validation loss and its
@@ -24,6 +24,10 @@ and a plot of the validation curves, e.g. for CoCoDC against Streaming DiLoCo at
 a-edit syncs by wall-clock time (--aedit-seconds) and its sites may take different numbers
 of steps, so it gets the same budget as a number of samples (--train-samples) instead of
 --train-iters; its training curve is the logging site's own.
+
+`--extra-args` adds flags to every run, e.g. a simulated slow link
+(`--simulate-inter-site-bandwidth 100 --simulate-inter-site-latency 20`), which decides
+what dreamddp's bubble filling can add for free.
 """
 
 from __future__ import annotations
@@ -99,14 +103,14 @@ def main() -> None:
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--train-iters", type=int, default=600)
-    p.add_argument("--interval", type=int, default=50, help="H for diloco and dilocox")
+    p.add_argument("--interval", type=int, default=50, help="H for diloco, dilocox and dreamddp")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-iters", type=int, default=10)
-    p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4,acco,dpu")
+    p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4,acco,dpu,dreamddp")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--dilocox-outer-momentum", type=float, default=0.5,
@@ -182,6 +186,13 @@ def main() -> None:
         # some whenever the overlapped reduce + step outlast a stage's compute).
         "acco": ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed"],
         "dpu": ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"],
+        # dreamddp averages parameters (no outer optimizer): compare it with diloco at outer lr 1,
+        # momentum 0, which averages the whole model every H steps
+        "dreamddp": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval)],
+        "dreamddp-nofill": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval),
+                            "--lsgd-dreamddp-no-bubble-fill"],
+        "dreamddp-enp": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval),
+                         "--lsgd-dreamddp-scheduler", "equal", "--lsgd-dreamddp-no-bubble-fill"],
     }
     fragments = ["--lsgd-fragments", str(args.fragments), "--lsgd-fragment-partition", args.fragment_partition,
                  "--lsgd-fragment-sync-delay", str(args.sync_delay)]
@@ -226,7 +237,8 @@ def main() -> None:
     lines = [f"Data: {label}. {args.sites} sites x {args.ranks_per_site} rank(s), {args.train_iters} iterations "
              f"x {args.global_batch_size} x {args.seq_length} tokens, H = {args.interval}, outer lr {args.outer_lr}, "
              f"outer momentum {args.outer_momentum} (diloco, edit) / {args.dilocox_outer_momentum} (dilocox); "
-             f"a-edit every {args.aedit_seconds:g} s.", "",
+             f"a-edit every {args.aedit_seconds:g} s"
+             + (f"; every run: {args.extra_args}" if args.extra_args else "") + ".", "",
              "| algorithm | final validation loss | vs sync | inter-site MB sent (logging rank) | "
              "sync bytes / bytes | exposed comm (s) | tokens/s |",
              "|---|---|---|---|---|---|---|"]

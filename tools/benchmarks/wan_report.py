@@ -109,6 +109,18 @@ def combine_ceiling(per_site: Sequence[dict]) -> dict:
     }
 
 
+def loss_at(curve: Sequence[dict], key: str, x: float) -> Optional[float]:
+    """The curve's loss at `x` (wall_s or tokens), linearly interpolated between log
+    intervals; None before its first point."""
+    points = [(p[key], p["loss"]) for p in curve if p.get("loss") is not None]
+    if not points or x < points[0][0]:
+        return None
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return points[-1][1]
+
+
 def time_to_loss(curve: Sequence[dict], target: float) -> Optional[float]:
     """Wall-clock seconds at which a training-loss curve first reaches `target` (linear
     between logged points; None if it never does)."""
@@ -126,12 +138,16 @@ def time_to_loss(curve: Sequence[dict], target: float) -> Optional[float]:
 def build_results(scenario: dict, ceiling: dict, runs: Dict[str, dict]) -> dict:
     """results.json: every algorithm's throughput as a ratio to the ceiling of the same run,
     and the wall-clock time at which its training loss first reaches sync's final loss, as
-    a fraction of sync's whole run (when sync ran)."""
+    a fraction of sync's whole run (when sync ran), and its loss at equal wall-clock time: at
+    the moment the first algorithm finished (the ceiling, which trains per-site models, is
+    left out of that moment)."""
     out = []
     sync = runs.get("sync", {})
     sync_bytes = sync.get("inter_site_bytes_per_step")
     target = sync.get("loss")
     sync_wall = sync["curve"][-1]["wall_s"] if sync.get("curve") else None
+    finished = [m["curve"][-1]["wall_s"] for m in runs.values() if m["curve"]]
+    equal_wall = min(finished) if finished else None
     for name, m in [(CEILING, ceiling)] + list(runs.items()):
         reach = time_to_loss(m["curve"], target) if target is not None and name != CEILING else None
         row = {"algorithm": name, **{k: m[k] for k in ("tokens_per_s", "inter_site_bytes_per_step",
@@ -141,27 +157,34 @@ def build_results(scenario: dict, ceiling: dict, runs: Dict[str, dict]) -> dict:
                "bytes_vs_sync": m["inter_site_bytes_per_step"] / sync_bytes if sync_bytes else None,
                "time_to_sync_loss_s": reach,
                "time_to_sync_loss_vs_sync": reach / sync_wall if reach is not None and sync_wall else None,
+               "equal_wall_s": equal_wall,
+               "loss_at_equal_wall": loss_at(m["curve"], "wall_s", equal_wall) if equal_wall else None,
                "curve": m["curve"]}
         out.append(row)
     return {"scenario": scenario, "runs": out}
 
 
 def markdown_table(results: dict) -> str:
+    runs = results["runs"]
+    wall = next((r.get("equal_wall_s") for r in runs if r.get("equal_wall_s")), None)
+    wall_head = f"loss at {wall:.0f} s" if wall else "loss at equal wall-clock"
     lines = ["| algorithm | tokens/s | ratio to ceiling | inter-site MB/step | vs sync bytes | "
-             "exposed comm s/step | final loss | peak RSS MB | time to sync's final loss (x sync's run) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
+             f"exposed comm s/step | final loss (equal tokens) | {wall_head} | peak RSS MB | "
+             "time to sync's final loss (x sync's run) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
         vs = f"{r['bytes_vs_sync']:.3f}" if r.get("bytes_vs_sync") is not None else "-"
         loss = f"{r['loss']:.3f}" if r["loss"] is not None else "-"
         if r.get("site_iterations"):  # non-lockstep: each site's own steps
             loss += f" (site steps {'/'.join(map(str, r['site_iterations']))})"
+        at_wall = f"{r['loss_at_equal_wall']:.3f}" if r.get("loss_at_equal_wall") is not None else "-"
         rss = f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "-"
         reach = r.get("time_to_sync_loss_vs_sync")
         reach = f"{r['time_to_sync_loss_s']:.0f} s ({reach:.2f})" if reach is not None else \
             ("not reached" if r["algorithm"] != CEILING and r.get("time_to_sync_loss_s", 0) is None else "-")
         lines.append(f"| {r['algorithm']} | {r['tokens_per_s']:.0f} | **{r['ratio_to_ceiling']:.3f}** | "
                      f"{r['inter_site_bytes_per_step'] / 2**20:.2f} | {vs} | {r['exposed_comm_s_per_step']:.3f} | "
-                     f"{loss} | {rss} | {reach} |")
+                     f"{loss} | {at_wall} | {rss} | {reach} |")
     return "\n".join(lines) + "\n"
 
 

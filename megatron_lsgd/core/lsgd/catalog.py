@@ -9,9 +9,10 @@ and validates it as a whole, with every message naming its flag.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Dict, List, Optional
 
-from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, streaming, sync  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, dreamddp, streaming, sync  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.edit import a_edit, edit  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
@@ -56,17 +57,28 @@ def config_from_args(args: argparse.Namespace, num_sites: int, run: Optional[Run
     cls = synchronizer_class(args.lsgd_algorithm)
     shared = {key: group.from_args(args) for key, group in SHARED_GROUPS.items()}
     config = LsgdConfig(algorithm=cls.name, seed=args.seed, link=LinkOptions.from_args(args),
-                        algo=cls.Options.from_args(args), **shared)
+                        algo=cls.Options.from_args(args), output_dir=output_dir(args), **shared)
     validate(config, num_sites, args, run, num_layers=getattr(args, "num_layers", None))
     return config
+
+
+def output_dir(args: argparse.Namespace):
+    """Where a synchronizer may write files of its own (a profile, a schedule): the directory
+    of --json-log, else --tensorboard-dir, else --save; None when the run writes nothing."""
+    json_log = getattr(args, "json_log", None)
+    if json_log:
+        return os.path.dirname(os.path.abspath(json_log))
+    return getattr(args, "tensorboard_dir", None) or getattr(args, "save", None)
 
 
 def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None,
              run: Optional[RunFacts] = None, num_layers: Optional[int] = None) -> None:
     """Check the whole configuration; `args` (the parsed flags) lets flags that belong to
-    another algorithm be reported instead of silently ignored; `run` tells the algorithm's
-    own validate what else the run does (batch, stages, precision, budget); `num_layers` (the
-    model's transformer layers, when known) bounds settings such as the number of fragments."""
+    another algorithm be reported instead of silently ignored, and is handed to the
+    algorithm's own `validate` (to check its options against the model's flags); `run`
+    tells the algorithm's own validate what else the run does (batch, stages, precision,
+    budget); `num_layers` (the model's transformer layers, when known) bounds settings such
+    as the number of fragments."""
     cls = synchronizer_class(config.algorithm)
     if cls.requires_multiple_sites and num_sites < 2:
         raise ValueError(f"--lsgd-algorithm {cls.name} needs --num-sites >= 2 (got {num_sites})")
@@ -85,4 +97,4 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
             for flag in synchronizer_class(name).Options.from_args(args).changed_flags():
                 if flag not in own:
                     raise ValueError(f"{flag} needs --lsgd-algorithm {' or '.join(owners[flag])}")
-    config.algo.validate(config=config, num_sites=num_sites, run=run, num_layers=num_layers)
+    config.algo.validate(config=config, num_sites=num_sites, args=args, run=run, num_layers=num_layers)

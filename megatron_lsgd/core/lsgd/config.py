@@ -123,3 +123,6 @@ class LsgdConfig:
     compression: CompressionOptions = field(default_factory=CompressionOptions)
     link: LinkOptions = field(default_factory=LinkOptions)
     algo: OptionGroup = field(default_factory=NoOptions)
+    # Where a synchronizer may write files of its own (catalog.output_dir: the directory of
+    # --json-log, else --tensorboard-dir, else --save); None: write nothing.
+    output_dir: Optional[str] = None

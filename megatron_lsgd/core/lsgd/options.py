@@ -77,7 +77,9 @@ class OptionGroup:
 
     def validate(self, **context) -> None:
         """Raise ValueError naming the flag; `context` carries what a group may need
-        (num_sites, the shared options as `config`, the model's `num_layers` when known)."""
+        (num_sites, the shared options as `config`, the parsed command line as `args` —
+        None when validated without one —, `run` (RunFacts), the model's `num_layers` when
+        known)."""
 
 
 @dataclass

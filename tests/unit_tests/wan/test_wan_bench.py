@@ -76,6 +76,11 @@ def test_ceiling_adds_sites_and_ratios_use_it(tmp_path):
     assert "| sync | 250 | **0.250** |" in table and "| local | 800 | **0.800** |" in table
     assert "rank(s) 1 2x slower (consistent)" in table
     assert json.load(open(tmp_path / "results.json"))["scenario"]["rate_mbit"] == 100.0
+    # loss at equal wall-clock: when the first algorithm finished (local, at 3.75 s), interpolated
+    assert rows["local"]["equal_wall_s"] == pytest.approx(3.75) and rows["local"]["loss_at_equal_wall"] == 3.0
+    assert rows["sync"]["loss_at_equal_wall"] is None  # sync's first point is at 4 s
+    assert wan_report.loss_at(sync["curve"], "wall_s", 6.0) == pytest.approx(4.5)
+    assert "loss at 4 s" in table
 
 
 def test_unknown_algorithm_is_refused():

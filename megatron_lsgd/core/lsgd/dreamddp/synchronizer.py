@@ -1,0 +1,470 @@
+"""`dreamddp`: layer-wise partial parameter averaging after backward (DreamDDP; DESIGN.md §4.5).
+
+Local SGD in which the model is not averaged all at once every H steps but unit by unit
+(embedding, each transformer layer, the output head): over each period of H iterations
+every unit is averaged across sites at least once, in the iterations a schedule assigns
+to it. In such an iteration, unit l's average is launched as soon as l's backward of that
+step is complete (`after_unit_backward`: its parameters are not read again before the
+next forward), so it travels while the backward of the units below it still runs; every
+average is waited for before the inner optimizer step (`after_forward_backward`).
+
+What is averaged is the authoritative copy, in place: this rank's fp32 main slices of
+the unit (`optimizer.views([unit]).main`), over dp_inter, one all-reduce per contiguous
+range; no other memory is used. Under ZeRO-1 those slices are this rank's shard only;
+the inner optimizer step that follows updates the main shard and all-gathers it into the
+model (as every step does), so the averaged values reach every rank of the site without
+an extra gather. With an fp32 model without ZeRO-1 the main slices are the parameters
+themselves; bf16/fp16 models keep a separate fp32 main copy, cast into the model by the
+same step. If an fp16 step is skipped (overflow), the averaged units are copied into the
+model explicitly (`copy_main_to_model_params(views)`, an all-gather of just those units).
+
+Order and deadlock freedom: the averages are issued in the schedule's backward order (a
+unit whose hook fires early waits for the ones before it), so every rank of a dp_inter
+group issues the same collectives in the same order; they run on a dp_inter group of
+their own (`use_dedicated_group`), so nothing else (the log line's loss mean, the
+intra-site reduces launched from the same hook with --overlap-grad-reduce, which use
+dp_intra) can interleave with them.
+
+Start-up: for the first `--lsgd-dreamddp-profile-steps` steps the equal-number schedule
+runs (consecutive blocks of equal size, the paper's PLSGD-ENP: it needs no timings, moves
+the steady state's bytes, and with H = 1 averages everything) while the profiler times
+each unit's backward; then the link is probed, the profile is agreed (max over all ranks),
+the schedule of every stage is computed on every rank from it (scheduler.py: DFS with the
+paper's pruning rules, then bubble filling), printed, written with the profile to
+dreamddp_profile.json next to the logs, and a new period starts.
+Warm-up steps (--lsgd-warmup-iters) average gradients instead, as in the other
+local-SGD algorithms. When --train-iters is reached the whole model is averaged once, so
+every site ends with the same model. Checkpoints hold the profile, the schedule and the
+period's origin: a resumed run continues the same schedule, it does not profile again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.lsgd.dreamddp.plan import Plan, StagePlan, build_plan, format_plan
+from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile, StepClock,
+                                                      UnitProfile, agree_max, agree_profile, fit_link, global_index,
+                                                      fastest_sample, probe_link, read_profile_file, stage_of)
+from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
+from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
+from megatron_lsgd.core.lsgd.registry import register
+from megatron_lsgd.core.lsgd.sync import _gather_parts as gather_parts
+from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
+
+PROFILE_FILE = "dreamddp_profile.json"
+
+
+@dataclass
+class DreamDDPOptions(OptionGroup):
+    profile_steps: int = option("--lsgd-dreamddp-profile-steps", 3,
+                                "start-up steps whose backward is timed per unit (they run the equal-number "
+                                "schedule); the first is left out when there are several",
+                                metavar="N")
+    profile: Optional[str] = option("--lsgd-dreamddp-profile", None,
+                                    "take the per-unit backward times, tails and link fit from this JSON (the "
+                                    "dreamddp_profile.json of an earlier run) instead of profiling", type=str,
+                                    metavar="JSON")
+    scheduler: str = option("--lsgd-dreamddp-scheduler", "dfs",
+                            "dfs: the paper's depth-first search (least exposed time over contiguous "
+                            "assignments); equal: consecutive blocks of equal size (the paper's PLSGD-ENP)",
+                            choices=tuple(SCHEDULERS))
+    no_bubble_fill: bool = option("--lsgd-dreamddp-no-bubble-fill", False,
+                                  "do not add units to iterations whose communication still hides")
+    reprofile_interval: int = option("--lsgd-dreamddp-reprofile-interval", 0,
+                                     "every N steps (a multiple of --lsgd-interval; 0: never) compare the measured "
+                                     "backward and exposed times with the profile; if they drifted, probe the link "
+                                     "again and reschedule", metavar="N")
+    reprofile_tolerance: float = option("--lsgd-dreamddp-reprofile-tolerance", 0.25,
+                                        "relative drift of the backward time, or exposed time beyond the "
+                                        "prediction by this share of the backward time, that triggers a re-profile")
+
+    def validate(self, config, num_sites: int, args=None, **_) -> None:
+        if self.profile_steps < 1:
+            raise ValueError(f"--lsgd-dreamddp-profile-steps must be >= 1 (got {self.profile_steps})")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"--lsgd-dreamddp-scheduler {self.scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
+        if self.reprofile_interval < 0:
+            raise ValueError(f"--lsgd-dreamddp-reprofile-interval must be >= 0 (got {self.reprofile_interval})")
+        if self.reprofile_interval and self.reprofile_interval % config.rounds.interval:
+            raise ValueError(f"--lsgd-dreamddp-reprofile-interval {self.reprofile_interval} must be a multiple of "
+                             f"--lsgd-interval {config.rounds.interval} (a new schedule starts with a new period)")
+        if not self.reprofile_tolerance > 0:
+            raise ValueError(f"--lsgd-dreamddp-reprofile-tolerance must be > 0 (got {self.reprofile_tolerance})")
+        if self.profile is not None:
+            parsed = read_profile_file(self.profile)
+            layers = getattr(args, "num_layers", None)
+            stages = getattr(args, "pipeline_model_parallel_size", None)
+            if layers is not None:
+                wanted = ["embedding"] + [f"layers.{i}" for i in range(layers)] + ["output"]
+                missing = [n for n in wanted if n not in parsed["backward_ms"]]
+                if missing:
+                    raise ValueError(f"--lsgd-dreamddp-profile {self.profile}: has no backward time for "
+                                     f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (it was "
+                                     f"written for another model; --num-layers {layers})")
+            if stages is not None and len(parsed["tails_ms"]) != stages:
+                raise ValueError(f"--lsgd-dreamddp-profile {self.profile}: written for {len(parsed['tails_ms'])} "
+                                 f"pipeline stages, this run has --pipeline-model-parallel-size {stages}")
+
+
+@register
+class DreamDDP(Synchronizer):
+    """Average each layer across sites right after its backward, in iterations a profiled schedule picks"""
+
+    name = "dreamddp"
+    Options = DreamDDPOptions
+    uses = frozenset({"rounds"})
+    inert_with_one_site = True
+    uses_unit_backward_hooks = True
+
+    def __init__(self, ctx: SyncContext):
+        super().__init__(ctx)
+        cfg = ctx.config
+        self.opts: DreamDDPOptions = cfg.algo
+        self.active = ctx.comm.num_sites > 1
+        self.interval = cfg.rounds.interval
+        self.warmup_iters = cfg.rounds.warmup_iters
+        pgs = ctx.pgs
+        self.stage, self.num_stages = pgs.pp_rank, pgs.dims.pp
+        trainable = [u for u in ctx.units if any(p.requires_grad for p in u.parameters())]
+        self.units = {u.name: u for u in trainable}
+        self.names = [u.name for u in reversed(trainable)]  # backward order
+        self.num_layers = sum(1 for u in ctx.units if u.name.startswith("layers.")) * self.num_stages
+        # Without ZeRO-1 every rank of a site holds the same full copy: each then averages
+        # only its 1/DP_intra part of a unit across sites (no link carries a byte twice) and
+        # the site re-assembles the parts with one all-gather before the optimizer step.
+        self.split = pgs.dims.dp_intra > 1 and not ctx.optimizer.sharded
+        self.full_views = {name: ctx.optimizer.views([u]) for name, u in self.units.items()}
+        self.views = {name: v.part(pgs.dp_intra_rank, pgs.dims.dp_intra) if self.split else v
+                      for name, v in self.full_views.items()}
+        shards = ctx.optimizer.main_param_shards()
+        self.device = shards[0].device if shards else torch.device("cpu")
+        self.tied = self.num_stages > 1 and any(getattr(p, "shared_embedding", False)
+                                                for u in trainable for p in u.parameters())
+        first_module = self.units[self.names[0]].modules[-1] if self.names else None
+        self.recorder = BackwardRecorder(self.names, StepClock(self.device), first_module)
+        if self.active:  # averages are issued from the backward: keep them off the shared dp_inter group
+            minutes = ctx.comm.timeout_minutes
+            ctx.comm.use_dedicated_group(pgs.dims, timedelta(minutes=minutes) if minutes else None)
+        # state (checkpointed)
+        self.profile: Optional[Profile] = None  # None while profiling
+        # until then the equal-number schedule, which needs no timings (with the tied rule)
+        self.plan: Plan = build_plan(self._untimed_profile(), self.interval, "equal", False)
+        self.origin = self.warmup_iters  # first iteration of the first period
+        self.profile_steps_done = 0
+        self.samples: List[Dict] = []  # profiling: (step ordinal, iteration, timings)
+        self.monitor: List[Dict] = []  # re-profiling window
+        self.monitor_exposed_s = 0.0
+        self.monitor_steps = 0
+        self.reprofiles = 0
+        self.local_measurement: Optional[LocalMeasurement] = None  # this rank's own, before agreement
+        # this step
+        self.queue: List[str] = []
+        self.current = frozenset()
+        self.completed: set = set()
+        self.next_issue = 0
+        self.handles: List[object] = []
+        self.averaged: List[str] = []
+        self.timing = False
+        self.blocking_sample = False
+        self.slot = -1
+        self.history: deque = deque(maxlen=4096)  # (iteration, units averaged): tests and tools read it
+        self._exposed_before = 0.0
+
+    # ---- which units this step ---------------------------------------------------------------
+    def in_warmup(self, iteration: int) -> bool:
+        return iteration < self.warmup_iters
+
+    @property
+    def profiling(self) -> bool:
+        return self.profile is None
+
+    def _untimed_profile(self) -> Profile:
+        """Every stage's units with no times (what every rank knows without measuring)."""
+        names = ["embedding"] + [f"layers.{i}" for i in range(self.num_layers)] + ["output"]
+        units = [UnitProfile(n, stage_of(global_index(n, self.num_layers), self.num_layers, self.num_stages),
+                             0.0, 0, 0) for n in names]
+        return Profile(units, [0.0] * self.num_stages, 0.0, 0.0, self.tied, source="none (equal-number schedule)")
+
+    def _to_average(self, iteration: int) -> List[str]:
+        if self.in_warmup(iteration):
+            return []
+        self.slot = (iteration - self.origin) % self.interval
+        return self.plan.slot_units(self.stage, self.slot)
+
+    def before_forward_backward(self, iteration: int) -> None:
+        if not self.active:
+            return
+        if self.profiling and self.opts.profile is not None:
+            self._plan_from_file(iteration)
+        self.slot = -1
+        chosen = set(self._to_average(iteration))
+        self.queue = [n for n in self.names if n in chosen]
+        self.current = frozenset(self.queue)
+        self.completed = set()
+        self.next_issue = 0
+        self.averaged = []
+        self.handles = []
+        monitoring = not self.profiling and self.opts.reprofile_interval > 0 and not self.in_warmup(iteration)
+        self.timing = self.profiling or monitoring
+        self.blocking_sample = self.profiling
+        if self.timing:
+            self.recorder.arm()
+            self.recorder.begin_step()
+        else:
+            self.recorder.disarm()
+
+    # ---- the partial synchronization -----------------------------------------------------------
+    def after_unit_backward(self, unit, microbatch: MicroBatch) -> None:
+        """On the thread that runs autograd (see protocol.py): launch this unit's average, and
+        any later one in the queue whose backward already completed, in backward order."""
+        if not self.active:
+            return
+        if self.timing:
+            self.recorder.unit_done(unit.name)
+        if unit.name in self.current:
+            self.completed.add(unit.name)
+            self._issue(force=False)
+
+    def _issue(self, force: bool) -> None:
+        comm = self.ctx.comm
+        while self.next_issue < len(self.queue) and (force or self.queue[self.next_issue] in self.completed):
+            name = self.queue[self.next_issue]
+            self.next_issue += 1
+            for main in self.views[name].main:
+                self.handles.append(comm.all_reduce_mean(main, async_op=True))
+            self.averaged.append(name)
+
+    def after_forward_backward(self, iteration: int) -> None:
+        if not self.active:
+            return
+        if self.timing:
+            self.recorder.wait_reached()
+        if self.in_warmup(iteration):
+            average_grads_across_sites(self.ctx)
+        self._exposed_before = self.ctx.comm.exposed_seconds
+        self._issue(force=True)  # units whose hook did not fire (none in a normal step)
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+        if self.split and self.averaged:
+            gather_parts([m for n in self.averaged for m in self.full_views[n].main], self.ctx.pgs.dims.dp_intra,
+                         self.ctx.pgs.dp_intra_rank, self.ctx.pgs.dp_intra)
+        if self.timing:
+            sample = self.recorder.sample(block=self.blocking_sample)
+            if self.profiling:
+                self.samples.append({"ordinal": self.profile_steps_done, "iteration": iteration, "sample": sample})
+            elif sample is not None:
+                self.monitor.append(sample)
+        if not self.profiling and self.opts.reprofile_interval > 0 and not self.in_warmup(iteration):
+            self.monitor_exposed_s += self.ctx.comm.exposed_seconds - self._exposed_before
+            self.monitor_steps += 1
+
+    def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
+        if not self.active:
+            return
+        if self.averaged and not update_successful:
+            # fp16 overflow: no step, so no main -> model copy; the averaged units must still reach the model
+            opt = self.ctx.optimizer
+            opt.copy_main_to_model_params(opt.views([self.units[n] for n in self.averaged]))
+        self.history.append((iteration, tuple(self.averaged)))
+        if self.profiling:
+            self.profile_steps_done += 1
+            if self.profile_steps_done >= self.opts.profile_steps:
+                self._finish_profile(iteration)
+        elif (self.opts.reprofile_interval > 0 and iteration + 1 > self.origin
+              and (iteration + 1 - self.origin) % self.opts.reprofile_interval == 0
+              and not self.in_warmup(iteration)):
+            self._check_drift(iteration)
+
+    def quiesce(self) -> None:
+        for handle in self.handles:  # nothing is in flight between steps; kept for safety
+            handle.wait()
+        self.handles = []
+
+    def finish_training(self, iteration: int) -> None:
+        """Average the whole model once, so every site ends with the same model."""
+        if not self.active:
+            return
+        opt, comm, pgs = self.ctx.optimizer, self.ctx.comm, self.ctx.pgs
+        whole = opt.views()
+        mine = whole.part(pgs.dp_intra_rank, pgs.dims.dp_intra) if self.split else whole
+        handles = [comm.all_reduce_mean(main, async_op=True) for main in mine.main]
+        for handle in handles:
+            handle.wait()
+        if self.split:
+            gather_parts(whole.main, pgs.dims.dp_intra, pgs.dp_intra_rank, pgs.dp_intra)
+        opt.copy_main_to_model_params()
+        comm.rounds += 1
+
+    # ---- profiling ----------------------------------------------------------------------------------
+    def _local_sizes(self):
+        sizes = {n: 4 * v.numel for n, v in self.views.items()}
+        ranges = {n: len(v.ranges) for n, v in self.views.items()}
+        return sizes, ranges
+
+    def _finish_profile(self, iteration: int) -> None:
+        self.recorder.disarm()
+        usable = [s for s in self.samples if s["sample"] is not None
+                  and not (s["ordinal"] == 0 and self.opts.profile_steps > 1)]
+        backward, tail = fastest_sample([s["sample"] for s in usable], self.names)
+        sizes, ranges = self._local_sizes()
+        link = probe_link(self.ctx.comm, max(sizes.values(), default=0), self.device)
+        latency, slope = fit_link(link)
+        local = LocalMeasurement(backward, sizes, ranges, tail, latency, slope, self.tied)
+        self.local_measurement = local
+        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
+                                self.device)
+        profile.measured_steps = [s["iteration"] for s in usable]
+        self.samples = []
+        self._adopt(profile, iteration + 1, link_samples=link,
+                    header=f"profiled over steps {[i + 1 for i in profile.measured_steps]}, agreed as the maximum "
+                           f"over all ranks")
+
+    def _plan_from_file(self, iteration: int) -> None:
+        parsed = read_profile_file(self.opts.profile)
+        sizes, ranges = self._local_sizes()
+        backward = {n: parsed["backward_ms"][n] / 1e3 for n in self.names}
+        local = LocalMeasurement(backward, sizes, ranges, parsed["tails_ms"][self.stage] / 1e3,
+                                 parsed["latency_ms"] / 1e3, parsed["ms_per_MB"] / 1e3 / 2**20, self.tied)
+        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
+                                self.device)
+        profile.source = self.opts.profile
+        self._adopt(profile, iteration, link_samples=None, header=f"profile read from {self.opts.profile}")
+
+    def _adopt(self, profile: Profile, origin: int, link_samples, header: str) -> None:
+        self.profile = profile
+        self.plan = build_plan(profile, self.interval, self.opts.scheduler, not self.opts.no_bubble_fill)
+        self.origin = max(self.warmup_iters, origin)
+        self._announce(header + f"; periods start at iteration {self.origin + 1}", link_samples)
+
+    def _announce(self, header: str, link_samples=None) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        print(format_plan(self.plan, self.profile, header), flush=True)
+        out_dir = self.ctx.config.output_dir
+        if not out_dir:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        doc = {"profile": self.profile.to_dict(), "schedule": self.plan.to_dict(), "origin_iteration": self.origin,
+               "reprofiles": self.reprofiles,
+               "link_probes_rank0": [{"bytes": n, "ms": 1e3 * s} for n, s in link_samples or []]}
+        path = os.path.join(out_dir, PROFILE_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+
+    # ---- re-profiling on drift ---------------------------------------------------------------------
+    def _check_drift(self, iteration: int) -> None:
+        """At a period boundary, every --lsgd-dreamddp-reprofile-interval steps: agree on the
+        recent backward times and exposed time; if they moved away from the profile's by more
+        than the tolerance, probe the link again and reschedule (from the next iteration, a
+        new period). Every decision is taken on agreed values, so all ranks take it together."""
+        usable = self.monitor
+        backward, tail = fastest_sample(usable, self.names) if usable else (
+            {u.name: u.backward_s for u in self.profile.units if u.name in self.units},
+            self.profile.tails_s[self.stage])
+        exposed = self.monitor_exposed_s / max(1, self.monitor_steps)
+        self.monitor, self.monitor_exposed_s, self.monitor_steps = [], 0.0, 0
+        sizes, ranges = self._local_sizes()
+        local = LocalMeasurement(backward, sizes, ranges, tail, self.profile.latency_s, self.profile.seconds_per_byte,
+                                 self.tied)
+        recent = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
+                               self.device)
+        measured_exposed = agree_max([exposed], self.ctx.pgs, self.ctx.comm, self.device)[0]
+        if not drifted(self.profile, self.plan, recent, measured_exposed, self.opts.reprofile_tolerance):
+            return
+        link = probe_link(self.ctx.comm, max(sizes.values(), default=0), self.device)
+        latency, slope = fit_link(link)
+        local.latency_s, local.seconds_per_byte = latency, slope
+        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
+                                self.device)
+        profile.source = f"re-profiled at iteration {iteration + 1}"
+        self.reprofiles += 1
+        self._adopt(profile, iteration + 1, link_samples=link,
+                    header=f"re-profiled at iteration {iteration + 1} (measured exposed "
+                           f"{1e3 * measured_exposed:.2f} ms/step)")
+
+    # ---- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        return {"version": 1,
+                "profile": dataclasses.asdict(self.profile) if self.profile is not None else {},
+                "plan": dataclasses.asdict(self.plan),
+                "origin": self.origin, "profile_steps_done": self.profile_steps_done,
+                "samples": json.dumps(self.samples), "monitor": json.dumps(self.monitor),
+                "monitor_exposed_s": self.monitor_exposed_s, "monitor_steps": self.monitor_steps,
+                "reprofiles": self.reprofiles}
+
+    def load_state_dict(self, state: Dict) -> None:
+        if not state:
+            return
+        self.origin = int(state["origin"])
+        self.profile_steps_done = int(state["profile_steps_done"])
+        self.samples = json.loads(state["samples"])
+        self.monitor = json.loads(state["monitor"])
+        self.monitor_exposed_s = float(state["monitor_exposed_s"])
+        self.monitor_steps = int(state["monitor_steps"])
+        self.reprofiles = int(state["reprofiles"])
+        q = state["plan"]
+        self.plan = Plan(q["interval"], q["method"], q["bubble_fill"], [StagePlan(**s) for s in q["stages"]])
+        if not state["profile"]:  # saved while profiling: the remaining profiling steps run after the resume
+            if self.plan.interval != self.interval:
+                self.plan = build_plan(self._untimed_profile(), self.interval, "equal", False)
+            return
+        p = state["profile"]
+        self.profile = Profile([UnitProfile(**u) for u in p["units"]], list(p["tails_s"]), p["latency_s"],
+                               p["seconds_per_byte"], p["tied_embeddings"], p["source"], list(p["measured_steps"]))
+        note = "restored from the checkpoint"
+        if self.opts.profile is not None:
+            note += f" (--lsgd-dreamddp-profile {self.opts.profile} is not read: a resumed run keeps its schedule)"
+        if (self.plan.interval, self.plan.method, self.plan.bubble_fill) != \
+                (self.interval, self.opts.scheduler, not self.opts.no_bubble_fill):
+            self.plan = build_plan(self.profile, self.interval, self.opts.scheduler, not self.opts.no_bubble_fill)
+            note += "; recomputed from the checkpoint's profile for this run's --lsgd-interval / scheduler flags"
+        if self.active:
+            self._announce(note + f"; periods start at iteration {self.origin + 1}")
+
+    def stats(self) -> Dict[str, float]:
+        stats: Dict[str, float] = {"H": self.interval}
+        if not self.active:
+            return stats
+        if self.slot >= 0:
+            stats["slot"] = self.slot + 1
+        stats["synced units"] = len(self.averaged)
+        if self.profiling:
+            stats["profiling step"] = self.profile_steps_done
+            return stats
+        st = self.plan.stages[self.stage]
+        stats["pred exposed ms"] = 1e3 * sum(st.exposed_s) / self.interval
+        if self.opts.reprofile_interval:
+            stats["reprofiles"] = self.reprofiles
+        return stats
+
+
+def drifted(profile: Profile, plan: Plan, recent: Profile, measured_exposed_s: float, tolerance: float) -> bool:
+    """True when a stage's agreed recent backward time moved by more than `tolerance`
+    (relative), or the measured exposed time per step is off the prediction by more than
+    `tolerance` x the predicted time of the backward phase (backward + tail + exposed), in
+    either direction: a slower link costs time, a faster one leaves room to average more."""
+    for stage in range(profile.num_stages):
+        old = sum(profile.problem(stage).backward)
+        new = sum(recent.problem(stage).backward)
+        if old > 0 and abs(new - old) > tolerance * old:
+            return True
+    predicted = max(sum(st.exposed_s) / plan.interval for st in plan.stages)
+    phase = max(profile.problem(s).deadline for s in range(profile.num_stages)) + predicted
+    return abs(measured_exposed_s - predicted) > tolerance * phase
+
+
+__all__ = ["DreamDDP", "DreamDDPOptions", "drifted", "global_index"]
