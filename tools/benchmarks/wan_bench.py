@@ -9,8 +9,8 @@
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
 trains alone, at the same time, with the same per-site batch and --num-sites 1, so no
 byte crosses sites), then each algorithm on all sites. Every run trains the same model
-on the same token budget (`--train-samples`: --train-iters global batches; algorithms whose
-sites take different numbers of steps, A-EDiT, stop when the budget is used). Writes
+on the same token budget (--train-iters global batches; algorithms whose sites take
+different numbers of steps, A-EDiT, get it as `--train-samples` and stop when it is used). Writes
 results.json, results.md and tokens_per_s.png, loss_vs_wall.png, loss_vs_tokens.png to
 --out-dir, plus each run's logs.
 
@@ -34,7 +34,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
-from megatron_lsgd.core.lsgd.catalog import registered_algorithms  # noqa: E402
+from megatron_lsgd.core.lsgd.catalog import registered_algorithms, synchronizer_class  # noqa: E402
 from tools.benchmarks import wan_report  # noqa: E402
 from tools.wan.launch import SiteJob, add_link_args, raise_on_termination, run_jobs, topology_from_args, \
     torchrun_cmd  # noqa: E402
@@ -104,11 +104,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def common_args(a: argparse.Namespace, num_sites: int, json_log: str, slow_ranks: List[int]) -> List[str]:
+def common_args(a: argparse.Namespace, num_sites: int, json_log: str, slow_ranks: List[int],
+                lockstep: bool = True) -> List[str]:
+    """pretrain_gpt.py's flags for one run. The budget is the same for every run: --train-iters
+    global batches, given as --train-samples to algorithms whose sites take different numbers
+    of steps (the others keep --train-iters, which some of them, e.g. acco's adaptive
+    accumulation, need)."""
     gbs = a.site_batch_size * num_sites
+    budget = ["--train-iters", str(a.train_iters)] if lockstep else ["--train-samples", str(a.train_iters * gbs)]
     args = ["pretrain_gpt.py", *MODEL_ARGS, *DATA_ARGS, "--seq-length", str(a.seq_length),
             "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(gbs),
-            "--train-samples", str(a.train_iters * gbs), "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
+            *budget, "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, a.train_iters // 10)),
             "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
             "--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp),
@@ -171,7 +177,9 @@ def main(argv=None) -> int:
                                                   for p in site_logs])
             for n, algo in enumerate(a.algorithms):
                 json_log = os.path.join(logs, f"{algo}.jsonl")
-                script = common_args(a, a.sites, json_log, slow) + ["--lsgd-algorithm", a.run_algorithm[algo]] \
+                script = common_args(a, a.sites, json_log, slow,
+                                     synchronizer_class(a.run_algorithm[algo]).lockstep) \
+                    + ["--lsgd-algorithm", a.run_algorithm[algo]] \
                     + a.per_algo.get(algo, [])
                 jobs = [SiteJob(i, torchrun_cmd(a.sites, i, world_per_site, wan.site_ip(0), 29501 + n, script),
                                 os.path.join(logs, f"{algo}.site{i}.log")) for i in range(a.sites)]
