@@ -96,7 +96,7 @@ from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import _gather_parts
+from megatron_lsgd.core.lsgd.sync import gather_parts
 from megatron_lsgd.core.parallel_state import clone_groups
 
 ACCUMULATION = ("adaptive", "fixed")
@@ -426,7 +426,7 @@ class OverlappedGradientSync(Synchronizer):
                 for g, mean in zip(mine, run_blocking(self.compressor.reduce(mine))):
                     g.copy_(mean)
         if self.split:
-            _gather_parts(grads, self.pgs.dims.dp_intra, self.pgs.dp_intra_rank, self.worker_groups.dp_intra)
+            gather_parts(grads, self.pgs.dims.dp_intra, self.pgs.dp_intra_rank, self.worker_groups.dp_intra)
         self.comm.rounds += 1
 
     # ---- protocol --------------------------------------------------------------------------------

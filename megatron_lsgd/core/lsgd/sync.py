@@ -43,13 +43,15 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
         for grad, mean in zip(mine.grad, run_blocking(compressor.reduce(mine.grad))):
             grad.copy_(mean)
     if split:
-        _gather_parts(views.grad, dims.dp_intra, pgs.dp_intra_rank, pgs.dp_intra)
+        gather_parts(views.grad, dims.dp_intra, pgs.dp_intra_rank, pgs.dp_intra)
     comm.rounds += 1
 
 
-def _gather_parts(tensors, parts: int, index: int, group) -> None:
+def gather_parts(tensors, parts: int, index: int, group) -> None:
     """Inverse of ShardViews.part inside the site: every rank contributes its part of each
-    tensor (padded to the ceil-sized chunk), one all-gather, everyone copies the whole back."""
+    tensor (padded to the ceil-sized chunk), one all-gather, everyone copies the whole back.
+    Shared by every synchronizer that splits a site's cross-site traffic over its DP_intra
+    ranks without ZeRO-1 (sync, edit, acco, dreamddp)."""
     chunks = [-(-t.numel() // parts) for t in tensors]
     send = torch.zeros(sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0

@@ -59,7 +59,7 @@ from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import _gather_parts as gather_parts
+from megatron_lsgd.core.lsgd.sync import gather_parts
 from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
 
 PROFILE_FILE = "dreamddp_profile.json"

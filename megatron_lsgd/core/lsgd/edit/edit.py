@@ -64,7 +64,7 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import _gather_parts, average_grads_across_sites
+from megatron_lsgd.core.lsgd.sync import gather_parts, average_grads_across_sites
 
 Fault = Tuple[Optional[int], int, float]  # (site or None for every site, sync number, factor)
 
@@ -407,7 +407,7 @@ class EDiT(Synchronizer):
                 self.outer.load_into(g.views)
         if self.split:  # each rank synced its part of the unit: the site gathers the parts
             pgs = self.ctx.pgs
-            _gather_parts([m for g in plan.groups for m in g.whole.main], pgs.dims.dp_intra, pgs.dp_intra_rank,
+            gather_parts([m for g in plan.groups for m in g.whole.main], pgs.dims.dp_intra, pgs.dp_intra_rank,
                           pgs.dp_intra)
         self.ctx.optimizer.copy_main_to_model_params(plan.views)
 
