@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 
 import pytest
 import torch
@@ -16,21 +15,6 @@ from tests.unit_tests.checkpointing.single import run_single
 
 ITER = "iter_0000002"
 RANK_DIR = os.path.join(ITER, "mp_rank_00")
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("base") / "ckpt")
-    with pytest.MonkeyPatch.context() as mp:
-        assert run_single(["--train-iters", "2", "--save", path], mp) == 0
-    return path
-
-
-@pytest.fixture
-def ckpt(saved, tmp_path):
-    path = str(tmp_path / "ckpt")
-    shutil.copytree(saved, path)
-    return path
 
 
 def _load(ckpt, monkeypatch, capsys, *extra):

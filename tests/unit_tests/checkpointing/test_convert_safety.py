@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -13,23 +12,7 @@ import pytest
 
 from megatron_lsgd.training.checkpointing.lock import SaveLock
 from tests.unit_tests.checkpointing.launch import ROOT
-from tests.unit_tests.checkpointing.single import run_single
 from tests.unit_tests.harness import tree_digest
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("base") / "ckpt")
-    with pytest.MonkeyPatch.context() as mp:
-        assert run_single(["--train-iters", "2", "--save", path], mp) == 0
-    return path
-
-
-@pytest.fixture
-def ckpt(saved, tmp_path):
-    path = str(tmp_path / "ckpt")
-    shutil.copytree(saved, path)
-    return path
 
 
 def _convert(capsys, *args):

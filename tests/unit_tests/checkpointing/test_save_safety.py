@@ -24,21 +24,6 @@ ITER = "iter_0000002"
 MODEL_FILE = os.path.join(ITER, "mp_rank_00", "model_site_000.pt")
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("base") / "ckpt")
-    with pytest.MonkeyPatch.context() as mp:
-        assert run_single(["--train-iters", "2", "--save", path], mp) == 0
-    return path
-
-
-@pytest.fixture
-def ckpt(saved, tmp_path):
-    path = str(tmp_path / "ckpt")
-    shutil.copytree(saved, path)
-    return path
-
-
 def _run(argv, monkeypatch, capsys):
     code = run_single(argv, monkeypatch)
     out = capsys.readouterr()
