@@ -19,10 +19,10 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
+from megatron_lsgd.core.lsgd.sync import SynchronousWarmup
 
 
-class LocalSGDBase(Synchronizer, abc.ABC):
+class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
     """Shared by the DiLoCo family: warm-up, anchors, rounds of H inner steps."""
 
     uses = frozenset({"rounds", "outer", "compression"})
@@ -40,13 +40,6 @@ class LocalSGDBase(Synchronizer, abc.ABC):
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed, energy)
         device = self.outer.device if self.outer else self.views.main[0].device
         self.compressor = self.compressors.for_views(self.views, device)
-
-    def in_warmup(self, iteration: int) -> bool:
-        return iteration < self.ctx.config.rounds.warmup_iters
-
-    def after_forward_backward(self, iteration: int) -> None:
-        if self.active and self.in_warmup(iteration):
-            average_grads_across_sites(self.ctx)
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if not self.active:

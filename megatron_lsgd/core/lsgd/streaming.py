@@ -53,7 +53,7 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import QueuedReduce, Reduction, ReductionQueue
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
+from megatron_lsgd.core.lsgd.sync import SynchronousWarmup
 
 
 # ---- options ------------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ class InFlight:
 
 # ---- the algorithm ------------------------------------------------------------------------------
 @register
-class StreamingDiLoCo(Synchronizer):
+class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     """Streaming DiLoCo: one fragment synced per H/K inner steps, its all-reduce overlapping tau steps (the fragment flags are listed under cocodc)"""
 
     name = "streaming-diloco"
@@ -182,17 +182,10 @@ class StreamingDiLoCo(Synchronizer):
         return [((t + self.tau) // slot - 1) % self.num_fragments]
 
     # ---- hooks ----------------------------------------------------------------------------------------
-    def in_warmup(self, iteration: int) -> bool:
-        return iteration < self.ctx.config.rounds.warmup_iters
-
     def before_forward_backward(self, iteration: int) -> None:
         self._step_started = time.perf_counter()
         if self.active and len(self.queue):
             self.queue.poll()
-
-    def after_forward_backward(self, iteration: int) -> None:
-        if self.active and self.in_warmup(iteration):
-            average_grads_across_sites(self.ctx)
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if not self.active:

@@ -47,6 +47,19 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
     comm.rounds += 1
 
 
+class SynchronousWarmup:
+    """Mixin for local-SGD synchronizers: the first --lsgd-warmup-iters steps are plain
+    synchronous training (gradients averaged across sites every step, uncompressed).
+    Expects `self.ctx` and `self.active` (whether there is more than one site)."""
+
+    def in_warmup(self, iteration: int) -> bool:
+        return iteration < self.ctx.config.rounds.warmup_iters
+
+    def after_forward_backward(self, iteration: int) -> None:
+        if self.active and self.in_warmup(iteration):
+            average_grads_across_sites(self.ctx)
+
+
 def gather_parts(tensors, parts: int, index: int, group) -> None:
     """Inverse of ShardViews.part inside the site: every rank contributes its part of each
     tensor (padded to the ceil-sized chunk), one all-gather, everyone copies the whole back.
