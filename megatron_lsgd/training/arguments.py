@@ -23,6 +23,7 @@ from megatron_lsgd.training.checkpointing.config import CheckpointConfig
 from megatron_lsgd.training.guard import startup_checks
 from megatron_lsgd.training.megatron_compat import (CompatConfig, add_megatron_compat_args,
                                                     apply_megatron_compat_args, normalize_megatron_args)
+from megatron_lsgd.training.scenario import SimulationOptions, load_scenario
 from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
 from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
 
@@ -65,6 +66,7 @@ class RunConfig:
     raw_args: Optional[argparse.Namespace] = field(default=None, repr=False)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    simulation: SimulationOptions = field(default_factory=SimulationOptions)  # --simulate-clock
     compat: CompatConfig = field(default_factory=CompatConfig)  # Megatron run-time options (megatron_compat.py)
 
 
@@ -209,7 +211,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, catalog.add_arguments,
-                _checkpoint_args, _emulation_args, add_megatron_compat_args):
+                _checkpoint_args, _emulation_args, SimulationOptions.add_arguments, add_megatron_compat_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -335,11 +337,16 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     checkpoint.validate()
     stragglers = StragglerConfig.from_args(args)
     stragglers.validate(world_size)
+    simulation = SimulationOptions.from_args(args)
+    simulation.validate()
+    if simulation.scenario is not None and load_scenario(simulation.scenario).sites != dims.sites:
+        raise ValueError(f"--simulate-scenario {simulation.scenario}: it describes "
+                         f"{load_scenario(simulation.scenario).sites} sites, but --num-sites is {dims.sites}")
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
     run = RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
-                    checkpoint=checkpoint, stragglers=stragglers)
+                    checkpoint=checkpoint, stragglers=stragglers, simulation=simulation)
     apply_megatron_compat_args(args, run)
     startup_checks(args, run)
     return run

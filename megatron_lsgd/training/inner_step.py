@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.protocol import MicroBatch
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec
 
@@ -54,7 +55,7 @@ class UnitHookPhase:
 class InnerStep:
     def __init__(self, model, optimizer, scheduler, pgs, forward_backward: Callable, forward_step_func: Callable,
                  spec: Callable[..., ScheduleSpec], num_microbatches: int, straggler, phase: UnitHookPhase,
-                 samples_per_microbatch: int = 0, empty_unused_memory_level: int = 0):
+                 clock: Clock, samples_per_microbatch: int = 0, empty_unused_memory_level: int = 0):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -65,11 +66,15 @@ class InnerStep:
         self._num_microbatches = num_microbatches
         self._straggler = straggler
         self.phase = phase
+        self.clock = clock  # charged for the compute (a simulated clock; the real one needs nothing)
         self.iteration = 0  # set by the loop before each step (straggler draws are per step)
         self.samples_per_microbatch = samples_per_microbatch  # micro batch x data-parallel size (all sites)
         self.empty_unused_memory_level = empty_unused_memory_level
         self._last_microbatches = num_microbatches
         self._site_tokens: Optional[torch.Tensor] = None  # --calculate-per-token-loss: this step's loss tokens
+        # What one reduction inside the site moves per rank (the fp32 gradient buffer).
+        self._grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in model.buckets)
+        self._grad_device = next(iter(model.buckets)).grad_data.device
 
     @property
     def num_microbatches(self) -> int:
@@ -98,6 +103,7 @@ class InnerStep:
         try:
             with self._straggler.around_compute(self.iteration), accumulate:
                 losses = self._forward_backward(self._forward_step_func, data_iterator, self.model, spec, self.pgs)
+                self.clock.compute(n)
         finally:
             self.phase.training = False
         self._last_microbatches = n
@@ -121,6 +127,7 @@ class InnerStep:
 
     def reduce_in_site(self) -> None:
         self.model.finish_grad_sync()
+        self.clock.intra_site(self._grad_bytes, self.pgs.dims.dp_intra, self.pgs.site, self._grad_device)
         if self._site_tokens is not None:
             # Backward summed token losses; the reduction averaged them over dp_intra. One
             # scale makes the gradient the site's per-token mean: x dp_intra / tokens.
@@ -135,6 +142,7 @@ class InnerStep:
         samples = self._last_microbatches * self.samples_per_microbatch if samples is None else samples
         ok, norm = self.optimizer.step(self.scheduler.next_lrs(samples), grads=grads, groups=groups,
                                        copy_to_model=copy_to_model)
+        self.clock.optimizer_step()
         if ok:
             self.scheduler.step(samples)
         self._empty_cache(2)
@@ -143,4 +151,6 @@ class InnerStep:
     def trial_apply(self, out, *, grads=None, groups=None, samples: Optional[int] = None
                     ) -> Tuple[bool, Optional[float]]:
         samples = self._last_microbatches * self.samples_per_microbatch if samples is None else samples
-        return self.optimizer.trial_step(self.scheduler.next_lrs(samples), out, grads=grads, groups=groups)
+        result = self.optimizer.trial_step(self.scheduler.next_lrs(samples), out, grads=grads, groups=groups)
+        self.clock.optimizer_step()
+        return result

@@ -2,7 +2,9 @@
 
 A chosen rank sleeps (factor - 1) x its own measured forward-backward time after each
 forward-backward, so it runs `factor` times slower while computing exactly the same
-numbers. In `consistent` mode the chosen ranks are slow every step (EDiT's consistent
+numbers. Time is the run's clock (core/clock.py): under --simulate-clock the measured time
+is the charged compute and the sleep advances virtual time, so a slow rank's compute costs
+`factor` times as much. In `consistent` mode the chosen ranks are slow every step (EDiT's consistent
 straggler, ACCO's heterogeneous workers); in `random` mode each chosen rank is slow on a
 step with probability `--slow-probability`, drawn from a generator seeded by (seed, step,
 rank) so a run can be repeated exactly and does not depend on timing.
@@ -14,10 +16,11 @@ includes waiting for neighbouring stages.
 from __future__ import annotations
 
 import random
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
+
+from megatron_lsgd.core.clock import Clock
 
 SLOW_MODES = ("consistent", "random")
 
@@ -65,12 +68,12 @@ class StragglerConfig:
 class Straggler:
     """Slows this rank (or does nothing when it is not chosen)."""
 
-    def __init__(self, config: StragglerConfig, rank: int, sleep=time.sleep):
+    def __init__(self, config: StragglerConfig, rank: int, clock: Clock):
         self.config = config
         self.rank = rank
         self.enabled = rank in config.ranks and config.factor > 1.0
         self.slept_seconds = 0.0
-        self._sleep = sleep
+        self._clock = clock
 
     def is_slow(self, iteration: int) -> bool:
         if not self.enabled:
@@ -90,9 +93,9 @@ class Straggler:
         if not self.enabled:
             yield
             return
-        start = time.perf_counter()
+        start = self._clock.now()
         yield
-        delay = self.delay_for(time.perf_counter() - start, iteration)
+        delay = self.delay_for(self._clock.now() - start, iteration)
         if delay > 0:
-            self._sleep(delay)
+            self._clock.sleep(delay)
             self.slept_seconds += delay

@@ -24,13 +24,13 @@ import math
 import re
 import resource
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
@@ -49,6 +49,7 @@ from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
+from megatron_lsgd.training.scenario import build_simulated_clock, describe, trained_parameters
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
 from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
@@ -76,9 +77,10 @@ class TrainingResult:
 
 class Trainer:
     def __init__(self, config: RunConfig, model_provider: Callable, datasets_provider: Callable,
-                 forward_step_func: Callable, device: torch.device, start_time: Optional[float] = None):
+                 forward_step_func: Callable, device: torch.device, clock: Optional[Clock] = None):
         self.config = config
         self.device = device
+        self.clock = clock or Clock()  # every time the run reads (core/clock.py)
         self.forward_step_func = forward_step_func
         self.pgs, self.rng_tracker = initialize(config, device)
         pgs = self.pgs
@@ -95,6 +97,8 @@ class Trainer:
         model.to(device)
         model.initialize(config.training.seed)
         self.model = DistributedDataParallel(model, pgs, config.ddp)
+        if config.simulation.active:  # virtual time from here on (--exit-duration-in-mins counts it from 0)
+            self.clock = self._simulated_clock(model)
         sync_cls = synchronizer_class(config.lsgd.algorithm)
         self.optimizer = ShardedOptimizer([self.model], config.optimizer, pgs,
                                           build_grad_scaler(config.optimizer, config.training.fp16),
@@ -103,7 +107,8 @@ class Trainer:
 
         link = config.lsgd.link
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
-                             config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank)
+                             config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
+                             clock=self.clock)
         units = model.sync_units()
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units))
@@ -137,15 +142,14 @@ class Trainer:
         self.forward_backward = get_forward_backward_func(config.dims.pp)
         seq = config.model.seq_length // (config.dims.tp if config.model.sequence_parallel else 1)
         self.tensor_shape = (seq, t.micro_batch_size, config.model.hidden_size)
-        self.straggler = Straggler(config.stragglers, pgs.rank)
+        self.straggler = Straggler(config.stragglers, pgs.rank, self.clock)
         self.inner_step = InnerStep(self.model, self.optimizer, self.scheduler, pgs, self.forward_backward,
                                     forward_step_func, self._schedule_spec, config.num_microbatches, self.straggler,
-                                    self.phase, samples_per_microbatch=t.micro_batch_size * config.dims.dp,
+                                    self.phase, self.clock, samples_per_microbatch=t.micro_batch_size * config.dims.dp,
                                     empty_unused_memory_level=config.compat.empty_unused_memory_level)
         self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
         self.flops_per_sample = compat_flops_per_sample(config.model, config.model.padded_vocab_size)
-        self.termination = Termination(t, self.synchronizer, time.monotonic() if start_time is None else start_time,
-                                       range(config.dims.world_size))
+        self.termination = Termination(t, self.synchronizer, self.clock, range(config.dims.world_size))
         self.iteration = 0  # this site's steps
         self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
         self.ended = False  # non-lockstep: a resumed run whose training had already ended
@@ -155,6 +159,15 @@ class Trainer:
         self.last_saved_iteration = None
         if config.checkpoint.load and load_checkpoint(self, config.checkpoint):
             self.last_saved_iteration = self.checkpoint_iteration  # nothing new to save until the next step
+
+    def _simulated_clock(self, model) -> Clock:
+        params = trained_parameters(model, self.pgs)  # collective: the replica's ranks
+        clock = build_simulated_clock(self.config.simulation, self.config.lsgd.link, self.config.dims,
+                                      self.pgs.site_rank, params)
+        if self.pgs.rank == 0 or (self.pgs.rank % (self.config.dims.world_size // self.config.dims.sites) == 0):
+            for line in describe(clock, self.config.simulation.scenario, params):
+                print(line if self.pgs.site_rank == 0 else f"{line} [site {self.pgs.site_rank}]", flush=True)
+        return clock
 
     @property
     def job_budget_samples(self) -> int:
@@ -263,6 +276,7 @@ class Trainer:
         for _ in range(t.eval_iters):
             collected += self.forward_backward(self.forward_step_func, self.valid_iterator, self.model,
                                                self._schedule_spec(True), self.pgs)
+            self.clock.compute(self.config.num_microbatches, forward_only=True)
         self.consumed_valid_samples += t.eval_iters * t.global_batch_size
         self.model.train()
         self.compat.around_eval()
@@ -280,7 +294,7 @@ class Trainer:
         """One log line (and tensorboard scalars and a JSON record) for the interval just ended.
         Lockstep: the job's line, losses averaged over sites. Non-lockstep: this site's own."""
         t = self.config.training
-        elapsed = time.perf_counter() - acc.start
+        elapsed = self.clock.now() - acc.start
         if self.lockstep:
             self._sum_site_samples()  # exact job total (collective only when sites' counts differed)
             samples = self.consumed_samples - acc.consumed_before  # the job's
@@ -328,12 +342,12 @@ class Trainer:
                              "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
                              **self.synchronizer.stats()}, self.iteration)
             self.json_log.write({"iteration": self.iteration, "interval_iters": acc.iters,
-                                 "elapsed_s": elapsed, "wall_s": time.perf_counter() - acc.run_start,
+                                 "elapsed_s": elapsed, "wall_s": self.clock.now() - acc.run_start,
                                  "tokens": tokens, "tokens_per_s": tokens_per_s,
                                  "losses": means, "inter_site_bytes": moved_mb * 2**20,
                                  "exposed_comm_s": exposed_ms * acc.iters / 1e3,
                                  "sync_stats": self.synchronizer.stats(), **record})
-        acc.reset(comm_now, self.consumed_samples, self.site_consumed_samples)
+        acc.reset(comm_now, self.consumed_samples, self.site_consumed_samples, self.clock.now())
 
     @staticmethod
     def _crossed(before: int, now: int, interval: Optional[int]) -> bool:
@@ -345,7 +359,7 @@ class Trainer:
         result = TrainingResult(model=self.model.module, config=self.config)
         batch_schedule = self.config.compat.batch_schedule
         total_skipped = 0
-        acc = _Interval(comm=self.comm.snapshot(), consumed_before=self.consumed_samples,
+        acc = _Interval(comm=self.comm.snapshot(), start=self.clock.now(), consumed_before=self.consumed_samples,
                         site_consumed_before=self.site_consumed_samples)
         run_start = acc.run_start
         start_iter, start_agreed = self.iteration, self.agreed_iteration  # a resumed run counts its own steps
@@ -402,7 +416,7 @@ class Trainer:
                 loss = self.evaluate()
                 if loss is not None:
                     result.validation_losses.append(loss)
-                acc.start = time.perf_counter()
+                acc.start = self.clock.now()
             ckpt = self.config.checkpoint
             if ckpt.save and save_due:
                 self.save_checkpoint()
@@ -433,14 +447,14 @@ class Trainer:
         if self.pgs.rank == self.line_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             where = "" if lockstep else f" on site {self.pgs.site_rank}"
-            print(f" done: {self.iteration} iterations{where} in {time.perf_counter() - run_start:.1f} s | "
+            print(f" done: {self.iteration} iterations{where} in {self.clock.now() - run_start:.1f} s | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
             record = {} if lockstep else {"site": self.pgs.site_rank}
             if result.traffic and self.pgs.rank == self.log_rank:
                 steps = self.iteration - start_iter if lockstep else self.checkpoint_iteration - start_agreed
                 print(summary_line(self.config.lsgd.algorithm, steps, result.traffic), flush=True)
             self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
-                                 "wall_s": time.perf_counter() - run_start,
+                                 "wall_s": self.clock.now() - run_start,
                                  "straggler_sleep_s": self.straggler.slept_seconds, **record})
         self.json_log.close()
         self.tb.close()
@@ -453,6 +467,7 @@ class _Interval:
     """What the loop accumulates between two log lines."""
 
     comm: Dict[str, float]
+    start: float  # the run clock's time when the interval began
     consumed_before: int = 0  # the job's consumed samples when the interval began (lockstep)
     site_consumed_before: int = 0  # this site's (non-lockstep)
     sums: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -462,17 +477,16 @@ class _Interval:
     nans: int = 0
     norm_sum: float = 0.0
     norm_count: int = 0
-    start: float = field(default_factory=time.perf_counter)
     run_start: float = 0.0
 
     def __post_init__(self):
         self.run_start = self.start
 
-    def reset(self, comm: Dict[str, float], consumed: int, site_consumed: int) -> None:
+    def reset(self, comm: Dict[str, float], consumed: int, site_consumed: int, now: float) -> None:
         self.sums, self.iters, self.skipped, self.nans = {}, 0, 0, 0
         self.norm_sum, self.norm_count = 0.0, 0
         self.comm, self.consumed_before, self.site_consumed_before = comm, consumed, site_consumed
-        self.start = time.perf_counter()
+        self.start = now
 
 
 def _exit_on_bad_input(err: Exception, prefix: str = "") -> NoReturn:
@@ -509,7 +523,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None) -> TrainingResult:
     """Megatron's entry point: parse flags, initialize, build, train. Returns the result
     (and the model) so tests and benchmarks can inspect the run."""
-    start_time = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's does
+    clock = Clock()  # --exit-duration-in-mins counts from here, as Megatron's does
     args = parse_args(argv, extra_args_provider)
     try:
         device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
@@ -530,7 +544,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             check_attention_backend(config.model, device)
             lock = take_save_lock(config.checkpoint.save)
             trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
-                              start_time)
+                              clock)
         except STARTUP_ERRORS as err:
             _exit_on_bad_input(err)
         if dist.get_rank() == 0:

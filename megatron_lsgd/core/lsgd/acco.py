@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -91,6 +90,8 @@ from typing import ClassVar, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.clock import Job
+from megatron_lsgd.core.lsgd.comm import Tally
 from megatron_lsgd.core.lsgd.compressors import CompressorBank
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
@@ -230,6 +231,7 @@ class _JobResult:
     kind: str
     counts: List[int]  # every site's micro-batches in this stage (per data-parallel rank)
     grad_norm: Optional[float]
+    tally: Tally  # the job's inter-site bytes and rounds, settled when the compute thread has waited for it
 
 
 class OverlappedGradientSync(Synchronizer):
@@ -274,7 +276,9 @@ class OverlappedGradientSync(Synchronizer):
             self._g_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
             self._n_est = 0
         self._worker = _Worker(f"lsgd-{self.name}")
+        self.clock = ctx.clock
         self._job: Optional[Future] = None
+        self._job_clock: Optional[Job] = None  # the job's timeline on the run's clock
         self._load_after_compute: Optional[str] = None  # "main" or "estimate": what the model takes next
         self._stash: Optional[List[torch.Tensor]] = None  # the model's shard to restore (after quiesce)
         self._configured: Optional[int] = None
@@ -313,7 +317,8 @@ class OverlappedGradientSync(Synchronizer):
         self._load_model()
         step.reduce_in_site()
         storage = self.storages[self.active]
-        self._job = self._worker.submit(self._job_fn, kind, stage, storage, n, step)
+        self._job_clock = self.clock.start_job()  # the worker's timeline forks from this moment
+        self._job = self._worker.submit(self._timed_job, self._job_clock, kind, stage, storage, n, step)
         self._load_after_compute = "main" if kind == "commit" else "estimate"
         self.active ^= 1
         self.model.use_grad_storage(self.storages[self.active])
@@ -335,8 +340,8 @@ class OverlappedGradientSync(Synchronizer):
 
     def _site_agrees_worker_done(self) -> bool:
         """True on every rank of the site once every rank's worker is done (MIN over the site)."""
-        flag = torch.tensor([1 if self._job is None or self._job.done() else 0], dtype=torch.int32,
-                            device=self.device)
+        done = self._job is None or self.clock.done_by_now(self._job_clock)
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=self.device)
         if self.pgs.site is not None and dist.get_world_size(self.pgs.site) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pgs.site)
         return bool(flag.item())
@@ -345,9 +350,11 @@ class OverlappedGradientSync(Synchronizer):
         """Wait for the job in flight (time counted as exposed communication)."""
         if self._job is None:
             return
-        start = time.perf_counter()
+        start = self.clock.now()
         result: _JobResult = self._job.result()
-        self.comm.record_exposed(time.perf_counter() - start)
+        self.clock.join(self._job_clock)
+        self.comm.record_exposed(self.clock.now() - start)
+        self.comm.settle(result.tally)
         self._job = None
         self._round_counts = [a + b for a, b in zip(self._round_counts, result.counts)]
         if result.kind == "commit":
@@ -371,9 +378,13 @@ class OverlappedGradientSync(Synchronizer):
         self._load_after_compute = "main"  # after the next compute the model takes θ again
 
     # ---- the worker thread ---------------------------------------------------------------------
+    def _timed_job(self, job: Job, *args) -> _JobResult:
+        with self.clock.bound(job):
+            return self._job_fn(*args)
+
     @torch.no_grad()
     def _job_fn(self, kind: str, stage: int, storage: int, count: int, step) -> _JobResult:
-        with self.comm.overlapped():
+        with self.comm.overlapped() as tally:
             grads = self.model.grad_shards(storage)
             counts = self._exchange_counts(count, stage)
             self._mean_across_sites(grads, counts, count)
@@ -397,7 +408,7 @@ class OverlappedGradientSync(Synchronizer):
                     samples += self._n_est
                 _, norm = step.apply(grads=grads, groups=self.worker_groups, copy_to_model=False,
                                      samples=samples * per_mb)
-        return _JobResult(kind, counts, norm)
+        return _JobResult(kind, counts, norm, tally)
 
     def _exchange_counts(self, count: int, stage: int) -> List[int]:
         if self.sites == 1:
@@ -427,7 +438,7 @@ class OverlappedGradientSync(Synchronizer):
                     g.copy_(mean)
         if self.split:
             gather_parts(grads, self.pgs.dims.dp_intra, self.pgs.dp_intra_rank, self.worker_groups.dp_intra)
-        self.comm.rounds += 1
+        self.comm.count_round()
 
     # ---- protocol --------------------------------------------------------------------------------
     def quiesce(self) -> None:

@@ -12,10 +12,17 @@ is a FIFO: a transfer starts when the previous one on this rank's link has finis
 takes latency + bytes_sent * 8 / bandwidth. The deadline is fixed when the collective is
 issued, so compute that runs meanwhile really hides it.
 
+Time comes from the run's clock (core/clock.py): real time by default, where the simulated
+slow link above sleeps; or a simulated clock, under which the link is a model of virtual
+time (core/simulation.py) and nothing sleeps.
+
 A synchronizer that communicates on a thread of its own (ACCO/DPU) wraps that thread's work
 in `overlapped()`: waits on that thread then do not count as exposed (nothing waits for
 them but the thread itself); the synchronizer adds the time its compute thread spends
-waiting for the other thread with `record_exposed`.
+waiting for the other thread with `record_exposed`. The bytes and rounds of that work go
+to the `Tally` it yields and join the totals when the compute thread `settle`s it (after
+waiting for the job), so the totals a log line reads do not depend on how far the other
+thread happened to be.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.distributed.collectives import all_gather_flat
 
 
@@ -49,27 +57,44 @@ class SimulatedLink:
         return seconds
 
 
+@dataclass
+class Tally:
+    """Bytes and rounds of work done on another thread, until the caller settles them."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds: int = 0
+
+
 class InterSiteTimeout(RuntimeError):
     pass
 
 
 class InterSiteWork:
-    def __init__(self, comm: "InterSiteComm", work: Optional[object], ready_at: float = 0.0):
+    def __init__(self, comm: "InterSiteComm", work: Optional[object], ready_at: float = 0.0, transfer=None):
         self._comm = comm
         self._work = work
-        self._ready_at = ready_at  # simulated-link completion time (perf_counter clock)
+        self._ready_at = ready_at  # simulated-link completion time (the run's clock)
+        self._transfer = transfer  # under a simulated clock: the collective in virtual time
+
+    def _completion(self) -> float:
+        return self._transfer.done_at() if self._transfer is not None else self._ready_at
 
     def is_completed(self) -> bool:
         if self._work is None:
             return True
-        if time.perf_counter() < self._ready_at:
+        if self._transfer is not None:  # virtual time decides, the same way on every run
+            return self._transfer.done_at() <= self._comm.clock.now()
+        if self._comm.clock.now() < self._ready_at:
             return False
         return self._work.is_completed()
 
     def wait(self) -> None:
         if self._work is None:
             return
-        t0 = time.perf_counter()
+        clock = self._comm.clock
+        t0 = clock.now()
+        real_t0 = time.perf_counter()  # the transport's timeout is real time, whatever the run's clock
         try:
             self._work.wait()
         except RuntimeError as err:  # gloo/nccl timeout or a peer that closed its connection
@@ -77,21 +102,21 @@ class InterSiteWork:
             cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise InterSiteTimeout(
                 f"rank {c.rank} (site {c.site}): an inter-site collective failed after "
-                f"{time.perf_counter() - t0:.1f} s of waiting (the limit is --distributed-timeout-minutes "
+                f"{time.perf_counter() - real_t0:.1f} s of waiting (the limit is --distributed-timeout-minutes "
                 f"{c.timeout_minutes}): a peer site stopped or its network failed; its own log says why "
                 f"[{cause}]") from err
-        remaining = self._ready_at - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+        clock.wait_until(self._completion())
         if self._comm.waits_are_exposed():
-            self._comm.exposed_seconds += time.perf_counter() - t0
+            self._comm.exposed_seconds += clock.now() - t0
         self._work = None
 
 
 class InterSiteComm:
     def __init__(self, group, num_sites: int, link: Optional[SimulatedLink] = None,
-                 timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None):
+                 timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None,
+                 clock: Optional[Clock] = None):
         self.group = group
+        self.clock = clock or Clock()
         self.num_sites = num_sites
         self.rank, self.site = rank, site  # named in error messages
         self.link = link or SimulatedLink()
@@ -101,33 +126,52 @@ class InterSiteComm:
         self.exposed_seconds = 0.0
         self.rounds = 0
         self._link_free_at = 0.0
+        self._transfers = self.clock.transfer_log() if self.clock.simulated else None
         self._thread = threading.local()
 
     # ---- accounting ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def overlapped(self):
-        """On this thread, waiting for a collective is not exposed time (a communication
-        thread running beside the compute; see the module docstring)."""
-        previous = getattr(self._thread, "overlapped", False)
-        self._thread.overlapped = True
+        """On this thread, waiting for a collective is not exposed time, and bytes and rounds
+        go to the yielded Tally (a communication thread running beside the compute; see the
+        module docstring)."""
+        previous = getattr(self._thread, "tally", None)
+        tally = Tally()
+        self._thread.tally = tally
         try:
-            yield
+            yield tally
         finally:
-            self._thread.overlapped = previous
+            self._thread.tally = previous
 
     def waits_are_exposed(self) -> bool:
-        return not getattr(self._thread, "overlapped", False)
+        return getattr(self._thread, "tally", None) is None
+
+    def settle(self, tally: Tally) -> None:
+        """Add another thread's finished work to the totals."""
+        self.bytes_sent += tally.bytes_sent
+        self.bytes_received += tally.bytes_received
+        self.rounds += tally.rounds
+
+    def count_round(self) -> None:
+        tally = getattr(self._thread, "tally", None)
+        if tally is not None:
+            tally.rounds += 1
+        else:
+            self.rounds += 1
 
     def record_exposed(self, seconds: float) -> None:
         """Time the compute thread spent waiting for communication running elsewhere."""
         self.exposed_seconds += seconds
 
-    def _issue(self, work, sent: int, received: int) -> InterSiteWork:
-        self.bytes_sent += sent
-        self.bytes_received += received
+    def _issue(self, work, sent: int, received: int, like: torch.Tensor) -> InterSiteWork:
+        counts = getattr(self._thread, "tally", None) or self
+        counts.bytes_sent += sent
+        counts.bytes_received += received
+        if self._transfers is not None:  # virtual time: the link model, nothing sleeps
+            return InterSiteWork(self, work, transfer=self._transfers.issue(self.clock, sent, self.group, like.device))
         ready_at = 0.0
         if self.link.enabled:
-            start = max(time.perf_counter(), self._link_free_at)
+            start = max(self.clock.now(), self._link_free_at)
             ready_at = start + self.link.transfer_seconds(sent)
             self._link_free_at = ready_at
         return InterSiteWork(self, work, ready_at)
@@ -150,7 +194,7 @@ class InterSiteComm:
         tensor.mul_(1.0 / self.num_sites)
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return self._finish(self._issue(work, moved, moved), async_op)
+        return self._finish(self._issue(work, moved, moved, tensor), async_op)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """output[s * n:(s + 1) * n] = site s's `tensor` (flat, equal sizes)."""
@@ -159,7 +203,7 @@ class InterSiteComm:
             return InterSiteWork(self, None)
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size()
         work = all_gather_flat(output, tensor, group=self.group, async_op=True)
-        return self._finish(self._issue(work, moved, moved), async_op)
+        return self._finish(self._issue(work, moved, moved, tensor), async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """Chunk s of `tensor` goes to site s; chunk s of `output` comes from site s."""
@@ -168,7 +212,7 @@ class InterSiteComm:
             return InterSiteWork(self, None)
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size() // self.num_sites
         work = dist.all_to_all_single(output, tensor, group=self.group, async_op=True)
-        return self._finish(self._issue(work, moved, moved), async_op)
+        return self._finish(self._issue(work, moved, moved, tensor), async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Blocking element-wise max across sites (small control values)."""
@@ -176,7 +220,7 @@ class InterSiteComm:
             return
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._issue(work, moved, moved).wait()
+        self._issue(work, moved, moved, tensor).wait()
 
     def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> None:
         """Move this comm onto a fresh dp_inter group of its own (collective: every rank

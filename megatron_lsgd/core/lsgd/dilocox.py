@@ -33,7 +33,6 @@ Adaptive rules (`--lsgd-adaptive`, logged as `rank` and `H`):
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -155,13 +154,13 @@ class DiLoCoX(LocalSGDBase):
 
     # ---- overlap ----------------------------------------------------------------------------
     def before_forward_backward(self, iteration: int) -> None:
-        self._step_start = time.perf_counter()
+        self._step_start = self.ctx.clock.now()
         if self.pending is not None and not self.pending.done and self.pending.poll():
-            self._comm_seconds = time.perf_counter() - self._comm_issued
+            self._comm_seconds = self.ctx.clock.now() - self._comm_issued
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if self._step_start is not None:
-            self._round_compute += time.perf_counter() - self._step_start
+            self._round_compute += self.ctx.clock.now() - self._step_start
         super().after_optimizer_step(iteration, update_successful)
         tau = min(self.ctx.config.algo.apply_step or self.interval, self.interval)
         if self.pending is not None and 0 < self.steps_in_round == tau:  # (τ = H is handled by end_round)
@@ -172,7 +171,7 @@ class DiLoCoX(LocalSGDBase):
         with it and forget the round's start offsets (they were relative to the old anchor)."""
         if not self.pending.done:
             self.pending.wait()
-            self._comm_seconds = time.perf_counter() - self._comm_issued
+            self._comm_seconds = self.ctx.clock.now() - self._comm_issued
         self.outer.step(self.views, self.pending.result)
         self.applied_rounds.append(self.pending_round)
         self.pending, self.pending_round, self.start_offsets = None, -1, None
@@ -205,7 +204,7 @@ class DiLoCoX(LocalSGDBase):
             # Before issuing the new reduction: the link is idle now, so the small H
             # agreement is not queued behind a bulk transfer on a bandwidth-limited link.
             self._adapt()
-        self._comm_issued = time.perf_counter()
+        self._comm_issued = self.ctx.clock.now()
         self.pending = PendingReduce(self.compressor.reduce(deltas))
         self.pending_round = self.outer_rounds
         if self.ctx.config.algo.restart == "eager":
@@ -224,7 +223,7 @@ class DiLoCoX(LocalSGDBase):
         """Let the mean in flight land (it is applied at its usual step, not now)."""
         if self.pending is not None and not self.pending.done:
             self.pending.wait()
-            self._comm_seconds = time.perf_counter() - self._comm_issued
+            self._comm_seconds = self.ctx.clock.now() - self._comm_issued
 
     def finish_training(self, iteration: int) -> None:
         super().finish_training(iteration)

@@ -48,6 +48,7 @@ from typing import ClassVar, Dict, FrozenSet, List, Optional, Protocol, Tuple
 
 import torch
 
+from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.config import LsgdConfig
 from megatron_lsgd.core.lsgd.options import NoOptions
@@ -183,6 +184,11 @@ class SyncContext:
     optimizer: object  # ShardedOptimizer: views(units), copy_main_to_model_params(views), state
     comm: InterSiteComm
     units: List[object] = field(default_factory=list)  # SyncUnits of this stage, forward order
+
+    @property
+    def clock(self) -> Clock:
+        """The run's clock (the one the inter-site comm keeps): every time an algorithm reads."""
+        return self.comm.clock
 
 
 class Synchronizer:

@@ -9,9 +9,9 @@ site still issues the same sequence of collectives.
 
 from __future__ import annotations
 
-import time
 from typing import Generator, List, Optional
 
+from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.comm import InterSiteWork
 
 Reduction = Generator[InterSiteWork, None, object]
@@ -106,7 +106,8 @@ class ReductionQueue:
     and including `item` (blocking time counts as exposed communication)."""
 
     def __init__(self, comm=None):
-        self._comm = comm  # optional: counts each reduction's bytes
+        self._comm = comm  # optional: counts each reduction's bytes, and its clock times them
+        self._clock = comm.clock if comm is not None else Clock()
         self._items: List[QueuedReduce] = []
 
     def __len__(self) -> int:
@@ -126,13 +127,13 @@ class ReductionQueue:
         try:
             if not item.started:
                 item.started = True
-                item.issued_at = time.perf_counter()
+                item.issued_at = self._clock.now()
                 item._handle = next(item._gen)
             else:
                 item._handle = item._gen.send(None)
         except StopIteration as stop:
             item.result, item.done, item._handle = stop.value, True, None
-            item.finished_at = time.perf_counter()
+            item.finished_at = self._clock.now()
         if self._comm is not None:
             item.bytes_sent += self._comm.bytes_sent - before
 

@@ -37,7 +37,6 @@ diloco closes a partial round), so every site ends with the same model.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -183,7 +182,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
 
     # ---- hooks ----------------------------------------------------------------------------------------
     def before_forward_backward(self, iteration: int) -> None:
-        self._step_started = time.perf_counter()
+        self._step_started = self.ctx.clock.now()
         if self.active and len(self.queue):
             self.queue.poll()
 
@@ -195,7 +194,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
                 self.outer.reset(self.ctx.optimizer.views())
             return
         if self._step_started is not None:
-            self.record_step_time(time.perf_counter() - self._step_started)
+            self.record_step_time(self.ctx.clock.now() - self._step_started)
             self._step_started = None
         # Skipped (fp16 overflow) steps count too: sites must agree on the schedule.
         self.local_step += 1

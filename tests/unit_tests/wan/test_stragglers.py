@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.training.arguments import build_config, parse_args
 from megatron_lsgd.training.stragglers import Straggler, StragglerConfig, parse_rank_list
 from tests.unit_tests.harness import logged_losses, run_distributed
@@ -32,17 +33,20 @@ def test_bad_flags_name_the_flag(extra, world, message):
         build_config(parse_args(BASE + extra), world)
 
 
-class FakeSleep:
+class FakeSleep(Clock):
+    """The real clock, but its sleeps are recorded instead of slept."""
+
     def __init__(self):
+        super().__init__()
         self.calls = []
 
-    def __call__(self, seconds):
+    def sleep(self, seconds):
         self.calls.append(seconds)
 
 
 def test_consistent_sleeps_factor_minus_one_times_compute():
     sleep = FakeSleep()
-    s = Straggler(StragglerConfig(ranks=(1,), factor=3.0), rank=1, sleep=sleep)
+    s = Straggler(StragglerConfig(ranks=(1,), factor=3.0), rank=1, clock=sleep)
     for it in range(3):
         with s.around_compute(it):
             time.sleep(0.02)
@@ -54,8 +58,8 @@ def test_consistent_sleeps_factor_minus_one_times_compute():
 
 def test_unchosen_rank_and_factor_one_never_sleep():
     sleep = FakeSleep()
-    for s in (Straggler(StragglerConfig(ranks=(1,), factor=3.0), rank=0, sleep=sleep),
-              Straggler(StragglerConfig(ranks=(0,), factor=1.0), rank=0, sleep=sleep)):
+    for s in (Straggler(StragglerConfig(ranks=(1,), factor=3.0), rank=0, clock=sleep),
+              Straggler(StragglerConfig(ranks=(0,), factor=1.0), rank=0, clock=sleep)):
         with s.around_compute(0):
             time.sleep(0.001)
         assert not s.is_slow(0)
@@ -64,13 +68,13 @@ def test_unchosen_rank_and_factor_one_never_sleep():
 
 def test_random_mode_is_seeded_and_has_the_asked_rate():
     cfg = StragglerConfig(ranks=(0, 1), factor=2.0, mode="random", probability=0.3, seed=7)
-    a = [Straggler(cfg, 0).is_slow(i) for i in range(2000)]
-    assert a == [Straggler(cfg, 0).is_slow(i) for i in range(2000)]  # same on every run
+    a = [Straggler(cfg, 0, Clock()).is_slow(i) for i in range(2000)]
+    assert a == [Straggler(cfg, 0, Clock()).is_slow(i) for i in range(2000)]  # same on every run
     assert 0.25 < sum(a) / len(a) < 0.35
-    b = [Straggler(cfg, 1).is_slow(i) for i in range(2000)]
+    b = [Straggler(cfg, 1, Clock()).is_slow(i) for i in range(2000)]
     assert a != b  # ranks lag independently
     other_seed = StragglerConfig(ranks=(0, 1), factor=2.0, mode="random", probability=0.3, seed=8)
-    assert a != [Straggler(other_seed, 0).is_slow(i) for i in range(2000)]
+    assert a != [Straggler(other_seed, 0, Clock()).is_slow(i) for i in range(2000)]
 
 
 @pytest.mark.slow

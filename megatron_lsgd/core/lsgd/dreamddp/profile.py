@@ -6,7 +6,7 @@
   gradient of its output arrives, caught by a tensor hook on that output while profiling.
   `tail` is the time from the last unit's completion to the wait before the optimizer
   step (the intra-site reduce). On CUDA the moments are CUDA events (read after the step),
-  on CPU `time.perf_counter()`.
+  on CPU the run's clock (core/clock.py).
 - Averaging times come from a fit c(bytes) = latency + bytes x seconds_per_byte of timed
   blocking all-reduces ("probes") over this rank's dp_inter group, through the inter-site
   comm (so a simulated link is measured like a real one). A unit issues one all-reduce
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -139,16 +138,17 @@ def read_profile_file(path: str) -> Dict:
 
 # ---- timing inside steps ----------------------------------------------------------------------
 class StepClock:
-    """Moments inside a step: perf_counter on CPU, CUDA events on the current stream on GPU
-    (so asynchronous kernels are timed where they run). The CUDA branch has not been run:
+    """Moments inside a step: the run's clock on CPU, CUDA events on the current stream on
+    GPU (so asynchronous kernels are timed where they run). The CUDA branch has not been run:
     no GPU was available to this project's tests (docs/algorithms/dreamddp.md)."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, clock):
+        self.cuda = device.type == "cuda" and not clock.simulated
+        self._clock = clock
 
     def now(self) -> float:
-        """Host seconds (the link probes; CPU marks)."""
-        return time.perf_counter()
+        """The run clock's seconds (the link probes; CPU marks)."""
+        return self._clock.now()
 
     def mark(self):
         if self.cuda:
@@ -258,7 +258,7 @@ def probe_link(comm, max_bytes: int, device: torch.device, repeats: int = 2) -> 
     Collective: every rank of the dp_inter group calls it with the same `max_bytes`."""
     sizes = probe_sizes(max_bytes)
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
-    clock = StepClock(device)
+    clock = StepClock(device, comm.clock)
     comm.all_reduce_mean(buf[:1])  # connection set-up is not the link
     best = {n: math.inf for n in sizes}
     for _ in range(repeats):

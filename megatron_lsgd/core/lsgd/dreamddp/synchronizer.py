@@ -152,7 +152,7 @@ class DreamDDP(Synchronizer):
         self.tied = self.num_stages > 1 and any(getattr(p, "shared_embedding", False)
                                                 for u in trainable for p in u.parameters())
         first_module = self.units[self.names[0]].modules[-1] if self.names else None
-        self.recorder = BackwardRecorder(self.names, StepClock(self.device), first_module)
+        self.recorder = BackwardRecorder(self.names, StepClock(self.device, ctx.clock), first_module)
         if self.active:  # averages are issued from the backward: keep them off the shared dp_inter group
             minutes = ctx.comm.timeout_minutes
             ctx.comm.use_dedicated_group(pgs.dims, timedelta(minutes=minutes) if minutes else None)

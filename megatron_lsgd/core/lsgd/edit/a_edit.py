@@ -35,7 +35,6 @@ ones.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -91,14 +90,6 @@ def allocate_quota(remaining_steps: int, last_steps: Sequence[int]) -> List[int]
     return quota
 
 
-class WallClock:
-    def now(self) -> float:
-        return time.monotonic()
-
-    def tick(self) -> None:
-        pass
-
-
 class VirtualClock:
     """Advances a fixed number of seconds per inner step (MEGATRON_LSGD_TEST_VIRTUAL_CLOCK)."""
 
@@ -113,10 +104,11 @@ class VirtualClock:
         self.t += self.seconds_per_step
 
 
-def make_clock(site: int):
+def make_clock(site: int, run_clock):
+    """The run's clock, unless the test hook replaces it (one fixed step time per site)."""
     spec = os.environ.get(VIRTUAL_CLOCK_ENV)
     if not spec:
-        return WallClock()
+        return run_clock
     return VirtualClock(float(spec.split(",")[site]))
 
 
@@ -132,7 +124,7 @@ class AEDiT(EDiT):
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)
         self.tau = ctx.config.algo.interval_seconds
-        self.clock = make_clock(self.site)
+        self.clock = make_clock(self.site, ctx.clock)
         self.virtual = isinstance(self.clock, VirtualClock)
         self.interval_start = self.clock.now()
         self.steps_in_interval = 0  # local steps since the last sync
@@ -145,7 +137,8 @@ class AEDiT(EDiT):
         self._restart_clock = False  # a sync is due in the next forward: the interval starts after it
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
-        self.clock.tick()
+        if self.virtual:
+            self.clock.tick()
         if not self._after_warmup(iteration):
             if iteration == self.warmup_iters - 1:
                 self.interval_start = self.clock.now()

@@ -1,0 +1,114 @@
+"""The one clock of a run: every place that reads or spends time asks it.
+
+The training loop's timers, the inter-site link and its accounting of exposed
+communication, the algorithms' timing decisions (a-edit's interval, cocodc's step and sync
+times, acco/dpu's accumulate-while-waiting, dreamddp's profile), stragglers and the
+`--exit-duration-in-mins` budget all take time from one `Clock`, passed explicitly.
+
+- `Clock` (the default) is real time: `now()` is `time.perf_counter()`, `sleep()` sleeps,
+  and the compute charges (`compute`, `optimizer_step`, `intra_site`) cost nothing extra,
+  because the work itself took the time.
+- `SimulatedClock` (core/simulation.py, `--simulate-clock`) keeps virtual time: compute is
+  charged from a cost model, inter-site transfers from a link model, and nothing sleeps.
+
+Work handed to another thread (acco/dpu's worker) runs on a timeline of its own:
+`start_job()` forks one at the caller's present, `bound(job)` makes it the thread's clock,
+`job.finish()` marks its end; the caller asks `done_by_now(job)` (has it finished by my
+present?) and `join(job)` (I waited for it). With the real clock these are the plain
+questions about the thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Iterator
+
+
+class Job:
+    """A piece of work on another thread, with its own timeline (see the module docstring)."""
+
+    def __init__(self, start: float):
+        self.t = start  # its present (simulated clocks advance it)
+        self._finished = threading.Event()
+        self._changed = threading.Condition()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def finish(self) -> None:
+        with self._changed:
+            self._finished.set()
+            self._changed.notify_all()
+
+    def advance_to(self, t: float) -> None:
+        with self._changed:
+            self.t = max(self.t, t)
+            self._changed.notify_all()
+
+    def wait_past(self, t: float) -> None:
+        """Block until the job has finished or its present is beyond t."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._finished.is_set() or self.t > t)
+
+
+class Clock:
+    """Real time (see the module docstring)."""
+
+    simulated = False
+
+    def __init__(self):
+        self.start = self.now()
+
+    # ---- reading and spending time --------------------------------------------------------------
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since the run started (the --exit-duration-in-mins budget)."""
+        return self.now() - self.start
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def wait_until(self, t: float) -> float:
+        """Let time reach t (a transfer's completion); returns the seconds waited."""
+        waited = t - self.now()
+        self.sleep(waited)
+        return max(waited, 0.0)
+
+    # ---- compute charges: the real clock's work took its own time ----------------------------
+    def compute(self, microbatches: int, forward_only: bool = False) -> None:
+        """`microbatches` forward(+backward) passes of this rank's model chunk were run."""
+
+    def optimizer_step(self) -> None:
+        """One inner optimizer step (clip, update, main -> model) was run."""
+
+    def intra_site(self, nbytes: int, ranks: int, site_group, device) -> None:
+        """A reduction of `nbytes` per rank over `ranks` ranks inside the site was run (the
+        simulated clock also agrees the site's time over `site_group`, on `device`)."""
+
+    def transfer_log(self):
+        """Inter-site transfers in virtual time (simulated clocks only; comm.py)."""
+        raise NotImplementedError("the real clock times transfers by waiting for them")
+
+    # ---- work on other threads --------------------------------------------------------------------
+    def start_job(self) -> Job:
+        return Job(self.now())
+
+    @contextlib.contextmanager
+    def bound(self, job: Job) -> Iterator[None]:
+        """Run the block on `job`'s timeline (this thread), and mark the job finished after it."""
+        try:
+            yield
+        finally:
+            job.finish()
+
+    def done_by_now(self, job: Job) -> bool:
+        return job.finished
+
+    def join(self, job: Job) -> None:
+        """The caller has waited for `job` (its result is in): its present is now at least the job's end."""

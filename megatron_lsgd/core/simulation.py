@@ -1,0 +1,216 @@
+"""A simulated clock (`--simulate-clock`): virtual time from a cost model, nothing sleeps.
+
+Each rank keeps its own virtual time. What advances it:
+- compute, charged from the cost model (`CostModel`): seconds per micro-batch
+  forward+backward of one model replica, spread over its pipeline stages with the 1F1B
+  bubble ((n + PP - 1) / PP micro-batch times for n micro-batches), a forward-only pass a
+  third of that, and seconds per optimizer step; all times this site's compute factor (a
+  slow site), and a straggler rank's sleep (--simulate-slow-ranks) is virtual too;
+- reductions inside the site, at the intra-site bandwidth (ring: 2 (n-1)/n of the bytes);
+  the site's ranks then agree on the latest of their times (the reduction is a barrier);
+- inter-site collectives, by the link model (`LinkModel`, `LinkFifo`): a collective
+  starts when its last participant issues it and its link is free, and takes latency +
+  bytes x bytes-scale / rate, where bytes are what comm.py counts as crossing (ring
+  factors included) and rate is this rank's share of its site's link (the site's ranks
+  send at once, so each gets rate / ranks-per-site); the slowest participant's link sets
+  the duration. `wait()` advances to the completion; a collective that completed while
+  compute ran costs nothing.
+
+Participants learn each other's issue times from a small MAX all-reduce issued right after
+each inter-site collective on the same group, so every rank of the group sees the same
+start and end, and two runs with the same flags make the same timing-driven decisions. The
+collectives' real duration does not matter: a run takes only its real compute time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lsgd.core.clock import Clock, Job
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """This rank's compute costs, in seconds."""
+
+    microbatch_seconds: float = 0.05  # forward+backward of one micro-batch through a whole replica
+    optimizer_step_seconds: float = 0.005  # one inner optimizer step of this rank's shard
+    intra_site_gbit: float = 100.0  # bandwidth of reductions inside a site (Gbit/s, 0: free)
+    pipeline_stages: int = 1
+    factor: float = 1.0  # this site's slowdown (a heterogeneous or slow site)
+
+    def compute_seconds(self, microbatches: int, forward_only: bool = False) -> float:
+        p = self.pipeline_stages
+        seconds = self.microbatch_seconds * (microbatches + p - 1) / p
+        return self.factor * (seconds / 3.0 if forward_only else seconds)
+
+    def intra_site_seconds(self, nbytes: int, ranks: int) -> float:
+        if ranks <= 1 or self.intra_site_gbit <= 0:
+            return 0.0
+        return 2 * (ranks - 1) / ranks * nbytes * 8 / (self.intra_site_gbit * 1e9)
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """This rank's share of its site's inter-site link."""
+
+    rate_mbit: float = 0.0  # the site's rate (0: unlimited)
+    latency_ms: float = 0.0  # one way
+    bytes_scale: float = 1.0  # target model parameters / trained parameters
+    ranks_sharing: int = 1  # ranks of the site that send at the same time
+
+    def serialization_seconds(self, nbytes: int) -> float:
+        if self.rate_mbit <= 0:
+            return 0.0
+        return nbytes * self.bytes_scale * 8 * self.ranks_sharing / (self.rate_mbit * 1e6)
+
+
+class LinkFifo:
+    """One rank's link, first in first out: a transfer starts once it has been issued by
+    every participant and the transfers before it have left the link."""
+
+    def __init__(self):
+        self.free_at = 0.0
+
+    def schedule(self, last_issue: float, serialization: float, latency: float) -> float:
+        """Returns the completion time; the link is busy until the data has left it."""
+        start = max(last_issue, self.free_at)
+        self.free_at = start + serialization
+        return self.free_at + latency
+
+
+class SimulatedTransfer:
+    """One inter-site collective in virtual time: its completion is known once every
+    participant's issue time (and link) has arrived, which `done_at` waits for."""
+
+    def __init__(self, fifo: "TransferLog", agreed: torch.Tensor, work):
+        self._log = fifo
+        self._agreed = agreed  # [latest issue time, slowest serialization, largest latency]
+        self._work = work
+        self._done: Optional[float] = None
+
+    def done_at(self) -> float:
+        if self._done is None:
+            self._log.resolve_through(self)
+        return self._done
+
+    def _resolve(self, fifo: LinkFifo) -> None:
+        if self._work is not None:
+            self._work.wait()
+        issue, serialization, latency = (float(x) for x in self._agreed.tolist())
+        self._done = fifo.schedule(issue, serialization, latency)
+
+
+class TransferLog:
+    """The transfers issued on one rank's link, resolved strictly in issue order (the FIFO's
+    state after transfer k is needed for k+1)."""
+
+    def __init__(self, link: LinkModel):
+        self.link = link
+        self.fifo = LinkFifo()
+        self._pending: Deque[SimulatedTransfer] = deque()
+        self._lock = threading.Lock()  # acco/dpu issue from their worker thread
+
+    def issue(self, clock: "SimulatedClock", nbytes: int, group, device: torch.device) -> SimulatedTransfer:
+        """Called right after the collective itself is issued, on the same group (collective)."""
+        agreed = torch.tensor([clock.now(), self.link.serialization_seconds(nbytes), self.link.latency_ms / 1e3],
+                              dtype=torch.float64, device=device)
+        work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True) \
+            if group is not None and dist.is_initialized() else None
+        transfer = SimulatedTransfer(self, agreed, work)
+        with self._lock:
+            self._pending.append(transfer)
+        return transfer
+
+    def resolve_through(self, transfer: SimulatedTransfer) -> None:
+        with self._lock:
+            while self._pending:
+                head = self._pending.popleft()
+                head._resolve(self.fifo)
+                if head is transfer:
+                    return
+
+
+class SimulatedClock(Clock):
+    """Virtual time (see the module docstring). Threads other than the one that built it
+    run on the timeline of the job they are bound to."""
+
+    simulated = True
+
+    def __init__(self, costs: CostModel, link: LinkModel):
+        self.costs = costs
+        self.link = link
+        self._main = Job(0.0)
+        self._bound = threading.local()
+        super().__init__()
+
+    def _timeline(self) -> Job:
+        return getattr(self._bound, "job", None) or self._main
+
+    def now(self) -> float:
+        return self._timeline().t
+
+    def advance(self, seconds: float) -> None:
+        if seconds > 0:
+            timeline = self._timeline()
+            timeline.advance_to(timeline.t + seconds)
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
+    def wait_until(self, t: float) -> float:
+        waited = max(t - self.now(), 0.0)
+        self._timeline().advance_to(t)
+        return waited
+
+    # ---- compute ------------------------------------------------------------------------------------
+    def compute(self, microbatches: int, forward_only: bool = False) -> None:
+        self.advance(self.costs.compute_seconds(microbatches, forward_only))
+
+    def optimizer_step(self) -> None:
+        self.advance(self.costs.factor * self.costs.optimizer_step_seconds)
+
+    def intra_site(self, nbytes: int, ranks: int, site_group, device) -> None:
+        self.advance(self.costs.intra_site_seconds(nbytes, ranks))
+        if site_group is not None and dist.is_initialized() and dist.get_world_size(site_group) > 1:
+            latest = torch.tensor([self.now()], dtype=torch.float64, device=device)
+            dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=site_group)
+            self.wait_until(float(latest.item()))
+
+    # ---- inter-site transfers ---------------------------------------------------------------------------
+    def transfer_log(self) -> TransferLog:
+        return TransferLog(self.link)
+
+    # ---- other threads ------------------------------------------------------------------------------------
+    def start_job(self) -> Job:
+        return Job(self.now())
+
+    def bound(self, job: Job):
+        return _Bound(self, job)
+
+    def done_by_now(self, job: Job) -> bool:
+        now = self.now()
+        job.wait_past(now)  # the answer is known once the job has finished or passed this moment
+        return job.finished and job.t <= now
+
+    def join(self, job: Job) -> None:
+        self._timeline().advance_to(job.t)
+
+
+class _Bound:
+    def __init__(self, clock: SimulatedClock, job: Job):
+        self.clock, self.job = clock, job
+
+    def __enter__(self):
+        self.clock._bound.job = self.job
+
+    def __exit__(self, *exc):
+        self.clock._bound.job = None
+        self.job.finish()
+        return False

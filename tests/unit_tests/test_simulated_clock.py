@@ -1,0 +1,222 @@
+"""The simulated clock (`--simulate-clock`): the cost and link models' arithmetic on
+hand-computed cases, virtual time across threads, a collective that starts at its last
+participant's issue time (two spawned ranks), scenario files, and two simulated runs of
+every algorithm giving identical logs, timing-driven decisions included."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_lsgd.core.clock import Clock
+from megatron_lsgd.core.lsgd.comm import InterSiteComm
+from megatron_lsgd.core.simulation import CostModel, LinkFifo, LinkModel, SimulatedClock
+from megatron_lsgd.training.scenario import load_scenario
+from megatron_lsgd.training.stragglers import Straggler, StragglerConfig
+from tests.unit_tests.harness import free_port, run_distributed_many
+
+BYTE = torch.zeros(1)
+SCENARIOS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "benchmarks", "scenarios")
+
+
+class Done:
+    """A collective that completed at once in real time (only virtual time matters)."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        pass
+
+
+def sim(microbatch=0.05, optimizer=0.005, rate=0.0, latency=0.0, factor=1.0, pp=1, scale=1.0, sharing=1):
+    return SimulatedClock(CostModel(microbatch, optimizer, 0.0, pp, factor),
+                          LinkModel(rate, latency, scale, sharing))
+
+
+# ---- arithmetic ---------------------------------------------------------------------------------
+def test_compute_costs():
+    c = CostModel(microbatch_seconds=0.05, optimizer_step_seconds=0.01, intra_site_gbit=8.0, pipeline_stages=2)
+    assert c.compute_seconds(4) == pytest.approx(0.05 * 5 / 2)  # 1F1B: (n + PP - 1) stage times
+    assert c.compute_seconds(4, forward_only=True) == pytest.approx(0.05 * 5 / 2 / 3)
+    assert CostModel(0.05, factor=3.0).compute_seconds(2) == pytest.approx(0.3)
+    assert c.intra_site_seconds(10 ** 9, 4) == pytest.approx(2 * 3 / 4 * 8e9 / 8e9)  # ring, 8 Gbit/s
+    assert c.intra_site_seconds(10 ** 9, 1) == 0.0
+
+
+def test_link_latency_only_rate_only_and_sharing():
+    assert LinkModel(latency_ms=20).serialization_seconds(10 ** 9) == 0.0
+    assert LinkModel(rate_mbit=100).serialization_seconds(1_250_000) == pytest.approx(0.1)
+    assert LinkModel(rate_mbit=100, bytes_scale=2.0).serialization_seconds(1_250_000) == pytest.approx(0.2)
+    assert LinkModel(rate_mbit=100, ranks_sharing=4).serialization_seconds(1_250_000) == pytest.approx(0.4)
+    fifo = LinkFifo()
+    assert fifo.schedule(1.0, 0.0, 0.02) == pytest.approx(1.02)  # latency only
+
+
+def test_two_transfers_share_the_fifo():
+    clock = sim(rate=100, latency=20)
+    comm = InterSiteComm(None, 2, clock=clock)
+    first = comm._issue(Done(), 1_250_000, 1_250_000, BYTE)  # 0.1 s on the wire + 20 ms
+    second = comm._issue(Done(), 1_250_000, 1_250_000, BYTE)  # leaves the link after the first
+    assert not first.is_completed()
+    second.wait()
+    assert clock.now() == pytest.approx(0.1 + 0.1 + 0.02)
+    assert first.is_completed()
+    first.wait()  # done already: costs nothing
+    assert clock.now() == pytest.approx(0.22)
+    assert comm.exposed_seconds == pytest.approx(0.22)
+
+
+def test_overlap_hidden_by_compute_costs_nothing():
+    clock = sim(microbatch=0.5, rate=100, latency=20)
+    comm = InterSiteComm(None, 2, clock=clock)
+    handle = comm._issue(Done(), 1_250_000, 1_250_000, BYTE)
+    clock.compute(1)  # 0.5 s of compute, longer than the 0.12 s transfer
+    assert handle.is_completed()
+    handle.wait()
+    assert clock.now() == pytest.approx(0.5) and comm.exposed_seconds == 0.0
+    late = comm._issue(Done(), 1_250_000, 1_250_000, BYTE)
+    clock.compute(1)
+    clock.optimizer_step()
+    late.wait()
+    assert clock.now() == pytest.approx(1.005)
+    partly = comm._issue(Done(), 2_500_000, 0, BYTE)  # 0.2 s + 20 ms, 0.1 s of it hidden
+    clock.advance(0.1)  # compute
+    partly.wait()
+    assert comm.exposed_seconds == pytest.approx(0.22 - 0.1)
+
+
+def test_straggler_site_and_straggler_rank_cost_factor_times():
+    slow_site = sim(factor=2.0)
+    slow_site.compute(3)
+    assert slow_site.now() == pytest.approx(0.3)
+    clock = sim()
+    straggler = Straggler(StragglerConfig(ranks=(1,), factor=3.0), rank=1, clock=clock)
+    with straggler.around_compute(0):
+        clock.compute(2)
+    assert clock.now() == pytest.approx(0.3) and straggler.slept_seconds == pytest.approx(0.2)
+
+
+def test_a_job_on_another_thread_has_its_own_timeline():
+    clock = sim(microbatch=0.25, optimizer=1.0)  # binary fractions: exact sums
+    clock.compute(1)
+    job = clock.start_job()  # forks at 0.25
+    release = threading.Event()
+
+    def worker():
+        with clock.bound(job):
+            release.wait()
+            clock.optimizer_step()  # the job ends at 1.25
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    clock.compute(2)  # 0.75: the job has not finished by now
+    release.set()
+    assert not clock.done_by_now(job)  # decided by virtual time, whatever the real order
+    clock.compute(2)  # 1.25
+    assert clock.done_by_now(job)
+    thread.join()
+    clock.join(job)
+    assert clock.now() == 1.25
+
+
+def test_the_real_clock_reads_real_time():
+    clock = Clock()
+    before = clock.now()
+    clock.sleep(0.01)
+    assert clock.now() - before >= 0.01 and clock.elapsed() >= 0.01 and not clock.simulated
+
+
+# ---- a collective starts when its last participant issues it --------------------------------------------
+def _last_issuer(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    clock = sim(microbatch=1.0, rate=100, latency=20)
+    comm = InterSiteComm(dist.group.WORLD, 2, clock=clock)
+    if rank == 1:
+        clock.compute(5)  # issues 5 s later
+    comm.all_reduce_mean(torch.ones(125_000))  # 500 kB: ring bytes 500 kB, 40 ms + 20 ms
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump({"now": clock.now(), "exposed": comm.exposed_seconds}, f)
+    dist.destroy_process_group()
+
+
+def test_a_collective_starts_at_its_last_participants_issue_time(tmp_path):
+    mp.spawn(_last_issuer, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    early, late = (json.load(open(tmp_path / f"{r}.json")) for r in (0, 1))
+    assert early["now"] == late["now"] == pytest.approx(5.0 + 0.04 + 0.02)
+    assert early["exposed"] == pytest.approx(5.06) and late["exposed"] == pytest.approx(0.06)
+
+
+# ---- scenarios -------------------------------------------------------------------------------------------
+def test_every_shipped_scenario_loads_and_derives_its_numbers():
+    names = sorted(n for n in os.listdir(SCENARIOS) if n.endswith(".toml"))
+    assert len(names) >= 5
+    for name in names:
+        s = load_scenario(os.path.join(SCENARIOS, name))
+        assert s.sites >= 2 and s.microbatch_seconds > 0 and len(s.rate_mbit) == s.sites, name
+
+
+def test_a_bad_scenario_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("sites = 2\n[link]\nrate_mbit = [100, 100, 100]\n")
+    with pytest.raises(ValueError, match=r"bad.toml \[link\]: rate_mbit has 3 values for 2 sites"):
+        load_scenario(str(path))
+    path.write_text("sites = 2\n[compute]\nmicrobatch_seconds = -1\n")
+    with pytest.raises(ValueError, match="microbatch_seconds = -1"):
+        load_scenario(str(path))
+    path.write_text("sites = 2\nlinks = 3\n")
+    with pytest.raises(ValueError, match="unknown key"):
+        load_scenario(str(path))
+
+
+# ---- two simulated runs of every algorithm are identical -----------------------------------------------------
+COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "5e-3", "--mock-data", "--vocab-size", "250",
+          "--make-vocab-size-divisible-by", "32", "--log-interval", "1", "--eval-iters", "0", "--num-sites", "2",
+          "--simulate-clock", "--simulate-inter-site-bandwidth", "20", "--simulate-inter-site-latency", "20",
+          "--simulate-slow-ranks", "1", "--slow-factor", "2"]
+# Each with what its timing decides: dilocox's adaptive H, cocodc's N, dreamddp's profile and
+# schedule, acco/dpu's accumulation counts (site 1 is 2x slower), a-edit's meetings.
+ALGORITHMS = {
+    "sync": ["--train-iters", "4"],
+    "diloco": ["--train-iters", "6", "--lsgd-interval", "3"],
+    "dilocox": ["--train-iters", "6", "--lsgd-interval", "2", "--lsgd-compression", "int4", "--lsgd-adaptive"],
+    "streaming-diloco": ["--train-iters", "8", "--lsgd-interval", "4", "--lsgd-fragments", "2"],
+    "cocodc": ["--train-iters", "10", "--lsgd-interval", "4", "--lsgd-fragments", "2"],
+    "dreamddp": ["--train-iters", "6", "--lsgd-interval", "2"],
+    "dpu": ["--train-iters", "5"],
+    "acco": ["--train-iters", "5"],
+    "edit": ["--train-iters", "6", "--lsgd-interval", "3"],
+    "a-edit": ["--train-samples", "96", "--lsgd-aedit-interval-seconds", "0.5"],
+}
+
+
+def _log(path: str) -> list:
+    """The JSON log without the one real-world reading (peak memory), each site's lines in order."""
+    with open(path) as f:
+        return sorted(re.sub(r'"peak_rss_mb": [0-9.]+, ', "", line) for line in f)
+
+
+@pytest.mark.slow
+def test_two_simulated_runs_of_every_algorithm_are_identical(tmp_path):
+    argvs = [COMMON + ["--lsgd-algorithm", name] + args + ["--json-log", str(tmp_path / f"{name}.{rep}.jsonl")]
+             for rep in range(2) for name, args in ALGORITHMS.items()]
+    runs = run_distributed_many(argvs, 2)
+    n = len(ALGORITHMS)
+    for i, name in enumerate(ALGORITHMS):
+        first, second = _log(tmp_path / f"{name}.0.jsonl"), _log(tmp_path / f"{name}.1.jsonl")
+        assert first == second, name
+        records = [json.loads(line) for line in first]
+        assert any(r.get("elapsed_s", 0) > 0 for r in records), name
+        for a, b in zip(runs[i], runs[n + i]):
+            assert a["comm"] == b["comm"] and a["sync_stats"] == b["sync_stats"], name
+            assert a["losses"] == b["losses"], name
+    acco = runs[list(ALGORITHMS).index("acco")][-1]["sync_stats"]
+    assert acco["mb site0"] > acco["mb site1"]  # the fast site accumulated while the slow one computed
