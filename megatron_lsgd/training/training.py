@@ -63,6 +63,9 @@ class TrainingResult:
     iteration: int = 0
     logged_losses: List[float] = field(default_factory=list)  # mean over sites, one per log interval
     validation_losses: List[float] = field(default_factory=list)
+    validation_seconds: List[float] = field(default_factory=list)  # the run clock's time of each, from the start
+    validation_iterations: List[int] = field(default_factory=list)
+    clock_seconds: float = 0.0  # the run's length on its clock (simulated under --simulate-clock)
     skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
     tokens_per_second: float = 0.0
     consumed_samples: int = 0  # the whole job's, all sites
@@ -413,9 +416,12 @@ class Trainer:
                 self.synchronizer.finish_training(self.iteration)
                 self.ended = True
             if t.eval_iters > 0 and eval_due:
+                at = self.clock.now() - run_start
                 loss = self.evaluate()
                 if loss is not None:
                     result.validation_losses.append(loss)
+                    result.validation_seconds.append(at)
+                    result.validation_iterations.append(self.iteration)
                 acc.start = self.clock.now()
             ckpt = self.config.checkpoint
             if ckpt.save and save_due:
@@ -441,13 +447,15 @@ class Trainer:
                 self.iteration > 0:
             self.save_checkpoint()
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
+        result.clock_seconds = self.clock.now() - run_start
         result.synchronizer = self.synchronizer
         if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync (each rank's own steps)
             result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter)
         if self.pgs.rank == self.line_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             where = "" if lockstep else f" on site {self.pgs.site_rank}"
-            print(f" done: {self.iteration} iterations{where} in {self.clock.now() - run_start:.1f} s | "
+            clock = " on the simulated clock" if self.clock.simulated else ""
+            print(f" done: {self.iteration} iterations{where} in {self.clock.now() - run_start:.1f} s{clock} | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
             record = {} if lockstep else {"site": self.pgs.site_rank}
             if result.traffic and self.pgs.rank == self.log_rank:

@@ -1,0 +1,267 @@
+"""The leaderboard: which algorithm reaches a validation loss first, per WAN scenario, on the
+simulated clock (`--simulate-clock`, core/simulation.py), so the figures do not depend on
+this machine's load and two runs of a cell give the same numbers.
+
+For every scenario (tools/benchmarks/scenarios/*.toml) and every algorithm with its
+recommended settings for that scenario (below), over several seeds, it trains the same small
+GPT on the bundled corpus (data/python-docs, held-out validation split) for the same
+number of steps, one rank per site, and reports per cell:
+- simulated time to the target validation loss (sync's final validation loss, median over
+  seeds) and to a looser target (that + 2%), interpolated between evaluations;
+- validation loss at a fixed simulated-time budget (the time sync takes for the whole run);
+- updates/s and tokens/s on the simulated clock, cross-site bytes (all ranks), peak RSS;
+and writes docs/leaderboard.md (tables ranked by time to target, median and spread over
+seeds) and one plot per scenario (validation loss vs simulated time, every algorithm).
+
+    python tools/benchmarks/leaderboard.py                  # everything (resumable)
+    python tools/benchmarks/leaderboard.py --scenarios emulated-default --algorithms sync,diloco --seeds 1
+
+Finished cells are cached as JSON under --cache-dir and reused; delete a file to re-run it.
+
+Recommended settings: the outer interval H of the DiLoCo family is chosen per scenario so
+that one full-model exchange costs at most a tenth of H steps of compute,
+H = clamp(ceil(10 x exchange / step), 5, 100), from the scenario's own cost and link model
+(printed with the table); dilocox uses int4, streaming-diloco/cocodc 4 fragments with
+tau = 5, acco/dpu their adaptive accumulation, a-edit an interval of H steps' time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
+from megatron_lsgd.training.initialize import free_port  # noqa: E402
+from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
+from tools.benchmarks.lsgd_quality import steps_to_reach  # noqa: E402
+
+SCENARIO_DIR = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
+DATA = os.path.join(ROOT, "data", "python-docs")
+ALGORITHMS = ("sync", "diloco", "dilocox", "streaming-diloco", "cocodc", "dreamddp", "dpu", "acco", "edit", "a-edit")
+
+# The small GPT every cell trains (its parameter count sets the bytes a step exchanges).
+MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(128),
+         "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
+MICRO_BATCH = 8
+SEQ = 128
+TRAINED_PARAMS_GUESS = 2_200_000  # for choosing H before a run; the runs print the exact count
+
+
+def data_args() -> List[str]:
+    return ["--data-path", os.path.join(DATA, "python_docs_text_document"), "--split", "949,50,1",
+            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(DATA, "python_docs_sp8k.model")]
+
+
+def recommended_interval(scenario) -> int:
+    """H such that one full-model exchange costs at most a tenth of H steps' compute."""
+    step = scenario.microbatch_seconds * max(scenario.site_factors) + scenario.optimizer_step_seconds
+    scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
+    nbytes = 4 * TRAINED_PARAMS_GUESS * scale * 2 * (scenario.sites - 1) / scenario.sites
+    rate = min(scenario.rate_mbit) * 1e6
+    exchange = (nbytes * 8 / rate if rate > 0 else 0.0) + max(scenario.latency_ms) / 1e3
+    return int(min(100, max(5, math.ceil(10 * exchange / step))))
+
+
+def recommended(algorithm: str, scenario) -> List[str]:
+    h = recommended_interval(scenario)
+    step = scenario.microbatch_seconds + scenario.optimizer_step_seconds
+    outer = ["--lsgd-interval", str(h), "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0"]
+    fragments = ["--lsgd-fragments", "4", "--lsgd-fragment-sync-delay", str(min(5, max(1, h // 8)))]
+    return {
+        "sync": [],
+        "diloco": outer,
+        "dilocox": outer + ["--lsgd-compression", "int4"],
+        "streaming-diloco": outer + fragments,
+        "cocodc": outer + fragments,
+        "dreamddp": ["--lsgd-interval", str(h)],
+        "dpu": [],
+        "acco": [],
+        "edit": outer,
+        "a-edit": ["--lsgd-aedit-interval-seconds", f"{h * step:.4g}", "--lsgd-outer-lr", "1.0",
+                   "--lsgd-outer-momentum", "0.0"],
+    }[algorithm]
+
+
+def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int) -> List[str]:
+    gbs = MICRO_BATCH * sites  # one micro-batch per site per step
+    argv = MODEL + data_args() + [
+        "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(gbs), "--lr", "2e-3", "--min-lr", "2e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, steps // 20)), "--weight-decay", "0.1",
+        "--clip-grad", "1.0", "--seed", str(seed), "--num-sites", str(sites), "--log-interval", str(steps),
+        "--eval-interval", str(eval_interval), "--eval-iters", "4",
+        "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
+    scenario = load_scenario(scenario_path)
+    argv += recommended(algorithm, scenario)
+    if synchronizer_class(algorithm).lockstep:
+        argv += ["--train-iters", str(steps)]
+    else:  # sites take different numbers of steps: the same budget in samples
+        argv += ["--train-samples", str(steps * gbs)]
+    return argv
+
+
+def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
+    import resource
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import pretrain_gpt
+    from megatron_lsgd.training.initialize import shutdown_distributed
+
+    result = pretrain_gpt.main(argv)
+    record = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if rank == world - 1:  # the logging rank (last site)
+        record.update(valid=result.validation_losses, valid_seconds=result.validation_seconds,
+                      valid_iterations=result.validation_iterations, seconds=result.clock_seconds,
+                      iterations=result.iteration, samples=result.consumed_samples, traffic=result.traffic,
+                      stats=result.sync_stats)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(record, f)
+    shutdown_distributed()
+
+
+def run_cell(argv: List[str], world: int) -> Dict:
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, free_port(), argv, d), nprocs=world, join=True)
+        records = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
+    out = records[-1]
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in records)
+    return out
+
+
+def time_to(cell: Dict, target: float) -> Optional[float]:
+    return steps_to_reach(cell["valid_seconds"], cell["valid"], target)
+
+
+def loss_at(cell: Dict, budget: float) -> Optional[float]:
+    """The last validation loss measured at or before `budget` simulated seconds."""
+    seen = [loss for t, loss in zip(cell["valid_seconds"], cell["valid"]) if t <= budget]
+    return seen[-1] if seen else None
+
+
+def spread(values: List[Optional[float]]) -> str:
+    got = [v for v in values if v is not None]
+    if not got:
+        return "not reached"
+    text = f"{statistics.median(got):.4g}"
+    if len(got) > 1:
+        text += f" [{min(got):.4g}, {max(got):.4g}]"
+    if len(got) < len(values):
+        text += f" ({len(values) - len(got)} of {len(values)} seeds not reached)"
+    return text
+
+
+def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
+    sync = cells.get("sync")
+    if not sync:
+        return [f"### {name}", "", "(no sync cells: no target)"]
+    target = statistics.median(c["valid"][-1] for c in sync)
+    loose = target * 1.02
+    budget = statistics.median(c["seconds"] for c in sync)
+    rows = []
+    for algo, runs in cells.items():
+        times = [time_to(c, target) for c in runs]
+        loose_times = [time_to(c, loose) for c in runs]
+        got = [t for t in times if t is not None]
+        key = statistics.median(got) if len(got) * 2 > len(runs) else math.inf
+        updates = [c["iterations"] / c["seconds"] for c in runs]
+        tokens = [c["samples"] * SEQ / c["seconds"] for c in runs]
+        rows.append((key, algo, spread(times), spread(loose_times), spread([loss_at(c, budget) for c in runs]),
+                     spread([c["valid"][-1] for c in runs]), spread(updates), spread(tokens),
+                     spread([c["traffic"].get("bytes", 0) / 2**20 for c in runs]),
+                     spread([c["peak_rss_mb"] for c in runs])))
+    rows.sort(key=lambda r: (r[0], r[1]))
+    lines = [f"### {name}", "", f"{scenario.description}. Target: sync's final validation loss {target:.4f} "
+             f"(median of {len(sync)} seeds); looser target {loose:.4f} (+2%); budget {budget:.1f} simulated s "
+             f"(sync's whole run). H = {recommended_interval(scenario)} for the DiLoCo family.", "",
+             "| rank | algorithm | time to target (s) | time to +2% (s) | val loss at budget | final val loss | "
+             "updates/s | tokens/s | cross-site MB | peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"| {i} | {r[1]} | " + " | ".join(r[2:]) + " |")
+    return lines
+
+
+def plot(name: str, cells: Dict[str, List[Dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for algo, runs in cells.items():
+        c = runs[0]
+        ax.plot(c["valid_seconds"], c["valid"], marker=".", label=algo)
+    ax.set_xlabel("simulated wall-clock (s)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"{name} (seed 1)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: every file)")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=300, help="steps per run (every algorithm the same)")
+    p.add_argument("--eval-interval", type=int, default=25)
+    p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "leaderboard"))
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "leaderboard.md"))
+    p.add_argument("--plots-dir", default=os.path.join(ROOT, "docs", "leaderboard"))
+    args = p.parse_args()
+    names = args.scenarios.split(",") if args.scenarios else sorted(
+        n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
+    algorithms = args.algorithms.split(",")
+    for a in algorithms:
+        if a not in ALGORITHMS:
+            p.error(f"--algorithms: {a!r} is not one of {', '.join(ALGORITHMS)}")
+    os.makedirs(args.cache_dir, exist_ok=True)
+    os.makedirs(args.plots_dir, exist_ok=True)
+    sections = []
+    for name in names:
+        path = os.path.join(SCENARIO_DIR, f"{name}.toml")
+        if not os.path.exists(path):
+            p.error(f"--scenarios: no {path}")
+        scenario = load_scenario(path)
+        cells: Dict[str, List[Dict]] = {}
+        for algo in algorithms:
+            for seed in range(1, args.seeds + 1):
+                cache = os.path.join(args.cache_dir, f"{name}__{algo}__seed{seed}__{args.steps}.json")
+                if os.path.exists(cache):
+                    with open(cache) as f:
+                        cell = json.load(f)
+                else:
+                    print(f"> {name} / {algo} / seed {seed}", flush=True)
+                    argv = cell_argv(path, algo, seed, args.steps, args.eval_interval, scenario.sites)
+                    cell = run_cell(argv, scenario.sites)
+                    cell["argv"] = argv
+                    with open(cache + ".tmp", "w") as f:
+                        json.dump(cell, f)
+                    os.replace(cache + ".tmp", cache)
+                cells.setdefault(algo, []).append(cell)
+        sections += summarize(name, scenario, cells) + ["", f"![{name}](leaderboard/{name}.png)", ""]
+        plot(name, cells, os.path.join(args.plots_dir, f"{name}.png"))
+        print("\n".join(summarize(name, scenario, cells)), flush=True)
+    with open(args.out + ".tables", "w") as f:
+        f.write("\n".join(sections) + "\n")
+    print(f"wrote {args.out}.tables and {args.plots_dir}/*.png (docs/leaderboard.md includes the tables)")
+
+
+if __name__ == "__main__":
+    main()
