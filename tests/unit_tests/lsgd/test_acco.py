@@ -61,7 +61,9 @@ def test_matches_the_hand_computed_update(layout):
         ref_params, params = merge_full_params(ref), merge_full_params(run)
         assert ref_params.keys() == params.keys()
         for name in ref_params:
-            torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-6, msg=f"{algo} {name}")
+            # fp32 sums in another order (TP x PP vs one rank): after 6 AdamW steps one element
+            # differed by 1.2e-6 on an AMD EPYC CPU (2026-11-25); one update step is about lr = 2e-3.
+            torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=5e-6, msg=f"{algo} {name}")
         assert_replicas_identical(run)
         # Exact sample accounting: each site advanced by its own count, the job by the sum.
         for rec in run:
