@@ -142,6 +142,32 @@ def run_cell(argv: List[str], world: int) -> Dict:
     return out
 
 
+def measure_costs(short: int = 10, long: int = 50) -> float:
+    """CPU seconds per step of MODEL on one rank, one thread (forward+backward of one
+    micro-batch and the optimizer step): the difference of two runs' CPU time, so start-up
+    and the machine's load (mostly) drop out. This is what emulated-default.toml uses."""
+    import resource
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    import pretrain_gpt
+    from megatron_lsgd.training.initialize import shutdown_distributed
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    spent = {}
+    for iters in (short, long):
+        start = cpu()
+        pretrain_gpt.main(MODEL + data_args() + ["--micro-batch-size", str(MICRO_BATCH), "--global-batch-size",
+                                                 str(MICRO_BATCH), "--train-iters", str(iters), "--lr", "1e-3",
+                                                 "--log-interval", str(10 * long), "--eval-iters", "0"])
+        spent[iters] = cpu() - start
+        shutdown_distributed()
+    return (spent[long] - spent[short]) / (long - short)
+
+
 def time_to(cell: Dict, target: float) -> Optional[float]:
     return steps_to_reach(cell["valid_seconds"], cell["valid"], target)
 
@@ -224,7 +250,13 @@ def main() -> None:
     p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "leaderboard"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "leaderboard.md"))
     p.add_argument("--plots-dir", default=os.path.join(ROOT, "docs", "leaderboard"))
+    p.add_argument("--measure-costs", action="store_true",
+                   help="only measure this CPU's seconds per step of the leaderboard model and print them")
     args = p.parse_args()
+    if args.measure_costs:
+        print(f"CPU seconds per step (one micro-batch forward+backward and the optimizer step, one thread): "
+              f"{measure_costs():.4f}")
+        return
     names = args.scenarios.split(",") if args.scenarios else sorted(
         n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
     algorithms = args.algorithms.split(",")
