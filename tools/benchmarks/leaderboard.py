@@ -52,11 +52,11 @@ DATA = os.path.join(ROOT, "data", "python-docs")
 ALGORITHMS = ("sync", "diloco", "dilocox", "streaming-diloco", "cocodc", "dreamddp", "dpu", "acco", "edit", "a-edit")
 
 # The small GPT every cell trains (its parameter count sets the bytes a step exchanges).
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(128),
+SEQ = 64
+MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(SEQ),
          "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
-MICRO_BATCH = 8
-SEQ = 128
+MICRO_BATCH = 4
 TRAINED_PARAMS_GUESS = 2_200_000  # for choosing H before a run; the runs print the exact count
 
 
