@@ -1,0 +1,49 @@
+"""tools/benchmarks/leaderboard.py without training: the recommended interval from a
+scenario's cost and link model (hand-computed), time to a target between evaluations, the
+loss at a budget, the ranking, and which budget flag each algorithm gets."""
+
+import os
+
+import pytest
+
+from megatron_lsgd.training.scenario import load_scenario
+from tools.benchmarks import leaderboard as lb
+
+EMULATED = os.path.join(lb.SCENARIO_DIR, "emulated-default.toml")
+
+
+def test_recommended_interval_hides_an_exchange_in_a_tenth_of_h_steps():
+    s = load_scenario(EMULATED)  # 0.041 + 0.017 s per step, 100 Mbit/s, 20 ms, bytes x 1
+    exchange = 4 * lb.TRAINED_PARAMS_GUESS * 2 * (2 - 1) / 2 * 8 / 100e6 + 0.020
+    assert lb.recommended_interval(s) == int(-(-10 * exchange // 0.058))
+    fast = load_scenario(os.path.join(lb.SCENARIO_DIR, "2x8gpu-1gbit-1b.toml"))
+    assert lb.recommended_interval(fast) == 100  # a 1B model over 1 Gbit/s: capped
+
+
+def cell(seconds, losses, total, iterations=10, samples=80):
+    return {"valid_seconds": seconds, "valid": losses, "seconds": total, "iterations": iterations,
+            "samples": samples, "traffic": {"bytes": 2 ** 20}, "peak_rss_mb": 100.0}
+
+
+def test_time_to_target_interpolates_and_loss_at_budget_takes_the_last_seen():
+    c = cell([10.0, 20.0, 30.0], [6.0, 5.0, 4.0], 30.0)
+    assert lb.time_to(c, 4.5) == pytest.approx(25.0)
+    assert lb.time_to(c, 3.0) is None
+    assert lb.loss_at(c, 25.0) == 5.0 and lb.loss_at(c, 5.0) is None
+
+
+def test_ranking_by_time_to_sync_final_loss():
+    s = load_scenario(EMULATED)
+    cells = {"sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],
+             "fast": [cell([2.0, 4.0], [4.5, 3.9], 4.0)],
+             "never": [cell([1.0, 2.0], [6.0, 5.5], 2.0)]}
+    table = lb.summarize("emulated-default", s, cells)
+    rows = [line for line in table if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" | ")[1] for r in rows] == ["fast", "sync", "never"]
+    assert "not reached" in rows[2]
+
+
+def test_a_edit_gets_a_sample_budget_and_lockstep_algorithms_iterations():
+    assert "--train-samples" in lb.cell_argv(EMULATED, "a-edit", 1, 100, 25, 2)
+    argv = lb.cell_argv(EMULATED, "diloco", 1, 100, 25, 2)
+    assert argv[argv.index("--train-iters") + 1] == "100" and "--simulate-scenario" in argv
