@@ -85,6 +85,10 @@ class SimulationOptions(OptionGroup):
                 raise ValueError(f"{flag} {value}: must be a finite number >= 0")
         if self.bytes_scale is not None and self.bytes_scale == 0:
             raise ValueError("--simulate-bytes-scale 0: must be > 0")
+        if not self.active:
+            given = [flag for flag in self.changed_flags() if flag != "--simulate-clock"]
+            if given:
+                raise ValueError(f"{given[0]} only applies with --simulate-clock (or --simulate-scenario)")
         if self.scenario is not None:
             load_scenario(self.scenario)  # a bad file fails at start, naming itself
 

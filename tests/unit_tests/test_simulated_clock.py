@@ -220,3 +220,13 @@ def test_two_simulated_runs_of_every_algorithm_are_identical(tmp_path):
             assert a["losses"] == b["losses"], name
     acco = runs[list(ALGORITHMS).index("acco")][-1]["sync_stats"]
     assert acco["mb site0"] > acco["mb site1"]  # the fast site accumulated while the slow one computed
+
+
+def test_simulation_flags_without_the_simulated_clock_are_refused():
+    from megatron_lsgd.training.scenario import SimulationOptions
+
+    with pytest.raises(ValueError, match="--simulate-microbatch-seconds only applies with --simulate-clock"):
+        SimulationOptions(microbatch_seconds=0.1).validate()
+    with pytest.raises(ValueError, match="--simulate-intra-site-bandwidth nan"):
+        SimulationOptions(enabled=True, intra_site_gbit=float("nan")).validate()
+    SimulationOptions(enabled=True, microbatch_seconds=0.1).validate()
