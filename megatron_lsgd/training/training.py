@@ -429,7 +429,8 @@ class Trainer:
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
         result.synchronizer = self.synchronizer
         if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync (each rank's own steps)
-            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter)
+            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter,
+                                                self.device)
         if self.pgs.rank == self.line_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             where = "" if lockstep else f" on site {self.pgs.site_rank}"

@@ -53,8 +53,9 @@ class OuterState:
 
     @torch.no_grad()
     def pseudo_gradient(self, views) -> List[torch.Tensor]:
-        """Δ = θ_g − θ_local per range (on the anchor's device)."""
-        return [a - m.to(self.device, non_blocking=True) for a, m in zip(self.anchor(views), views.main)]
+        """Δ = θ_g − θ_local per range (on the anchor's device). The copy to the host blocks:
+        a non_blocking device-to-host copy may still be in flight when the host reads it."""
+        return [a - m.to(self.device) for a, m in zip(self.anchor(views), views.main)]
 
     @torch.no_grad()
     def step(self, views, mean_grads: List[torch.Tensor]) -> None:
@@ -71,7 +72,10 @@ class OuterState:
 
     @torch.no_grad()
     def load_into(self, views) -> None:
-        """Restart this rank's local replica of the fragment from the anchor."""
+        """Restart this rank's local replica of the fragment from the anchor. From pinned host
+        memory the copy is queued on the current stream, ahead of every kernel that reads the
+        replica; the host writes the anchor again only after a blocking device-to-host copy
+        (reset, pseudo_gradient), which waits for it."""
         for a, m in zip(self.anchor(views), views.main):
             m.copy_(a, non_blocking=True)
 
