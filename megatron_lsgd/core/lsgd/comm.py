@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.distributed.collectives import all_gather_flat
+from megatron_lsgd.core.lsgd.devices import InterSiteDevices, Staging
 
 
 @dataclass
@@ -90,8 +91,12 @@ class InterSiteWork:
 
 class InterSiteComm:
     def __init__(self, group, num_sites: int, link: Optional[SimulatedLink] = None,
-                 timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None):
+                 timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None,
+                 devices: Optional[InterSiteDevices] = None):
         self.group = group
+        # Where payloads may live and where the group takes them (devices.py); default: the host.
+        self.devices = devices or InterSiteDevices.on(torch.device("cpu"))
+        self.staging = Staging(self.devices.group)
         self.num_sites = num_sites
         self.rank, self.site = rank, site  # named in error messages
         self.link = link or SimulatedLink()
@@ -143,13 +148,33 @@ class InterSiteComm:
         return 2 * (self.num_sites - 1) * nbytes // self.num_sites
 
     # ---- collectives -------------------------------------------------------------------------
+    def _launch(self, what: str, collective, output: torch.Tensor, tensor: Optional[torch.Tensor] = None):
+        """collective(output, tensor) on the group's device (`tensor` None: in place on
+        `output`): every tensor is checked, and staged when it lives elsewhere (devices.py)."""
+        devices = self.devices
+        for t in (output, tensor):
+            if t is not None:
+                devices.check(what, t)
+        stage_out = devices.needs_staging(output)
+        stage_in = tensor is not None and devices.needs_staging(tensor)
+        if not (stage_out or stage_in):
+            return collective(output, tensor)
+        if tensor is None:  # in place: one staged buffer, filled and copied back
+            (buf,) = self.staging.stage_in([output], [True])
+            return self.staging.land(collective(buf, None), [(output, buf)], [])
+        out_buf = self.staging.stage_in([output], [False])[0] if stage_out else output
+        in_buf = self.staging.stage_in([tensor], [True])[0] if stage_in else tensor
+        work = collective(out_buf, in_buf)
+        return self.staging.land(work, [(output, out_buf)] if stage_out else [], [in_buf] if stage_in else [])
+
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """Average `tensor` across sites in place (scaled first: gloo has no AVG)."""
         if self.num_sites == 1:
             return InterSiteWork(self, None)
         tensor.mul_(1.0 / self.num_sites)
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        work = self._launch("all_reduce_mean", lambda out, _: dist.all_reduce(out, group=self.group, async_op=True),
+                            tensor)
         return self._finish(self._issue(work, moved, moved), async_op)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
@@ -158,7 +183,8 @@ class InterSiteComm:
             output.copy_(tensor.reshape(-1))
             return InterSiteWork(self, None)
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size()
-        work = all_gather_flat(output, tensor, group=self.group, async_op=True)
+        work = self._launch("all_gather", lambda out, inp: all_gather_flat(out, inp, group=self.group, async_op=True),
+                            output, tensor)
         return self._finish(self._issue(work, moved, moved), async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
@@ -167,7 +193,8 @@ class InterSiteComm:
             output.copy_(tensor)
             return InterSiteWork(self, None)
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size() // self.num_sites
-        work = dist.all_to_all_single(output, tensor, group=self.group, async_op=True)
+        work = self._launch("all_to_all", lambda out, inp: dist.all_to_all_single(out, inp, group=self.group,
+                                                                                  async_op=True), output, tensor)
         return self._finish(self._issue(work, moved, moved), async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
@@ -175,7 +202,8 @@ class InterSiteComm:
         if self.num_sites == 1:
             return
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = self._launch("all_reduce_max", lambda out, _: dist.all_reduce(out, op=dist.ReduceOp.MAX,
+                                                                             group=self.group, async_op=True), tensor)
         self._issue(work, moved, moved).wait()
 
     def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> None:

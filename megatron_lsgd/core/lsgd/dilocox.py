@@ -132,7 +132,7 @@ class DiLoCoX(LocalSGDBase):
         layout = self.views.layout()
         if cfg.compression.kind == "lowrank-int4":
             # Every rank must reach the same verdict, or the healthy ranks would hang later.
-            allowed = torch.tensor([_max_rank_allowed(layout)], dtype=torch.int64)
+            allowed = torch.tensor([_max_rank_allowed(layout)], dtype=torch.int64, device=ctx.device)
             if dist.is_initialized():
                 dist.all_reduce(allowed, op=dist.ReduceOp.MIN)
             if cfg.compression.rank > int(allowed):
@@ -261,7 +261,7 @@ class DiLoCoX(LocalSGDBase):
             self.compressor.set_rank(new_rank)
 
     def _agree_max(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)  # site group: NCCL on GPUs
         pgs = self.ctx.pgs
         if pgs.site is not None and dist.get_world_size(pgs.site) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pgs.site)

@@ -184,6 +184,12 @@ class SyncContext:
     comm: InterSiteComm
     units: List[object] = field(default_factory=list)  # SyncUnits of this stage, forward order
 
+    @property
+    def device(self):
+        """The run's device: where a synchronizer builds its tensors (never a bare host tensor:
+        the world and site groups are NCCL on GPUs; comm stages what dp_inter needs elsewhere)."""
+        return self.comm.devices.run
+
 
 class Synchronizer:
     name: ClassVar[str] = ""
