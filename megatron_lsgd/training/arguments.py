@@ -44,6 +44,7 @@ class TrainingConfig:
     tensorboard_dir: Optional[str] = None
     json_log: Optional[str] = None  # one JSON object per log interval (benchmarks)
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, gloo otherwise
+    inter_site_backend: Optional[str] = None  # dp_inter groups; None: nccl with CUDA, gloo otherwise
     distributed_timeout_minutes: int = 10
 
     @property
@@ -106,6 +107,9 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl when CUDA is available, gloo otherwise")
+    g.add_argument("--inter-site-backend", choices=["nccl", "gloo"], default=None,
+                   help="backend of the groups that cross sites (dp_inter); with gloo on GPUs, payloads go "
+                        "through pinned host buffers. Default: nccl when the run uses CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
@@ -282,6 +286,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, log_interval=args.log_interval,
         exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
         tensorboard_dir=args.tensorboard_dir, json_log=args.json_log, distributed_backend=args.distributed_backend,
+        inter_site_backend=args.inter_site_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     model = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
+from megatron_lsgd.core.lsgd.devices import InterSiteDevices, backend_device
 from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
@@ -102,8 +103,11 @@ class Trainer:
         self.scheduler = LRScheduler(config.optimizer)
 
         link = config.lsgd.link
+        devices = InterSiteDevices(group=backend_device(pgs.inter_site_backend, device), run=device,
+                                   host_payloads=config.lsgd.outer.offload)
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
-                             config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank)
+                             config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
+                             devices=devices)
         units = model.sync_units()
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units))

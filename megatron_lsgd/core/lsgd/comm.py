@@ -218,6 +218,7 @@ class InterSiteComm:
         from megatron_lsgd.core.parallel_state import enumerate_group_ranks
 
         kwargs = {"timeout": timeout} if timeout is not None else {}
+        kwargs["backend"] = dist.get_backend(self.group)  # the same backend as the shared dp_inter
         me = dist.get_rank()
         for ranks in enumerate_group_ranks(dims)["dp_inter"]:
             group = dist.new_group(list(ranks), **kwargs)
