@@ -74,8 +74,14 @@ def _staging_job(rank, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     # the explicit --inter-site-backend path: dp_inter (and a dedicated copy of it) on gloo
-    pgs = build_process_groups(ParallelDims(tp=1, pp=1, dp_intra=1, sites=2), inter_site_backend="gloo")
-    record = {"backend": (pgs.inter_site_backend, dist.get_backend(pgs.dp_inter))}
+    # (a CPU world is gloo anyway: record which groups were asked for gloo explicitly)
+    new_group, asked = dist.new_group, []
+    dist.new_group = lambda ranks, **kw: asked.append(kw.get("backend")) or new_group(ranks, **kw)
+    try:
+        pgs = build_process_groups(ParallelDims(tp=1, pp=1, dp_intra=1, sites=2), inter_site_backend="gloo")
+    finally:
+        dist.new_group = new_group
+    record = {"backend": (pgs.inter_site_backend, dist.get_backend(pgs.dp_inter)), "asked": asked}
     plain = InterSiteComm(pgs.dp_inter, 2)
     staged = InterSiteComm(pgs.dp_inter, 2, devices=_AlwaysStaged(group=CPU, run=CPU))
     staged.use_dedicated_group(pgs.dims)
@@ -117,6 +123,7 @@ def test_staged_collectives_give_the_unstaged_values_and_reuse_their_buffers():
         records = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
     for rec in records:
         assert rec["backend"] == ("gloo", "gloo") and rec["dedicated_backend"] == "gloo"
+        assert rec["asked"].count("gloo") == 1 < len(rec["asked"])  # dp_inter, and no other group
         plain, staged = rec["results"]["plain"], rec["results"]["staged"]
         for key, value in plain.items():
             assert torch.equal(staged[key], value), key  # bit for bit
