@@ -96,7 +96,7 @@ from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import gather_parts
+from megatron_lsgd.core.lsgd.sync import SiteSplit
 from megatron_lsgd.core.parallel_state import clone_groups
 
 ACCUMULATION = ("adaptive", "fixed")
@@ -260,11 +260,10 @@ class OverlappedGradientSync(Synchronizer):
         self.storages = (self.model.buffer.active_grad_storage, self.model.add_grad_storage())
         self.active = 0  # index into self.storages: where compute accumulates
         self.views = ctx.optimizer.views()  # the whole model: one fragment
-        dims = ctx.pgs.dims
         # Without ZeRO-1 every rank of a site holds the whole reduced gradient: each sends its
         # 1/DP_intra part across sites and the site all-gathers (as sync does).
-        self.split = dims.dp_intra > 1 and not ctx.optimizer.sharded
-        self.part = self.views.part(ctx.pgs.dp_intra_rank, dims.dp_intra) if self.split else self.views
+        self.split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
+        self.part = self.split.mine(self.views)
         self.device = device = self.views.main[0].device  # small control tensors live here too (NCCL)
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
         self.compressor = self.compressors.for_views(self.part, device) \
@@ -413,7 +412,7 @@ class OverlappedGradientSync(Synchronizer):
         if self.sites == 1:
             return
         weight = count * self.sites / sum(counts)
-        mine = self.part.select(grads) if self.split else grads
+        mine = self.part.select(grads) if self.split.active else grads
         if mine:
             if weight != 1.0:
                 for g in mine:
@@ -425,8 +424,7 @@ class OverlappedGradientSync(Synchronizer):
             else:
                 for g, mean in zip(mine, run_blocking(self.compressor.reduce(mine))):
                     g.copy_(mean)
-        if self.split:
-            gather_parts(grads, self.pgs.dims.dp_intra, self.pgs.dp_intra_rank, self.worker_groups.dp_intra)
+        self.split.gather(grads, self.worker_groups.dp_intra)
         self.comm.rounds += 1
 
     # ---- protocol --------------------------------------------------------------------------------

@@ -181,7 +181,6 @@ class DiLoCoX(LocalSGDBase):
         """--lsgd-dilocox-apply-step τ < H: take the outer step with round t's mean now and move
         the local replica by the same amount, keeping this round's progress so far; the rest
         of the round is then measured from the new anchor."""
-        opt = self.ctx.optimizer
         shards, anchors = self.views.main, self.outer.anchor(self.views)
         offsets = self.start_offsets or [None] * len(shards)
         progress = [s.to(a.device) - (a if off is None else a - off)
@@ -189,10 +188,9 @@ class DiLoCoX(LocalSGDBase):
         self._apply_pending_mean()
         for s, a, p in zip(shards, anchors, progress):
             s.copy_(a + p)
-        opt.copy_main_to_model_params()
+        self.publish()
 
     def end_round(self) -> None:
-        opt = self.ctx.optimizer
         deltas = self.outer.pseudo_gradient(self.views)
         if self.start_offsets is not None:  # the round started at θ_g − offset, not at θ_g
             for d, off in zip(deltas, self.start_offsets):
@@ -215,7 +213,7 @@ class DiLoCoX(LocalSGDBase):
             self.start_offsets = [d.clone() for d in deltas]
             for shard, a, d in zip(self.views.main, self.outer.anchor(self.views), deltas):
                 shard.copy_(a - d)
-            opt.copy_main_to_model_params()
+            self.publish()
         else:
             self.restart_from_anchor()
         self._round_compute = 0.0
