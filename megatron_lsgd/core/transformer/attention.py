@@ -88,14 +88,15 @@ class SelfAttention(nn.Module):
             k = apply_rotary(k, cos, sin)
         # SDPA layout [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if q_per_group > 1:
-            k = k.repeat_interleave(q_per_group, dim=1)
-            v = v.repeat_interleave(q_per_group, dim=1)
         dropout = self.dropout if self.training else 0.0
+        # Causal without a mask (SDPA's flash/efficient kernels); a mask exists only for
+        # --reset-attention-mask. GQA: SDPA shares each K/V head with its query group itself
+        # (no repeat_interleave copies of K and V).
+        kwargs = dict(enable_gqa=True) if q_per_group > 1 else {}
         if attention_mask is None:
-            kwargs = dict(is_causal=True)
+            kwargs.update(is_causal=True)
         else:  # Megatron mask: True = masked out (already causal); SDPA wants True = keep
-            kwargs = dict(attn_mask=~attention_mask)
+            kwargs.update(attn_mask=~attention_mask)
         kernels = contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends)
         with kernels:
             if dropout > 0.0:  # heads differ per TP rank, so their dropout must too
