@@ -91,6 +91,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="recompute activations in backward: full transformer layers (with --recompute-method), "
+                        "or selective: the core attention of every layer")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full: uniform recomputes every layer in chunks of --recompute-num-layers; block only "
+                        "the first --recompute-num-layers layers of each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recomputed chunk (uniform) or layers recomputed per stage (block)")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -301,7 +309,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, sequence_parallel=args.sequence_parallel,
-        params_dtype=training.params_dtype)
+        params_dtype=training.params_dtype, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
     model.validate(dims.tp, dims.pp)
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,

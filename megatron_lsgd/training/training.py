@@ -39,6 +39,7 @@ from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
+from megatron_lsgd.core.transformer.recompute import recomputing
 from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
 from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
 from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention_backend
@@ -184,7 +185,7 @@ class Trainer:
         sync, phase = self.synchronizer, self.phase
 
         def before_forward(unit):
-            if phase.training:
+            if phase.training and not recomputing():  # once per forward, not again when backward recomputes
                 sync.before_unit_forward(unit, phase.current())
 
         if sync.uses_unit_forward_hooks:
