@@ -50,7 +50,7 @@ from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteE
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
-from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
+from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_memory_mb, print_rank, training_log_line
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
 from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
@@ -442,6 +442,11 @@ class Trainer:
             print(f" done: {self.iteration} iterations{where} in {time.perf_counter() - run_start:.1f} s | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
             record = {} if lockstep else {"site": self.pgs.site_rank}
+            cuda_memory = peak_cuda_memory_mb(self.device)
+            if cuda_memory:
+                print(f" peak CUDA memory (MB): {cuda_memory['peak_cuda_allocated_mb']:.0f} allocated, "
+                      f"{cuda_memory['peak_cuda_reserved_mb']:.0f} reserved", flush=True)
+                record.update(cuda_memory)
             if result.traffic and self.pgs.rank == self.log_rank:
                 steps = self.iteration - start_iter if lockstep else self.checkpoint_iteration - start_agreed
                 print(summary_line(self.config.lsgd.algorithm, steps, result.traffic), flush=True)
