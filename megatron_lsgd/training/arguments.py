@@ -115,6 +115,10 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl when CUDA is available, gloo otherwise")
+    g.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="where the model computes; default: cuda when available and the backend is not gloo. "
+                        "cuda with --distributed-backend gloo shares the GPUs among the ranks (several ranks "
+                        "per GPU, e.g. two one-rank sites on one GPU)")
     g.add_argument("--inter-site-backend", choices=["nccl", "gloo"], default=None,
                    help="backend of the groups that cross sites (dp_inter); with gloo on GPUs, payloads go "
                         "through pinned host buffers. Default: nccl when the run uses CUDA, gloo otherwise")

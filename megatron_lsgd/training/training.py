@@ -523,7 +523,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     start_time = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's does
     args = parse_args(argv, extra_args_provider)
     try:
-        device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes, args.device)
     except ValueError as err:
         _exit_on_bad_input(err)
     try:

@@ -20,7 +20,10 @@ ALGORITHMS = {
     "cocodc": ["--lsgd-algorithm", "cocodc", "--lsgd-interval", "4", "--lsgd-fragments", "2"],
     "edit": ["--lsgd-algorithm", "edit", "--lsgd-interval", "2"],
     "dreamddp": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", "1"],  # H = 1: no timed schedule
+    "acco": ["--lsgd-algorithm", "acco", "--global-batch-size", "16"],  # two micro-batches: one per stage
+    "dpu": ["--lsgd-algorithm", "dpu"],
 }
+# a-edit is left out: its sites' step counts, so its bytes, depend on timing.
 
 
 def _site_bytes(records, site):
