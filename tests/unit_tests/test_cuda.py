@@ -112,3 +112,10 @@ def test_peak_cuda_memory_is_reported():
     peak = peak_cuda_memory_mb(GPU)
     del x
     assert peak["peak_cuda_allocated_mb"] >= 64 and peak["peak_cuda_reserved_mb"] >= 64
+
+
+def test_the_acco_worker_thread_computes_on_the_ranks_gpu():
+    from megatron_lsgd.core.lsgd.acco import _Worker
+
+    last = torch.device("cuda", torch.cuda.device_count() - 1)  # not the thread default (0) on multi-GPU hosts
+    assert _Worker("test", last).submit(torch.cuda.current_device).result() == last.index

@@ -204,8 +204,9 @@ class _Worker:
     """One daemon thread running submitted jobs one at a time, in order (a daemon, so a run
     that fails elsewhere is not kept alive by a job stuck in a collective)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, device: torch.device):
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._device = device
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -215,6 +216,8 @@ class _Worker:
         return future
 
     def _run(self) -> None:
+        if self._device.type == "cuda":  # the current GPU is per thread: a new one starts on cuda:0
+            torch.cuda.set_device(self._device)
         while True:
             future, fn, args = self._jobs.get()
             if not future.set_running_or_notify_cancel():
@@ -272,7 +275,7 @@ class OverlappedGradientSync(Synchronizer):
             self._theta_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
             self._g_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
             self._n_est = 0
-        self._worker = _Worker(f"lsgd-{self.name}")
+        self._worker = _Worker(f"lsgd-{self.name}", device)
         self._job: Optional[Future] = None
         self._load_after_compute: Optional[str] = None  # "main" or "estimate": what the model takes next
         self._stash: Optional[List[torch.Tensor]] = None  # the model's shard to restore (after quiesce)
