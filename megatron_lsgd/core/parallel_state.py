@@ -133,6 +133,7 @@ class ProcessGroups:
     embedding: Optional[dist.ProcessGroup] = None
     site: Optional[dist.ProcessGroup] = None
     group_ranks: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    inter_site_backend: Optional[str] = None  # dp_inter's backend when it differs from the world's
 
     @property
     def tp_rank(self) -> int:
@@ -178,24 +179,26 @@ class ProcessGroups:
         return self.is_first_stage or self.is_last_stage
 
 
-def build_process_groups(dims: ParallelDims, timeout=None) -> ProcessGroups:
+def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: Optional[str] = None) -> ProcessGroups:
     """Create every group (collectively: all ranks call new_group for all groups in the
-    same order) and keep the ones this rank belongs to."""
+    same order) and keep the ones this rank belongs to. `inter_site_backend` (e.g. gloo
+    between sites while NCCL runs inside them) applies to dp_inter only."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before building process groups")
     world = dist.get_world_size()
     if world != dims.world_size:
         raise ValueError(f"parallel layout {dims} needs {dims.world_size} ranks but the world has {world}")
     rank = dist.get_rank()
-    pgs = ProcessGroups(dims=dims, rank=rank, coords=dims.coords(rank))
+    pgs = ProcessGroups(dims=dims, rank=rank, coords=dims.coords(rank), inter_site_backend=inter_site_backend)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     for kind, all_ranks in enumerate_group_ranks(dims).items():
         seen = set()
+        backend = {"backend": inter_site_backend} if kind == "dp_inter" and inter_site_backend else {}
         for ranks in all_ranks:
             if ranks in seen:  # pp == 1: embedding group {0} == {pp-1}; create each once
                 continue
             seen.add(ranks)
-            group = dist.new_group(list(ranks), **kwargs)
+            group = dist.new_group(list(ranks), **kwargs, **backend)
             if rank in ranks:
                 setattr(pgs, kind, group)
                 pgs.group_ranks[kind] = ranks

@@ -45,6 +45,7 @@ class TrainingConfig:
     tensorboard_dir: Optional[str] = None
     json_log: Optional[str] = None  # one JSON object per log interval (benchmarks)
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, gloo otherwise
+    inter_site_backend: Optional[str] = None  # dp_inter groups; None: nccl with CUDA, gloo otherwise
     distributed_timeout_minutes: int = 10
 
     @property
@@ -92,6 +93,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="recompute activations in backward: full transformer layers (with --recompute-method), "
+                        "or selective: the core attention of every layer")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full: uniform recomputes every layer in chunks of --recompute-num-layers; block only "
+                        "the first --recompute-num-layers layers of each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recomputed chunk (uniform) or layers recomputed per stage (block)")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -108,6 +117,13 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl when CUDA is available, gloo otherwise")
+    g.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="where the model computes; default: cuda when available and the backend is not gloo. "
+                        "cuda with --distributed-backend gloo shares the GPUs among the ranks (several ranks "
+                        "per GPU, e.g. two one-rank sites on one GPU)")
+    g.add_argument("--inter-site-backend", choices=["nccl", "gloo"], default=None,
+                   help="backend of the groups that cross sites (dp_inter); with gloo on GPUs, payloads go "
+                        "through pinned host buffers. Default: nccl when the run uses CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
@@ -284,6 +300,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, log_interval=args.log_interval,
         exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
         tensorboard_dir=args.tensorboard_dir, json_log=args.json_log, distributed_backend=args.distributed_backend,
+        inter_site_backend=args.inter_site_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     model = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -298,7 +315,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, sequence_parallel=args.sequence_parallel,
-        params_dtype=training.params_dtype)
+        params_dtype=training.params_dtype, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
     model.validate(dims.tp, dims.pp)
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,

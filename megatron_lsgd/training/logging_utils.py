@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 from typing import Dict, Optional
 
+import torch
+
 
 def print_rank(msg: str, rank: int, only: Optional[int] = 0) -> None:
     if only is None or rank == only:
@@ -27,6 +29,15 @@ def training_log_line(iteration: int, train_iters: int, consumed_samples: int, e
     parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nans:3d}"]
     parts += [f"{k}: {v}" for k, v in extra.items()]
     return " | ".join(parts) + " |"
+
+
+def peak_cuda_memory_mb(device: torch.device) -> Dict[str, float]:
+    """This process's peak CUDA memory (allocated by tensors, reserved by the caching
+    allocator) in MB; nothing off CUDA, where the peak RSS says it."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_cuda_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_cuda_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
 
 
 class TensorboardWriter:

@@ -21,11 +21,12 @@ def sync_bytes_per_step(comm, grad_shards) -> int:
     return 2 * comm._ring_bytes(nbytes)
 
 
-def cross_site_traffic(comm, grad_shards, steps: int) -> Dict[str, float]:
-    """Collective over all ranks: {"bytes": moved by the run, "sync_bytes": per-step sync}."""
+def cross_site_traffic(comm, grad_shards, steps: int, device: torch.device) -> Dict[str, float]:
+    """Collective over all ranks: {"bytes": moved by the run, "sync_bytes": per-step sync}.
+    `device`: the run's device (the world group is NCCL on GPUs, which takes no host tensor)."""
     snap = comm.snapshot()
     mine = torch.tensor([snap["bytes_sent"] + snap["bytes_received"],
-                         steps * sync_bytes_per_step(comm, grad_shards)], dtype=torch.float64)
+                         steps * sync_bytes_per_step(comm, grad_shards)], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(mine)
     return {"bytes": float(mine[0]), "sync_bytes": float(mine[1])}

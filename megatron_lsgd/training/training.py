@@ -34,10 +34,12 @@ from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
+from megatron_lsgd.core.lsgd.devices import InterSiteDevices, backend_device
 from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
+from megatron_lsgd.core.transformer.recompute import recomputing
 from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
 from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
 from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention_backend
@@ -48,7 +50,7 @@ from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteE
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
-from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
+from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_memory_mb, print_rank, training_log_line
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, trained_parameters
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
@@ -109,9 +111,11 @@ class Trainer:
         self.scheduler = LRScheduler(config.optimizer)
 
         link = config.lsgd.link
+        devices = InterSiteDevices(group=backend_device(pgs.inter_site_backend, device), run=device,
+                                   host_payloads=config.lsgd.outer.offload)
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                              config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
-                             clock=self.clock)
+                             devices=devices, clock=self.clock)
         units = model.sync_units()
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units))
@@ -196,7 +200,7 @@ class Trainer:
         sync, phase = self.synchronizer, self.phase
 
         def before_forward(unit):
-            if phase.training:
+            if phase.training and not recomputing():  # once per forward, not again when backward recomputes
                 sync.before_unit_forward(unit, phase.current())
 
         if sync.uses_unit_forward_hooks:
@@ -450,7 +454,8 @@ class Trainer:
         result.clock_seconds = self.clock.now() - run_start
         result.synchronizer = self.synchronizer
         if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync (each rank's own steps)
-            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter)
+            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter,
+                                                self.device)
         if self.pgs.rank == self.line_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             where = "" if lockstep else f" on site {self.pgs.site_rank}"
@@ -458,6 +463,11 @@ class Trainer:
             print(f" done: {self.iteration} iterations{where} in {self.clock.now() - run_start:.1f} s{clock} | "
                   f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
             record = {} if lockstep else {"site": self.pgs.site_rank}
+            cuda_memory = peak_cuda_memory_mb(self.device)
+            if cuda_memory:
+                print(f" peak CUDA memory (MB): {cuda_memory['peak_cuda_allocated_mb']:.0f} allocated, "
+                      f"{cuda_memory['peak_cuda_reserved_mb']:.0f} reserved", flush=True)
+                record.update(cuda_memory)
             if result.traffic and self.pgs.rank == self.log_rank:
                 steps = self.iteration - start_iter if lockstep else self.checkpoint_iteration - start_agreed
                 print(summary_line(self.config.lsgd.algorithm, steps, result.traffic), flush=True)
@@ -534,7 +544,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     clock = Clock()  # --exit-duration-in-mins counts from here, as Megatron's does
     args = parse_args(argv, extra_args_provider)
     try:
-        device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+        device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes, args.device)
     except ValueError as err:
         _exit_on_bad_input(err)
     try:

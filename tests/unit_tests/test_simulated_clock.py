@@ -22,7 +22,6 @@ from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.training.stragglers import Straggler, StragglerConfig
 from tests.unit_tests.harness import free_port, run_distributed_many
 
-BYTE = torch.zeros(1)
 SCENARIOS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "benchmarks", "scenarios")
 
 
@@ -63,8 +62,8 @@ def test_link_latency_only_rate_only_and_sharing():
 def test_two_transfers_share_the_fifo():
     clock = sim(rate=100, latency=20)
     comm = InterSiteComm(None, 2, clock=clock)
-    first = comm._issue(Done(), 1_250_000, 1_250_000, BYTE)  # 0.1 s on the wire + 20 ms
-    second = comm._issue(Done(), 1_250_000, 1_250_000, BYTE)  # leaves the link after the first
+    first = comm._issue(Done(), 1_250_000, 1_250_000)  # 0.1 s on the wire + 20 ms
+    second = comm._issue(Done(), 1_250_000, 1_250_000)  # leaves the link after the first
     assert not first.is_completed()
     second.wait()
     assert clock.now() == pytest.approx(0.1 + 0.1 + 0.02)
@@ -77,17 +76,17 @@ def test_two_transfers_share_the_fifo():
 def test_overlap_hidden_by_compute_costs_nothing():
     clock = sim(microbatch=0.5, rate=100, latency=20)
     comm = InterSiteComm(None, 2, clock=clock)
-    handle = comm._issue(Done(), 1_250_000, 1_250_000, BYTE)
+    handle = comm._issue(Done(), 1_250_000, 1_250_000)
     clock.compute(1)  # 0.5 s of compute, longer than the 0.12 s transfer
     assert handle.is_completed()
     handle.wait()
     assert clock.now() == pytest.approx(0.5) and comm.exposed_seconds == 0.0
-    late = comm._issue(Done(), 1_250_000, 1_250_000, BYTE)
+    late = comm._issue(Done(), 1_250_000, 1_250_000)
     clock.compute(1)
     clock.optimizer_step()
     late.wait()
     assert clock.now() == pytest.approx(1.005)
-    partly = comm._issue(Done(), 2_500_000, 0, BYTE)  # 0.2 s + 20 ms, 0.1 s of it hidden
+    partly = comm._issue(Done(), 2_500_000, 0)  # 0.2 s + 20 ms, 0.1 s of it hidden
     clock.advance(0.1)  # compute
     partly.wait()
     assert comm.exposed_seconds == pytest.approx(0.22 - 0.1)

@@ -88,6 +88,20 @@ def test_nccl_without_cuda(monkeypatch, capsys):
     assert code == 2 and "error: --distributed-backend nccl needs CUDA" in err
 
 
+def test_inter_site_nccl_without_cuda(monkeypatch, capsys):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA is available here: nccl between sites is a valid choice")
+    code, _, err = _run(["--train-iters", "2", "--inter-site-backend", "nccl"], monkeypatch, capsys)
+    assert code == 2 and "error: --inter-site-backend nccl needs CUDA" in err
+
+
+def test_device_cuda_without_cuda(monkeypatch, capsys):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA is available here: --device cuda is a valid choice")
+    code, _, err = _run(["--train-iters", "2", "--device", "cuda"], monkeypatch, capsys)
+    assert code == 2 and "error: --device cuda needs CUDA" in err
+
+
 def test_json_log_directory(monkeypatch, capsys, tmp_path):
     code, _, err = _run(["--train-iters", "2", "--json-log", str(tmp_path)], monkeypatch, capsys)
     assert code == 2 and f"error: --json-log {tmp_path} is a directory" in err

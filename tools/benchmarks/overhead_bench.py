@@ -20,11 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import pretrain_gpt  # noqa: E402
-from megatron_lsgd.core.models.gpt import GPTModel  # noqa: E402
-from megatron_lsgd.training.arguments import build_config, parse_args  # noqa: E402
-from megatron_lsgd.training.initialize import init_distributed  # noqa: E402
-from megatron_lsgd.training.training import Trainer  # noqa: E402
+from tools.benchmarks.side_by_side import build, timed  # noqa: E402
 
 
 def main() -> None:
@@ -51,51 +47,18 @@ def main() -> None:
             "--hidden-dropout", "0", "--attention-dropout", "0", "--normalization", "RMSNorm",
             "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
             "--untie-embeddings-and-output-weights", "--clip-grad", "1.0"]
-    args = parse_args(argv)
-    device = init_distributed(None, 10)
-    config = build_config(args, 1)
-    trainer = Trainer(config, pretrain_gpt.model_provider, pretrain_gpt.train_valid_test_datasets_provider,
-                      pretrain_gpt.forward_step, device)
-
-    # The plain loop: the same GPTModel (TP/PP of one reduce to F.linear), plain AdamW.
-    plain = GPTModel(config.model, trainer.pgs, trainer.rng_tracker).to(device)
-    plain.initialize(config.training.seed)
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
-    batch = next(trainer.train_iterator)
-    batch = {k: v.to(device) for k, v in batch.items()}
-
-    def plain_step():
-        opt.zero_grad(set_to_none=True)
-        losses = plain(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-        loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        opt.step()
-
-    def ours_step():
-        trainer.train_step(iter([batch]))
-
+    run = build(argv)
+    device, plain_step, ours_step = run.device, run.plain, run.ours
     clock = time.process_time if a.clock == "process" else time.perf_counter
-
-    def timed(step, n):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = clock()
-        for _ in range(n):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return clock() - t0
-
-    timed(plain_step, 2)
-    timed(ours_step, 2)  # warm-up
+    timed(plain_step, 2, device, clock)
+    timed(ours_step, 2, device, clock)  # warm-up
     tokens = a.micro_batch_size * a.seq_length * a.steps
     plain_tps, ours_tps = [], []
     for _ in range(a.rounds):
-        plain_tps.append(tokens / timed(plain_step, a.steps))
-        ours_tps.append(tokens / timed(ours_step, a.steps))
+        plain_tps.append(tokens / timed(plain_step, a.steps, device, clock))
+        ours_tps.append(tokens / timed(ours_step, a.steps, device, clock))
     ratios = [o / q for o, q in zip(ours_tps, plain_tps)]
-    n_params = sum(p.numel() for p in plain.parameters())
+    n_params = sum(p.numel() for p in run.plain_model.parameters())
     print(f"model: {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch "
           f"{a.micro_batch_size}, {n_params / 1e6:.1f}M parameters, device {device}, threads {torch.get_num_threads()}, clock {a.clock}")
     print("| loop | tokens/s (median of rounds) |\n|---|---|")

@@ -97,7 +97,7 @@ from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import gather_parts
+from megatron_lsgd.core.lsgd.sync import SiteSplit
 from megatron_lsgd.core.parallel_state import clone_groups
 
 ACCUMULATION = ("adaptive", "fixed")
@@ -205,8 +205,9 @@ class _Worker:
     """One daemon thread running submitted jobs one at a time, in order (a daemon, so a run
     that fails elsewhere is not kept alive by a job stuck in a collective)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, device: torch.device):
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._device = device
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -216,6 +217,8 @@ class _Worker:
         return future
 
     def _run(self) -> None:
+        if self._device.type == "cuda":  # the current GPU is per thread: a new one starts on cuda:0
+            torch.cuda.set_device(self._device)
         while True:
             future, fn, args = self._jobs.get()
             if not future.set_running_or_notify_cancel():
@@ -262,11 +265,10 @@ class OverlappedGradientSync(Synchronizer):
         self.storages = (self.model.buffer.active_grad_storage, self.model.add_grad_storage())
         self.active = 0  # index into self.storages: where compute accumulates
         self.views = ctx.optimizer.views()  # the whole model: one fragment
-        dims = ctx.pgs.dims
         # Without ZeRO-1 every rank of a site holds the whole reduced gradient: each sends its
         # 1/DP_intra part across sites and the site all-gathers (as sync does).
-        self.split = dims.dp_intra > 1 and not ctx.optimizer.sharded
-        self.part = self.views.part(ctx.pgs.dp_intra_rank, dims.dp_intra) if self.split else self.views
+        self.split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
+        self.part = self.split.mine(self.views)
         self.device = device = self.views.main[0].device  # small control tensors live here too (NCCL)
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
         self.compressor = self.compressors.for_views(self.part, device) \
@@ -275,7 +277,7 @@ class OverlappedGradientSync(Synchronizer):
             self._theta_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
             self._g_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
             self._n_est = 0
-        self._worker = _Worker(f"lsgd-{self.name}")
+        self._worker = _Worker(f"lsgd-{self.name}", device)
         self.clock = ctx.clock
         self._job: Optional[Future] = None
         self._job_clock: Optional[Job] = None  # the job's timeline on the run's clock
@@ -424,7 +426,7 @@ class OverlappedGradientSync(Synchronizer):
         if self.sites == 1:
             return
         weight = count * self.sites / sum(counts)
-        mine = self.part.select(grads) if self.split else grads
+        mine = self.part.select(grads) if self.split.active else grads
         if mine:
             if weight != 1.0:
                 for g in mine:
@@ -436,8 +438,7 @@ class OverlappedGradientSync(Synchronizer):
             else:
                 for g, mean in zip(mine, run_blocking(self.compressor.reduce(mine))):
                     g.copy_(mean)
-        if self.split:
-            gather_parts(grads, self.pgs.dims.dp_intra, self.pgs.dp_intra_rank, self.worker_groups.dp_intra)
+        self.split.gather(grads, self.worker_groups.dp_intra)
         self.comm.count_round()
 
     # ---- protocol --------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.distributed.collectives import all_gather_flat
+from megatron_lsgd.core.lsgd.devices import InterSiteDevices, Staging
 
 
 @dataclass
@@ -114,9 +115,12 @@ class InterSiteWork:
 class InterSiteComm:
     def __init__(self, group, num_sites: int, link: Optional[SimulatedLink] = None,
                  timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None,
-                 clock: Optional[Clock] = None):
+                 devices: Optional[InterSiteDevices] = None, clock: Optional[Clock] = None):
         self.group = group
         self.clock = clock or Clock()
+        # Where payloads may live and where the group takes them (devices.py); default: the host.
+        self.devices = devices or InterSiteDevices.on(torch.device("cpu"))
+        self.staging = Staging(self.devices.group)
         self.num_sites = num_sites
         self.rank, self.site = rank, site  # named in error messages
         self.link = link or SimulatedLink()
@@ -163,12 +167,13 @@ class InterSiteComm:
         """Time the compute thread spent waiting for communication running elsewhere."""
         self.exposed_seconds += seconds
 
-    def _issue(self, work, sent: int, received: int, like: torch.Tensor) -> InterSiteWork:
+    def _issue(self, work, sent: int, received: int) -> InterSiteWork:
         counts = getattr(self._thread, "tally", None) or self
         counts.bytes_sent += sent
         counts.bytes_received += received
         if self._transfers is not None:  # virtual time: the link model, nothing sleeps
-            return InterSiteWork(self, work, transfer=self._transfers.issue(self.clock, sent, self.group, like.device))
+            return InterSiteWork(self, work, transfer=self._transfers.issue(self.clock, sent, self.group,
+                                                                            self.devices.group))
         ready_at = 0.0
         if self.link.enabled:
             start = max(self.clock.now(), self._link_free_at)
@@ -187,14 +192,34 @@ class InterSiteComm:
         return 2 * (self.num_sites - 1) * nbytes // self.num_sites
 
     # ---- collectives -------------------------------------------------------------------------
+    def _launch(self, what: str, collective, output: torch.Tensor, tensor: Optional[torch.Tensor] = None):
+        """collective(output, tensor) on the group's device (`tensor` None: in place on
+        `output`): every tensor is checked, and staged when it lives elsewhere (devices.py)."""
+        devices = self.devices
+        for t in (output, tensor):
+            if t is not None:
+                devices.check(what, t)
+        stage_out = devices.needs_staging(output)
+        stage_in = tensor is not None and devices.needs_staging(tensor)
+        if not (stage_out or stage_in):
+            return collective(output, tensor)
+        if tensor is None:  # in place: one staged buffer, filled and copied back
+            (buf,) = self.staging.stage_in([output], [True])
+            return self.staging.land(collective(buf, None), [(output, buf)], [])
+        out_buf = self.staging.stage_in([output], [False])[0] if stage_out else output
+        in_buf = self.staging.stage_in([tensor], [True])[0] if stage_in else tensor
+        work = collective(out_buf, in_buf)
+        return self.staging.land(work, [(output, out_buf)] if stage_out else [], [in_buf] if stage_in else [])
+
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """Average `tensor` across sites in place (scaled first: gloo has no AVG)."""
         if self.num_sites == 1:
             return InterSiteWork(self, None)
         tensor.mul_(1.0 / self.num_sites)
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return self._finish(self._issue(work, moved, moved, tensor), async_op)
+        work = self._launch("all_reduce_mean", lambda out, _: dist.all_reduce(out, group=self.group, async_op=True),
+                            tensor)
+        return self._finish(self._issue(work, moved, moved), async_op)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """output[s * n:(s + 1) * n] = site s's `tensor` (flat, equal sizes)."""
@@ -202,8 +227,9 @@ class InterSiteComm:
             output.copy_(tensor.reshape(-1))
             return InterSiteWork(self, None)
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size()
-        work = all_gather_flat(output, tensor, group=self.group, async_op=True)
-        return self._finish(self._issue(work, moved, moved, tensor), async_op)
+        work = self._launch("all_gather", lambda out, inp: all_gather_flat(out, inp, group=self.group, async_op=True),
+                            output, tensor)
+        return self._finish(self._issue(work, moved, moved), async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """Chunk s of `tensor` goes to site s; chunk s of `output` comes from site s."""
@@ -211,16 +237,18 @@ class InterSiteComm:
             output.copy_(tensor)
             return InterSiteWork(self, None)
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size() // self.num_sites
-        work = dist.all_to_all_single(output, tensor, group=self.group, async_op=True)
-        return self._finish(self._issue(work, moved, moved, tensor), async_op)
+        work = self._launch("all_to_all", lambda out, inp: dist.all_to_all_single(out, inp, group=self.group,
+                                                                                  async_op=True), output, tensor)
+        return self._finish(self._issue(work, moved, moved), async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Blocking element-wise max across sites (small control values)."""
         if self.num_sites == 1:
             return
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._issue(work, moved, moved, tensor).wait()
+        work = self._launch("all_reduce_max", lambda out, _: dist.all_reduce(out, op=dist.ReduceOp.MAX,
+                                                                             group=self.group, async_op=True), tensor)
+        self._issue(work, moved, moved).wait()
 
     def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> None:
         """Move this comm onto a fresh dp_inter group of its own (collective: every rank
@@ -234,6 +262,7 @@ class InterSiteComm:
         from megatron_lsgd.core.parallel_state import enumerate_group_ranks
 
         kwargs = {"timeout": timeout} if timeout is not None else {}
+        kwargs["backend"] = dist.get_backend(self.group)  # the same backend as the shared dp_inter
         me = dist.get_rank()
         for ranks in enumerate_group_ranks(dims)["dp_inter"]:
             group = dist.new_group(list(ranks), **kwargs)

@@ -5,7 +5,9 @@ restarts from the new anchor (Douillard et al., DiLoCo; DESIGN.md §4.1).
 Each rank handles only its own ZeRO-1 shard: the whole model is one fragment
 (`optimizer.views()`), its mean runs on dp_inter through the fragment's compressor (fp32
 by default, any `--lsgd-compression` with error feedback), and the site's all-gather in
-copy_main_to_model_params() spreads the result inside the site. With one site there is
+copy_main_to_model_params() spreads the result inside the site. Without ZeRO-1 each rank
+of a site takes 1/DP_intra of the model instead (`SiteSplit`), and `publish` gathers the
+parts inside the site. With one site there is
 nothing to average and the synchronizer does nothing, so S = 1 is plain Megatron.
 """
 
@@ -19,7 +21,7 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SynchronousWarmup
+from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup
 
 
 class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
@@ -35,7 +37,9 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
         self.interval = cfg.rounds.interval
         self.steps_in_round = 0
         self.outer_rounds = 0
-        self.views = ctx.optimizer.views()  # the whole model: one fragment
+        self.split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
+        self.whole = ctx.optimizer.views()  # the whole model: one fragment
+        self.views = self.split.mine(self.whole)  # the part of it this rank sends across sites
         self.outer = OuterState(ctx.optimizer.main_param_shards(), cfg.outer) if self.active else None
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed, energy)
         device = self.outer.device if self.outer else self.views.main[0].device
@@ -67,6 +71,12 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
 
     def restart_from_anchor(self) -> None:
         self.outer.load_into(self.views)
+        self.publish()
+
+    def publish(self) -> None:
+        """This rank's part of the main parameters changed: the site gathers the parts (when
+        split) and the model takes the main parameters."""
+        self.split.gather(self.whole.main)
         self.ctx.optimizer.copy_main_to_model_params()
 
     @abc.abstractmethod

@@ -131,7 +131,7 @@ class DiLoCoX(LocalSGDBase):
         layout = self.views.layout()
         if cfg.compression.kind == "lowrank-int4":
             # Every rank must reach the same verdict, or the healthy ranks would hang later.
-            allowed = torch.tensor([_max_rank_allowed(layout)], dtype=torch.int64)
+            allowed = torch.tensor([_max_rank_allowed(layout)], dtype=torch.int64, device=ctx.device)
             if dist.is_initialized():
                 dist.all_reduce(allowed, op=dist.ReduceOp.MIN)
             if cfg.compression.rank > int(allowed):
@@ -180,7 +180,6 @@ class DiLoCoX(LocalSGDBase):
         """--lsgd-dilocox-apply-step τ < H: take the outer step with round t's mean now and move
         the local replica by the same amount, keeping this round's progress so far; the rest
         of the round is then measured from the new anchor."""
-        opt = self.ctx.optimizer
         shards, anchors = self.views.main, self.outer.anchor(self.views)
         offsets = self.start_offsets or [None] * len(shards)
         progress = [s.to(a.device) - (a if off is None else a - off)
@@ -188,10 +187,9 @@ class DiLoCoX(LocalSGDBase):
         self._apply_pending_mean()
         for s, a, p in zip(shards, anchors, progress):
             s.copy_(a + p)
-        opt.copy_main_to_model_params()
+        self.publish()
 
     def end_round(self) -> None:
-        opt = self.ctx.optimizer
         deltas = self.outer.pseudo_gradient(self.views)
         if self.start_offsets is not None:  # the round started at θ_g − offset, not at θ_g
             for d, off in zip(deltas, self.start_offsets):
@@ -214,7 +212,7 @@ class DiLoCoX(LocalSGDBase):
             self.start_offsets = [d.clone() for d in deltas]
             for shard, a, d in zip(self.views.main, self.outer.anchor(self.views), deltas):
                 shard.copy_(a - d)
-            opt.copy_main_to_model_params()
+            self.publish()
         else:
             self.restart_from_anchor()
         self._round_compute = 0.0
@@ -260,7 +258,7 @@ class DiLoCoX(LocalSGDBase):
             self.compressor.set_rank(new_rank)
 
     def _agree_max(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)  # site group: NCCL on GPUs
         pgs = self.ctx.pgs
         if pgs.site is not None and dist.get_world_size(pgs.site) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pgs.site)

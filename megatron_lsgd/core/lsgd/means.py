@@ -177,7 +177,8 @@ def effective_rank(p: torch.Tensor, energy: float) -> int:
     total = float(sq.sum())
     if total == 0.0:
         return 1
-    k = int(torch.searchsorted(torch.cumsum(sq, 0) / total, torch.tensor(energy, dtype=torch.float64)).item()) + 1
+    # A Python scalar, not a host tensor: searchsorted wants its values on the boundaries' device.
+    k = int(torch.searchsorted(torch.cumsum(sq, 0) / total, float(energy)).item()) + 1
     return min(k, sq.numel())
 
 

@@ -53,8 +53,13 @@ class OuterState:
 
     @torch.no_grad()
     def pseudo_gradient(self, views) -> List[torch.Tensor]:
-        """Δ = θ_g − θ_local per range (on the anchor's device)."""
-        return [a - m.to(self.device, non_blocking=True) for a, m in zip(self.anchor(views), views.main)]
+        """Δ = θ_g − θ_local per range (on the anchor's device). Offloaded, the ranges are
+        copied to the host without blocking and waited for once, before the host reads them
+        (a non_blocking device-to-host copy may still be in flight otherwise)."""
+        local = [m.to(self.device, non_blocking=True) for m in views.main]
+        if any(m.is_cuda for m in views.main) and self.device.type == "cpu":
+            torch.cuda.current_stream().synchronize()
+        return [a - m for a, m in zip(self.anchor(views), local)]
 
     @torch.no_grad()
     def step(self, views, mean_grads: List[torch.Tensor]) -> None:
@@ -71,7 +76,10 @@ class OuterState:
 
     @torch.no_grad()
     def load_into(self, views) -> None:
-        """Restart this rank's local replica of the fragment from the anchor."""
+        """Restart this rank's local replica of the fragment from the anchor. From pinned host
+        memory the copy is queued on the current stream, ahead of every kernel that reads the
+        replica; the host writes the anchor again only after a blocking device-to-host copy
+        (reset, pseudo_gradient), which waits for it."""
         for a, m in zip(self.anchor(views), views.main):
             m.copy_(a, non_blocking=True)
 

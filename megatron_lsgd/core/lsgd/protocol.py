@@ -190,6 +190,12 @@ class SyncContext:
         """The run's clock (the one the inter-site comm keeps): every time an algorithm reads."""
         return self.comm.clock
 
+    @property
+    def device(self):
+        """The run's device: where a synchronizer builds its tensors (never a bare host tensor:
+        the world and site groups are NCCL on GPUs; comm stages what dp_inter needs elsewhere)."""
+        return self.comm.devices.run
+
 
 class Synchronizer:
     name: ClassVar[str] = ""

@@ -52,7 +52,7 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import QueuedReduce, Reduction, ReductionQueue
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SynchronousWarmup
+from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup
 
 
 # ---- options ------------------------------------------------------------------------------------
@@ -152,7 +152,9 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         groups = partition(ctx.units, num_layers, self.num_fragments, algo.partition, tied)
         opt = ctx.optimizer
         self.fragment_units = [[u.name for u in g] for g in groups]
-        self.views = [opt.views(g) for g in groups]
+        self.split = SiteSplit(ctx.pgs, opt.sharded)
+        self.full_views = [opt.views(g) for g in groups]
+        self.views = [self.split.mine(v) for v in self.full_views]  # what this rank sends across sites
         self.outer = OuterState(opt.main_param_shards(), cfg.outer) if self.active else None
         self.device = self.outer.device if self.outer else opt.main_param_shards()[0].device
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
@@ -248,9 +250,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     def land(self, rec: InFlight, t: int) -> None:
         """Wait for the fragment's mean, take its outer step, merge, push it into the model."""
         mean = rec.ticket.result if rec.ticket.done else self.queue.wait(rec.ticket)
-        views = self.views[rec.fragment]
         self.dirty[rec.fragment] = self.merge(rec, mean, t)
-        self.ctx.optimizer.copy_main_to_model_params(views)  # a site collective even when this rank's views are empty
+        self.publish(rec.fragment)  # a site collective even when this rank's views are empty
         self.in_flight.remove(rec)
         self.history.append((rec.fragment, rec.started, t, rec.ticket.bytes_sent))
         self.after_landing(rec, mean, t)
@@ -274,6 +275,13 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         for m, a, local in zip(views.main, self.outer.anchor(views), kept):
             m.copy_(torch.lerp(a, local, alpha))
         return True
+
+    def publish(self, p: int) -> None:
+        """Fragment p's main parameters changed on this rank's part: the site gathers the parts
+        (when split, SiteSplit) and the model takes the fragment."""
+        full = self.full_views[p]
+        self.split.gather(full.main)
+        self.ctx.optimizer.copy_main_to_model_params(full)
 
     def after_landing(self, rec: InFlight, mean: List[torch.Tensor], t: int) -> None:
         """CoCoDC updates its schedule here."""
@@ -309,7 +317,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
             self.outer.step(views, mean)
             self.outer.load_into(views)
             self.syncs += 1
-        self.ctx.optimizer.copy_main_to_model_params(views)
+        self.publish(p)
         self.history.append((p, self.local_step, self.local_step, sent))
         self.dirty[p] = False
         self.ctx.comm.rounds += 1

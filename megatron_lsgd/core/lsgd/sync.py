@@ -31,9 +31,8 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
     if comm.num_sites == 1:
         return
     views = ctx.optimizer.views()
-    dims, pgs = ctx.pgs.dims, ctx.pgs
-    split = dims.dp_intra > 1 and not ctx.optimizer.sharded
-    mine = views.part(pgs.dp_intra_rank, dims.dp_intra) if split else views
+    split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
+    mine = split.mine(views)
     if compressors is None:
         handles = [comm.all_reduce_mean(grad, async_op=True) for grad in mine.grad]
         for h in handles:
@@ -42,8 +41,7 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
         compressor = compressors.for_views(mine, mine.grad[0].device)
         for grad, mean in zip(mine.grad, run_blocking(compressor.reduce(mine.grad))):
             grad.copy_(mean)
-    if split:
-        gather_parts(views.grad, dims.dp_intra, pgs.dp_intra_rank, pgs.dp_intra)
+    split.gather(views.grad)
     comm.rounds += 1
 
 
@@ -58,6 +56,34 @@ class SynchronousWarmup:
     def after_forward_backward(self, iteration: int) -> None:
         if self.active and self.in_warmup(iteration):
             average_grads_across_sites(self.ctx)
+
+
+class SiteSplit:
+    """Who sends what across sites when every rank of a site holds the same copy.
+
+    Without ZeRO-1 the DP_intra ranks of a site hold identical, already site-reduced
+    gradients and parameters. Each then exchanges across sites only its 1/DP_intra part of
+    any fragment (`mine`: ShardViews.part) and the site puts the parts back together
+    (`gather`: one all-gather over dp_intra), so a site's WAN bytes are spread over its
+    DP_intra links, as ZeRO-1's shards spread them. Under ZeRO-1 (or with DP_intra = 1)
+    the shards already split the traffic and both are identities. Every synchronizer that
+    sends something across sites goes through this."""
+
+    def __init__(self, pgs, sharded: bool):
+        dims = pgs.dims
+        self.parts = dims.dp_intra
+        self.index = pgs.dp_intra_rank
+        self.group = pgs.dp_intra
+        self.active = self.parts > 1 and not sharded
+
+    def mine(self, views):
+        """The part of `views` this rank sends across sites."""
+        return views.part(self.index, self.parts) if self.active else views
+
+    def gather(self, tensors, group=None) -> None:
+        """Every rank of the site gets every rank's part of `tensors` (whole ranges)."""
+        if self.active and tensors:
+            gather_parts(tensors, self.parts, self.index, self.group if group is None else group)
 
 
 def gather_parts(tensors, parts: int, index: int, group) -> None:

@@ -13,16 +13,20 @@ import torch.distributed as dist
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group):
-        logits = logits.float()
+        # One fp32 [s, b, V/tp] buffer: shifted logits, then exp in place, then the softmax
+        # saved for backward, which turns it into the gradient in place.
         world = 1 if group is None else dist.get_world_size(group)
         rank = 0 if group is None else dist.get_rank(group)
         part = logits.shape[-1]
         start = rank * part
 
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.max(dim=-1).values.float()
         if world > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
+        if logits.dtype == torch.float32:
+            shifted = logits - logits_max.unsqueeze(-1)  # never in place on the autograd input
+        else:
+            shifted = logits.float().sub_(logits_max.unsqueeze(-1))  # the cast's copy is ours
 
         outside = (target < start) | (target >= start + part)
         local_target = (target - start).masked_fill(outside, 0)
@@ -30,7 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(flat.shape[0], device=flat.device)
         predicted = flat[rows, local_target.reshape(-1)].reshape(target.shape).masked_fill(outside, 0.0)
 
-        exp = shifted.exp()
+        exp = shifted.exp_()  # `predicted` was gathered (copied) above
         sum_exp = exp.sum(dim=-1)
         if world > 1:
             dist.all_reduce(predicted, group=group)

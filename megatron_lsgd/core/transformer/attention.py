@@ -14,6 +14,7 @@ from torch.nn.attention import sdpa_kernel
 
 from megatron_lsgd.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lsgd.core.transformer.config import TransformerConfig
+from megatron_lsgd.core.transformer.recompute import checkpointed
 
 
 def sdpa_backends(name: str):
@@ -63,6 +64,7 @@ class SelfAttention(nn.Module):
         self.dropout = c.attention_dropout
         self.rng_tracker = rng_tracker
         self.backends = sdpa_backends(c.attention_backend)
+        self.selective_recompute = c.recompute_granularity == "selective"
         # Per query group: [q_1..q_{heads/groups}, k, v], groups contiguous, so a plain
         # contiguous TP split of the output dim hands each rank whole groups.
         qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
@@ -73,6 +75,14 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(
             c.num_attention_heads * c.kv_channels, c.hidden_size, tp_group=tp_group, bias=c.add_bias_linear,
             init_std=out_std, sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype)
+
+    def _core_attention(self, q, k, v, dropout: float, kwargs: dict) -> torch.Tensor:
+        kernels = contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends)
+        with kernels:
+            if dropout > 0.0:  # heads differ per TP rank, so their dropout must too
+                with self.rng_tracker.fork():
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor]):
         qkv = self.linear_qkv(x)
@@ -88,20 +98,18 @@ class SelfAttention(nn.Module):
             k = apply_rotary(k, cos, sin)
         # SDPA layout [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if q_per_group > 1:
-            k = k.repeat_interleave(q_per_group, dim=1)
-            v = v.repeat_interleave(q_per_group, dim=1)
         dropout = self.dropout if self.training else 0.0
+        # Causal without a mask (SDPA's flash/efficient kernels); a mask exists only for
+        # --reset-attention-mask. GQA: SDPA shares each K/V head with its query group itself
+        # (no repeat_interleave copies of K and V).
+        kwargs = dict(enable_gqa=True) if q_per_group > 1 else {}
         if attention_mask is None:
-            kwargs = dict(is_causal=True)
+            kwargs.update(is_causal=True)
         else:  # Megatron mask: True = masked out (already causal); SDPA wants True = keep
-            kwargs = dict(attn_mask=~attention_mask)
-        kernels = contextlib.nullcontext() if self.backends is None else sdpa_kernel(self.backends)
-        with kernels:
-            if dropout > 0.0:  # heads differ per TP rank, so their dropout must too
-                with self.rng_tracker.fork():
-                    ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)
-            else:
-                ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            kwargs.update(attn_mask=~attention_mask)
+        if self.selective_recompute and self.training:
+            ctx = checkpointed(self._core_attention, self.rng_tracker, q, k, v, dropout, kwargs)
+        else:
+            ctx = self._core_attention(q, k, v, dropout, kwargs)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.linear_proj(ctx)

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from megatron_lsgd.core.transformer import recompute
+
 
 @dataclass
 class TransformerConfig:
@@ -35,6 +37,10 @@ class TransformerConfig:
     rotary_percent: float = 1.0  # share of each head's channels that rope rotates
     attention_backend: str = "auto"  # SDPA kernels: auto | flash | fused | unfused | local
     calculate_per_token_loss: bool = False  # loss normalized by the step's loss tokens (not per micro-batch)
+    # activation recomputation, Megatron's flags (recompute.py): full | selective; uniform | block
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
 
     @property
     def rotary_dim(self) -> int:
@@ -63,6 +69,8 @@ class TransformerConfig:
                 raise ValueError(msg)
 
         need(self.num_layers >= 1, "--num-layers must be >= 1")
+        recompute.validate(self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
+                           self.num_layers // max(1, pp))
         need(self.hidden_size >= 1 and self.num_attention_heads >= 1,
              "--hidden-size and --num-attention-heads must be >= 1")
         need(self.kv_channels is not None,

@@ -14,6 +14,7 @@ from megatron_lsgd.core.lsgd.config import CompressionOptions, LsgdConfig, Outer
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.optimizer.shard_views import BucketExtent, PieceView, ShardRange, ShardViews
+from megatron_lsgd.core.parallel_state import ParallelDims
 
 _SHARED = {"interval": ("rounds", "interval"), "warmup_iters": ("rounds", "warmup_iters"),
            "outer_lr": ("outer", "lr"), "outer_momentum": ("outer", "momentum"), "outer_offload": ("outer", "offload"),
@@ -52,6 +53,8 @@ def whole_views(shards: List[torch.Tensor], layout=None) -> ShardViews:
 
 
 class FakeOptimizer:
+    sharded = False  # one rank per site: nothing to split (SiteSplit)
+
     def __init__(self, shards: List[torch.Tensor], layout):
         self.shards = shards
         self._views = whole_views(shards, layout)
@@ -67,8 +70,13 @@ class FakeOptimizer:
         self.copies += 1
 
 
+def one_rank_per_site_groups() -> SimpleNamespace:
+    """The process groups a synchronizer reads, for one rank per site and no peers."""
+    return SimpleNamespace(site=None, dims=ParallelDims(), dp_intra_rank=0, dp_intra=None)
+
+
 def make_context(config: LsgdConfig, shards: List[torch.Tensor], layout=None) -> SyncContext:
-    pgs = SimpleNamespace(site=None)
+    pgs = one_rank_per_site_groups()
     return SyncContext(pgs=pgs, config=config, models=[], optimizer=FakeOptimizer(shards, layout),
                        comm=InterSiteComm(None, 1))
 

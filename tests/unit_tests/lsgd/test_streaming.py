@@ -26,11 +26,13 @@ from megatron_lsgd.core.lsgd.reduction import ReductionQueue, run_blocking
 from megatron_lsgd.core.lsgd.streaming import StreamingDiLoCo
 from megatron_lsgd.core.optimizer.shard_views import BucketExtent, PieceView, ShardRange, ShardViews
 from megatron_lsgd.training.arguments import build_config, parse_args
-from tests.unit_tests.lsgd.fakes import lsgd_config, make_context
+from tests.unit_tests.lsgd.fakes import lsgd_config, make_context, one_rank_per_site_groups
 
 
 # ---- a fake with real fragments: one flat shard, each sync unit a contiguous block ------------------
 class FragmentOptimizer:
+    sharded = False  # one rank per site: nothing to split (SiteSplit)
+
     def __init__(self, names, width):
         self.names = list(names)
         self.width = width
@@ -64,7 +66,7 @@ def fragment_context(config, num_layers=4, width=3):
     names = ["embedding"] + [f"layers.{i}" for i in range(num_layers)] + ["output"]
     model = SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(
         num_layers=num_layers, untie_embeddings_and_output_weights=True)))
-    return SyncContext(pgs=SimpleNamespace(site=None), config=config, models=[model],
+    return SyncContext(pgs=one_rank_per_site_groups(), config=config, models=[model],
                        optimizer=FragmentOptimizer(names, width), comm=InterSiteComm(None, 1),
                        units=[SimpleNamespace(name=n) for n in names])
 

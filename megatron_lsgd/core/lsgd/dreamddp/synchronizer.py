@@ -59,7 +59,7 @@ from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import gather_parts
+from megatron_lsgd.core.lsgd.sync import SiteSplit
 from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
 
 PROFILE_FILE = "dreamddp_profile.json"
@@ -143,10 +143,9 @@ class DreamDDP(Synchronizer):
         # Without ZeRO-1 every rank of a site holds the same full copy: each then averages
         # only its 1/DP_intra part of a unit across sites (no link carries a byte twice) and
         # the site re-assembles the parts with one all-gather before the optimizer step.
-        self.split = pgs.dims.dp_intra > 1 and not ctx.optimizer.sharded
+        self.split = SiteSplit(pgs, ctx.optimizer.sharded)
         self.full_views = {name: ctx.optimizer.views([u]) for name, u in self.units.items()}
-        self.views = {name: v.part(pgs.dp_intra_rank, pgs.dims.dp_intra) if self.split else v
-                      for name, v in self.full_views.items()}
+        self.views = {name: self.split.mine(v) for name, v in self.full_views.items()}
         shards = ctx.optimizer.main_param_shards()
         self.device = shards[0].device if shards else torch.device("cpu")
         self.tied = self.num_stages > 1 and any(getattr(p, "shared_embedding", False)
@@ -257,9 +256,8 @@ class DreamDDP(Synchronizer):
         for handle in self.handles:
             handle.wait()
         self.handles = []
-        if self.split and self.averaged:
-            gather_parts([m for n in self.averaged for m in self.full_views[n].main], self.ctx.pgs.dims.dp_intra,
-                         self.ctx.pgs.dp_intra_rank, self.ctx.pgs.dp_intra)
+        if self.averaged:
+            self.split.gather([m for n in self.averaged for m in self.full_views[n].main])
         if self.timing:
             sample = self.recorder.sample(block=self.blocking_sample)
             if self.profiling:
@@ -296,14 +294,13 @@ class DreamDDP(Synchronizer):
         """Average the whole model once, so every site ends with the same model."""
         if not self.active:
             return
-        opt, comm, pgs = self.ctx.optimizer, self.ctx.comm, self.ctx.pgs
+        opt, comm = self.ctx.optimizer, self.ctx.comm
         whole = opt.views()
-        mine = whole.part(pgs.dp_intra_rank, pgs.dims.dp_intra) if self.split else whole
+        mine = self.split.mine(whole)
         handles = [comm.all_reduce_mean(main, async_op=True) for main in mine.main]
         for handle in handles:
             handle.wait()
-        if self.split:
-            gather_parts(whole.main, pgs.dims.dp_intra, pgs.dp_intra_rank, pgs.dp_intra)
+        self.split.gather(whole.main)
         opt.copy_main_to_model_params()
         comm.rounds += 1
 

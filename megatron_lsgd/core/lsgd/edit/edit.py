@@ -64,7 +64,7 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import gather_parts, average_grads_across_sites
+from megatron_lsgd.core.lsgd.sync import SiteSplit, average_grads_across_sites
 
 Fault = Tuple[Optional[int], int, float]  # (site or None for every site, sync number, factor)
 
@@ -235,7 +235,7 @@ class EDiT(Synchronizer):
         self.bank = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
         # Without ZeRO-1 every rank of a site holds the same, whole units: each then exchanges
         # only its 1/DP_intra part (as `sync` does) and the site all-gathers the parts.
-        self.split = ctx.pgs.dims.dp_intra > 1 and not opt.sharded
+        self.split = SiteSplit(ctx.pgs, opt.sharded)
         self.plans = self._plan(ctx.units)
         self.index = {p.unit.name: i for i, p in enumerate(self.plans)}
         self.stat_keys: List[str] = []
@@ -261,7 +261,7 @@ class EDiT(Synchronizer):
 
         def group(stat, part, borrowed) -> _Group:
             whole = opt.views([part])
-            views = whole.part(pgs.dp_intra_rank, pgs.dims.dp_intra) if self.split else whole
+            views = self.split.mine(whole)
             counted_names = {names[id(p)] for p in part.parameters() if opt.counts_in_norm(p)}
             counted = [(pc.range_index, pc.lo, pc.hi) for pc in views.pieces if pc.name in counted_names]
             comp = None if views.empty else self.bank.for_views(views, self.outer.device)
@@ -288,7 +288,7 @@ class EDiT(Synchronizer):
         pgs = self.ctx.pgs
         if pgs.dims.tp > 1:
             dist.all_reduce(t, group=pgs.tp)
-        if self.ctx.optimizer.sharded or self.split:
+        if self.ctx.optimizer.sharded or self.split.active:
             dist.all_reduce(t, group=pgs.dp_intra)
 
     def _wait_tied(self) -> None:
@@ -405,10 +405,8 @@ class EDiT(Synchronizer):
             if mean:
                 self.outer.step(g.views, mean)
                 self.outer.load_into(g.views)
-        if self.split:  # each rank synced its part of the unit: the site gathers the parts
-            pgs = self.ctx.pgs
-            gather_parts([m for g in plan.groups for m in g.whole.main], pgs.dims.dp_intra, pgs.dp_intra_rank,
-                          pgs.dp_intra)
+        # each rank synced its part of the unit (when split): the site gathers the parts
+        self.split.gather([m for g in plan.groups for m in g.whole.main])
         self.ctx.optimizer.copy_main_to_model_params(plan.views)
 
     def _consume(self, j: int) -> None:

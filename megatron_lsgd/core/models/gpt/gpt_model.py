@@ -26,6 +26,7 @@ from megatron_lsgd.core.transformer.attention import RotaryEmbedding
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.core.transformer.layer import TransformerLayer
 from megatron_lsgd.core.transformer.norm import build_norm
+from megatron_lsgd.core.transformer.recompute import checkpointed, layer_chunks
 
 SHARED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 
@@ -87,6 +88,7 @@ class GPTModel(nn.Module):
         per_stage = config.num_layers // pgs.dims.pp
         self.layer_offset = pgs.pp_rank * per_stage
         self.share_embeddings = not config.untie_embeddings_and_output_weights
+        self.rng_tracker = rng_tracker  # recomputation replays its dropout states
         self.input_tensor: Optional[torch.Tensor] = None
 
         self.embedding = GPTEmbedding(config, pgs, rng_tracker) if pre_process else None
@@ -137,6 +139,11 @@ class GPTModel(nn.Module):
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         self.input_tensor = tensor
 
+    def _run_layers(self, h, rotary, attention_mask, lo: int, hi: int):
+        for layer in self.layers[lo:hi]:
+            h = layer(h, rotary, attention_mask)
+        return h
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -144,8 +151,13 @@ class GPTModel(nn.Module):
         labels). Other stages: hidden states [s(/tp), b, h] for the next stage."""
         h = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        for layer in self.layers:
-            h = layer(h, rotary, attention_mask)
+        c = self.config
+        for lo, hi, recomputed in layer_chunks(c.recompute_granularity, c.recompute_method,
+                                               c.recompute_num_layers, len(self.layers)):
+            if recomputed and self.training:
+                h = checkpointed(self._run_layers, self.rng_tracker, h, rotary, attention_mask, lo, hi)
+            else:
+                h = self._run_layers(h, rotary, attention_mask, lo, hi)
         if not self.post_process:
             return h
         h = self.final_layernorm(h)

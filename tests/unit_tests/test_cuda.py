@@ -1,0 +1,121 @@
+"""What only a GPU can show (marked `cuda`: skipped with the reason on CPU machines; run by
+tools/gpu_check.sh). Each test is the GPU side of a CPU-tested property: staged inter-site
+payloads, host-side outer state, device-side searchsorted, bf16 cross-entropy, GQA through
+SDPA's kernels, recomputation and the peak-memory figures."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_lsgd.core.lsgd.comm import InterSiteComm
+from megatron_lsgd.core.lsgd.config import OuterOptions
+from megatron_lsgd.core.lsgd.devices import InterSiteDevices, WrongDevice
+from megatron_lsgd.core.lsgd.means import effective_rank, quantized_mean
+from megatron_lsgd.core.lsgd.outer_state import OuterState
+from megatron_lsgd.core.lsgd.reduction import run_blocking
+from megatron_lsgd.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lsgd.training.logging_utils import peak_cuda_memory_mb
+from tests.unit_tests.harness import free_port
+
+pytestmark = pytest.mark.cuda
+GPU = torch.device("cuda", 0)
+
+
+def _gloo_between_sites_on_one_gpu(rank, port, out_dir):
+    """Two 'sites' on one GPU, gloo between them: CUDA payloads go through pinned buffers."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    staged = InterSiteComm(dist.group.WORLD, 2, devices=InterSiteDevices(group=torch.device("cpu"), run=GPU))
+    host = InterSiteComm(dist.group.WORLD, 2)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for bits, variant in ((None, "auto"), (8, "allgather"), (4, "alltoall")):
+        on_gpu = run_blocking(quantized_mean(staged, x.to(GPU), bits, 64, variant))[0]
+        on_host = run_blocking(quantized_mean(host, x.clone(), bits, 64, variant))[0]
+        out[(bits, variant)] = (on_gpu.device.type, on_gpu.cpu(), on_host)
+    out["pinned"] = all(b.is_pinned() for pool in staged.staging._free.values() for b in pool)
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_gloo_between_sites_stages_cuda_payloads_through_pinned_memory():
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_gloo_between_sites_on_one_gpu, args=(free_port(), d), nprocs=2, join=True)
+        records = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
+    for rec in records:
+        assert rec["pinned"]
+        for key, (device, on_gpu, on_host) in ((k, v) for k, v in rec.items() if k != "pinned"):
+            assert device == "cuda", key
+            # quantization runs on the GPU with torch kernels, on the host with C++ ones: the
+            # same grid, so they differ by at most one step where a value rounds the other way
+            step = {None: 0.0, 8: 0.05, 4: 0.6}[key[0]]
+            torch.testing.assert_close(on_gpu, on_host, rtol=0, atol=step)
+
+
+def test_a_host_tensor_for_an_nccl_group_is_refused():
+    comm = InterSiteComm(None, 2, devices=InterSiteDevices(group=GPU, run=GPU))
+    with pytest.raises(WrongDevice):
+        comm.all_reduce_mean(torch.ones(3))
+
+
+def test_offloaded_outer_state_pseudo_gradient_waits_for_its_copy():
+    shard = torch.randn(1 << 22, device=GPU)
+    state = OuterState([shard], OuterOptions(lr=0.7, momentum=0.9, offload=True))
+    assert state.anchors[0].is_pinned()
+
+    class Views:  # the whole shard as one range
+        key, main = "all", [shard]
+
+        @staticmethod
+        def select(tensors):
+            return list(tensors)
+
+    expected = state.anchors[0] - (shard * 3).cpu()
+    shard.mul_(3)  # queued on the stream; the pseudo-gradient must see it
+    (delta,) = state.pseudo_gradient(Views)
+    assert torch.equal(delta, expected)
+
+
+def test_effective_rank_on_device():
+    p = torch.randn(64, 8, device=GPU) @ torch.diag(torch.tensor([10.0, 1, 1, 1, 1, 1, 1, 1], device=GPU))
+    assert effective_rank(p, 0.5) == effective_rank(p.cpu(), 0.5)
+
+
+def test_bf16_cross_entropy_matches_its_fp32_values():
+    logits = torch.randn(8, 4, 1000, device=GPU).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 1000, (8, 4), device=GPU)
+    wide = logits.detach().float().requires_grad_()
+    ours, ref = vocab_parallel_cross_entropy(logits, target, None), vocab_parallel_cross_entropy(wide, target, None)
+    assert torch.equal(ours, ref)
+
+
+def test_gqa_through_sdpa_on_the_gpu():
+    import torch.nn.functional as F
+
+    q = torch.randn(2, 16, 256, 64, device=GPU, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 256, 64, device=GPU, dtype=torch.bfloat16) for _ in range(2))
+    ours = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    copies = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    torch.testing.assert_close(ours, copies, rtol=2e-2, atol=2e-2)
+
+
+def test_peak_cuda_memory_is_reported():
+    torch.cuda.reset_peak_memory_stats(GPU)
+    x = torch.empty(64 << 20, dtype=torch.uint8, device=GPU)
+    peak = peak_cuda_memory_mb(GPU)
+    del x
+    assert peak["peak_cuda_allocated_mb"] >= 64 and peak["peak_cuda_reserved_mb"] >= 64
+
+
+def test_the_acco_worker_thread_computes_on_the_ranks_gpu():
+    from megatron_lsgd.core.lsgd.acco import _Worker
+
+    last = torch.device("cuda", torch.cuda.device_count() - 1)  # not the thread default (0) on multi-GPU hosts
+    assert _Worker("test", last).submit(torch.cuda.current_device).result() == last.index

@@ -1,0 +1,125 @@
+"""Single-device throughput and model FLOPs utilisation (MFU): megatron_lsgd's training step
+beside a plain-PyTorch loop of the same model (side_by_side.py), one rank, bf16.
+
+    python tools/benchmarks/mfu.py                       # ~1.1B Llama (TinyLlama's shape), bf16, one GPU
+    python tools/benchmarks/mfu.py --preset smoke        # a tiny Llama: proves the script runs (CPU too)
+    python tools/benchmarks/mfu.py --json out.json       # also write the figures (tools/gpu_check.sh)
+
+MFU = model FLOPs per second / the device's peak dense bf16 FLOP/s. Model FLOPs are
+compat_runtime.flops_per_sample (matrix products, forward + backward, no recomputation
+counted). The peak comes from --peak-tflops, else from a small table of NVIDIA parts
+(H100/H200 SXM 989, H100 PCIe 756, A100 312 TFLOP/s); on other devices MFU is not printed.
+Timed steps synchronise the device; rounds alternate so drift hits both loops alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron_lsgd.training.compat_runtime import flops_per_sample  # noqa: E402
+from megatron_lsgd.training.logging_utils import peak_cuda_memory_mb  # noqa: E402
+from tools.benchmarks.side_by_side import build, timed  # noqa: E402
+
+LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--group-query-attention", "--hidden-dropout", "0",
+         "--attention-dropout", "0"]
+PRESETS: Dict[str, Dict[str, object]] = {
+    # TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads in 4 KV groups, SwiGLU 5632, vocab 32000
+    "1b": dict(layers=22, hidden=2048, heads=32, groups=4, ffn=5632, vocab=32000, seq=2048, mbs=4, bf16=True,
+               steps=10, rounds=3),
+    "smoke": dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256, seq=64, mbs=2, bf16=True,
+                  steps=2, rounds=1),
+}
+PEAK_BF16_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0)]
+
+
+def peak_tflops(device: torch.device, override: Optional[float]) -> Optional[float]:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for part, tflops in PEAK_BF16_TFLOPS if part in name), None)
+
+
+def argv_for(p: Dict[str, object], recompute: List[str]) -> List[str]:
+    return ["--num-layers", str(p["layers"]), "--hidden-size", str(p["hidden"]), "--num-attention-heads",
+            str(p["heads"]), "--num-query-groups", str(p["groups"]), "--ffn-hidden-size", str(p["ffn"]),
+            "--seq-length", str(p["seq"]), "--micro-batch-size", str(p["mbs"]), "--vocab-size", str(p["vocab"]),
+            "--make-vocab-size-divisible-by", "128", "--train-iters", str(10 ** 6), "--lr", "1e-4",
+            "--mock-data", "--eval-iters", "0", "--clip-grad", "1.0", "--log-interval", str(10 ** 6)] + \
+        (["--bf16"] if p["bf16"] else []) + LLAMA + recompute
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    ap.add_argument("--steps", type=int, default=None, help="steps per round (default: the preset's)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default: the preset's)")
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak dense bf16 TFLOP/s")
+    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                    help="full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    a = ap.parse_args(argv)
+    preset = dict(PRESETS[a.preset])
+    preset.update({k: v for k, v in (("steps", a.steps), ("rounds", a.rounds), ("mbs", a.micro_batch_size))
+                   if v is not None})
+    if a.steps is not None and a.steps < 1 or a.rounds is not None and a.rounds < 1:
+        ap.error("--steps and --rounds must be >= 1")
+    recompute = {"none": [], "selective": ["--recompute-granularity", "selective"],
+                 "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "1"]}[a.recompute]
+
+    run = build(argv_for(preset, recompute))
+    device = run.device
+    model_cfg = run.trainer.config.model
+    flops_per_token = flops_per_sample(model_cfg, model_cfg.padded_vocab_size) / model_cfg.seq_length
+    timed(run.plain, 2, device)
+    timed(run.ours, 2, device)  # warm-up (allocator, kernels' autotuning)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    tokens = run.tokens_per_step * preset["steps"]
+    ours, plain = [], []
+    for _ in range(preset["rounds"]):
+        plain.append(tokens / timed(run.plain, preset["steps"], device))
+        ours.append(tokens / timed(run.ours, preset["steps"], device))
+    peak = peak_tflops(device, a.peak_tflops)
+    n_params = sum(p.numel() for p in run.plain_model.parameters())
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+              "preset": a.preset, "recompute": a.recompute, "parameters": n_params,
+              "seq_length": model_cfg.seq_length, "micro_batch_size": preset["mbs"],
+              "ours_tokens_per_s": statistics.median(ours), "plain_tokens_per_s": statistics.median(plain),
+              "ratio": statistics.median(o / q for o, q in zip(ours, plain)), "peak_tflops": peak,
+              **peak_cuda_memory_mb(device)}
+    for name in ("ours", "plain"):
+        result[f"{name}_mfu"] = result[f"{name}_tokens_per_s"] * flops_per_token / (peak * 1e12) if peak else None
+
+    print(f"model: {preset['layers']} layers, hidden {preset['hidden']}, seq {model_cfg.seq_length}, micro-batch "
+          f"{preset['mbs']}, {n_params / 1e9:.2f}B parameters, {'bf16' if preset['bf16'] else 'fp32'}, "
+          f"recompute {a.recompute}, device {result['device']}")
+    print("| loop | tokens/s (median of rounds) | MFU |\n|---|---|---|")
+    for label, name in (("plain PyTorch", "plain"), ("megatron_lsgd", "ours")):
+        mfu = f"{result[name + '_mfu']:.3f}" if result[name + "_mfu"] is not None else "- (peak unknown)"
+        print(f"| {label} | {result[name + '_tokens_per_s']:.0f} | {mfu} |")
+    print(f"ratio megatron_lsgd / plain: {result['ratio']:.3f}")
+    if "peak_cuda_allocated_mb" in result:  # both loops' models live in this process
+        print(f"peak CUDA memory (MB, both loops): {result['peak_cuda_allocated_mb']:.0f} allocated, "
+              f"{result['peak_cuda_reserved_mb']:.0f} reserved")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

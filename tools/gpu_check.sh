@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One command on a machine with one or more NVIDIA GPUs:
+#   1. the CUDA-marked tests (pytest -m cuda),
+#   2. tools/benchmarks/mfu.py: a ~1.1B Llama in bf16, tokens/s and MFU beside a plain
+#      PyTorch loop of the same model (one GPU),
+#   3. every synchronizer for a few steps as 2 sites x 1 rank on one GPU, gloo between the
+#      sites (--device cuda --distributed-backend gloo --inter-site-backend gloo),
+# then prints a table and writes docs/performance.md's GPU section (between its markers).
+#
+#   tools/gpu_check.sh                 # everything
+#   MFU_PRESET=smoke tools/gpu_check.sh  # a quick pass (tiny model instead of ~1B)
+#   OUT=/tmp/gpu_check tools/gpu_check.sh  # where logs and JSON go (default: a fresh temp dir)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+MFU_PRESET=${MFU_PRESET:-1b}
+mkdir -p "$OUT"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "error: tools/gpu_check.sh needs an NVIDIA GPU (nvidia-smi and torch.cuda.is_available())" >&2
+    exit 2
+fi
+DEVICE=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
+DATE=$(date -u +%Y-%m-%d)
+echo "gpu_check: $DEVICE, torch $(python -c 'import torch; print(torch.__version__)'), logs in $OUT"
+
+# 1. CUDA-marked tests
+python -m pytest -q -m cuda tests >"$OUT/cuda_tests.log" 2>&1
+TESTS_RC=$?
+TESTS_LINE=$(tail -n 1 "$OUT/cuda_tests.log")
+
+# 2. throughput and MFU
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python tools/benchmarks/mfu.py --preset "$MFU_PRESET" \
+    --json "$OUT/mfu.json" >"$OUT/mfu.log" 2>&1
+MFU_RC=$?
+
+# 3. every algorithm, 2 sites x 1 rank on one GPU, gloo between the sites
+ALGOS="sync diloco dilocox streaming-diloco cocodc edit a-edit acco dpu dreamddp"
+COMMON=(--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2
+        --global-batch-size 8 --train-iters 8 --lr 1e-3 --mock-data --vocab-size 512 --log-interval 1
+        --eval-iters 0 --num-sites 2 --bf16 --device cuda --distributed-backend gloo --inter-site-backend gloo)
+declare -A EXTRA=(
+    [diloco]="--lsgd-interval 2" [dilocox]="--lsgd-interval 2 --lsgd-compression int8"
+    [streaming-diloco]="--lsgd-interval 4 --lsgd-fragments 2" [cocodc]="--lsgd-interval 4 --lsgd-fragments 2"
+    [edit]="--lsgd-interval 2" [a-edit]="" [acco]="" [dpu]="" [dreamddp]="--lsgd-interval 2"
+)
+ALGO_ROWS=""
+for algo in $ALGOS; do
+    log="$OUT/algo_$algo.log"
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 600 python -m torch.distributed.run --nproc-per-node 2 \
+        --master-port $((29500 + RANDOM % 1000)) pretrain_gpt.py "${COMMON[@]}" --lsgd-algorithm "$algo" \
+        ${EXTRA[$algo]:-} >"$log" 2>&1
+    rc=$?
+    loss=$(grep -o "lm loss: [0-9.E+-]*" "$log" | tail -n 1 | cut -d' ' -f3)
+    mem=$(grep -o "peak CUDA memory (MB): [0-9]* allocated" "$log" | tail -n 1 | grep -o "[0-9]*" | head -n 1)
+    status=$([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc, $log)")
+    ALGO_ROWS+="| $algo | $status | ${loss:--} | ${mem:--} |"$'\n'
+done
+
+# the table, printed and written into docs/performance.md
+SECTION=$(python - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" <<'EOF'
+import json, sys
+mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows = sys.argv[1:]
+lines = [f"Measured {date} on {device} by `tools/gpu_check.sh` (one run; figures are that run's).", ""]
+lines.append(f"- CUDA-marked tests: {'passed' if tests_rc == '0' else 'FAILED'} ({tests_line.strip()})")
+if mfu_rc == "0":
+    m = json.load(open(mfu_path))
+    fmt = lambda v: f"{v:.3f}" if v is not None else "-"
+    lines += [f"- Throughput, {m['parameters'] / 1e9:.2f}B-parameter Llama ({m['preset']} preset), bf16, seq "
+              f"{m['seq_length']}, micro-batch {m['micro_batch_size']}, one GPU:", "",
+              "| loop | tokens/s | MFU |", "|---|---|---|",
+              f"| plain PyTorch (autocast bf16, AdamW) | {m['plain_tokens_per_s']:.0f} | {fmt(m['plain_mfu'])} |",
+              f"| megatron_lsgd | {m['ours_tokens_per_s']:.0f} | {fmt(m['ours_mfu'])} |", "",
+              f"  megatron_lsgd / plain: {m['ratio']:.3f}; peak CUDA memory of the process (both loops): "
+              f"{m.get('peak_cuda_allocated_mb', 0):.0f} MB allocated"]
+else:
+    lines.append(f"- tools/benchmarks/mfu.py FAILED (exit {mfu_rc}); see its log")
+lines += ["", "- Every synchronizer, 2 sites x 1 rank on one GPU, gloo between sites, bf16, 8 steps:", "",
+          "| algorithm | run | last loss | peak CUDA MB |", "|---|---|---|---|", algo_rows.rstrip()]
+print("\n".join(lines))
+EOF
+)
+echo "$SECTION"
+python - "$REPO/docs/performance.md" "$SECTION" <<'EOF'
+import sys
+path, section = sys.argv[1], sys.argv[2]
+text = open(path).read()
+start, end = "<!-- gpu_check:start -->", "<!-- gpu_check:end -->"
+head, rest = text.split(start, 1)
+_, tail = rest.split(end, 1)
+open(path, "w").write(f"{head}{start}\n{section}\n{end}{tail}")
+EOF
+echo "wrote the GPU section of docs/performance.md; logs in $OUT"
+[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS"
