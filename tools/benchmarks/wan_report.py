@@ -269,7 +269,7 @@ def plot(results: dict, out_dir: str, title: Optional[str] = None) -> List[str]:
         ax.axhline(ceiling[key], color="black", linestyle="--", label="ceiling (sites alone)")
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, 1.2 * max([ceiling[key]] + [r[key] for r in algos]))
-        ax.tick_params(axis="x", labelrotation=30)
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")  # ten names must not overlap
         ax.set_title(title, fontsize=9)
         ax.legend(loc="upper right")
         paths.append(_save(fig, out_dir, f"{key}.png"))
