@@ -135,7 +135,7 @@ def _per_site_progress(per_site: Sequence[dict]) -> dict:
     """Progress of sites that step on their own (the ceiling, a non-lockstep job): each site
     applies its own updates, so the job's updates/s is the mean of the sites' (what a
     lockstep job whose every site kept its pace would show), while tokens add up."""
-    updates = sum(s["iterations"] for s in per_site) / len(per_site)
+    updates = sum(s["updates"] for s in per_site) / len(per_site)
     tokens = sum(s["tokens_trained"] for s in per_site)
     return {"updates_per_s": sum(s["updates_per_s"] for s in per_site) / len(per_site), "updates": updates,
             "tokens_trained": tokens, "tokens_per_update": tokens / updates,
