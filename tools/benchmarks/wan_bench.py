@@ -8,11 +8,14 @@
 
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
 trains alone, at the same time, with the same per-site batch and --num-sites 1, so no
-byte crosses sites), then each algorithm on all sites. Every run trains the same model
-on the same token budget (--train-iters global batches; algorithms whose sites take
-different numbers of steps, A-EDiT, get it as `--train-samples` and stop when it is used). Writes
-results.json, results.md and tokens_per_s.png, loss_vs_wall.png, loss_vs_tokens.png to
---out-dir, plus each run's logs.
+byte crosses sites), then each algorithm on all sites. Every run trains the same model for
+--train-iters updates of the configured global batch (algorithms whose sites take different
+numbers of steps, A-EDiT, get that token budget as `--train-samples` and stop when it is
+used; acco/dpu's adaptive accumulation adds micro-batches to its updates, so it trains on
+more tokens). The table's headline is progress: updates/s against the ceiling, and the
+wall-clock time to sync's final loss; tokens/s (work done) stands beside them. Writes
+results.json, results.md and updates_per_s.png, tokens_per_s.png, loss_vs_wall.png,
+loss_vs_tokens.png to --out-dir, plus each run's logs (`wan_report.py OUT_DIR` re-reports them).
 
 Default scenario: 2 sites x 1 rank, 100 Mbit/s, 20 ms one-way, a 7.2M-parameter Llama
 (4 layers, hidden 256, GQA, SwiGLU, RMSNorm, RoPE) on the bundled Python-docs corpus.
@@ -67,9 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--site-batch-size", type=int, default=8, help="sequences per step per site")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--train-iters", type=int, default=40,
-                   help="token budget of every run, in global batches (passed as --train-samples)")
+                   help="length of every run: updates of the configured global batch (a non-lockstep run, "
+                        "a-edit, gets the same tokens as --train-samples)")
     p.add_argument("--log-interval", type=int, default=5)
-    p.add_argument("--warmup-intervals", type=int, default=1, help="log intervals left out of tokens/s")
+    p.add_argument("--warmup-intervals", type=int, default=1, help="log intervals left out of updates/s and tokens/s")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--slow-ranks", default="", help="global ranks made slower (--simulate-slow-ranks)")
     p.add_argument("--slow-factor", type=float, default=2.0)

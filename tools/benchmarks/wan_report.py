@@ -1,20 +1,30 @@
 """Turn `--json-log` files of benchmark runs into results.json, a Markdown table and plots.
 
+    python tools/benchmarks/wan_report.py OUT_DIR   # re-report a wan_bench run from its logs
+
 A run's log holds one record per log interval and a final {"event": "done"} record
 (megatron_lsgd/training/training.py). The first `warmup_intervals` intervals are left out
-of throughput and exposed-communication figures (process-group connection set-up and
+of rate and exposed-communication figures (process-group connection set-up and
 first-touch allocation land there); bytes and losses use every interval.
+
+Two rates per run: updates/s (optimizer steps per second: progress, the table's headline)
+and tokens/s (work done). They tell different stories when an algorithm changes its batch:
+acco/dpu's adaptive accumulation adds micro-batches while the link is busy, so tokens/s can
+match the ceiling while updates come several times slower. Beside them, the wall-clock time
+at which the training loss reaches sync's final loss.
 
 A non-lockstep run (A-EDiT) has sites taking different numbers of steps: each site's last
 rank logs its own records, tagged with `"site"` and counting that site's tokens. Its sites
-run at the same time, so the job's throughput is the sum of the sites' (as for the
-ceiling); see `summarize`.
+run at the same time, so the job's tokens/s is the sum of the sites' (as for the
+ceiling) and its updates/s the mean of theirs; see `summarize`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 from typing import Dict, List, Optional, Sequence
 
 CEILING = "ceiling"
@@ -42,8 +52,18 @@ def _summarize_one(records: Sequence[dict], warmup_intervals: int) -> dict:
     timed = intervals[warmup_intervals:] or intervals[-1:]
     iters = sum(r["interval_iters"] for r in timed)
     all_iters = sum(r["interval_iters"] for r in intervals)
+    timed_s = sum(r["elapsed_s"] for r in timed)
+    tokens = sum(r["tokens"] for r in intervals)
     return {
-        "tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["elapsed_s"] for r in timed),
+        "tokens_per_s": sum(r["tokens"] for r in timed) / timed_s,
+        # progress: optimizer steps per second (an algorithm that grows its batch computes
+        # more tokens per step, so its tokens/s can rise while its updates/s falls)
+        "updates_per_s": iters / timed_s,
+        "updates": intervals[-1]["iteration"],
+        "tokens_trained": tokens,
+        "tokens_per_update": tokens / all_iters,
+        # the whole run, start-up and the wait for a last in-flight update included
+        "run_wall_s": done.get("wall_s", intervals[-1]["wall_s"]),
         "exposed_comm_s_per_step": sum(r["exposed_comm_s"] for r in timed) / iters,
         "inter_site_bytes_per_step": sum(r["inter_site_bytes"] for r in intervals) / all_iters,
         "loss": intervals[-1]["losses"].get("lm loss"),
@@ -80,6 +100,7 @@ def combine_sites(per_site: Sequence[dict]) -> dict:
     losses = [s["loss"] for s in per_site if s["loss"] is not None]
     return {
         "tokens_per_s": sum(s["tokens_per_s"] for s in per_site),
+        **_per_site_progress(per_site),
         "exposed_comm_s_per_step": sum(s["exposed_comm_s_per_step"] for s in per_site) / len(per_site),
         "inter_site_bytes_per_step": sum(s["inter_site_bytes_per_step"] for s in per_site) / len(per_site),
         "loss": sum(losses) / len(losses) if losses else None,
@@ -100,6 +121,7 @@ def combine_ceiling(per_site: Sequence[dict]) -> dict:
              for pts in zip(*curves)]
     return {
         "tokens_per_s": sum(s["tokens_per_s"] for s in per_site),
+        **_per_site_progress(per_site),
         "exposed_comm_s_per_step": 0.0,
         "inter_site_bytes_per_step": 0.0,
         "loss": sum(s["loss"] for s in per_site) / len(per_site),
@@ -107,6 +129,17 @@ def combine_ceiling(per_site: Sequence[dict]) -> dict:
         "iterations": per_site[0]["iterations"],
         "curve": curve,
     }
+
+
+def _per_site_progress(per_site: Sequence[dict]) -> dict:
+    """Progress of sites that step on their own (the ceiling, a non-lockstep job): each site
+    applies its own updates, so the job's updates/s is the mean of the sites' (what a
+    lockstep job whose every site kept its pace would show), while tokens add up."""
+    updates = sum(s["updates"] for s in per_site) / len(per_site)
+    tokens = sum(s["tokens_trained"] for s in per_site)
+    return {"updates_per_s": sum(s["updates_per_s"] for s in per_site) / len(per_site), "updates": updates,
+            "tokens_trained": tokens, "tokens_per_update": tokens / updates,
+            "run_wall_s": max(s["run_wall_s"] for s in per_site)}
 
 
 def loss_at(curve: Sequence[dict], key: str, x: float) -> Optional[float]:
@@ -136,11 +169,11 @@ def time_to_loss(curve: Sequence[dict], target: float) -> Optional[float]:
 
 
 def build_results(scenario: dict, ceiling: dict, runs: Dict[str, dict]) -> dict:
-    """results.json: every algorithm's throughput as a ratio to the ceiling of the same run,
-    and the wall-clock time at which its training loss first reaches sync's final loss, as
-    a fraction of sync's whole run (when sync ran), and its loss at equal wall-clock time: at
-    the moment the first algorithm finished (the ceiling, which trains per-site models, is
-    left out of that moment)."""
+    """results.json: every algorithm's progress (updates/s) and work (tokens/s), each as a
+    ratio to the ceiling of the same run; the wall-clock time at which its training loss
+    first reaches sync's final loss, also as a fraction of sync's whole run (when sync ran);
+    and its loss at equal wall-clock time: at the moment the first algorithm finished (the
+    ceiling, which trains per-site models, is left out of that moment)."""
     out = []
     sync = runs.get("sync", {})
     sync_bytes = sync.get("inter_site_bytes_per_step")
@@ -151,9 +184,12 @@ def build_results(scenario: dict, ceiling: dict, runs: Dict[str, dict]) -> dict:
     for name, m in [(CEILING, ceiling)] + list(runs.items()):
         reach = time_to_loss(m["curve"], target) if target is not None and name != CEILING else None
         row = {"algorithm": name, **{k: m[k] for k in ("tokens_per_s", "inter_site_bytes_per_step",
-                                                       "exposed_comm_s_per_step", "loss", "peak_rss_mb")},
+                                                       "exposed_comm_s_per_step", "loss", "peak_rss_mb",
+                                                       "updates_per_s", "updates", "tokens_trained",
+                                                       "tokens_per_update", "run_wall_s")},
                **{k: m[k] for k in ("site_iterations", "site_tokens_per_s") if k in m},
                "ratio_to_ceiling": m["tokens_per_s"] / ceiling["tokens_per_s"],
+               "updates_ratio_to_ceiling": m["updates_per_s"] / ceiling["updates_per_s"],
                "bytes_vs_sync": m["inter_site_bytes_per_step"] / sync_bytes if sync_bytes else None,
                "time_to_sync_loss_s": reach,
                "time_to_sync_loss_vs_sync": reach / sync_wall if reach is not None and sync_wall else None,
@@ -165,13 +201,16 @@ def build_results(scenario: dict, ceiling: dict, runs: Dict[str, dict]) -> dict:
 
 
 def markdown_table(results: dict) -> str:
+    """The headline is progress: updates/s against the ceiling, then the time to sync's final
+    loss. tokens/s is work done, and follows: an algorithm that grows its batch (adaptive
+    accumulation) computes more tokens per update without updating more often."""
     runs = results["runs"]
     wall = next((r.get("equal_wall_s") for r in runs if r.get("equal_wall_s")), None)
     wall_head = f"loss at {wall:.0f} s" if wall else "loss at equal wall-clock"
-    lines = ["| algorithm | tokens/s | ratio to ceiling | inter-site MB/step | vs sync bytes | "
-             f"exposed comm s/step | final loss (equal tokens) | {wall_head} | peak RSS MB | "
-             "time to sync's final loss (x sync's run) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| algorithm | updates/s | updates/s vs ceiling | time to sync's final loss (x sync's run) | "
+             "updates in run | tokens/s | tokens/s vs ceiling | tokens per update | inter-site MB/step | "
+             f"vs sync bytes | exposed comm s/step | final loss | {wall_head} | peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         vs = f"{r['bytes_vs_sync']:.3f}" if r.get("bytes_vs_sync") is not None else "-"
         loss = f"{r['loss']:.3f}" if r["loss"] is not None else "-"
@@ -182,14 +221,33 @@ def markdown_table(results: dict) -> str:
         reach = r.get("time_to_sync_loss_vs_sync")
         reach = f"{r['time_to_sync_loss_s']:.0f} s ({reach:.2f})" if reach is not None else \
             ("not reached" if r["algorithm"] != CEILING and r.get("time_to_sync_loss_s", 0) is None else "-")
-        lines.append(f"| {r['algorithm']} | {r['tokens_per_s']:.0f} | **{r['ratio_to_ceiling']:.3f}** | "
+        lines.append(f"| {r['algorithm']} | {r['updates_per_s']:.3f} | **{r['updates_ratio_to_ceiling']:.3f}** | "
+                     f"{reach} | {r['updates']:g} in {r['run_wall_s']:.0f} s | {r['tokens_per_s']:.0f} | "
+                     f"{r['ratio_to_ceiling']:.3f} | {r['tokens_per_update']:.0f} | "
                      f"{r['inter_site_bytes_per_step'] / 2**20:.2f} | {vs} | {r['exposed_comm_s_per_step']:.3f} | "
-                     f"{loss} | {at_wall} | {rss} | {reach} |")
+                     f"{loss} | {at_wall} | {rss} |")
     return "\n".join(lines) + "\n"
 
 
+COLUMN_NOTES = """\
+- updates/s: optimizer steps per second, the log's first interval left out (a non-lockstep
+  job: the mean of its sites' own rates). Its ratio to the ceiling is the headline: how
+  often the model moves, against every site training alone.
+- time to sync's final loss: wall-clock seconds until the training loss first reaches the
+  loss `sync` ended with (interpolated between log intervals), and that time over sync's run.
+- updates in run: optimizer steps, and the run's wall-clock seconds from start to its last
+  update applied.
+- tokens/s, tokens/s vs ceiling: work done, not progress. An algorithm that adds
+  micro-batches while it waits (acco/dpu adaptive accumulation) raises its tokens per
+  update and its tokens/s while its updates/s falls.
+- tokens per update: tokens of all sites per optimizer step (a non-lockstep job: per mean
+  site step); runs with different values did not train on equal tokens.
+"""
+
+
 def plot(results: dict, out_dir: str, title: Optional[str] = None) -> List[str]:
-    """tokens_per_s.png (bars, ceiling dashed), loss_vs_wall.png, loss_vs_tokens.png."""
+    """updates_per_s.png and tokens_per_s.png (bars, ceiling dashed), loss_vs_wall.png,
+    loss_vs_tokens.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,19 +257,22 @@ def plot(results: dict, out_dir: str, title: Optional[str] = None) -> List[str]:
     title = title or scenario_title(results["scenario"])
     paths = []
 
-    fig, ax = plt.subplots(figsize=(6, 3.8))
     algos = [r for r in runs if r["algorithm"] != CEILING]
     ceiling = next(r for r in runs if r["algorithm"] == CEILING)
-    bars = ax.bar([r["algorithm"] for r in algos], [r["tokens_per_s"] for r in algos], color="tab:blue")
-    for bar, r in zip(bars, algos):
-        ax.annotate(f"{r['ratio_to_ceiling']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom")
-    ax.axhline(ceiling["tokens_per_s"], color="black", linestyle="--", label="ceiling (sites alone)")
-    ax.set_ylabel("tokens/s")
-    ax.set_ylim(0, 1.2 * max([ceiling["tokens_per_s"]] + [r["tokens_per_s"] for r in algos]))
-    ax.set_title(title, fontsize=9)
-    ax.legend(loc="upper right")
-    paths.append(_save(fig, out_dir, "tokens_per_s.png"))
+    for key, ratio, ylabel in (("updates_per_s", "updates_ratio_to_ceiling", "updates/s (progress)"),
+                               ("tokens_per_s", "ratio_to_ceiling", "tokens/s (work, not progress)")):
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        bars = ax.bar([r["algorithm"] for r in algos], [r[key] for r in algos], color="tab:blue")
+        for bar, r in zip(bars, algos):
+            ax.annotate(f"{r[ratio]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom")
+        ax.axhline(ceiling[key], color="black", linestyle="--", label="ceiling (sites alone)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, 1.2 * max([ceiling[key]] + [r[key] for r in algos]))
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")  # ten names must not overlap
+        ax.set_title(title, fontsize=9)
+        ax.legend(loc="upper right")
+        paths.append(_save(fig, out_dir, f"{key}.png"))
 
     for key, xlabel, name in (("wall_s", "wall-clock (s)", "loss_vs_wall.png"),
                               ("tokens", "tokens (all sites)", "loss_vs_tokens.png")):
@@ -256,5 +317,44 @@ def write_all(results: dict, out_dir: str) -> List[str]:
         json.dump(results, f, indent=1)
     table = markdown_table(results)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(f"{scenario_title(results['scenario'])}\n\n{table}")
+        f.write(f"{scenario_title(results['scenario'])}\n\n{table}\n{COLUMN_NOTES}")
     return [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")] + plot(results, out_dir)
+
+
+def report_from_logs(out_dir: str, warmup_intervals: int = 1) -> dict:
+    """Rebuild a wan_bench run's results from what it left in `out_dir`: the scenario and the
+    run labels from results.json, every figure from logs/ (so an older run gains the
+    figures added since, from the same measurements)."""
+    with open(os.path.join(out_dir, "results.json"), encoding="utf-8") as f:
+        old = json.load(f)
+    logs = os.path.join(out_dir, "logs")
+    sites = old["scenario"]["sites"]
+    ceiling = combine_ceiling([summarize(read_log(os.path.join(logs, f"{CEILING}.site{i}.jsonl")), warmup_intervals)
+                               for i in range(sites)])
+    labels = [r["algorithm"] for r in old["runs"] if r["algorithm"] != CEILING]
+    runs = {label: summarize(read_log(os.path.join(logs, f"{label}.jsonl")), warmup_intervals) for label in labels}
+    return build_results(old["scenario"], ceiling, runs)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Re-report a wan_bench run from its logs: rewrites results.json, "
+                                            "results.md and the plots in OUT_DIR (the runs are not repeated).")
+    p.add_argument("out_dir", help="a wan_bench --out-dir holding results.json and logs/")
+    p.add_argument("--warmup-intervals", type=int, default=1, help="log intervals left out of the rates")
+    a = p.parse_args(argv)
+    if a.warmup_intervals < 0:
+        p.error("--warmup-intervals must be 0 or more")
+    try:
+        results = report_from_logs(a.out_dir, a.warmup_intervals)
+    except (OSError, KeyError, ValueError) as err:  # a missing file, an older or foreign layout
+        print(f"error: {a.out_dir}: not a wan_bench output directory this script can read ({err!r})",
+              file=sys.stderr)
+        return 2
+    paths = write_all(results, a.out_dir)
+    print(markdown_table(results))
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,10 +27,14 @@ def fake_log(tokens_per_interval, seconds, bytes_per_interval=0.0, exposed=0.0, 
 def test_summary_skips_warmup_for_speed_but_not_for_bytes():
     m = wan_report.summarize(fake_log(1000, [10.0, 1.0, 1.0], bytes_per_interval=400.0, exposed=0.5))
     assert m["tokens_per_s"] == pytest.approx(1000.0)  # the slow first interval is warm-up
+    assert m["updates_per_s"] == pytest.approx(2.0) and m["updates"] == 6
     assert m["inter_site_bytes_per_step"] == pytest.approx(200.0)
     assert m["exposed_comm_s_per_step"] == pytest.approx(0.25)
     assert m["loss"] == 3.0 and m["peak_rss_mb"] == 100.0
     assert [p["tokens"] for p in m["curve"]] == [1000, 2000, 3000]
+    waited = fake_log(1000, [1.0, 1.0, 1.0])
+    waited[-1]["wall_s"] = 5.0  # the run ends when its last in-flight update is applied (acco/dpu)
+    assert wan_report.summarize(waited)["run_wall_s"] == 5.0
     with pytest.raises(ValueError, match="logged no interval"):
         wan_report.summarize([{"event": "done"}])
 
@@ -70,10 +74,12 @@ def test_ceiling_adds_sites_and_ratios_use_it(tmp_path):
         assert {"algorithm", "tokens_per_s", "ratio_to_ceiling", "inter_site_bytes_per_step",
                 "exposed_comm_s_per_step", "loss", "peak_rss_mb"} <= set(row)
     paths = wan_report.write_all(results, str(tmp_path))
-    assert {os.path.basename(p) for p in paths} == {"results.json", "results.md", "tokens_per_s.png",
-                                                    "loss_vs_wall.png", "loss_vs_tokens.png"}
+    assert {os.path.basename(p) for p in paths} == {"results.json", "results.md", "updates_per_s.png",
+                                                    "tokens_per_s.png", "loss_vs_wall.png", "loss_vs_tokens.png"}
     table = open(tmp_path / "results.md").read()
-    assert "| sync | 250 | **0.250** |" in table and "| local | 800 | **0.800** |" in table
+    # the same batch everywhere: progress and work give the same ratios
+    assert "| sync | 0.500 | **0.250** | 12 s (1.00) | 6 in 12 s | 250 | 0.250 | 500 |" in table
+    assert "| local | 1.600 | **0.800** | 4 s (0.31) | 6 in 4 s | 800 | 0.800 | 500 |" in table
     assert "rank(s) 1 2x slower (consistent)" in table
     assert json.load(open(tmp_path / "results.json"))["scenario"]["rate_mbit"] == 100.0
     # loss at equal wall-clock: when the first algorithm finished (local, at 3.75 s), interpolated
@@ -143,3 +149,61 @@ def test_one_algorithm_can_run_twice_under_labels():
                 ["--algorithms", "sync", "--algo-args", "dx=--lsgd-interval 3"]):
         with pytest.raises(SystemExit):
             wan_bench.parse_args(bad)
+
+
+def test_headline_is_progress_when_an_algorithm_grows_its_batch(tmp_path):
+    # acco-like: each update carries 8x the tokens and takes 8x as long (micro-batches added
+    # while the link is busy): the same tokens/s as the ceiling, an eighth of its updates/s
+    ceiling = wan_report.summarize(fake_log(1000, [1.0, 1.0, 1.0]))
+    sync = wan_report.summarize(fake_log(1000, [4.0, 4.0, 4.0], losses=(5.0, 4.0, 3.0)))
+    grown = wan_report.summarize(fake_log(8000, [8.0, 8.0, 8.0], losses=(4.0, 3.5, 2.0)))
+    assert grown["updates_per_s"] == pytest.approx(0.25) and grown["tokens_per_s"] == pytest.approx(1000.0)
+    assert grown["updates"] == 6 and grown["tokens_trained"] == 24000 and grown["tokens_per_update"] == 4000
+    assert grown["run_wall_s"] == 24.0
+    results = wan_report.build_results({"sites": 2, "ranks_per_site": 1, "rate_mbit": 100.0, "delay_ms": 20.0},
+                                       ceiling, {"sync": sync, "grown": grown})
+    rows = {r["algorithm"]: r for r in results["runs"]}
+    assert rows["grown"]["ratio_to_ceiling"] == pytest.approx(1.0)  # the old field, kept: work
+    assert rows["grown"]["updates_ratio_to_ceiling"] == pytest.approx(0.125)  # progress
+    assert rows["sync"]["updates_ratio_to_ceiling"] == pytest.approx(0.25)
+    # reaches sync's final loss (3.0) between its 2nd and 3rd points: 16 + 8 x (3.5-3)/(3.5-2)
+    assert rows["grown"]["time_to_sync_loss_s"] == pytest.approx(16.0 + 8.0 / 3.0)
+    table = wan_report.markdown_table(results)
+    assert "| grown | 0.250 | **0.125** | 19 s (1.56) | 6 in 24 s | 1000 | 1.000 | 4000 |" in table
+    assert "**1.000**" not in table.split("| grown |")[1]  # the work ratio is not the bold headline
+    paths = wan_report.write_all(results, str(tmp_path))
+    assert "updates/s: optimizer steps per second" in open(tmp_path / "results.md").read()
+    assert os.path.join(str(tmp_path), "updates_per_s.png") in paths
+
+
+def test_sites_that_step_alone_average_their_update_rates():
+    fast = wan_report.summarize(fake_log(1000, [1.0, 1.0, 1.0]))
+    slow = wan_report.summarize(fake_log(1000, [2.0, 2.0, 2.0]))
+    ceiling = wan_report.combine_ceiling([fast, slow])
+    # tokens add up (1000 + 500), updates do not (2 and 1 per second): each site moves its own model
+    assert ceiling["tokens_per_s"] == pytest.approx(1500.0) and ceiling["updates_per_s"] == pytest.approx(1.5)
+    assert ceiling["tokens_per_update"] == 1000 and ceiling["run_wall_s"] == 6.0
+    edit = wan_report.summarize([dict(r, site=0) for r in fake_log(1000, [1.0, 1.0, 1.0])]
+                                + [dict(r, site=1) for r in fake_log(1000, [2.0, 2.0])])
+    assert edit["updates_per_s"] == pytest.approx((2.0 + 1.0) / 2) and edit["updates"] == 5
+    assert edit["tokens_per_update"] == pytest.approx(5000 / 5)
+
+
+def test_an_old_run_is_re_reported_from_its_logs(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    alone = fake_log(500, [1.0, 1.0, 1.0])
+    for name, log in (("ceiling.site0", alone), ("ceiling.site1", alone),
+                      ("sync", fake_log(1000, [4.0, 4.0, 4.0])), ("grown", fake_log(8000, [8.0, 8.0, 8.0]))):
+        (logs / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    old = {"scenario": {"sites": 2, "ranks_per_site": 1, "rate_mbit": 100.0, "delay_ms": 20.0},
+           "runs": [{"algorithm": "ceiling"}, {"algorithm": "sync"}, {"algorithm": "grown"}]}
+    (tmp_path / "results.json").write_text(json.dumps(old))
+    assert wan_report.main([str(tmp_path)]) == 0
+    rows = {r["algorithm"]: r for r in json.load(open(tmp_path / "results.json"))["runs"]}
+    assert list(rows) == ["ceiling", "sync", "grown"]
+    assert rows["grown"]["updates_ratio_to_ceiling"] == pytest.approx(0.125)
+    assert (tmp_path / "updates_per_s.png").exists()
+    done = subprocess.run([sys.executable, "tools/benchmarks/wan_report.py", str(tmp_path / "nothing")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and "Traceback" not in done.stderr
