@@ -21,8 +21,9 @@ Finished cells are cached as JSON under --cache-dir and reused; delete a file to
 Recommended settings: the outer interval H of the DiLoCo family is chosen per scenario so
 that one full-model exchange costs at most a tenth of H steps of compute,
 H = clamp(ceil(10 x exchange / step), 5, 100), from the scenario's own cost and link model
-(printed with the table); dilocox uses int4, streaming-diloco/cocodc 4 fragments with
-tau = 5, acco/dpu their adaptive accumulation, a-edit an interval of H steps' time.
+(printed with the table); dilocox uses int4, streaming-diloco/cocodc one fragment per
+layer with tau = min(5, H / 8), acco/dpu their adaptive accumulation, a-edit an interval
+of H steps' time.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ ALGORITHMS = ("sync", "diloco", "dilocox", "streaming-diloco", "cocodc", "dreamd
 
 # The small GPT every cell trains (its parameter count sets the bytes a step exchanges).
 SEQ = 64
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+LAYERS = 2  # also the streaming family's fragments (one layer each)
+MODEL = ["--num-layers", str(LAYERS), "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(SEQ),
          "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 MICRO_BATCH = 4
@@ -79,7 +81,7 @@ def recommended(algorithm: str, scenario) -> List[str]:
     h = recommended_interval(scenario)
     step = scenario.microbatch_seconds + scenario.optimizer_step_seconds
     outer = ["--lsgd-interval", str(h), "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0"]
-    fragments = ["--lsgd-fragments", "4", "--lsgd-fragment-sync-delay", str(min(5, max(1, h // 8)))]
+    fragments = ["--lsgd-fragments", str(LAYERS), "--lsgd-fragment-sync-delay", str(min(5, max(1, h // 8)))]
     return {
         "sync": [],
         "diloco": outer,
