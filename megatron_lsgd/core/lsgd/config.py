@@ -16,7 +16,7 @@ from typing import Optional
 
 from megatron_lsgd.core.lsgd.options import NoOptions, OptionGroup, option
 
-COMPRESSIONS = ("none", "int8", "int4", "lowrank-int4")
+COMPRESSIONS = ("none", "int8", "int4", "lowrank-int4", "topk-2bit")
 QUANTIZED_MEAN_VARIANTS = ("auto", "allgather", "alltoall")
 
 
@@ -61,6 +61,12 @@ class CompressionOptions(OptionGroup):
     quantized_mean: str = option("--lsgd-quantized-mean", "auto",
                                  "quantized mean across sites (auto: allgather for <= 2 sites, alltoall above)",
                                  choices=QUANTIZED_MEAN_VARIANTS)
+    topk_density: float = option("--lsgd-topk-density", 1 / 64,
+                                 "topk-2bit: fraction of each chunk sent (kept per chunk: density x chunk, >= 1)")
+    topk_chunk: int = option("--lsgd-topk-chunk", 4096, "topk-2bit: values per chunk (one top-k and one scale each)")
+    ef_decay: float = option("--lsgd-ef-decay", 1.0,
+                             "error-feedback decay beta: each round compresses x + beta x residual "
+                             "(1: keep all of it; SparseLoCo uses 0.95)")
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +81,23 @@ class CompressionOptions(OptionGroup):
             raise ValueError("--lsgd-rank only applies to --lsgd-compression lowrank-int4")
         if self.quant_block < 2 or self.quant_block % 2:
             raise ValueError(f"--lsgd-quant-block must be even and >= 2 (got {self.quant_block})")
+        if self.kind != "topk-2bit":
+            for flag, value, default in (("--lsgd-topk-density", self.topk_density, 1 / 64),
+                                         ("--lsgd-topk-chunk", self.topk_chunk, 4096)):
+                if value != default:
+                    raise ValueError(f"{flag} only applies to --lsgd-compression topk-2bit")
+        elif self.quantized_mean != "auto":
+            raise ValueError("--lsgd-quantized-mean does not apply to --lsgd-compression topk-2bit "
+                             "(its sparse payloads are always all-gathered)")
+        if not 0 < self.topk_density <= 1:
+            raise ValueError(f"--lsgd-topk-density must be in (0, 1] (got {self.topk_density})")
+        if not 1 <= self.topk_chunk <= 65536:
+            raise ValueError(f"--lsgd-topk-chunk must be in [1, 65536] (indices travel as 16 bits; got "
+                             f"{self.topk_chunk})")
+        if not 0 <= self.ef_decay <= 1:
+            raise ValueError(f"--lsgd-ef-decay must be in [0, 1] (got {self.ef_decay})")
+        if self.kind == "none" and self.ef_decay != 1.0:
+            raise ValueError("--lsgd-ef-decay needs a lossy --lsgd-compression (none keeps no residual)")
         if self.quantized_mean not in QUANTIZED_MEAN_VARIANTS:
             raise ValueError(f"--lsgd-quantized-mean {self.quantized_mean!r}: choose one of "
                              f"{', '.join(QUANTIZED_MEAN_VARIANTS)}")

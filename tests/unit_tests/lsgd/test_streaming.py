@@ -218,7 +218,8 @@ def test_first_syncs_cover_every_fragment_then_follow_the_ratio():
 
 # ---- side values and the reduction queue ---------------------------------------------------------------
 @pytest.mark.parametrize("kind,variant,rank", [("none", "auto", 0), ("int4", "allgather", 0),
-                                               ("int8", "alltoall", 0), ("lowrank-int4", "allgather", 2)])
+                                               ("int8", "alltoall", 0), ("lowrank-int4", "allgather", 2),
+                                               ("topk-2bit", "auto", 0)])
 def test_side_values_ride_along_without_changing_the_mean(kind, variant, rank):
     comm = InterSiteComm(None, 1)
     opts = CompressionOptions(kind=kind, rank=rank, quant_block=8, quantized_mean=variant)
