@@ -86,7 +86,10 @@ def test_help_shows_one_group_per_algorithm():
     assert "dilocox (--lsgd-algorithm dilocox)" in groups
     assert "--lsgd-dilocox-apply-step" in groups["dilocox (--lsgd-algorithm dilocox)"]
     shared = [t for t in groups if t.startswith("outer optimizer")]
-    assert shared and groups[shared[0]] == ["--lsgd-outer-lr", "--lsgd-outer-momentum", "--lsgd-outer-offload"]
+    assert shared and groups[shared[0]] == ["--lsgd-outer-lr", "--lsgd-outer-momentum", "--lsgd-outer-offload",
+                                            "--lsgd-outer-momentum-warmup", "--lsgd-outer-decay-start",
+                                            "--lsgd-outer-decay-steps", "--lsgd-outer-decay-style",
+                                            "--lsgd-outer-min-lr", "--lsgd-outer-momentum-final"]
     text = subprocess.run([sys.executable, "pretrain_gpt.py", "--help"], capture_output=True, text=True, timeout=120,
                           cwd=__file__.rsplit("/tests/", 1)[0]).stdout
     for name in ("sync", "diloco", "dilocox"):
