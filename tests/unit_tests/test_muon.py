@@ -53,3 +53,19 @@ def test_muon_under_tp2_pp2_zero1_equals_one_rank():
     for name in ref:  # Muon's matrices to 1e-6; AdamW's parameters as in test_layout_equivalence
         torch.testing.assert_close(got[name], ref[name], rtol=0 if name in muon else 1e-5, atol=1e-6, msg=name)
     assert_replicas_identical(layout)
+
+
+@pytest.mark.slow
+def test_muloco_and_acco_with_muon_under_tp2_and_two_sites():
+    """Muon inside each site under diloco (MuLoCo) and under acco, whose worker thread steps the
+    optimizer on groups of its own (tp included): finite, learning, identical replicas."""
+    from tests.unit_tests.harness import run_distributed_many
+
+    args = COMMON + LLAMA + ["--optimizer", "muon", "--tensor-model-parallel-size", "2", "--num-sites", "2",
+                             "--train-iters", "4"]
+    runs = run_distributed_many([args + ["--lsgd-algorithm", "diloco", "--lsgd-interval", "2"],
+                                 args + ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed"]], 4)
+    for run in runs:
+        losses = logged_losses(run)
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+        assert_replicas_identical(run)
