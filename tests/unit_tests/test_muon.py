@@ -69,3 +69,21 @@ def test_muloco_and_acco_with_muon_under_tp2_and_two_sites():
         losses = logged_losses(run)
         assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
         assert_replicas_identical(run)
+
+
+@pytest.mark.slow
+def test_muon_resumes_bit_exact_under_zero1(tmp_path):
+    """The sharded Muon momentum is saved and restored: 2 + 2 steps equal 4 steps."""
+    from tests.unit_tests.checkpointing.launch import TINY, assert_same, load_tree, losses, read, run
+
+    common = TINY + ["--optimizer", "muon", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+                     "--global-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
+                     "--lr-decay-iters", "4", "--save-interval", "2"]
+    run(common + ["--train-iters", "4", "--save", str(tmp_path / "ref")], 2, str(tmp_path / "ref.log"), timeout=300)
+    ckpt = str(tmp_path / "ckpt")
+    run(common + ["--train-iters", "2", "--save", ckpt], 2, str(tmp_path / "a.log"), timeout=300)
+    run(common + ["--train-iters", "4", "--save", ckpt, "--load", ckpt], 2, str(tmp_path / "b.log"), timeout=300)
+    ref, resumed = losses(read(str(tmp_path / "ref.log"))), losses(read(str(tmp_path / "b.log")))
+    assert sorted(resumed) == [3, 4] and all(resumed[it] == ref[it] for it in resumed)
+    final = "iter_0000004"
+    assert_same(load_tree(str(tmp_path / "ref" / final)), load_tree(str(tmp_path / "ckpt" / final)), final)
