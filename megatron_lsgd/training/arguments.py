@@ -155,8 +155,13 @@ def _training_args(p: argparse.ArgumentParser) -> None:
 
 def _optimizer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
-                   help="adam: AdamW (decoupled weight decay); sgd: plain SGD, no momentum")
+    g.add_argument("--optimizer", choices=["adam", "sgd", "muon"], default="adam",
+                   help="adam: AdamW (decoupled weight decay); sgd: plain SGD, no momentum; muon: Muon for the "
+                        "hidden 2-D matrices (step lr x 0.2 x sqrt(max dim)), AdamW for embeddings, output layer "
+                        "and 1-D parameters (with any local-SGD algorithm: MuLoCo)")
+    g.add_argument("--muon-momentum", type=float, default=0.95, help="--optimizer muon: Nesterov momentum")
+    g.add_argument("--muon-ns-steps", type=int, default=5,
+                   help="--optimizer muon: Newton-Schulz iterations (fp32) per matrix and step")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
@@ -320,6 +325,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     model.validate(dims.tp, dims.pp)
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        muon_momentum=args.muon_momentum, muon_ns_steps=args.muon_ns_steps,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters, loss_scale=args.loss_scale,

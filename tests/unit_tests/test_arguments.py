@@ -47,6 +47,9 @@ def test_defaults_build():
     (["--vocab-size", "-3"], 1, "--vocab-size must be >= 2"),
     (["--fp16", "--loss-scale", "0"], 1, "--loss-scale 0.0 must be > 0"),
     (["--loss-scale-window", "0"], 1, "--loss-scale-window and --hysteresis must be >= 1"),
+    (["--muon-momentum", "0.9"], 1, "--muon-momentum and --muon-ns-steps need --optimizer muon"),
+    (["--optimizer", "muon", "--muon-momentum", "1.0"], 1, "--muon-momentum must be in [0, 1)"),
+    (["--optimizer", "muon", "--muon-ns-steps", "0"], 1, "--muon-ns-steps must be in [1, 50]"),
 ])
 def test_bad_arguments_name_the_flag(extra, world, message):
     with pytest.raises(ValueError) as err:

@@ -82,6 +82,30 @@ def lockstep(argv: List[str]) -> bool:
     return synchronizer_class(names[-1] if names else "sync").lockstep
 
 
+def data_argv(data_path, tokenizer_model):
+    """(flags, label): the corpus when `data_path`.bin exists, else mock data, said loudly."""
+    if data_path and os.path.exists(data_path + ".bin"):
+        return (["--data-path", data_path, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                 tokenizer_model, "--split", "98,2,0"], f"real corpus {data_path}")
+    return ["--mock-data", "--vocab-size", "512"], "MOCK DATA (synthetic tokens; not the real corpus)"
+
+
+def base_argv(*, num_layers: int, hidden_size: int, seq_length: int, global_batch_size: int, train_iters: int,
+              lr: float, eval_interval: int, eval_iters: int, sites: int, data: List[str], extra: List[str],
+              seed: int = 1234) -> List[str]:
+    """The model, schedule and data every compared run shares (a small Llama-style GPT)."""
+    return ["--num-layers", str(num_layers), "--hidden-size", str(hidden_size),
+            "--num-attention-heads", "4", "--seq-length", str(seq_length), "--micro-batch-size", "4",
+            "--global-batch-size", str(global_batch_size), "--train-iters", str(train_iters),
+            "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", str(train_iters // 20), "--weight-decay", "0.1", "--clip-grad", "1.0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "10",
+            "--eval-interval", str(eval_interval or train_iters), "--eval-iters", str(eval_iters),
+            "--seed", str(seed),
+            "--num-sites", str(sites), "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--swiglu", "--disable-bias-linear"] + data + extra
+
+
 def steps_to_reach(iters: List[int], losses: List[float], target: float):
     """First iteration at which the validation curve reaches `target`, linearly interpolated
     between evaluations (None if it never does)."""
@@ -141,24 +165,12 @@ def main() -> None:
                    help="--lsgd-edit-inject-fault for the edit-fault and edit-nopenalty-fault runs")
     args = p.parse_args()
 
-    real = bool(args.data_path) and os.path.exists(args.data_path + ".bin")
-    if real:
-        data = ["--data-path", args.data_path, "--tokenizer-type", "SentencePieceTokenizer",
-                "--tokenizer-model", args.tokenizer_model, "--split", "98,2,0"]
-    else:
-        data = ["--mock-data", "--vocab-size", "512"]
-    label = f"real corpus {args.data_path}" if real else "MOCK DATA (synthetic tokens; not the real corpus)"
+    data, label = data_argv(args.data_path, args.tokenizer_model)
     world = args.sites * args.ranks_per_site
-    base = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-            "--num-attention-heads", "4", "--seq-length", str(args.seq_length), "--micro-batch-size", "4",
-            "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.train_iters),
-            "--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--lr-decay-style", "cosine",
-            "--lr-warmup-iters", str(args.train_iters // 20), "--weight-decay", "0.1", "--clip-grad", "1.0",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "10",
-            "--eval-interval", str(args.eval_interval or args.train_iters), "--eval-iters", str(args.eval_iters),
-            "--seed", "1234",
-            "--num-sites", str(args.sites), "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-            "--swiglu", "--disable-bias-linear"] + data + shlex.split(args.extra_args)
+    base = base_argv(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_length=args.seq_length,
+                     global_batch_size=args.global_batch_size, train_iters=args.train_iters, lr=args.lr,
+                     eval_interval=args.eval_interval, eval_iters=args.eval_iters, sites=args.sites, data=data,
+                     extra=shlex.split(args.extra_args))
     outer = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
              "--lsgd-outer-momentum", str(args.outer_momentum)]
     outer_x = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),

@@ -260,8 +260,9 @@ class OverlappedGradientSync(Synchronizer):
         timeout = timedelta(minutes=minutes) if minutes else None
         # Groups of the worker thread's own (see the module docstring's ordering rule).
         ctx.comm.use_dedicated_group(ctx.pgs.dims, timeout)
-        self.worker_groups = clone_groups(ctx.pgs, ("dp_intra", "model_parallel", "site"), timeout) \
-            if dist.is_initialized() else ctx.pgs
+        # --optimizer muon assembles its matrices over tp too, inside the worker's step
+        kinds = ("dp_intra", "model_parallel", "site") + (("tp",) if getattr(ctx.optimizer, "muon", None) else ())
+        self.worker_groups = clone_groups(ctx.pgs, kinds, timeout) if dist.is_initialized() else ctx.pgs
         self.storages = (self.model.buffer.active_grad_storage, self.model.add_grad_storage())
         self.active = 0  # index into self.storages: where compute accumulates
         self.views = ctx.optimizer.views()  # the whole model: one fragment

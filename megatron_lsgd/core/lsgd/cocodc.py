@@ -13,6 +13,15 @@ approximation of the Hessian (our reading of the paper's Eqs. 4-8, whose printed
 inconsistent: this is the one that keeps local progress). λ = 0 is "rebase the local
 progress onto the new global fragment": θ_g,p(new) + u.
 
+With Adam-sized steps u ⊙ u is ~1e-8, so the printed form is numerically inert (the
+correction is ~1e-10 of d). `--lsgd-cocodc-dc-normalize mean-square` replaces the Fisher
+term by u ⊙ u / v, v a per-element running mean square of u over the fragment's landings
+(decay `--lsgd-cocodc-dc-beta`, bias-corrected), as DC-ASGD's adaptive form normalizes its
+correction by a running mean square; the ratio is dimensionless (1 for a typical step), so
+the correction becomes (λ τ / H) (u ⊙ u / v) ⊙ d, the paper's τ g_corr with g ⊙ g measured
+in units of its own mean square: at λ 0.5, τ 5, H 100 about 2.5% of d per coordinate. It
+costs one fp32 copy of this rank's fragment shards (v), saved with the checkpoint.
+
 Adaptive transmission (`--lsgd-cocodc-schedule adaptive`, the default). N syncs per H steps,
 one every h = ⌊H/N⌋ steps, with N = max(K, ⌊γ·H·T_c/T_s⌋) (T_c: mean inner step time,
 T_s: mean time from issuing a fragment's reduction to seeing it complete, observed at the
@@ -58,6 +67,7 @@ from megatron_lsgd.core.lsgd.registry import register
 from megatron_lsgd.core.lsgd.streaming import FragmentOptions, InFlight, StreamingDiLoCo
 
 SCHEDULES = ("adaptive", "round-robin")
+DC_NORMALIZE = ("none", "mean-square")
 
 
 @dataclass
@@ -72,6 +82,12 @@ class CoCoDCOptions(FragmentOptions):
                            "adaptive: N syncs per H steps, the fragment chosen by staleness and pseudo-gradient "
                            "norm; round-robin: streaming-diloco's fixed slots (delay compensation only)",
                            choices=SCHEDULES)
+    dc_normalize: str = option("--lsgd-cocodc-dc-normalize", "none",
+                               "none: the paper's correction (lambda / (tau H)) u*u*d, inert at Adam-sized steps; "
+                               "mean-square: (lambda tau / H) (u*u / v) * d, v a running mean square of u "
+                               "(DC-ASGD's adaptive form)", choices=DC_NORMALIZE)
+    dc_beta: float = option("--lsgd-cocodc-dc-beta", 0.95,
+                            "mean-square normalization: decay of the running mean square of u per landing")
     syncs_per_round: int = option("--lsgd-cocodc-syncs-per-round", 0,
                                   "adaptive schedule: fix N instead of measuring step and sync times (0: measure)",
                                   metavar="N")
@@ -83,6 +99,13 @@ class CoCoDCOptions(FragmentOptions):
             raise ValueError(f"--lsgd-cocodc-lambda must be >= 0 (got {self.dc_lambda})")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"--lsgd-cocodc-gamma must be in (0, 1] (got {self.gamma})")
+        if self.dc_normalize not in DC_NORMALIZE:
+            raise ValueError(f"--lsgd-cocodc-dc-normalize {self.dc_normalize!r}: choose one of "
+                             f"{', '.join(DC_NORMALIZE)}")
+        if not 0 <= self.dc_beta < 1:
+            raise ValueError(f"--lsgd-cocodc-dc-beta must be in [0, 1) (got {self.dc_beta})")
+        if self.dc_beta != 0.95 and self.dc_normalize != "mean-square":
+            raise ValueError("--lsgd-cocodc-dc-beta needs --lsgd-cocodc-dc-normalize mean-square")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--lsgd-cocodc-schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.syncs_per_round < 0:
@@ -179,6 +202,10 @@ class CoCoDC(StreamingDiLoCo):
         super().__init__(ctx)
         algo = ctx.config.algo
         self.dc_lambda = algo.dc_lambda
+        self.dc_normalize = algo.dc_normalize == "mean-square"
+        self.dc_beta = algo.dc_beta
+        self.dc_mean_sq: Dict[int, List[torch.Tensor]] = {}  # fragment -> running mean square of u per range
+        self.dc_landings: Dict[int, int] = {}
         self.adaptive = algo.schedule == "adaptive"
         self.measuring = self.adaptive and algo.syncs_per_round == 0
         self.num_syncs = algo.syncs_per_round or self.num_fragments  # N
@@ -225,13 +252,32 @@ class CoCoDC(StreamingDiLoCo):
         progress = [m.to(self.device) - s for m, s in zip(views.main, rec.snapshot)]  # u, before the outer step
         self.outer.step(views, mean)
         coef = self.dc_lambda / (tau * self.interval) if tau > 0 else 0.0
-        for m, a, s, u in zip(views.main, self.outer.anchor(views), rec.snapshot, progress):
+        scales: List[Optional[torch.Tensor]] = [None] * len(progress)
+        if coef and self.dc_normalize:
+            coef = self.dc_lambda * tau / self.interval
+            scales = self._mean_square(rec.fragment, progress)
+        for m, a, s, u, v in zip(views.main, self.outer.anchor(views), rec.snapshot, progress, scales):
             target = torch.add(a, u, out=m) if m.device == a.device else a + u  # λ = 0: exactly a + u
             if coef:
-                target.sub_((a - s).mul_(u).mul_(u).mul_(coef))  # (λ / (τH)) u ⊙ u ⊙ d
+                corr = (a - s).mul_(u).mul_(u)
+                if v is not None:
+                    corr.div_(v)
+                target.sub_(corr.mul_(coef))  # (λ / (τH)) u ⊙ u ⊙ d, or (λτ / H) (u ⊙ u / v) ⊙ d
             if target is not m:
                 m.copy_(target)
         return tau > 0
+
+    def _mean_square(self, p: int, progress: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Update fragment p's running mean square of u with this landing's u; return it
+        bias-corrected (plus a floor, so a coordinate that never moved divides 0 by it)."""
+        if p not in self.dc_mean_sq:
+            self.dc_mean_sq[p] = [torch.zeros_like(u) for u in progress]
+        n = self.dc_landings[p] = self.dc_landings.get(p, 0) + 1
+        out = []
+        for v, u in zip(self.dc_mean_sq[p], progress):
+            v.mul_(self.dc_beta).addcmul_(u, u, value=1 - self.dc_beta)
+            out.append((v / (1 - self.dc_beta ** n)).clamp_(min=1e-30))
+        return out
 
     def after_landing(self, rec: InFlight, mean: List[torch.Tensor], t: int) -> None:
         if not self.adaptive:
@@ -274,6 +320,9 @@ class CoCoDC(StreamingDiLoCo):
     # ---- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> Dict:
         state = super().state_dict()
+        if self.dc_normalize:
+            state.update(dc_mean_sq={str(p): [v.clone() for v in vs] for p, vs in self.dc_mean_sq.items()},
+                         dc_landings={str(p): n for p, n in self.dc_landings.items()})
         state.update(ratios=list(self.ratios), num_syncs=self.num_syncs, slot=self.slot, next_start=self.next_start,
                      step_count=self.step_count, step_seconds_sum=self.step_seconds_sum,
                      site_step_seconds=self.site_step_seconds, site_sync_seconds=self.site_sync_seconds,
@@ -282,6 +331,11 @@ class CoCoDC(StreamingDiLoCo):
 
     def load_state_dict(self, state: Dict) -> None:
         super().load_state_dict(state)
+        if self.dc_normalize:
+            if "dc_mean_sq" not in state:
+                raise ValueError("the checkpoint was saved without --lsgd-cocodc-dc-normalize mean-square")
+            self.dc_mean_sq = {int(p): [v.to(self.device).clone() for v in vs] for p, vs in state["dc_mean_sq"].items()}
+            self.dc_landings = {int(p): int(n) for p, n in state["dc_landings"].items()}
         self.ratios = [float(r) for r in state["ratios"]]
         self.num_syncs, self.slot = int(state["num_syncs"]), int(state["slot"])
         self.next_start, self.step_count = int(state["next_start"]), int(state["step_count"])

@@ -8,11 +8,13 @@ layer-wise ones. `--lsgd-compression` picks the kind:
     none          exact fp32 mean (ring all-reduce), no error feedback
     int8, int4    per-block absmax quantization (means.py), error feedback
     lowrank-int4  PowerSGD-style low rank, P and Q in int4, error feedback
+    topk-2bit     SparseLoCo: chunked top-k, 2-bit values, all-gathered sparse (sparse.py)
 
-Per round a lossy compressor sends C(M) with M = x + e and keeps e <- M - (what this rank
-contributed, as every site reconstructs it): the sum over rounds of the contributions plus
-the final residual equals the sum of the inputs (mass conservation, tested). A new kind
-(say top-k) subclasses `ErrorFeedbackCompressor` and implements `_compressed_mean`.
+Per round a lossy compressor sends C(M) with M = x + beta e and keeps e <- M - (what this
+rank contributed, as every site reconstructs it). With beta = 1 (`--lsgd-ef-decay`, the
+default) the sum over rounds of the contributions plus the final residual equals the sum
+of the inputs (mass conservation, tested); beta < 1 (SparseLoCo's 0.95) lets old error
+fade. A new kind subclasses `ErrorFeedbackCompressor` and implements `_compressed_mean`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from megatron_lsgd.core.lsgd.config import CompressionOptions
 from megatron_lsgd.core.lsgd.means import (RequantizationFeedback, SideValues, fp32_mean, lowrank_mean,
                                            payload_bytes, quantized_mean)
 from megatron_lsgd.core.lsgd.reduction import Reduction
+from megatron_lsgd.core.lsgd.sparse import SparseLayout, sparse_mean, topk_per_chunk
 
 Layout = List[List[Tuple[Tuple[int, ...], int, int, int, int]]]
 
@@ -117,11 +120,12 @@ class ErrorFeedbackCompressor(Compressor, abc.ABC):
     """A lossy compressor with error feedback; subclasses implement `_compressed_mean`."""
 
     def __init__(self, comm: InterSiteComm, shapes: List[torch.Size], device: torch.device, block: int,
-                 variant: str, bits: Optional[int]):
+                 variant: str, bits: Optional[int], decay: float = 1.0):
         super().__init__(comm, shapes, device)
         self.block = block
         self.variant = variant
         self.bits = bits
+        self.decay = decay
         self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
 
     @abc.abstractmethod
@@ -130,7 +134,10 @@ class ErrorFeedbackCompressor(Compressor, abc.ABC):
         `side` rides along uncompressed (means.SideValues)."""
 
     def reduce(self, tensors: List[torch.Tensor], side: Optional[SideValues] = None) -> Reduction:
-        ms = [d + e for d, e in zip(tensors, self.errors)]
+        if self.decay == 1.0:
+            ms = [d + e for d, e in zip(tensors, self.errors)]
+        else:
+            ms = [torch.add(d, e, alpha=self.decay) for d, e in zip(tensors, self.errors)]
         means, sents = yield from self._compressed_mean(ms, side)
         err_sq = in_sq = 0.0
         for e, m, s in zip(self.errors, ms, sents):
@@ -147,8 +154,8 @@ class ErrorFeedbackCompressor(Compressor, abc.ABC):
 class QuantizedCompressor(ErrorFeedbackCompressor):
     """int8 / int4: one quantized mean of the whole fragment (blocks run across tensors)."""
 
-    def __init__(self, comm, shapes, device, block: int, variant: str, bits: int):
-        super().__init__(comm, shapes, device, block, variant, bits)
+    def __init__(self, comm, shapes, device, block: int, variant: str, bits: int, decay: float = 1.0):
+        super().__init__(comm, shapes, device, block, variant, bits, decay)
         self.kind = f"int{bits}"
         # The all-to-all variant's chunk owner feeds its requantization error back too.
         self.requant_feedback = RequantizationFeedback()
@@ -180,8 +187,8 @@ class LowRankCompressor(ErrorFeedbackCompressor):
     kind = "lowrank-int4"
 
     def __init__(self, comm, shapes, device, block: int, variant: str, layout: Layout, rank: int, seed: int,
-                 energy: float, bits: Optional[int] = 4):
-        super().__init__(comm, shapes, device, block, variant, bits)
+                 energy: float, bits: Optional[int] = 4, decay: float = 1.0):
+        super().__init__(comm, shapes, device, block, variant, bits, decay)
         self.max_rank = self.rank = rank
         self.energy = energy
         self.seed = seed
@@ -242,15 +249,37 @@ class LowRankCompressor(ErrorFeedbackCompressor):
         self.rank = int(state["rank"])
 
 
+class SparseCompressor(ErrorFeedbackCompressor):
+    """topk-2bit (SparseLoCo): per chunk of the fragment's flat vector (chunks run across
+    tensors, like quantization blocks) the k largest |values| in 2 bits with one scale;
+    every site all-gathers the payloads and sums them (sparse.py)."""
+
+    kind = "topk-2bit"
+
+    def __init__(self, comm, shapes, device, chunk: int, density: float, decay: float = 1.0):
+        super().__init__(comm, shapes, device, chunk, "allgather", 2, decay)
+        self.k = topk_per_chunk(density, chunk)
+
+    def _compressed_mean(self, ms, side=None):
+        flat = torch.cat([m.reshape(-1) for m in ms])
+        mean, sent = yield from sparse_mean(self.comm, flat, self.block, self.k, side)
+        return list(mean.split([m.numel() for m in ms])), list(sent.split([m.numel() for m in ms]))
+
+    def payload_bytes_per_round(self) -> int:
+        return SparseLayout(self.numel, self.block, self.k).nbytes
+
+
 def build_compressor(options: CompressionOptions, comm: InterSiteComm, shapes: List[torch.Size], layout: Layout,
                      seed: int, device: torch.device, energy: float = 0.9) -> Compressor:
     if options.kind == "none":
         return Compressor(comm, shapes, device)
     if options.kind in ("int8", "int4"):
         return QuantizedCompressor(comm, shapes, device, options.quant_block, options.quantized_mean,
-                                   int(options.kind[3:]))
+                                   int(options.kind[3:]), options.ef_decay)
+    if options.kind == "topk-2bit":
+        return SparseCompressor(comm, shapes, device, options.topk_chunk, options.topk_density, options.ef_decay)
     return LowRankCompressor(comm, shapes, device, options.quant_block, options.quantized_mean, layout, options.rank,
-                             seed, energy)
+                             seed, energy, decay=options.ef_decay)
 
 
 class CompressorBank:

@@ -11,12 +11,13 @@ Shared pieces, each usable by any algorithm that declares it in `Synchronizer.us
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_lsgd.core.lsgd.options import NoOptions, OptionGroup, option
 
-COMPRESSIONS = ("none", "int8", "int4", "lowrank-int4")
+COMPRESSIONS = ("none", "int8", "int4", "lowrank-int4", "topk-2bit")
 QUANTIZED_MEAN_VARIANTS = ("auto", "allgather", "alltoall")
 
 
@@ -35,20 +36,73 @@ class RoundOptions(OptionGroup):
             raise ValueError(f"--lsgd-interval must be >= 1 (got {self.interval})")
 
 
+OUTER_DECAY_STYLES = ("linear", "cosine")
+
+
 @dataclass
 class OuterOptions(OptionGroup):
     title = "outer optimizer (anchor + Nesterov SGD, per ZeRO-1 shard)"
+    description = ("Schedules count each fragment's own outer steps k = 1, 2, ... (the whole model's rounds "
+                   "for diloco-like algorithms, one fragment's syncs for streaming ones): momentum ramps up "
+                   "over the warm-up, then lr and momentum move to their final values over the decay window.")
     lr: float = option("--lsgd-outer-lr", 0.7, "outer Nesterov SGD learning rate")
     momentum: float = option("--lsgd-outer-momentum", 0.9, "outer Nesterov momentum (0: plain SGD)")
     offload: bool = option("--lsgd-outer-offload", False,
                            "keep the anchor and outer momentum of this rank's shard in (pinned) host memory; "
                            "each fragment is brought to the device when used")
+    momentum_warmup: int = option("--lsgd-outer-momentum-warmup", 0,
+                                  "outer steps W over which momentum ramps linearly: step k uses "
+                                  "momentum x min(1, k / W) (0: none)")
+    decay_start: int = option("--lsgd-outer-decay-start", 0,
+                              "outer step S after which lr and momentum move to --lsgd-outer-min-lr and "
+                              "--lsgd-outer-momentum-final (0: never)")
+    decay_steps: int = option("--lsgd-outer-decay-steps", 1, "outer steps the decay takes (after S)")
+    decay_style: str = option("--lsgd-outer-decay-style", "linear", "shape of the decay",
+                              choices=OUTER_DECAY_STYLES)
+    min_lr: float = option("--lsgd-outer-min-lr", 0.0, "outer lr at the end of the decay")
+    momentum_final: float = option("--lsgd-outer-momentum-final", 0.0, "outer momentum at the end of the decay")
 
     def validate(self, **_) -> None:
         if self.lr <= 0:
             raise ValueError(f"--lsgd-outer-lr must be > 0 (got {self.lr})")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"--lsgd-outer-momentum must be in [0, 1) (got {self.momentum})")
+        if self.momentum_warmup < 0:
+            raise ValueError(f"--lsgd-outer-momentum-warmup must be >= 0 (got {self.momentum_warmup})")
+        if self.momentum_warmup and self.momentum == 0:
+            raise ValueError("--lsgd-outer-momentum-warmup needs --lsgd-outer-momentum > 0")
+        if self.decay_start < 0:
+            raise ValueError(f"--lsgd-outer-decay-start must be >= 0 (got {self.decay_start})")
+        if self.decay_steps < 1:
+            raise ValueError(f"--lsgd-outer-decay-steps must be >= 1 (got {self.decay_steps})")
+        if self.decay_style not in OUTER_DECAY_STYLES:
+            raise ValueError(f"--lsgd-outer-decay-style {self.decay_style!r}: choose one of "
+                             f"{', '.join(OUTER_DECAY_STYLES)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--lsgd-outer-min-lr must be in [0, --lsgd-outer-lr] (got {self.min_lr})")
+        if not 0 <= self.momentum_final <= self.momentum:
+            raise ValueError(f"--lsgd-outer-momentum-final must be in [0, --lsgd-outer-momentum] "
+                             f"(got {self.momentum_final})")
+        if not self.decay_start:
+            for flag, value, default in (("--lsgd-outer-decay-steps", self.decay_steps, 1),
+                                         ("--lsgd-outer-decay-style", self.decay_style, "linear"),
+                                         ("--lsgd-outer-min-lr", self.min_lr, 0.0),
+                                         ("--lsgd-outer-momentum-final", self.momentum_final, 0.0)):
+                if value != default:
+                    raise ValueError(f"{flag} needs --lsgd-outer-decay-start > 0")
+
+    def at(self, k: int):
+        """(lr, momentum) of a fragment's k-th outer step (k >= 1)."""
+        lr, momentum = self.lr, self.momentum
+        if self.momentum_warmup:
+            momentum *= min(1.0, k / self.momentum_warmup)
+        if self.decay_start and k > self.decay_start:
+            frac = min(1.0, (k - self.decay_start) / self.decay_steps)
+            # weight of the starting value: linear 1 - frac, cosine (1 + cos(pi frac)) / 2
+            keep = 1.0 - frac if self.decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+            lr = self.min_lr + (lr - self.min_lr) * keep
+            momentum = self.momentum_final + (momentum - self.momentum_final) * keep
+        return lr, momentum
 
 
 @dataclass
@@ -61,6 +115,12 @@ class CompressionOptions(OptionGroup):
     quantized_mean: str = option("--lsgd-quantized-mean", "auto",
                                  "quantized mean across sites (auto: allgather for <= 2 sites, alltoall above)",
                                  choices=QUANTIZED_MEAN_VARIANTS)
+    topk_density: float = option("--lsgd-topk-density", 1 / 64,
+                                 "topk-2bit: fraction of each chunk sent (kept per chunk: density x chunk, >= 1)")
+    topk_chunk: int = option("--lsgd-topk-chunk", 4096, "topk-2bit: values per chunk (one top-k and one scale each)")
+    ef_decay: float = option("--lsgd-ef-decay", 1.0,
+                             "error-feedback decay beta: each round compresses x + beta x residual "
+                             "(1: keep all of it; SparseLoCo uses 0.95)")
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +135,23 @@ class CompressionOptions(OptionGroup):
             raise ValueError("--lsgd-rank only applies to --lsgd-compression lowrank-int4")
         if self.quant_block < 2 or self.quant_block % 2:
             raise ValueError(f"--lsgd-quant-block must be even and >= 2 (got {self.quant_block})")
+        if self.kind != "topk-2bit":
+            for flag, value, default in (("--lsgd-topk-density", self.topk_density, 1 / 64),
+                                         ("--lsgd-topk-chunk", self.topk_chunk, 4096)):
+                if value != default:
+                    raise ValueError(f"{flag} only applies to --lsgd-compression topk-2bit")
+        elif self.quantized_mean != "auto":
+            raise ValueError("--lsgd-quantized-mean does not apply to --lsgd-compression topk-2bit "
+                             "(its sparse payloads are always all-gathered)")
+        if not 0 < self.topk_density <= 1:
+            raise ValueError(f"--lsgd-topk-density must be in (0, 1] (got {self.topk_density})")
+        if not 1 <= self.topk_chunk <= 65536:
+            raise ValueError(f"--lsgd-topk-chunk must be in [1, 65536] (indices travel as 16 bits; got "
+                             f"{self.topk_chunk})")
+        if not 0 <= self.ef_decay <= 1:
+            raise ValueError(f"--lsgd-ef-decay must be in [0, 1] (got {self.ef_decay})")
+        if self.kind == "none" and self.ef_decay != 1.0:
+            raise ValueError("--lsgd-ef-decay needs a lossy --lsgd-compression (none keeps no residual)")
         if self.quantized_mean not in QUANTIZED_MEAN_VARIANTS:
             raise ValueError(f"--lsgd-quantized-mean {self.quantized_mean!r}: choose one of "
                              f"{', '.join(QUANTIZED_MEAN_VARIANTS)}")

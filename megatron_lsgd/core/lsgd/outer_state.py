@@ -14,7 +14,9 @@ a set of layers), so the same four operations serve every algorithm:
 The step is torch's own SGD (`torch.optim.sgd.sgd`, the function behind torch.optim.SGD)
 applied to the views, so a fragment's step is exactly torch.optim.SGD's arithmetic on its
 part of the anchor. A fragment's momentum starts (as torch's does) as a copy of its first
-outer gradient; fragments stepped separately must therefore be disjoint.
+outer gradient; fragments stepped separately must therefore be disjoint. Each fragment
+counts its own outer steps; the k-th takes (lr, momentum) = `OuterOptions.at(k)` (the
+warm-up and decay schedules; constant by default).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from megatron_lsgd.core.lsgd.config import OuterOptions
 
 class OuterState:
     def __init__(self, shards: List[torch.Tensor], options: OuterOptions):
+        self.options = options
         self.lr, self.momentum = options.lr, options.momentum
         self.offload = options.offload
         self.device = torch.device("cpu") if options.offload else (shards[0].device if shards else torch.device("cpu"))
@@ -38,6 +41,7 @@ class OuterState:
             a.copy_(s)
         self.momenta = [torch.zeros_like(a) for a in self.anchors] if self.momentum > 0 else []
         self._started: Set[str] = set()  # fragments (views keys) whose momentum holds a first step
+        self.steps: Dict[str, int] = {}  # outer steps taken per fragment (views key), for the schedules
 
     def _alloc(self, shard: torch.Tensor, pin: bool) -> torch.Tensor:
         t = torch.empty(shard.shape, dtype=torch.float32, device=self.device)
@@ -66,10 +70,12 @@ class OuterState:
         params = self.anchor(views)
         grads = [g.to(self.device) for g in mean_grads]
         started = views.key in self._started
+        self.steps[views.key] = k = self.steps.get(views.key, 0) + 1
+        lr, momentum = self.options.at(k)
         buffers: List[Optional[torch.Tensor]] = views.select(self.momenta) if started else [None] * len(params)
-        sgd(params, grads, buffers, weight_decay=0.0, momentum=self.momentum, lr=self.lr, dampening=0.0,
-            nesterov=self.momentum > 0, maximize=False)
-        if self.momentum > 0 and not started:  # torch created each buffer as a copy of the first grad
+        sgd(params, grads, buffers, weight_decay=0.0, momentum=momentum, lr=lr, dampening=0.0,
+            nesterov=momentum > 0, maximize=False)
+        if momentum > 0 and not started:  # torch created each buffer as a copy of the first grad
             for dst, buf in zip(views.select(self.momenta), buffers):
                 dst.copy_(buf)
             self._started.add(views.key)
@@ -89,7 +95,7 @@ class OuterState:
     # weights_only-loadable: tensors, numbers, strings, lists, dicts.
     def state_dict(self) -> Dict:
         return {"anchors": [a.clone() for a in self.anchors], "momentum": [m.clone() for m in self.momenta],
-                "momentum_started": sorted(self._started)}
+                "momentum_started": sorted(self._started), "outer_steps": dict(self.steps)}
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict) -> None:
@@ -100,6 +106,9 @@ class OuterState:
         else:
             started = list(state["momentum_started"])
         self._started = set(started)
+        # absent in checkpoints that predate the schedules: they ran constant ones, so only a
+        # run that adds a schedule on resume sees its count start again
+        self.steps = {str(key): int(n) for key, n in state.get("outer_steps", {}).items()}
         if self.momentum > 0 and started:
             for m, saved in zip(self.momenta, state["momentum"]):
                 m.copy_(saved)

@@ -8,8 +8,10 @@ from typing import Optional
 
 @dataclass
 class OptimizerConfig:
-    optimizer: str = "adam"  # adam (AdamW) | sgd (plain SGD, no momentum)
+    optimizer: str = "adam"  # adam (AdamW) | sgd (plain SGD, no momentum) | muon (Muon + AdamW, muon.py)
     lr: float = 1e-4
+    muon_momentum: float = 0.95  # --optimizer muon: Nesterov momentum of the hidden matrices
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
     min_lr: float = 0.0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -37,8 +39,14 @@ class OptimizerConfig:
     check_for_nan_in_grad: bool = True
 
     def validate(self, train_iters: int) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"--optimizer {self.optimizer!r}: choose adam or sgd")
+        if self.optimizer not in ("adam", "sgd", "muon"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: choose adam, sgd or muon")
+        if self.optimizer != "muon" and (self.muon_momentum != 0.95 or self.muon_ns_steps != 5):
+            raise ValueError("--muon-momentum and --muon-ns-steps need --optimizer muon")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"--muon-momentum must be in [0, 1) (got {self.muon_momentum})")
+        if not 1 <= self.muon_ns_steps <= 50:
+            raise ValueError(f"--muon-ns-steps must be in [1, 50] (got {self.muon_ns_steps})")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0 (got {self.lr})")
         if not 0 <= self.min_lr <= self.lr:

@@ -1,4 +1,5 @@
-"""The inner optimizer: torch AdamW over this rank's shard of every bucket.
+"""The inner optimizer: torch AdamW (or SGD) over this rank's shard of every bucket; with
+`--optimizer muon`, Muon for the hidden 2-D matrices (muon.py) and AdamW for the rest.
 
 Without ZeRO-1 the "shard" is the whole buffer. With `--use-distributed-optimizer` each
 rank of a site steps only its 1/DP_intra slice (optimizer state sharded likewise) and the
@@ -34,6 +35,7 @@ from megatron_lsgd.core.distributed.collectives import all_gather_flat
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_lsgd.core.optimizer.muon import ShardedMuon, is_muon_matrix
 from megatron_lsgd.core.optimizer.shard_views import BucketExtent, ShardViews, build_views
 from megatron_lsgd.core.parallel_state import ProcessGroups
 
@@ -54,6 +56,8 @@ class ShardPiece:
     shard: int = 0  # which main shard holds it, and where: main_shards[shard][1][lo:hi]
     lo: int = 0
     hi: int = 0
+    p_lo: int = 0  # where it sits in the parameter's flattened (local TP slice) coordinates
+    p_hi: int = 0
 
 
 class ShardedOptimizer:
@@ -83,7 +87,7 @@ class ShardedOptimizer:
                 self._layout.append([])
                 for p, p_lo, p_hi, s_lo, s_hi in buffer.shard_pieces(bucket, self.shard_index):
                     self.pieces.append(ShardPiece(p, main[s_lo:s_hi], grad[s_lo:s_hi], self._counts_in_norm(p),
-                                                  len(self.main_shards) - 1, s_lo, s_hi))
+                                                  len(self.main_shards) - 1, s_lo, s_hi, p_lo, p_hi))
                     self._layout[-1].append((tuple(p.shape), p_lo, p_hi, s_lo, s_hi))
 
         self._param_names: Dict[int, str] = {}
@@ -105,10 +109,31 @@ class ShardedOptimizer:
             return "decoupled" if name.endswith("word_embeddings.weight") or name.startswith("output_layer.") \
                 else "default"
 
+        # --optimizer muon: the hidden matrices go to Muon, everything else to AdamW.
+        use_muon = config.optimizer == "muon"
+        muon_ids = set()
+        if use_muon:
+            seen = set()
+            muon_params = []
+            for model in models:
+                for bucket in model.buffer.buckets:
+                    for p in bucket.params:
+                        if id(p) not in seen and is_muon_matrix(self._param_names.get(id(p), ""), p):
+                            seen.add(id(p))
+                            muon_params.append(p)
+            muon_ids = {id(p) for p in muon_params}
+            self.muon: Optional[ShardedMuon] = ShardedMuon(
+                [pc for pc in self.pieces if id(pc.param) in muon_ids], muon_params, pgs, self.sharded,
+                config.muon_momentum, config.muon_ns_steps, config.weight_decay)
+        else:
+            self.muon = None
+        self._muon_ids = muon_ids
+        self._adam_pieces = [pc for pc in self.pieces if id(pc.param) not in muon_ids]
+
         groups, self._group_kinds = [], []
         for k in ("default", "decoupled"):
-            decay = [pc.main for pc in self.pieces if pc.param.ndim > 1 and kind(pc) == k]
-            no_decay = [pc.main for pc in self.pieces if pc.param.ndim <= 1 and kind(pc) == k]
+            decay = [pc.main for pc in self._adam_pieces if pc.param.ndim > 1 and kind(pc) == k]
+            no_decay = [pc.main for pc in self._adam_pieces if pc.param.ndim <= 1 and kind(pc) == k]
             for params, wd in ((decay, config.weight_decay), (no_decay, 0.0)):
                 if params:
                     groups.append({"params": params, "weight_decay": wd})
@@ -210,9 +235,15 @@ class ShardedOptimizer:
                 grad.mul_(coeff)
         for group, kind in zip(self.optimizer.param_groups, self._group_kinds):
             group["lr"] = lr.get(kind, lr["default"]) if isinstance(lr, dict) else lr
+        muon_grads = []
         for pc, grad in zip(self.pieces, self._piece_grads(grads)):
-            pc.main.grad = grad
+            if id(pc.param) in self._muon_ids:
+                muon_grads.append(grad)
+            else:
+                pc.main.grad = grad
         self.optimizer.step()
+        if self.muon is not None:
+            self.muon.step(muon_grads, lr["default"] if isinstance(lr, dict) else lr, groups)
         for pc in self.pieces:
             pc.main.grad = None
         if copy_to_model:
@@ -231,6 +262,7 @@ class ShardedOptimizer:
         saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
                        for p, st in self.optimizer.state.items()}
         saved_scaler = self.grad_scaler.state_dict() if self.grad_scaler is not None else None
+        saved_muon = self.muon.state_dict() if self.muon is not None else None
         try:
             ok, norm = self.step(lr, grads=grads, groups=groups, copy_to_model=False)
             for o, (_, main, _) in zip(out, self.main_shards):
@@ -241,6 +273,8 @@ class ShardedOptimizer:
             self.optimizer.state = defaultdict(dict, saved_state)
             if saved_scaler is not None:
                 self.grad_scaler.load_state_dict(saved_scaler)
+            if saved_muon is not None:
+                self.muon.load_state_dict(saved_muon)
         return ok, norm
 
     @torch.no_grad()
@@ -347,6 +381,8 @@ class ShardedOptimizer:
             state["main_shards"] = [m.clone() for _, m, _ in self.main_shards]
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
+        if self.muon is not None:
+            state["muon"] = self.muon.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -356,6 +392,8 @@ class ShardedOptimizer:
                 main.copy_(saved)
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if self.muon is not None:
+            self.muon.load_state_dict(state.get("muon"))
 
 
 def build_grad_scaler(config: OptimizerConfig, fp16: bool):

@@ -36,6 +36,21 @@ def config(extra, world=2):
      "--lsgd-rank"),
     (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-adaptive"], "--lsgd-adaptive"),
     (["--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-quant-block", "3"], "--lsgd-quant-block"),
+    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-compression", "int4", "--lsgd-topk-density", "0.1"],
+     "--lsgd-topk-density only applies to --lsgd-compression topk-2bit"),
+    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-compression", "topk-2bit", "--lsgd-topk-density", "0"],
+     "--lsgd-topk-density"),
+    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-compression", "topk-2bit", "--lsgd-topk-chunk",
+      "70000"], "--lsgd-topk-chunk"),
+    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-compression", "topk-2bit", "--lsgd-quantized-mean",
+      "alltoall"], "--lsgd-quantized-mean does not apply"),
+    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-ef-decay", "0.9"], "--lsgd-ef-decay needs"),
+    (["--num-sites", "2", "--lsgd-algorithm", "cocodc", "--lsgd-cocodc-dc-beta", "0.9"],
+     "--lsgd-cocodc-dc-beta needs --lsgd-cocodc-dc-normalize mean-square"),
+    (["--num-sites", "2", "--lsgd-algorithm", "cocodc", "--lsgd-cocodc-dc-normalize", "mean-square",
+      "--lsgd-cocodc-dc-beta", "1"], "--lsgd-cocodc-dc-beta must be in"),
+    (["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-compression", "int8", "--lsgd-ef-decay", "1.5"],
+     "--lsgd-ef-decay"),
     (["--num-sites", "2", "--lsgd-algorithm", "dilocox", "--lsgd-adaptive", "--lsgd-adaptive-h-min", "10",
       "--lsgd-adaptive-h-max", "5"], "--lsgd-adaptive-h-min"),
     (["--num-sites", "2", "--simulate-inter-site-bandwidth", "-1"], "--simulate-inter-site-bandwidth"),
@@ -75,7 +90,10 @@ def test_help_shows_one_group_per_algorithm():
     assert "dilocox (--lsgd-algorithm dilocox)" in groups
     assert "--lsgd-dilocox-apply-step" in groups["dilocox (--lsgd-algorithm dilocox)"]
     shared = [t for t in groups if t.startswith("outer optimizer")]
-    assert shared and groups[shared[0]] == ["--lsgd-outer-lr", "--lsgd-outer-momentum", "--lsgd-outer-offload"]
+    assert shared and groups[shared[0]] == ["--lsgd-outer-lr", "--lsgd-outer-momentum", "--lsgd-outer-offload",
+                                            "--lsgd-outer-momentum-warmup", "--lsgd-outer-decay-start",
+                                            "--lsgd-outer-decay-steps", "--lsgd-outer-decay-style",
+                                            "--lsgd-outer-min-lr", "--lsgd-outer-momentum-final"]
     text = subprocess.run([sys.executable, "pretrain_gpt.py", "--help"], capture_output=True, text=True, timeout=120,
                           cwd=__file__.rsplit("/tests/", 1)[0]).stdout
     for name in ("sync", "diloco", "dilocox"):

@@ -169,6 +169,42 @@ def test_delay_compensation_formula_and_lambda0_is_the_rebase_rule(dc_lambda):
     assert landed == 6
 
 
+def test_mean_square_normalized_compensation_acts_at_adam_scale():
+    """--lsgd-cocodc-dc-normalize mean-square: θ ← θ_g + u − (λτ/H) (u⊙u / v̂) ⊙ d with v̂ the
+    bias-corrected running mean square of u per fragment (by hand, β = 0.5); with steps of
+    1e-4 the printed form moves nothing while this one corrects by λτ/H of d at the first landing."""
+    beta, lam = 0.5, 0.5
+    sync = _cocodc(lam, dc_normalize="mean-square", dc_beta=beta)
+    g = torch.Generator().manual_seed(2)
+    v = {}
+    n = {}
+    landed = 0
+    for it in range(24):
+        sync.before_forward_backward(it)
+        sync.ctx.optimizer.shard.sub_(1e-4 * torch.randn(18, generator=g))
+        due = [r for r in sync.in_flight if r.lands == sync.local_step + 1]
+        before = [(r.fragment, [s.clone() for s in r.snapshot], [m.clone() for m in sync.views[r.fragment].main])
+                  for r in due]
+        sync.after_optimizer_step(it, True)
+        for p, snap, now in before:
+            views = sync.views[p]
+            a, local = torch.cat(sync.outer.anchor(views)).double(), torch.cat(views.main).double()
+            u = (torch.cat(now) - torch.cat(snap)).double()
+            d = a - torch.cat(snap).double()
+            v[p] = beta * v.get(p, 0) + (1 - beta) * u ** 2
+            n[p] = n.get(p, 0) + 1
+            v_hat = v[p] / (1 - beta ** n[p])
+            want = a + u - lam * 2 / 8 * (u ** 2 / v_hat) * d
+            torch.testing.assert_close(local, want, rtol=0, atol=1e-7)
+            if n[p] == 1:  # u⊙u / v̂ = 1: the correction is λτ/H = 1/8 of d
+                torch.testing.assert_close(a + u - local, d / 8, rtol=1e-4, atol=1e-9)
+                assert (d / 8).abs().max() > 1e-5
+            landed += 1
+    assert landed == 6
+    state = sync.state_dict()
+    assert sorted(state["dc_landings"].items()) == [("0", 3), ("1", 3)]
+
+
 # ---- adaptive transmission ----------------------------------------------------------------------------
 def test_syncs_per_round_rule():
     assert syncs_per_round(4, 100, 0.4, 1.0, 2.0) == 20  # floor(0.4 * 100 * 1 / 2)
@@ -220,7 +256,8 @@ def test_first_syncs_cover_every_fragment_then_follow_the_ratio():
 
 # ---- side values and the reduction queue ---------------------------------------------------------------
 @pytest.mark.parametrize("kind,variant,rank", [("none", "auto", 0), ("int4", "allgather", 0),
-                                               ("int8", "alltoall", 0), ("lowrank-int4", "allgather", 2)])
+                                               ("int8", "alltoall", 0), ("lowrank-int4", "allgather", 2),
+                                               ("topk-2bit", "auto", 0)])
 def test_side_values_ride_along_without_changing_the_mean(kind, variant, rank):
     comm = InterSiteComm(None, 1)
     opts = CompressionOptions(kind=kind, rank=rank, quant_block=8, quantized_mean=variant)

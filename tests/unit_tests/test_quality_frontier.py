@@ -1,0 +1,56 @@
+"""tools/benchmarks/quality_frontier.py without running anything: gaps and byte reductions per
+seed, the best point per family, the goals, the doc block, and the point flags' errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.benchmarks.quality_frontier import (BEGIN, END, Point, best_per_family, default_points, goals_met,
+                                               parse_point, select, summarize, table, write_block)
+
+
+def _r(loss, sent):
+    return {"valid": [loss + 1, loss], "comm": {"bytes_sent": sent}}
+
+
+def test_summaries_gaps_reductions_best_and_goals():
+    pts = [Point("a", "fam1", []), Point("b", "fam1", []), Point("c", "fam2", []), Point("d", "fam3", [])]
+    sync = {1: _r(2.0, 1_000_000), 2: _r(4.0, 1_000_000)}
+    results = {"a": {1: _r(2.02, 1000), 2: _r(4.04, 1000)},  # +1%, 1000x
+               "b": {1: _r(2.002, 10_000), 2: _r(4.0, 10_000)},  # +0.1% / 0%, 100x
+               "c": {1: _r(2.2, 10), 2: _r(4.0, 10)},
+               "d": {1: _r(2.002, 10_000), 2: _r(4.036, 10_000)}}  # +0.1% / +0.9%: not on every seed
+    s = {x.point.label: x for x in summarize(pts, results, sync)}
+    assert s["a"].gaps == pytest.approx([1.0, 1.0]) and s["a"].reduction == pytest.approx(1000)
+    assert s["b"].gaps == pytest.approx([0.1, 0.0]) and s["b"].gap == pytest.approx(0.05)
+    assert s["c"].gap == pytest.approx(5.0)
+    best = best_per_family(list(s.values()))
+    assert best["fam1"].point.label == "b" and best["fam2"].point.label == "c"
+    goals = goals_met(list(s.values()))
+    assert goals[0].endswith(": a (1000x, +1.00%)") and goals[1].endswith(": b (100x, +0.05%)")
+    text = table(list(s.values()), "header")
+    assert "| b **best** | fam1 | 100x | +0.05% | +0.00% .. +0.10% | 2 |" in text
+    assert "| a | fam1 |" in text
+
+
+def test_the_doc_block_is_replaced_and_the_rest_kept(tmp_path):
+    doc = tmp_path / "q.md"
+    write_block(str(doc), "first")
+    assert doc.read_text().count(BEGIN) == 1 and "first" in doc.read_text()
+    doc.write_text("intro\n" + doc.read_text().split("\n", 1)[1] + "\nafter\n")
+    write_block(str(doc), "second")
+    text = doc.read_text()
+    assert "intro" in text and "after" in text and "second" in text and "first" not in text
+    assert text.index(BEGIN) < text.index("second") < text.index(END)
+
+
+def test_points_flags_and_selection():
+    pts = default_points(50, 4)
+    assert len({p.label for p in pts}) == len(pts)
+    assert all("--lsgd-algorithm" in p.flags for p in pts)
+    assert {p.label for p in select(pts, "cocodc")} == {p.label for p in pts if p.family == "cocodc"}
+    with pytest.raises(ValueError, match="--points: nope"):
+        select(pts, "nope")
+    assert parse_point("x=fam:--lsgd-algorithm diloco --lsgd-interval 7").flags[-1] == "7"
+    with pytest.raises(ValueError, match="--point"):
+        parse_point("x=fam:--lsgd-interval 7")

@@ -1,0 +1,283 @@
+"""The quality frontier: cross-site bytes saved against validation loss, per algorithm x compressor.
+
+Runs `sync` and every point of a sweep (an algorithm, a compressor and the few knobs that
+matter: H, outer lr/momentum, alpha, density, rank, lambda, the inner optimizer) for each
+seed, at the same model, data, token budget and seed as `sync`, in `--sites` spawned
+processes per run (tools/benchmarks/lsgd_quality.py's runner). For each point it reports
+
+    bytes reduction = sync's inter-site bytes / the point's (the logging rank's, as counted)
+    gap             = final validation loss / sync's of the same seed - 1
+
+as mean and spread (min..max) over the seeds, marks each family's best point (lowest mean
+gap; the measured default), and checks issue 24's goals (>= 1000x within 2%, >= 100x within
+0.5%). It writes the table between `<!-- frontier:begin -->` and `<!-- frontier:end -->`
+of `--doc` (kept otherwise as is, created if missing), a PNG beside it (log x: bytes
+reduction; y: gap, with the seeds' spread) and the raw results as JSON.
+
+    python tools/benchmarks/quality_frontier.py --data-path data/python-docs/python_docs_text_document \\
+        --tokenizer-model data/python-docs/python_docs_sp8k.model --train-iters 3000 --seeds 1,2,3
+
+`--points` picks points by label or family (comma-separated; default all); `--point
+LABEL=FAMILY:FLAGS` adds one. `--smoke` shrinks everything to a check that the pipeline runs
+(tiny model, 20 iterations, mock data unless a corpus is given), which must not be read as
+a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lsgd_quality import base_argv, data_argv, lockstep, run  # noqa: E402
+
+BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
+GOALS = ((1000.0, 2.0), (100.0, 0.5))  # (bytes reduction at least, gap at most in %)
+
+
+@dataclass
+class Point:
+    label: str
+    family: str  # the algorithm x compressor whose knobs the point sweeps
+    flags: List[str]
+
+
+def default_points(interval: int, num_layers: int) -> List[Point]:
+    """The sweep: per family, the knobs that matter (kept small: every point costs seeds x runs)."""
+    h = ["--lsgd-interval", str(interval)]
+    pts: List[Point] = []
+
+    def add(label, family, flags):
+        pts.append(Point(label, family, flags))
+
+    for lr, mom in ((0.7, 0.9), (1.0, 0.0), (0.7, 0.5)):
+        add(f"diloco-lr{lr}-m{mom}", "diloco", ["--lsgd-algorithm", "diloco"] + h +
+            ["--lsgd-outer-lr", str(lr), "--lsgd-outer-momentum", str(mom)])
+    add("diloco-momwarm", "diloco", ["--lsgd-algorithm", "diloco"] + h +
+        ["--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.9", "--lsgd-outer-momentum-warmup", "5"])
+    for h2 in (2 * interval, 4 * interval):
+        add(f"diloco-H{h2}", "diloco", ["--lsgd-algorithm", "diloco", "--lsgd-interval", str(h2),
+                                        "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0"])
+    for density in (1 / 64, 1 / 32):
+        add(f"sparseloco-d{density:.4f}", "diloco x topk-2bit",
+            ["--lsgd-algorithm", "diloco"] + h + ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0",
+                                                  "--lsgd-compression", "topk-2bit", "--lsgd-topk-density",
+                                                  str(density), "--lsgd-ef-decay", "0.95"])
+    add("muloco-int4", "diloco x int4 (muon)", ["--lsgd-algorithm", "diloco"] + h +
+        ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0", "--lsgd-compression", "int4", "--optimizer", "muon"])
+    add("diloco-int4", "diloco x int4", ["--lsgd-algorithm", "diloco"] + h +
+        ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0", "--lsgd-compression", "int4"])
+    for rank in (4, 16):
+        add(f"dilocox-lowrank{rank}", "dilocox x lowrank-int4",
+            ["--lsgd-algorithm", "dilocox"] + h + ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0",
+                                                   "--lsgd-compression", "lowrank-int4", "--lsgd-rank", str(rank)])
+    k = min(4, num_layers)  # a fragment needs a layer
+    tau = max(0, min(5, interval // k - 1))  # tau must be < H / K
+    frag = h + ["--lsgd-fragments", str(k), "--lsgd-fragment-sync-delay", str(tau)]
+    for alpha in (0.0, 0.5, 1.0):
+        add(f"streaming-alpha{alpha}", "streaming-diloco",
+            ["--lsgd-algorithm", "streaming-diloco", "--lsgd-fragment-update-alpha", str(alpha)] + frag)
+    for lam, norm in ((0.0, "none"), (0.5, "none"), (0.5, "mean-square"), (2.0, "mean-square")):
+        add(f"cocodc-l{lam}-{norm}", "cocodc", ["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-lambda", str(lam),
+                                                "--lsgd-cocodc-dc-normalize", norm] + frag)
+    add("dpu", "dpu", ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"])
+    return pts
+
+
+def parse_point(text: str) -> Point:
+    label, _, rest = text.partition("=")
+    family, _, flags = rest.partition(":")
+    if not label or not family or "--lsgd-algorithm" not in flags:
+        raise ValueError(f"--point {text!r}: write LABEL=FAMILY:FLAGS, FLAGS naming --lsgd-algorithm")
+    return Point(label, family, shlex.split(flags))
+
+
+def select(points: List[Point], wanted: Optional[str]) -> List[Point]:
+    if not wanted:
+        return points
+    names = wanted.split(",")
+    unknown = [n for n in names if not any(n in (p.label, p.family) for p in points)]
+    if unknown:
+        raise ValueError(f"--points: {', '.join(unknown)} is neither a point nor a family "
+                         f"({', '.join(sorted({p.family for p in points}))})")
+    return [p for p in points if p.label in names or p.family in names]
+
+
+# ---- aggregation (pure: tested on its own) -------------------------------------------------------
+@dataclass
+class Summary:
+    point: Point
+    reduction: float  # sync bytes / bytes, mean over seeds
+    gaps: List[float] = field(default_factory=list)  # % per seed
+
+    @property
+    def gap(self) -> float:
+        return statistics.fmean(self.gaps)
+
+
+def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]], sync: Dict[int, Dict]) -> List[Summary]:
+    """results[label][seed] and sync[seed]: {"valid": [...], "comm": {"bytes_sent": ...}}."""
+    out = []
+    for p in points:
+        gaps, ratios = [], []
+        for seed, r in sorted(results[p.label].items()):
+            ref = sync[seed]
+            gaps.append(100.0 * (r["valid"][-1] / ref["valid"][-1] - 1.0))
+            sent = r["comm"].get("bytes_sent", 0)
+            ratios.append(ref["comm"]["bytes_sent"] / sent if sent else float("inf"))
+        out.append(Summary(p, statistics.fmean(ratios), gaps))
+    return out
+
+
+def best_per_family(summaries: Sequence[Summary]) -> Dict[str, Summary]:
+    best: Dict[str, Summary] = {}
+    for s in summaries:
+        if s.point.family not in best or s.gap < best[s.point.family].gap:
+            best[s.point.family] = s
+    return best
+
+
+def goals_met(summaries: Sequence[Summary]) -> List[str]:
+    lines = []
+    for reduction, gap in GOALS:
+        hits = [s for s in summaries if s.reduction >= reduction and max(s.gaps) <= gap]
+        who = ", ".join(f"{s.point.label} ({s.reduction:.0f}x, {s.gap:+.2f}%)" for s in hits) or "none"
+        lines.append(f"- >= {reduction:.0f}x fewer bytes within {gap}% of sync on every seed: {who}")
+    return lines
+
+
+def table(summaries: Sequence[Summary], header: str) -> str:
+    best = {id(s) for s in best_per_family(summaries).values()}
+    lines = [header, "", "| point | family | bytes reduction | gap to sync (mean) | gap spread (min..max) | seeds |",
+             "|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s.point.family, s.gap)):
+        mark = " **best**" if id(s) in best else ""
+        lines.append(f"| {s.point.label}{mark} | {s.point.family} | {s.reduction:.3g}x | {s.gap:+.2f}% | "
+                     f"{min(s.gaps):+.2f}% .. {max(s.gaps):+.2f}% | {len(s.gaps)} |")
+    lines += ["", "Goals (issue 24):"] + goals_met(summaries)
+    lines += ["", "Flags per point: " + "; ".join(f"{s.point.label}: `{' '.join(s.point.flags)}`" for s in summaries)]
+    return "\n".join(lines)
+
+
+def write_block(doc: str, block: str) -> None:
+    """Replace the text between the markers in `doc` (append the markers if absent)."""
+    text = open(doc).read() if os.path.exists(doc) else "# Quality frontier\n"
+    body = f"{BEGIN}\n{block}\n{END}"
+    if BEGIN in text and END in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: body, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
+    with open(doc, "w") as f:
+        f.write(text)
+
+
+def plot(summaries: Sequence[Summary], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for family in sorted({s.point.family for s in summaries}):
+        pts = [s for s in summaries if s.point.family == family]
+        xs = [s.reduction for s in pts]
+        ys = [s.gap for s in pts]
+        err = [[s.gap - min(s.gaps) for s in pts], [max(s.gaps) - s.gap for s in pts]]
+        ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label=family)
+    for reduction, gap in GOALS:
+        ax.plot([reduction], [gap], marker="*", color="black", markersize=10)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("cross-site bytes reduction vs sync (log)")
+    ax.set_ylabel("validation-loss gap to sync (%)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-path", default=None)
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--doc", default=os.path.join(ROOT, "docs", "quality.md"),
+                   help="Markdown file whose frontier block is rewritten (PNG and JSON beside it)")
+    p.add_argument("--sites", type=int, default=2)
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--train-iters", type=int, default=3000)
+    p.add_argument("--interval", type=int, default=50, help="H of the points that do not set their own")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-iters", type=int, default=20)
+    p.add_argument("--points", default=None, help="labels or families to run (default: all)")
+    p.add_argument("--point", action="append", default=[], metavar="LABEL=FAMILY:FLAGS", help="add a point")
+    p.add_argument("--extra-args", default="", help="flags for every run")
+    p.add_argument("--smoke", action="store_true", help="tiny, fast: checks the pipeline, measures nothing")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.train_iters, args.num_layers, args.hidden_size, args.seq_length = 20, 2, 64, 32
+        args.global_batch_size, args.eval_iters, args.interval = 8, 2, 10
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        points = select(default_points(args.interval, args.num_layers) + [parse_point(t) for t in args.point], args.points)
+    except ValueError as err:
+        p.error(str(err))
+    data, label = data_argv(args.data_path, args.tokenizer_model)
+
+    def argv_for(flags: List[str], seed: int) -> List[str]:
+        argv = base_argv(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_length=args.seq_length,
+                         global_batch_size=args.global_batch_size, train_iters=args.train_iters, lr=args.lr,
+                         eval_interval=0, eval_iters=args.eval_iters, sites=args.sites, data=data,
+                         extra=shlex.split(args.extra_args), seed=seed) + flags
+        if not lockstep(argv):  # sites take different numbers of steps: the same budget, in samples
+            i = argv.index("--train-iters")
+            argv = argv[:i] + ["--train-samples", str(args.train_iters * args.global_batch_size)] + argv[i + 2:]
+        return argv
+
+    t0 = time.perf_counter()
+    sync: Dict[int, Dict] = {}
+    results: Dict[str, Dict[int, Dict]] = {pt.label: {} for pt in points}
+    for seed in seeds:
+        print(f"> sync, seed {seed}", flush=True)
+        sync[seed] = run(argv_for(["--lsgd-algorithm", "sync"], seed), args.sites)
+        for pt in points:
+            print(f"> {pt.label}, seed {seed}", flush=True)
+            results[pt.label][seed] = run(argv_for(pt.flags, seed), args.sites)
+    summaries = summarize(points, results, sync)
+    base = os.path.splitext(args.doc)[0]
+    with open(base + ".json", "w") as f:
+        json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": sync, "results": results}, f, indent=1)
+    sync_loss = statistics.fmean(r["valid"][-1] for r in sync.values())
+    header = (f"Data: {label}{' (SMOKE RUN: measures nothing)' if args.smoke else ''}. {args.sites} sites, "
+              f"{args.train_iters} iterations x {args.global_batch_size} x {args.seq_length} tokens, "
+              f"{args.num_layers} layers x {args.hidden_size}, seeds {args.seeds}; sync's final validation loss "
+              f"{sync_loss:.4f} (mean). Bytes: the logging rank's inter-site bytes sent, as counted. "
+              f"{time.perf_counter() - t0:.0f} s in all.")
+    block = table(summaries, header)
+    png = base + ".png"
+    if plot(summaries, png, label):
+        block += f"\n\n![frontier]({os.path.basename(png)})"
+    write_block(args.doc, block)
+    print(block)
+    print(f"wrote {args.doc}, {base}.json" + (f", {png}" if os.path.exists(png) else ""))
+
+
+if __name__ == "__main__":
+    main()
