@@ -33,12 +33,15 @@ def test_exit_duration_pauses_every_site_at_one_iteration_and_resumes_exactly(tm
                      "--attention-dropout", "0", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
                      "--lsgd-algorithm", "dilocox", "--lsgd-interval", "4", "--lsgd-compression", "int4"]
     ckpt = str(tmp_path / "ckpt")
-    text = run(common + ["--train-iters", "100000", "--exit-duration-in-mins", "0.08", "--save", ckpt], 2,
+    # On the simulated clock a step costs exactly 1 s, whatever the machine's load: 4.8 s are
+    # up after step 5, which every rank learns one step late, so every rank stops after step 6.
+    simulated = ["--simulate-clock", "--simulate-microbatch-seconds", "1", "--simulate-optimizer-step-seconds", "0"]
+    text = run(common + simulated + ["--train-iters", "100000", "--exit-duration-in-mins", "0.08", "--save", ckpt], 2,
                str(tmp_path / "timed.log"))
     stop = re.search(r"exiting at iteration (\d+) \(--exit-duration-in-mins 0.08: ([0-9.]+) min elapsed\)", text)
     assert stop, text[-2000:]
     k = int(stop.group(1))
-    assert 0 < k < 100000 and float(stop.group(2)) >= 0.08
+    assert k == 6 and stop.group(2) == "0.08"
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert int(f.read()) == k  # every rank of both sites saved at the same iteration
 
