@@ -189,6 +189,12 @@ def run(args: argparse.Namespace) -> Stats:
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"--output-prefix {args.output_prefix}: {out_dir} is a file")
+    existing = [path for key in args.json_keys for path in (data_file_path(output_prefix(args.output_prefix, key)),
+                                                             index_file_path(output_prefix(args.output_prefix, key)))
+                if os.path.exists(path)]
+    if existing and not args.overwrite:
+        raise ValueError(f"--output-prefix {args.output_prefix}: {existing[0]} already exists; choose another prefix, "
+                         f"or pass --overwrite to replace it (the old files stay until the new ones are complete)")
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     try:
@@ -269,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace existing output files of this prefix (without it they are refused)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (in total over partitions)")
     g.add_argument("--partitions", type=int, default=1, help="input line ranges processed in parallel, then merged")
@@ -282,6 +290,10 @@ def main(argv=None) -> Stats:
     args = parser.parse_args(argv)
     if args.workers < 1 or args.partitions < 1:
         parser.error("--workers and --partitions must be >= 1")
+    if args.chunk_size < 1:
+        parser.error(f"--chunk-size must be >= 1 (got {args.chunk_size})")
+    if args.log_interval < 0:
+        parser.error(f"--log-interval must be >= 0 (got {args.log_interval})")
     start = time.time()
     try:
         stats = run(args)

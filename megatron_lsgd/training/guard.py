@@ -22,35 +22,38 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.datasets.indexed_dataset import IndexedDatasetError
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
+from megatron_lsgd.core.output_files import WriteError
 from megatron_lsgd.core.optimizer.sharded_optimizer import NonFiniteError
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 from megatron_lsgd.training.checkpointing.lock import SaveLock
 
 # While building the run: flags, tokenizer files, datasets, checkpoints to load.
 STARTUP_ERRORS = (ValueError, OSError, CheckpointError)
-# While training: saving (disk full, ...), divergence, a corrupt sample. ValueError and
+# While training: saving (disk full, ...), --json-log on a full disk, divergence, a corrupt sample. ValueError and
 # OSError are not caught here: raised mid-run they are more likely bugs than user input.
-RUN_ERRORS = (CheckpointError, NonFiniteError, IndexedDatasetError)
+RUN_ERRORS = (CheckpointError, NonFiniteError, IndexedDatasetError, WriteError)
 
 _REPORTED_KEY = "megatron_lsgd/error_reported"
 _warned = set()
 
 
-def _first_to_report() -> bool:
+def first_to_report(every_rank_without_store: bool = False) -> bool:
     """True on the first rank of the job to fail (one message, not one per rank, and not
-    lost when the failing rank is not rank 0). Falls back to rank 0 without a store."""
+    lost when the failing rank is not rank 0): a rank that fails because a peer failed
+    first stays silent, since the peer's line says why. Without a reachable store (rank 0,
+    which holds it, is gone) rank 0 speaks, or every rank when rank 0 may be the lost one."""
     if not dist.is_initialized():
         return True
     try:
         store = dist.distributed_c10d._get_default_store()
         return store.add(_REPORTED_KEY, 1) == 1
-    except Exception:  # store unreachable (rank 0 already gone): let rank 0 speak
-        return dist.get_rank() == 0
+    except Exception:
+        return every_rank_without_store or dist.get_rank() == 0
 
 
 def exit_with_error(err: BaseException, prefix: str = "") -> NoReturn:
     """One `error: ...` line on stderr and exit code 2, no traceback."""
-    if _first_to_report():
+    if first_to_report():
         print(f"error: {prefix}{err}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -44,7 +44,7 @@ from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention
 from megatron_lsgd.training.compat_runtime import flops_per_sample as compat_flops_per_sample
 from megatron_lsgd.training.data_samplers import build_data_iterator
 from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
-                                          exit_with_error, take_save_lock)
+                                          exit_with_error, first_to_report, take_save_lock)
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
@@ -501,7 +501,8 @@ def _exit_on_lost_peer(err: Exception, pgs) -> NoReturn:
         cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         message = (f"rank {pgs.rank} (site {pgs.site_rank}): a collective failed: another rank or site stopped or "
                    f"the network between them failed; its own log says why [{cause}]")
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if first_to_report(every_rank_without_store=True):  # a peer that failed first has said why
+        print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2) from err
 
 
