@@ -115,3 +115,22 @@ def test_a_local_sgd_algorithm_with_one_site_warns_once(monkeypatch, capsys, alg
     code, _out, err = _run(["--train-iters", "2", "--lsgd-algorithm", algorithm], monkeypatch, capsys)
     assert code == 0
     assert err.count(f"warning: --lsgd-algorithm {algorithm} with --num-sites 1 has nothing to synchronize") == warned
+
+
+def test_data_that_do_not_match_are_refused(monkeypatch, capsys, tmp_path):
+    """An .idx of another (smaller) dataset beside a .bin, --mock-data beside --data-path,
+    a split without training data: refused at start-up, naming the files or flags."""
+    big, small = _dataset(str(tmp_path / "big"), 250), str(tmp_path / "small")
+    builder = IndexedDatasetBuilder(small + ".bin", np.uint16)
+    builder.add_document(np.arange(60, dtype=np.uint16))
+    builder.finalize(small + ".idx")
+    os.replace(small + ".idx", big + ".idx")  # the run would read the first 120 bytes of the .bin only
+    before = tree_digest(str(tmp_path))
+    data = ["--data-path", big, "--tokenizer-type", "NullTokenizer", "--vocab-size", "250"]
+    code, _, err = _run(["--train-iters", "2", *data], monkeypatch, capsys, base=FILES)
+    assert code == 2 and f"error: {big}.idx describes 120 bytes of tokens but {big}.bin has 4800" in err
+    assert tree_digest(str(tmp_path)) == before
+    code, _, err = _run(["--train-iters", "2", "--data-path", big], monkeypatch, capsys)
+    assert code == 2 and "error: --mock-data and --data-path exclude each other" in err
+    code, _, err = _run(["--train-iters", "2", "--split", "0,0,100"], monkeypatch, capsys)
+    assert code == 2 and "error: --split 0,0,100 gives the training set no data" in err
