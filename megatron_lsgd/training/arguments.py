@@ -16,6 +16,7 @@ from megatron_lsgd.core.datasets.config import DataConfig
 from megatron_lsgd.core.distributed.data_parallel import DDPConfig
 from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.config import LsgdConfig, RunFacts
+from megatron_lsgd.core.lsgd.options import finite_float
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
@@ -81,15 +82,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-base", type=finite_float, default=10000.0)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", type=finite_float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=finite_float, default=0.1)
+    g.add_argument("--attention-dropout", type=finite_float, default=0.1)
+    g.add_argument("--init-method-std", type=finite_float, default=0.02)
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +123,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-tokens", type=int, default=None,
                    help="train on this many tokens in total, all sites together (samples = tokens // "
                         "--seq-length)")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+    g.add_argument("--exit-duration-in-mins", type=finite_float, default=None,
                    help="stop (saving a checkpoint with --save) once this many minutes have passed since start-up; "
                         "every rank stops at the same iteration and a resumed run continues exactly")
     g.add_argument("--eval-interval", type=int, default=1000)
@@ -139,19 +140,19 @@ def _optimizer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
                    help="adam: AdamW (decoupled weight decay); sgd: plain SGD, no momentum")
-    g.add_argument("--lr", type=float, required=True)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr", type=finite_float, required=True)
+    g.add_argument("--min-lr", type=finite_float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=finite_float, default=0.01)
+    g.add_argument("--adam-beta1", type=finite_float, default=0.9)
+    g.add_argument("--adam-beta2", type=finite_float, default=0.999)
+    g.add_argument("--adam-eps", type=finite_float, default=1e-8)
+    g.add_argument("--clip-grad", type=finite_float, default=1.0)
+    g.add_argument("--loss-scale", type=finite_float, default=None, help="fp16 static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=finite_float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=finite_float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
 
@@ -198,10 +199,10 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
                    help="append one JSON object per log interval (and one at the end) to this file")
     g.add_argument("--simulate-slow-ranks", type=str, default=None,
                    help="comma-separated global ranks made slower by --slow-factor x their own compute time")
-    g.add_argument("--slow-factor", type=float, default=2.0, help="a slow rank's step takes this many times as long")
+    g.add_argument("--slow-factor", type=finite_float, default=2.0, help="a slow rank's step takes this many times as long")
     g.add_argument("--slow-mode", choices=SLOW_MODES, default="consistent",
                    help="consistent: slow every step; random: slow on a step with --slow-probability (seeded)")
-    g.add_argument("--slow-probability", type=float, default=0.5, help="random mode: chance a slow rank lags a step")
+    g.add_argument("--slow-probability", type=finite_float, default=0.5, help="random mode: chance a slow rank lags a step")
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:

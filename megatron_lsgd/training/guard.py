@@ -97,12 +97,19 @@ def _validation_weight(split: str) -> float:
 
 
 def startup_checks(args, run) -> None:
-    """Called once by build_config: output paths (errors), then choices that run but are
-    probably not what was meant (one warning each, on rank 0)."""
+    """Called once by build_config: output paths and settings that would make the run
+    meaningless (errors), then choices that run but are probably not what was meant (one
+    warning each, on rank 0)."""
     check_output_paths(args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     t, data = run.training, run.data
     sync_cls = synchronizer_class(run.lsgd.algorithm)
+    warmup = run.lsgd.rounds.warmup_iters
+    if warmup and t.train_iters is not None and warmup >= t.train_iters:
+        raise ValueError(f"--lsgd-warmup-iters {warmup} covers the whole run ({t.train_iters} "
+                         f"iterations): "
+                         f"--lsgd-algorithm {sync_cls.name} would never run; shorten the warm-up, or use "
+                         f"--lsgd-algorithm sync for synchronous training")
     if run.dims.sites == 1 and sync_cls.inert_with_one_site:
         warn_once("inert-with-one-site",
                   f"--lsgd-algorithm {sync_cls.name} with --num-sites 1 has nothing to synchronize across sites: this "

@@ -88,6 +88,16 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
         takers = [n for n in registered_algorithms() if "compression" in synchronizer_class(n).uses]
         raise ValueError(f"--lsgd-compression {config.compression.kind} is not supported by --lsgd-algorithm "
                          f"{cls.name} (algorithms that compress: {', '.join(takers)})")
+    for key in ("rounds", "outer"):  # a shared flag the algorithm never reads would be ignored silently
+        changed = getattr(config, key).changed_flags()
+        if key not in cls.uses and changed:
+            takers = [n for n in registered_algorithms() if key in synchronizer_class(n).uses]
+            raise ValueError(f"{changed[0]} has no effect with --lsgd-algorithm {cls.name}; it applies to "
+                             f"{', '.join(takers)}")
+    if not config.compression.enabled:
+        changed = [f for f in config.compression.changed_flags() if f != "--lsgd-compression"]
+        if changed:
+            raise ValueError(f"{changed[0]} has no effect without --lsgd-compression (int8, int4 or lowrank-int4)")
     if args is not None:
         own = set(cls.Options.flags())
         owners = _owners()
