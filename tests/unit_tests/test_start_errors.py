@@ -134,3 +134,32 @@ def test_data_that_do_not_match_are_refused(monkeypatch, capsys, tmp_path):
     assert code == 2 and "error: --mock-data and --data-path exclude each other" in err
     code, _, err = _run(["--train-iters", "2", "--split", "0,0,100"], monkeypatch, capsys)
     assert code == 2 and "error: --split 0,0,100 gives the training set no data" in err
+
+
+def test_launch_mistakes_say_what_happened(monkeypatch, capsys):
+    """A port another process holds, and RANK/WORLD_SIZE left in the environment by an
+    earlier session (the other ranks never come): one line each, exit 2, not a torch traceback."""
+    import socket
+
+    import pretrain_gpt
+    from megatron_lsgd.training.initialize import free_port, init_distributed
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for key, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(SystemExit) as exc:
+            pretrain_gpt.main(TINY + ["--train-iters", "2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert f"error: MASTER_ADDR=127.0.0.1 MASTER_PORT={port}: the port is already in use" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # stale: no rank 1 will ever come
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ValueError, match="only 1 of WORLD_SIZE=2 ranks joined .* the other ranks never started. "
+                                         "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment"):
+        init_distributed("gloo", 0.05)
+    assert "note: joining a job of WORLD_SIZE=2 as RANK=0 from environment variables" in capsys.readouterr().err
