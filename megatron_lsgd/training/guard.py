@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Dict, NoReturn, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.datasets.indexed_dataset import IndexedDatasetError
@@ -58,6 +59,23 @@ def exit_with_error(err: BaseException, prefix: str = "") -> NoReturn:
     if dist.is_initialized():
         dist.destroy_process_group()
     raise SystemExit(2) from err
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A device or host allocation failed (torch's OutOfMemoryError, or the CPU allocator's
+    RuntimeError)."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "DefaultCPUAllocator" in str(err) and "allocate" in str(err))
+
+
+def out_of_memory_message(err: BaseException, run) -> str:
+    """What to lower, with this run's values, instead of the allocator's report."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    m, t, d = run.model, run.training, run.dims
+    return (f"out of memory ({first[:200]}). Lower --micro-batch-size (now {t.micro_batch_size}) or --seq-length "
+            f"(now {m.seq_length}), raise --tensor-model-parallel-size (now {d.tp}) or "
+            f"--pipeline-model-parallel-size (now {d.pp}), or use --use-distributed-optimizer and --bf16 to shrink "
+            f"the optimizer state and activations")
 
 
 def warn_once(key: str, message: str, rank: int = 0) -> None:

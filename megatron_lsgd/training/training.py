@@ -44,7 +44,8 @@ from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention
 from megatron_lsgd.training.compat_runtime import flops_per_sample as compat_flops_per_sample
 from megatron_lsgd.training.data_samplers import build_data_iterator
 from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
-                                          exit_with_error, first_to_report, take_save_lock)
+                                          exit_with_error, first_to_report, is_out_of_memory,
+                                          out_of_memory_message, take_save_lock)
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
@@ -534,6 +535,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                               start_time)
         except STARTUP_ERRORS as err:
             _exit_on_bad_input(err)
+        except RuntimeError as err:  # the model or optimizer state does not fit
+            if not is_out_of_memory(err):
+                raise
+            _exit_on_bad_input(ValueError(out_of_memory_message(err, config)))
         if dist.get_rank() == 0:
             n = sum(p.numel() for p in trainer.model.module.parameters())
             print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
@@ -544,6 +549,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             _exit_on_bad_input(err, prefix=f"iteration {trainer.iteration + 1}: " if isinstance(
                 err, NonFiniteError) else "")
         except RuntimeError as err:
+            if is_out_of_memory(err):
+                _exit_on_bad_input(ValueError(out_of_memory_message(err, config)))
             if not _is_lost_peer(err):
                 raise
             _exit_on_lost_peer(err, trainer.pgs)

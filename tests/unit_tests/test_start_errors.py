@@ -163,3 +163,24 @@ def test_launch_mistakes_say_what_happened(monkeypatch, capsys):
                                          "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment"):
         init_distributed("gloo", 0.05)
     assert "note: joining a job of WORLD_SIZE=2 as RANK=0 from environment variables" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["build", "step"])
+def test_out_of_memory_names_the_flags_to_lower(monkeypatch, capsys, where):
+    """The allocator's report (simulated: there is no device to exhaust here) becomes one
+    line naming this run's values of the flags that shrink memory."""
+    import torch
+
+    from megatron_lsgd.training import inner_step, training
+
+    def exhausted(*_a, **_k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    if where == "build":
+        monkeypatch.setattr(training, "ShardedOptimizer", exhausted)
+    else:
+        monkeypatch.setattr(inner_step.InnerStep, "compute_grads", exhausted)
+    code, out, err = _run(["--train-iters", "2"], monkeypatch, capsys)
+    assert code == 2 and err.count("error:") == 1
+    assert "error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB). Lower --micro-batch-size " \
+           "(now 2) or --seq-length (now 32), raise --tensor-model-parallel-size (now 1)" in err
