@@ -15,6 +15,7 @@ import sys
 from typing import List
 
 import _bootstrap  # noqa: F401
+from megatron_lsgd import cli
 from megatron_lsgd.core.datasets.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, data_file_path,
                                                          exists, index_file_path)
 
@@ -55,7 +56,7 @@ def merge(prefixes: List[str], output_prefix: str) -> int:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     args = p.parse_args(argv)

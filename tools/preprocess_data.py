@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import _bootstrap  # noqa: F401
+from megatron_lsgd import cli
 from megatron_lsgd.core.datasets.indexed_dataset import (IndexedDatasetBuilder, data_file_path, index_file_path,
                                                          optimal_token_dtype)
 from megatron_lsgd.core.datasets.jsonl import JsonlError, count_lines, iter_lines, parse_line
@@ -258,7 +259,7 @@ def _run_partitions(args: argparse.Namespace, tok_cfg: TokenizerConfig) -> Stats
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSONL file, optionally gzip-compressed (.gz)")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract, one output pair each")

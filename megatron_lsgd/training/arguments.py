@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from megatron_lsgd import cli
 from megatron_lsgd.core.datasets.config import DataConfig
 from megatron_lsgd.core.distributed.data_parallel import DDPConfig
 from megatron_lsgd.core.lsgd import catalog
@@ -206,7 +207,7 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, catalog.add_arguments,
