@@ -131,6 +131,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100, help="0 disables evaluation")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (a scheduler's notice before its time limit), save a checkpoint at the next "
+                        "iteration, on every rank together, and exit 0; without it SIGTERM stops the run at once")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")

@@ -31,39 +31,44 @@ import torch.distributed as dist
 from megatron_lsgd.core.lsgd.protocol import Progress, Stop
 
 
+TIME_UP, SIGNALLED = 1, 2  # the reasons a vote can carry, as bits
+
+
 class StopVote:
-    """One-step-late agreement: `cast(flag)` returns the OR over all ranks of the flags
-    cast in the previous call, and casts this one."""
+    """One-step-late agreement: `cast(reasons)` returns the OR over all ranks of the reason
+    bits cast in the previous call, and casts these."""
 
     def __init__(self, group):
         self.group = group
         self._flag: Optional[torch.Tensor] = None
         self._work = None
 
-    def cast(self, flag: bool) -> bool:
+    def cast(self, reasons: int) -> int:
         agreed = self.close()
-        self._flag = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._flag = torch.tensor([reasons & bit for bit in (TIME_UP, SIGNALLED)], dtype=torch.int32)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return agreed
 
-    def close(self) -> bool:
+    def close(self) -> int:
         """Wait for the vote in flight (if any) and return its verdict."""
         if self._work is None:
-            return False
+            return 0
         self._work.wait()
         self._work = None
-        return bool(self._flag.item())
+        return int(self._flag.sum().item())
 
 
 class Termination:
-    def __init__(self, training_config, synchronizer, start_time: float, world_ranks):
+    def __init__(self, training_config, synchronizer, start_time: float, world_ranks, signals=None):
         self.cfg = training_config
+        self.signals = signals  # --exit-signal-handler: a noted SIGTERM pauses the run like time running out
         self.synchronizer = synchronizer
         self.start_time = start_time
         self.duration_s = 60.0 * training_config.exit_duration_in_mins \
             if training_config.exit_duration_in_mins is not None else None
         self.vote = None
-        if self.duration_s is not None and synchronizer.lockstep and dist.is_initialized():
+        watch_signals = signals is not None and signals.exit_signal_handler
+        if (self.duration_s is not None or watch_signals) and synchronizer.lockstep and dist.is_initialized():
             # Collective: every rank runs this constructor with the same config.
             self.vote = StopVote(dist.new_group(list(world_ranks), backend="gloo"))
 
@@ -71,19 +76,29 @@ class Termination:
         return time.monotonic() - self.start_time
 
     def after_step(self, iteration: int, site_samples: int) -> Optional[Stop]:
-        if not self.synchronizer.lockstep:
+        signalled = self.signals is not None and self.signals.noted is not None
+        if not self.synchronizer.lockstep:  # a noted signal ends the time at the next meeting
             progress = Progress(iteration, site_samples, self.elapsed(), self.cfg.train_iters, self.cfg.train_samples,
-                                self.duration_s, self.cfg.global_batch_size)
-            return self.synchronizer.agree_to_stop(progress)
-        time_up = self.vote.cast(self.elapsed() >= self.duration_s) if self.vote is not None else False
+                                0.0 if signalled else self.duration_s, self.cfg.global_batch_size)
+            stop = self.synchronizer.agree_to_stop(progress)
+            return Stop(False, self._signal_reason()) if signalled and stop and not stop.ends_training else stop
+        verdict = 0
+        if self.vote is not None:
+            time_up = self.duration_s is not None and self.elapsed() >= self.duration_s
+            verdict = self.vote.cast((TIME_UP if time_up else 0) | (SIGNALLED if signalled else 0))
         if iteration >= self.cfg.train_iters:
             return Stop(True, f"--train-iters {self.cfg.train_iters}")
-        if time_up:
+        if verdict & SIGNALLED:
+            return Stop(False, self._signal_reason())
+        if verdict & TIME_UP:
             return Stop(False, f"--exit-duration-in-mins {self.cfg.exit_duration_in_mins:g}: "
                                f"{self.elapsed() / 60:.2f} min elapsed")
         if self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0:
             return Stop(False, f"--exit-interval {self.cfg.exit_interval}")
         return None
+
+    def _signal_reason(self) -> str:
+        return f"--exit-signal-handler: {self.signals.noted or 'SIGTERM'} on some rank"
 
     def close(self) -> None:
         if self.vote is not None:

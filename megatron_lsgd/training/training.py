@@ -21,6 +21,7 @@ lets sites take different numbers of steps; then
 from __future__ import annotations
 
 import math
+import os
 import re
 import resource
 import sys
@@ -50,6 +51,7 @@ from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, print_rank, training_log_line
+from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
 from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
@@ -77,7 +79,8 @@ class TrainingResult:
 
 class Trainer:
     def __init__(self, config: RunConfig, model_provider: Callable, datasets_provider: Callable,
-                 forward_step_func: Callable, device: torch.device, start_time: Optional[float] = None):
+                 forward_step_func: Callable, device: torch.device, start_time: Optional[float] = None,
+                 signals: Optional[RunSignals] = None):
         self.config = config
         self.device = device
         self.forward_step_func = forward_step_func
@@ -146,7 +149,7 @@ class Trainer:
         self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
         self.flops_per_sample = compat_flops_per_sample(config.model, config.model.padded_vocab_size)
         self.termination = Termination(t, self.synchronizer, time.monotonic() if start_time is None else start_time,
-                                       range(config.dims.world_size))
+                                       range(config.dims.world_size), signals)
         self.iteration = 0  # this site's steps
         self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
         self.ended = False  # non-lockstep: a resumed run whose training had already ended
@@ -513,6 +516,26 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     (and the model) so tests and benchmarks can inspect the run."""
     start_time = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's does
     args = parse_args(argv, extra_args_provider)
+    signals = RunSignals(args.exit_signal_handler, watch_launcher="TORCHELASTIC_RUN_ID" in os.environ).install()
+    try:
+        return _pretrain(args, start_time, signals, train_valid_test_datasets_provider, model_provider,
+                         forward_step_func)
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM, the launcher gone: one line for the job
+        _exit_on_interrupt(err)
+    finally:
+        signals.restore()
+
+
+def _exit_on_interrupt(err: KeyboardInterrupt) -> NoReturn:
+    what = err.describe() if isinstance(err, Interrupted) else "SIGINT received"
+    if first_to_report():
+        print(f"stopped: {what}. Checkpoints already in --save are intact (a save in progress was removed)",
+              file=sys.stderr, flush=True)
+    raise SystemExit(err.exit_code if isinstance(err, Interrupted) else 130) from None
+
+
+def _pretrain(args, start_time: float, signals: RunSignals, train_valid_test_datasets_provider: Callable,
+              model_provider: Callable, forward_step_func: Callable) -> TrainingResult:
     try:
         device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     except ValueError as err:
@@ -532,7 +555,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             check_attention_backend(config.model, device)
             lock = take_save_lock(config.checkpoint.save)
             trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
-                              start_time)
+                              start_time, signals)
         except STARTUP_ERRORS as err:
             _exit_on_bad_input(err)
         except RuntimeError as err:  # the model or optimizer state does not fit
