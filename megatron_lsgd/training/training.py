@@ -528,7 +528,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
 
 def _exit_on_interrupt(err: KeyboardInterrupt) -> NoReturn:
     what = err.describe() if isinstance(err, Interrupted) else "SIGINT received"
-    if first_to_report():
+    launcher_gone = isinstance(err, Interrupted) and err.launcher_gone  # torchrun held the store: rank 0 speaks
+    if (os.environ.get("RANK", "0") == "0") if launcher_gone else first_to_report():
         print(f"stopped: {what}. Checkpoints already in --save are intact (a save in progress was removed)",
               file=sys.stderr, flush=True)
     raise SystemExit(err.exit_code if isinstance(err, Interrupted) else 130) from None
