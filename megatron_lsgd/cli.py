@@ -3,6 +3,7 @@
 - `ArgumentParser`: a mistyped flag ends in one `error:` line and exit code 2, without
   argparse's usage block first (pretrain_gpt.py's runs to some 140 lines, which push the
   one line that matters off the screen); `--help` still prints everything.
+- `HelpFormatter`: each default shown once, and only where there is one.
 - `user_errors`: a tool's bad input (ValueError, OSError: missing or unwritable files, a
   full disk) ends the same way, and Ctrl-C ends quietly with exit code 130.
 """
@@ -15,6 +16,17 @@ from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default once: not when its help already tells it, and not for flags
+    whose default is "not given" (None) or "off" (a store_true flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Concatenate several .bin/.idx pairs (same dtype) into one, in the order given.
 
-    python tools/merge_datasets.py --input out/a_text_document out/b_text_document \
+    python tools/merge_datasets.py --input out/a_text_document out/b_text_document \\
         --output-prefix out/merged_text_document
 
 --input also accepts directories: every complete .bin/.idx pair in them, sorted by name.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tokenize a JSONL corpus into Megatron .bin/.idx pairs, one per --json-keys entry.
 
-    python tools/preprocess_data.py --input corpus.jsonl.gz --output-prefix out/corpus \
+    python tools/preprocess_data.py --input corpus.jsonl.gz --output-prefix out/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 2
 
 writes out/corpus_text_document.bin and out/corpus_text_document.idx. Each JSON line is one

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Deterministic slice of a JSONL corpus: every k-th document, up to a byte budget of text.
 
-    python tools/slice_jsonl.py --input ../shared/data/python-docs-3.11.jsonl.gz \
+    python tools/slice_jsonl.py --input ../shared/data/python-docs-3.11.jsonl.gz \\
         --output data/python-docs/python-docs-3.11-slice.jsonl.gz --every 2 --max-text-bytes 5000000
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a sentencepiece model on JSONL corpora (deterministic settings).
 
-    python tools/train_tokenizer.py --input data/python-docs/python-docs-3.11-slice.jsonl.gz \
+    python tools/train_tokenizer.py --input data/python-docs/python-docs-3.11-slice.jsonl.gz \\
         --model-prefix data/python-docs/python_docs_sp8k --vocab-size 8192
 
 Documents are fed line by line (sentencepiece's unit is a sentence, at most

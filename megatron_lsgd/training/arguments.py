@@ -72,26 +72,35 @@ class RunConfig:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, required=True, help="width of the residual stream")
     g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default 4 x hidden (GELU) or about 8/3 x hidden rounded to 64 (SwiGLU)")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--rotary-base", type=finite_float, default=10000.0)
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=finite_float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=finite_float, default=0.1)
-    g.add_argument("--attention-dropout", type=finite_float, default=0.1)
-    g.add_argument("--init-method-std", type=finite_float, default=0.02)
+                   help="MLP width; default 4 x hidden (GELU) or about 8/3 x hidden rounded to 64 (SwiGLU)")
+    g.add_argument("--num-attention-heads", type=int, required=True, help="query heads per layer")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="share key/value heads among groups of query heads (with --num-query-groups)")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads under --group-query-attention")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="width of one attention head; default --hidden-size / --num-attention-heads")
+    g.add_argument("--seq-length", type=int, required=True, help="tokens per training sample")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="positions a learned position embedding holds; default --seq-length")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
+                   help="learned absolute positions (GPT-2) or rotary embeddings (Llama)")
+    g.add_argument("--rotary-base", type=finite_float, default=10000.0, help="rope: base of the rotary frequencies")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="normalization before attention, MLP and the output layer")
+    g.add_argument("--norm-epsilon", type=finite_float, default=1e-5, help="epsilon of the normalization")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GELU")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no bias in the linear layers (Llama)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output layer instead of the word embedding reused")
+    g.add_argument("--hidden-dropout", type=finite_float, default=0.1,
+                   help="dropout after attention and MLP, before the residual add")
+    g.add_argument("--attention-dropout", type=finite_float, default=0.1, help="dropout on the attention weights")
+    g.add_argument("--init-method-std", type=finite_float, default=0.02,
+                   help="standard deviation of the normal weight initialization")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -212,7 +221,7 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
-        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        allow_abbrev=False, formatter_class=cli.HelpFormatter)
     for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, catalog.add_arguments,
                 _checkpoint_args, _emulation_args, add_megatron_compat_args):
         add(p)

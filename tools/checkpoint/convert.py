@@ -43,7 +43,7 @@ def _plugin(kind: str, name: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=cli.HelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"])
     p.add_argument("--loader", required=True, choices=PLUGINS, help="format of --load-dir")
     p.add_argument("--saver", required=True, choices=PLUGINS, help="format of --save-dir")
