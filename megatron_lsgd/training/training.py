@@ -178,6 +178,15 @@ class Trainer:
         save_checkpoint(self, self.config.checkpoint)
         self.last_saved_iteration = self.checkpoint_iteration
 
+    def _follow_job_schedule(self, meeting) -> None:
+        """Non-lockstep: a site's LR schedule is the job's, not its own step count's. Its
+        schedule spans the job's --train-iters global batches, so a fast site counting its
+        own steps would finish the decay early and run its last steps at --min-lr; at every
+        meeting its position becomes the job's agreed progress (between meetings it
+        advances one global batch per own step, as if every site kept its pace)."""
+        self.scheduler.num_steps = meeting.samples if self.scheduler.by_samples \
+            else meeting.samples // self.config.training.global_batch_size
+
     # ---- hooks -----------------------------------------------------------------------------
     def _wire_unit_hooks(self, units) -> None:
         """Unit hooks fire in training only (the phase says so) and know the micro-batch."""
@@ -313,16 +322,17 @@ class Trainer:
                 ranks = self.config.dims.world_size // (1 if self.lockstep else self.config.dims.sites)
                 tflops = self.flops_per_sample * samples / elapsed / ranks / 1e12
                 extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
-            consumed = self.consumed_samples
+            consumed, of_iters = self.consumed_samples, t.train_iters
             record = {}
-            if not self.lockstep:
-                consumed = self.site_consumed_samples
-                extra = {"site": str(self.pgs.site_rank), **extra}
+            if not self.lockstep:  # this site's steps (at most all of the budget) and the job's agreed progress
+                consumed, of_iters = self.site_consumed_samples, self.max_site_iters
+                extra = {"site": str(self.pgs.site_rank), "job iteration": f"{self.agreed_iteration}/{t.train_iters}",
+                         **extra}
                 record["site"] = self.pgs.site_rank
                 if self.last_meeting is not None:
                     extra["site steps at last meeting"] = "/".join(map(str, self.last_meeting.site_iterations))
             extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
-            print(training_log_line(self.iteration, t.train_iters, consumed, 1e3 * elapsed / acc.iters,
+            print(training_log_line(self.iteration, of_iters, consumed, 1e3 * elapsed / acc.iters,
                                     self.scheduler.current_lr, gbs, means, self.optimizer.loss_scale, norm,
                                     acc.skipped, acc.nans, extra), flush=True)
             self.tb.scalars({**{k: v for k, v in means.items()},
@@ -392,6 +402,7 @@ class Trainer:
                     self.last_meeting = meeting
                     self.consumed_samples = meeting.samples
                     self.agreed_iteration = meeting.samples // t.global_batch_size
+                    self._follow_job_schedule(meeting)
                     if stop is None and self._crossed(before, self.agreed_iteration, t.exit_interval):
                         stop = Stop(False, f"--exit-interval {t.exit_interval}")
                 if self.iteration % t.log_interval == 0 or stop is not None:
