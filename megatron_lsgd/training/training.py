@@ -182,7 +182,7 @@ class Trainer:
         """Non-lockstep: a site's LR schedule is the job's, not its own step count's. Its
         schedule spans the job's --train-iters global batches, so a fast site counting its
         own steps would finish the decay early and run its last steps at --min-lr; at every
-        meeting its position becomes the job's agreed progress (between meetings it
+        meeting that syncs its position becomes the job's agreed progress (between them it
         advances one global batch per own step, as if every site kept its pace)."""
         self.scheduler.num_steps = meeting.samples if self.scheduler.by_samples \
             else meeting.samples // self.config.training.global_batch_size
@@ -402,7 +402,8 @@ class Trainer:
                     self.last_meeting = meeting
                     self.consumed_samples = meeting.samples
                     self.agreed_iteration = meeting.samples // t.global_batch_size
-                    self._follow_job_schedule(meeting)
+                    if meeting.synced:  # not at a pause's extra meeting: a resumed run stays exact
+                        self._follow_job_schedule(meeting)
                     if stop is None and self._crossed(before, self.agreed_iteration, t.exit_interval):
                         stop = Stop(False, f"--exit-interval {t.exit_interval}")
                 if self.iteration % t.log_interval == 0 or stop is not None:
