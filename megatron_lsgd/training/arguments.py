@@ -212,10 +212,12 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
                    help="append one JSON object per log interval (and one at the end) to this file")
     g.add_argument("--simulate-slow-ranks", type=str, default=None,
                    help="comma-separated global ranks made slower by --slow-factor x their own compute time")
-    g.add_argument("--slow-factor", type=finite_float, default=2.0, help="a slow rank's step takes this many times as long")
+    g.add_argument("--slow-factor", type=finite_float, default=2.0,
+                   help="a slow rank's step takes this many times as long")
     g.add_argument("--slow-mode", choices=SLOW_MODES, default="consistent",
                    help="consistent: slow every step; random: slow on a step with --slow-probability (seeded)")
-    g.add_argument("--slow-probability", type=finite_float, default=0.5, help="random mode: chance a slow rank lags a step")
+    g.add_argument("--slow-probability", type=finite_float, default=0.5,
+                   help="random mode: chance a slow rank lags a step")
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:

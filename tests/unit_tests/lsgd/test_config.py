@@ -131,7 +131,8 @@ def test_a_rank_larger_than_a_weight_matrix_is_a_message_on_two_sites(tmp_path):
     # a shared flag the chosen algorithm never reads
     (["--lsgd-algorithm", "sync", "--lsgd-interval", "5"],
      "--lsgd-interval has no effect with --lsgd-algorithm sync; it applies to "),
-    (["--lsgd-algorithm", "acco", "--lsgd-outer-lr", "0.5"], "--lsgd-outer-lr has no effect with --lsgd-algorithm acco"),
+    (["--lsgd-algorithm", "acco", "--lsgd-outer-lr", "0.5"],
+     "--lsgd-outer-lr has no effect with --lsgd-algorithm acco"),
     (["--lsgd-algorithm", "dreamddp", "--lsgd-outer-momentum", "0.5"], "--lsgd-outer-momentum has no effect"),
     (["--lsgd-algorithm", "diloco", "--lsgd-quant-block", "32"],
      "--lsgd-quant-block has no effect without --lsgd-compression"),
