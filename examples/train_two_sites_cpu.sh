@@ -34,7 +34,10 @@ SITE_ARGS=(
     --lsgd-algorithm dilocox --lsgd-interval 50 --lsgd-compression int4 --lsgd-dilocox-apply-step 5
     --lsgd-outer-lr 1.0 --lsgd-outer-momentum 0.0
 )
-LOGGING_ARGS=(--log-interval 20 --eval-interval 100 --eval-iters 5 --tensorboard-dir runs/two_sites_cpu)
+LOGGING_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 5 --tensorboard-dir runs/two_sites_cpu)
+
+# Said at once: loading torch in every process takes several seconds before the run's own first line.
+echo "starting $NUM_SITES sites x $RANKS_PER_SITE rank(s), dilocox, 200 steps on $DATA (CPU): a line every 10 steps"
 
 OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone \
     --nproc-per-node $((RANKS_PER_SITE * NUM_SITES)) pretrain_gpt.py \

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Concatenate several .bin/.idx pairs (same dtype) into one, in the order given.
 
-    python tools/merge_datasets.py --input out/a_text_document out/b_text_document \
+    python tools/merge_datasets.py --input out/a_text_document out/b_text_document \\
         --output-prefix out/merged_text_document
 
 --input also accepts directories: every complete .bin/.idx pair in them, sorted by name.
@@ -15,6 +15,7 @@ import sys
 from typing import List
 
 import _bootstrap  # noqa: F401
+from megatron_lsgd import cli
 from megatron_lsgd.core.datasets.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, data_file_path,
                                                          exists, index_file_path)
 
@@ -55,7 +56,7 @@ def merge(prefixes: List[str], output_prefix: str) -> int:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     args = p.parse_args(argv)

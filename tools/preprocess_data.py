@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tokenize a JSONL corpus into Megatron .bin/.idx pairs, one per --json-keys entry.
 
-    python tools/preprocess_data.py --input corpus.jsonl.gz --output-prefix out/corpus \
+    python tools/preprocess_data.py --input corpus.jsonl.gz --output-prefix out/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 2
 
 writes out/corpus_text_document.bin and out/corpus_text_document.idx. Each JSON line is one
@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import _bootstrap  # noqa: F401
+from megatron_lsgd import cli
 from megatron_lsgd.core.datasets.indexed_dataset import (IndexedDatasetBuilder, data_file_path, index_file_path,
                                                          optimal_token_dtype)
 from megatron_lsgd.core.datasets.jsonl import JsonlError, count_lines, iter_lines, parse_line
@@ -189,6 +190,12 @@ def run(args: argparse.Namespace) -> Stats:
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"--output-prefix {args.output_prefix}: {out_dir} is a file")
+    existing = [path for key in args.json_keys for path in (data_file_path(output_prefix(args.output_prefix, key)),
+                                                             index_file_path(output_prefix(args.output_prefix, key)))
+                if os.path.exists(path)]
+    if existing and not args.overwrite:
+        raise ValueError(f"--output-prefix {args.output_prefix}: {existing[0]} already exists; choose another prefix, "
+                         f"or pass --overwrite to replace it (the old files stay until the new ones are complete)")
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     try:
@@ -252,7 +259,7 @@ def _run_partitions(args: argparse.Namespace, tok_cfg: TokenizerConfig) -> Stats
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSONL file, optionally gzip-compressed (.gz)")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract, one output pair each")
@@ -269,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace existing output files of this prefix (without it they are refused)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (in total over partitions)")
     g.add_argument("--partitions", type=int, default=1, help="input line ranges processed in parallel, then merged")
@@ -282,6 +291,10 @@ def main(argv=None) -> Stats:
     args = parser.parse_args(argv)
     if args.workers < 1 or args.partitions < 1:
         parser.error("--workers and --partitions must be >= 1")
+    if args.chunk_size < 1:
+        parser.error(f"--chunk-size must be >= 1 (got {args.chunk_size})")
+    if args.log_interval < 0:
+        parser.error(f"--log-interval must be >= 0 (got {args.log_interval})")
     start = time.time()
     try:
         stats = run(args)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a sentencepiece model on JSONL corpora (deterministic settings).
 
-    python tools/train_tokenizer.py --input data/python-docs/python-docs-3.11-slice.jsonl.gz \
+    python tools/train_tokenizer.py --input data/python-docs/python-docs-3.11-slice.jsonl.gz \\
         --model-prefix data/python-docs/python_docs_sp8k --vocab-size 8192
 
 Documents are fed line by line (sentencepiece's unit is a sentence, at most
@@ -13,10 +13,13 @@ Training is single-threaded and unshuffled by default so the same input gives th
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from typing import Iterator, List
 
 import _bootstrap  # noqa: F401
+from megatron_lsgd import cli
 from megatron_lsgd.core.datasets.jsonl import iter_lines, parse_line
 
 
@@ -36,7 +39,7 @@ def iter_sentences(paths: List[str], keys: List[str], max_bytes: int, counts: di
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, nargs="+", help="JSONL or JSONL.gz files")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
@@ -46,10 +49,32 @@ def main(argv=None) -> None:
     p.add_argument("--max-sentence-length", type=int, default=4192, help="bytes; longer lines are skipped")
     p.add_argument("--num-threads", type=int, default=1, help=">1 is faster but may change the model")
     args = p.parse_args(argv)
+    if args.vocab_size < 4:  # <unk>, <s>, </s> and the newline piece are always there
+        p.error(f"--vocab-size must be >= 4 (got {args.vocab_size})")
+    with cli.user_errors():
+        counts = train(args)
+    print(f"wrote {args.model_prefix}.model and {args.model_prefix}.vocab "
+          f"(vocab {args.vocab_size}, {counts['bad_lines']} bad lines skipped)")
 
+
+def train(args) -> dict:
     import sentencepiece as spm  # noqa: PLC0415
 
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--input {path} does not exist")
     counts = {"bad_lines": 0}
+    try:
+        _train(spm, args, counts)
+    except RuntimeError as err:  # sentencepiece reports a corpus that cannot give this model as RuntimeError
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        reason = re.sub(r"^.*\]\s*", "", reason)  # without its C++ source position and check expression
+        flag = "--vocab-size" if "ocab" in reason else "--input"
+        raise ValueError(f"{flag}: sentencepiece cannot train this model on this corpus: {reason}") from None
+    return counts
+
+
+def _train(spm, args, counts: dict) -> None:
     spm.SentencePieceTrainer.Train(
         sentence_iterator=iter_sentences(args.input, args.json_keys, args.max_sentence_length, counts),
         model_prefix=args.model_prefix,
@@ -69,8 +94,6 @@ def main(argv=None) -> None:
         bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
         minloglevel=2,
     )
-    print(f"wrote {args.model_prefix}.model and {args.model_prefix}.vocab "
-          f"(vocab {args.vocab_size}, {counts['bad_lines']} bad lines skipped)")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ from typing import Callable, List, Optional
 
 import torch
 
+from megatron_lsgd import cli
 from megatron_lsgd.core.datasets.config import DataConfig
 from megatron_lsgd.core.distributed.data_parallel import DDPConfig
 from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.config import LsgdConfig, RunFacts
+from megatron_lsgd.core.lsgd.options import finite_float
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
@@ -73,26 +75,35 @@ class RunConfig:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, required=True, help="width of the residual stream")
     g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default 4 x hidden (GELU) or about 8/3 x hidden rounded to 64 (SwiGLU)")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+                   help="MLP width; default 4 x hidden (GELU) or about 8/3 x hidden rounded to 64 (SwiGLU)")
+    g.add_argument("--num-attention-heads", type=int, required=True, help="query heads per layer")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="share key/value heads among groups of query heads (with --num-query-groups)")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads under --group-query-attention")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="width of one attention head; default --hidden-size / --num-attention-heads")
+    g.add_argument("--seq-length", type=int, required=True, help="tokens per training sample")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="positions a learned position embedding holds; default --seq-length")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
+                   help="learned absolute positions (GPT-2) or rotary embeddings (Llama)")
+    g.add_argument("--rotary-base", type=finite_float, default=10000.0, help="rope: base of the rotary frequencies")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="normalization before attention, MLP and the output layer")
+    g.add_argument("--norm-epsilon", type=finite_float, default=1e-5, help="epsilon of the normalization")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GELU")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no bias in the linear layers (Llama)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output layer instead of the word embedding reused")
+    g.add_argument("--hidden-dropout", type=finite_float, default=0.1,
+                   help="dropout after attention and MLP, before the residual add")
+    g.add_argument("--attention-dropout", type=finite_float, default=0.1, help="dropout on the attention weights")
+    g.add_argument("--init-method-std", type=finite_float, default=0.02,
+                   help="standard deviation of the normal weight initialization")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="recompute activations in backward: full transformer layers (with --recompute-method), "
                         "or selective: the core attention of every layer")
@@ -140,13 +151,16 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-tokens", type=int, default=None,
                    help="train on this many tokens in total, all sites together (samples = tokens // "
                         "--seq-length)")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+    g.add_argument("--exit-duration-in-mins", type=finite_float, default=None,
                    help="stop (saving a checkpoint with --save) once this many minutes have passed since start-up; "
                         "every rank stops at the same iteration and a resumed run continues exactly")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100, help="0 disables evaluation")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (a scheduler's notice before its time limit), save a checkpoint at the next "
+                        "iteration, on every rank together, and exit 0; without it SIGTERM stops the run at once")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
@@ -159,22 +173,22 @@ def _optimizer_args(p: argparse.ArgumentParser) -> None:
                    help="adam: AdamW (decoupled weight decay); sgd: plain SGD, no momentum; muon: Muon for the "
                         "hidden 2-D matrices (step lr x 0.2 x sqrt(max dim)), AdamW for embeddings, output layer "
                         "and 1-D parameters (with any local-SGD algorithm: MuLoCo)")
-    g.add_argument("--muon-momentum", type=float, default=0.95, help="--optimizer muon: Nesterov momentum")
+    g.add_argument("--muon-momentum", type=finite_float, default=0.95, help="--optimizer muon: Nesterov momentum")
     g.add_argument("--muon-ns-steps", type=int, default=5,
                    help="--optimizer muon: Newton-Schulz iterations (fp32) per matrix and step")
-    g.add_argument("--lr", type=float, required=True)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr", type=finite_float, required=True)
+    g.add_argument("--min-lr", type=finite_float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=finite_float, default=0.01)
+    g.add_argument("--adam-beta1", type=finite_float, default=0.9)
+    g.add_argument("--adam-beta2", type=finite_float, default=0.999)
+    g.add_argument("--adam-eps", type=finite_float, default=1e-8)
+    g.add_argument("--clip-grad", type=finite_float, default=1.0)
+    g.add_argument("--loss-scale", type=finite_float, default=None, help="fp16 static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=finite_float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=finite_float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
 
@@ -221,16 +235,18 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
                    help="append one JSON object per log interval (and one at the end) to this file")
     g.add_argument("--simulate-slow-ranks", type=str, default=None,
                    help="comma-separated global ranks made slower by --slow-factor x their own compute time")
-    g.add_argument("--slow-factor", type=float, default=2.0, help="a slow rank's step takes this many times as long")
+    g.add_argument("--slow-factor", type=finite_float, default=2.0,
+                   help="a slow rank's step takes this many times as long")
     g.add_argument("--slow-mode", choices=SLOW_MODES, default="consistent",
                    help="consistent: slow every step; random: slow on a step with --slow-probability (seeded)")
-    g.add_argument("--slow-probability", type=float, default=0.5, help="random mode: chance a slow rank lags a step")
+    g.add_argument("--slow-probability", type=finite_float, default=0.5,
+                   help="random mode: chance a slow rank lags a step")
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
-        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        allow_abbrev=False, formatter_class=cli.HelpFormatter)
     for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, catalog.add_arguments,
                 _checkpoint_args, _emulation_args, SimulationOptions.add_arguments, add_megatron_compat_args):
         add(p)

@@ -18,43 +18,64 @@ import os
 import sys
 from typing import Dict, NoReturn, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.datasets.indexed_dataset import IndexedDatasetError
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
+from megatron_lsgd.core.output_files import WriteError
 from megatron_lsgd.core.optimizer.sharded_optimizer import NonFiniteError
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 from megatron_lsgd.training.checkpointing.lock import SaveLock
 
 # While building the run: flags, tokenizer files, datasets, checkpoints to load.
 STARTUP_ERRORS = (ValueError, OSError, CheckpointError)
-# While training: saving (disk full, ...), divergence, a corrupt sample. ValueError and
+# While training: saving (disk full, ...), --json-log on a full disk, divergence, a corrupt sample. ValueError and
 # OSError are not caught here: raised mid-run they are more likely bugs than user input.
-RUN_ERRORS = (CheckpointError, NonFiniteError, IndexedDatasetError)
+RUN_ERRORS = (CheckpointError, NonFiniteError, IndexedDatasetError, WriteError)
 
 _REPORTED_KEY = "megatron_lsgd/error_reported"
 _warned = set()
 
 
-def _first_to_report() -> bool:
+def first_to_report(every_rank_without_store: bool = False) -> bool:
     """True on the first rank of the job to fail (one message, not one per rank, and not
-    lost when the failing rank is not rank 0). Falls back to rank 0 without a store."""
+    lost when the failing rank is not rank 0): a rank that fails because a peer failed
+    first stays silent, since the peer's line says why. Without a reachable store (rank 0,
+    which holds it, is gone) rank 0 speaks, or every rank when rank 0 may be the lost one."""
     if not dist.is_initialized():
         return True
     try:
         store = dist.distributed_c10d._get_default_store()
         return store.add(_REPORTED_KEY, 1) == 1
-    except Exception:  # store unreachable (rank 0 already gone): let rank 0 speak
-        return dist.get_rank() == 0
+    except Exception:
+        return every_rank_without_store or dist.get_rank() == 0
 
 
 def exit_with_error(err: BaseException, prefix: str = "") -> NoReturn:
     """One `error: ...` line on stderr and exit code 2, no traceback."""
-    if _first_to_report():
+    if first_to_report():
         print(f"error: {prefix}{err}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     raise SystemExit(2) from err
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A device or host allocation failed (torch's OutOfMemoryError, or the CPU allocator's
+    RuntimeError)."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "DefaultCPUAllocator" in str(err) and "allocate" in str(err))
+
+
+def out_of_memory_message(err: BaseException, run) -> str:
+    """What to lower, with this run's values, instead of the allocator's report."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    m, t, d = run.model, run.training, run.dims
+    return (f"out of memory ({first[:200]}). Lower --micro-batch-size (now {t.micro_batch_size}) or --seq-length "
+            f"(now {m.seq_length}), raise --tensor-model-parallel-size (now {d.tp}) or "
+            f"--pipeline-model-parallel-size (now {d.pp}), or use --use-distributed-optimizer and --bf16 to shrink "
+            f"the optimizer state and activations")
 
 
 def warn_once(key: str, message: str, rank: int = 0) -> None:
@@ -94,12 +115,19 @@ def _validation_weight(split: str) -> float:
 
 
 def startup_checks(args, run) -> None:
-    """Called once by build_config: output paths (errors), then choices that run but are
-    probably not what was meant (one warning each, on rank 0)."""
+    """Called once by build_config: output paths and settings that would make the run
+    meaningless (errors), then choices that run but are probably not what was meant (one
+    warning each, on rank 0)."""
     check_output_paths(args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     t, data = run.training, run.data
     sync_cls = synchronizer_class(run.lsgd.algorithm)
+    warmup = run.lsgd.rounds.warmup_iters
+    if warmup and t.train_iters is not None and warmup >= t.train_iters:
+        raise ValueError(f"--lsgd-warmup-iters {warmup} covers the whole run ({t.train_iters} "
+                         f"iterations): "
+                         f"--lsgd-algorithm {sync_cls.name} would never run; shorten the warm-up, or use "
+                         f"--lsgd-algorithm sync for synchronous training")
     if run.dims.sites == 1 and sync_cls.inert_with_one_site:
         warn_once("inert-with-one-site",
                   f"--lsgd-algorithm {sync_cls.name} with --num-sites 1 has nothing to synchronize across sites: this "

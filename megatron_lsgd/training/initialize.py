@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
+import sys
 from datetime import timedelta
 
 import numpy as np
@@ -24,8 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: str | None, timeout_minutes: int, device_type: str | None = None) -> torch.device:
-    """Join the job started by torchrun (or run alone when launched with plain python).
+def init_distributed(backend: str | None, timeout_minutes: float, device_type: str | None = None) -> torch.device:
+    """Join the job started by torchrun (or run alone when launched with plain python); a
+    failed join (port taken, ranks that never come) raises ValueError saying which.
     `device_type` (--device): None computes on CUDA when there is CUDA and the backend is
     not gloo; "cuda" with gloo shares the GPUs among the ranks (LOCAL_RANK modulo the GPU
     count), e.g. two one-rank sites on one GPU."""
@@ -43,8 +46,36 @@ def init_distributed(backend: str | None, timeout_minutes: int, device_type: str
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+        launched_by_env = "TORCHELASTIC_RUN_ID" not in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1
+        if launched_by_env and os.environ.get("RANK") == "0":  # possibly stale variables: say what is awaited
+            print(f"note: joining a job of WORLD_SIZE={os.environ['WORLD_SIZE']} as RANK=0 from environment "
+                  f"variables (not torchrun); waiting up to {timeout_minutes:g} min for the other ranks",
+                  file=sys.stderr, flush=True)
+        try:
+            dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+        except dist.DistError as err:
+            raise ValueError(rendezvous_failure(err, timeout_minutes, launched_by_env)) from None
     return device
+
+
+def rendezvous_failure(err: Exception, timeout_minutes: float, launched_by_env: bool) -> str:
+    """What a failed join means in the launch's own terms (the environment it came from)."""
+    env = os.environ
+    where = f"MASTER_ADDR={env.get('MASTER_ADDR')} MASTER_PORT={env.get('MASTER_PORT')}"
+    text = str(err)
+    stale = (" RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment, not from torchrun: if they "
+             "are left over from an earlier session, unset them to run a single process.") if launched_by_env else ""
+    if "EADDRINUSE" in text or "address already in use" in text:
+        return (f"{where}: the port is already in use (another job, or an earlier run still alive); choose a free "
+                f"port (torchrun --master-port)")
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        return (f"only {joined.group(1)} of WORLD_SIZE={joined.group(2)} ranks joined at {where} within "
+                f"{timeout_minutes:g} min (--distributed-timeout-minutes): the other ranks never started.{stale}")
+    if "timed out" in text.lower() or "connect" in text.lower():
+        return (f"RANK={env.get('RANK')} could not reach rank 0 at {where} within {timeout_minutes:g} min "
+                f"(--distributed-timeout-minutes): rank 0 is not running or the address is wrong.{stale}")
+    return f"joining the job at {where} failed: {text.strip().splitlines()[0] if text.strip() else type(err).__name__}"
 
 
 def shutdown_distributed() -> None:

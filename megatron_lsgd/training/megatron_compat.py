@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from megatron_lsgd.core.lsgd.options import finite_float
 from megatron_lsgd.training.batch_schedule import BatchSchedule
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -54,7 +55,7 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
                         "default with a --train-samples/--train-tokens budget: the budget)")
     g.add_argument("--lr-warmup-samples", type=int, default=0,
                    help="linear warmup over this many samples (the schedule then counts samples)")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+    g.add_argument("--lr-warmup-fraction", type=finite_float, default=None,
                    help="warmup as a fraction of the decay span (instead of --lr-warmup-iters/-samples)")
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
                    help="start at START sequences per global batch and grow by INCREMENT in equal steps over the "
@@ -62,15 +63,15 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-batch-size-schedule", type=str, default=None,
                    help='"THRESHOLD:BATCH ..." global batch size from each threshold on; thresholds count tokens '
                         "(K/M/B/T suffixes allowed) and the first must be 0; the last batch is the global batch size")
-    g.add_argument("--decoupled-lr", type=float, default=None,
+    g.add_argument("--decoupled-lr", type=finite_float, default=None,
                    help="separate peak learning rate for the input embedding and the output layer")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
+    g.add_argument("--decoupled-min-lr", type=finite_float, default=None,
                    help="separate minimum learning rate for the input embedding and the output layer")
 
     g = p.add_argument_group("Megatron model and kernel options")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="norm weights stored centred on zero: the layer multiplies by (1 + weight)")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
+    g.add_argument("--rotary-percent", type=finite_float, default=1.0,
                    help="fraction of each head's channels that rotary embeddings rotate (the rest pass through)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="scaled_dot_product_attention kernels: flash = flash attention, fused = cuDNN / memory-"

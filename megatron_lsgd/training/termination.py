@@ -24,7 +24,7 @@ meeting at or past a multiple of it, counted in the job's global batches (the lo
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,39 +34,42 @@ from megatron_lsgd.core.lsgd.protocol import Progress, Stop
 
 
 class StopVote:
-    """One-step-late agreement: `cast(value)` returns the maximum over all ranks of the
-    values cast in the previous call (None before any), and casts this one. The group is
-    gloo, so the value is a host tensor."""
+    """One-step-late agreement: `cast(elapsed, signalled)` returns the maximum elapsed time
+    over all ranks and whether any rank was signalled, as cast in the previous call (None
+    before any), and casts these. The group is gloo, so the values are a host tensor."""
 
     def __init__(self, group):
         self.group = group
         self._value: Optional[torch.Tensor] = None
         self._work = None
 
-    def cast(self, value: float) -> Optional[float]:
+    def cast(self, elapsed: float, signalled: bool) -> Optional[Tuple[float, bool]]:
         agreed = self.close()
-        self._value = torch.tensor([value], dtype=torch.float64)
+        self._value = torch.tensor([elapsed, 1.0 if signalled else 0.0], dtype=torch.float64)
         self._work = dist.all_reduce(self._value, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return agreed
 
-    def close(self) -> Optional[float]:
-        """Wait for the vote in flight (if any) and return its maximum."""
+    def close(self) -> Optional[Tuple[float, bool]]:
+        """Wait for the vote in flight (if any) and return its maximum elapsed time and signal."""
         if self._work is None:
             return None
         self._work.wait()
         self._work = None
-        return float(self._value.item())
+        elapsed, signalled = self._value.tolist()
+        return elapsed, signalled > 0
 
 
 class Termination:
-    def __init__(self, training_config, synchronizer, clock: Clock, world_ranks):
+    def __init__(self, training_config, synchronizer, clock: Clock, world_ranks, signals=None):
         self.cfg = training_config
+        self.signals = signals  # --exit-signal-handler: a noted SIGTERM pauses the run like time running out
         self.synchronizer = synchronizer
         self.clock = clock
         self.duration_s = 60.0 * training_config.exit_duration_in_mins \
             if training_config.exit_duration_in_mins is not None else None
         self.vote = None
-        if self.duration_s is not None and synchronizer.lockstep and dist.is_initialized():
+        watch_signals = signals is not None and signals.exit_signal_handler
+        if (self.duration_s is not None or watch_signals) and synchronizer.lockstep and dist.is_initialized():
             # Collective: every rank runs this constructor with the same config.
             self.vote = StopVote(dist.new_group(list(world_ranks), backend="gloo"))
 
@@ -74,19 +77,28 @@ class Termination:
         return self.clock.elapsed()
 
     def after_step(self, iteration: int, site_samples: int) -> Optional[Stop]:
-        if not self.synchronizer.lockstep:
+        signalled = self.signals is not None and self.signals.noted is not None
+        if not self.synchronizer.lockstep:  # a noted signal ends the time at the next meeting
             progress = Progress(iteration, site_samples, self.elapsed(), self.cfg.train_iters, self.cfg.train_samples,
-                                self.duration_s, self.cfg.global_batch_size)
-            return self.synchronizer.agree_to_stop(progress)
-        elapsed = self.vote.cast(self.elapsed()) if self.vote is not None else None  # all ranks', a step ago
+                                0.0 if signalled else self.duration_s, self.cfg.global_batch_size)
+            stop = self.synchronizer.agree_to_stop(progress)
+            return Stop(False, self._signal_reason()) if signalled and stop and not stop.ends_training else stop
+        # every rank's elapsed time and signal, a step ago
+        agreed = self.vote.cast(self.elapsed(), signalled) if self.vote is not None else None
+        elapsed, any_signal = agreed if agreed is not None else (None, False)
         if iteration >= self.cfg.train_iters:
             return Stop(True, f"--train-iters {self.cfg.train_iters}")
-        if elapsed is not None and elapsed >= self.duration_s:
+        if any_signal:
+            return Stop(False, self._signal_reason())
+        if elapsed is not None and self.duration_s is not None and elapsed >= self.duration_s:
             return Stop(False, f"--exit-duration-in-mins {self.cfg.exit_duration_in_mins:g}: "
                                f"{elapsed / 60:.2f} min elapsed")
         if self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0:
             return Stop(False, f"--exit-interval {self.cfg.exit_interval}")
         return None
+
+    def _signal_reason(self) -> str:
+        return f"--exit-signal-handler: {self.signals.noted or 'SIGTERM'} on some rank"
 
     def close(self) -> None:
         if self.vote is not None:

@@ -34,6 +34,18 @@ def cross_site_traffic(comm, grad_shards, steps: int, device: torch.device) -> D
 
 def summary_line(algorithm: str, steps: int, traffic: Dict[str, float]) -> str:
     moved, sync = traffic["bytes"], traffic["sync_bytes"]
-    ratio = f"{sync / moved:.0f}x less with {algorithm}" if moved > 0 else f"nothing with {algorithm}"
+    ratio = _ratio(algorithm, moved, sync)
     return (f" cross-site traffic: {algorithm} moved {moved / 2**20:.2f} MB (sent + received, all ranks) in {steps} "
             f"steps; per-step sync would have moved {sync / 2**20:.2f} MB ({ratio})")
+
+
+def _ratio(algorithm: str, moved: float, sync: float) -> str:
+    """"356x less", "2.0x more" or "the same": never "0x less" for an algorithm that sent more."""
+    if moved <= 0:
+        return f"nothing with {algorithm}"
+    if moved > sync * 1.005:
+        return f"{moved / sync:.1f}x more with {algorithm}" if sync > 0 else "per-step sync moves nothing"
+    if moved * 1.005 >= sync:
+        return f"the same with {algorithm}"
+    less = sync / moved
+    return f"{less:.0f}x less with {algorithm}" if less >= 10 else f"{less:.1f}x less with {algorithm}"

@@ -21,6 +21,7 @@ lets sites take different numbers of steps; then
 from __future__ import annotations
 
 import math
+import os
 import re
 import resource
 import sys
@@ -46,12 +47,14 @@ from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention
 from megatron_lsgd.training.compat_runtime import flops_per_sample as compat_flops_per_sample
 from megatron_lsgd.training.data_samplers import build_data_iterator
 from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
-                                          exit_with_error, take_save_lock)
+                                          exit_with_error, first_to_report, is_out_of_memory,
+                                          out_of_memory_message, take_save_lock)
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_memory_mb, print_rank, training_log_line
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, trained_parameters
+from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
 from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
@@ -82,7 +85,8 @@ class TrainingResult:
 
 class Trainer:
     def __init__(self, config: RunConfig, model_provider: Callable, datasets_provider: Callable,
-                 forward_step_func: Callable, device: torch.device, clock: Optional[Clock] = None):
+                 forward_step_func: Callable, device: torch.device, clock: Optional[Clock] = None,
+                 signals: Optional[RunSignals] = None):
         self.config = config
         self.device = device
         self.clock = clock or Clock()  # every time the run reads (core/clock.py)
@@ -156,7 +160,7 @@ class Trainer:
                                     empty_unused_memory_level=config.compat.empty_unused_memory_level)
         self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
         self.flops_per_sample = compat_flops_per_sample(config.model, config.model.padded_vocab_size)
-        self.termination = Termination(t, self.synchronizer, self.clock, range(config.dims.world_size))
+        self.termination = Termination(t, self.synchronizer, self.clock, range(config.dims.world_size), signals)
         self.iteration = 0  # this site's steps
         self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
         self.ended = False  # non-lockstep: a resumed run whose training had already ended
@@ -193,6 +197,15 @@ class Trainer:
         self._sum_site_samples()
         save_checkpoint(self, self.config.checkpoint)
         self.last_saved_iteration = self.checkpoint_iteration
+
+    def _follow_job_schedule(self, meeting) -> None:
+        """Non-lockstep: a site's LR schedule is the job's, not its own step count's. Its
+        schedule spans the job's --train-iters global batches, so a fast site counting its
+        own steps would finish the decay early and run its last steps at --min-lr; at every
+        meeting that syncs its position becomes the job's agreed progress (between them it
+        advances one global batch per own step, as if every site kept its pace)."""
+        self.scheduler.num_steps = meeting.samples if self.scheduler.by_samples \
+            else meeting.samples // self.config.training.global_batch_size
 
     # ---- hooks -----------------------------------------------------------------------------
     def _wire_unit_hooks(self, units) -> None:
@@ -330,16 +343,17 @@ class Trainer:
                 ranks = self.config.dims.world_size // (1 if self.lockstep else self.config.dims.sites)
                 tflops = self.flops_per_sample * samples / elapsed / ranks / 1e12
                 extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
-            consumed = self.consumed_samples
+            consumed, of_iters = self.consumed_samples, t.train_iters
             record = {}
-            if not self.lockstep:
-                consumed = self.site_consumed_samples
-                extra = {"site": str(self.pgs.site_rank), **extra}
+            if not self.lockstep:  # this site's steps (at most all of the budget) and the job's agreed progress
+                consumed, of_iters = self.site_consumed_samples, self.max_site_iters
+                extra = {"site": str(self.pgs.site_rank), "job iteration": f"{self.agreed_iteration}/{t.train_iters}",
+                         **extra}
                 record["site"] = self.pgs.site_rank
                 if self.last_meeting is not None:
                     extra["site steps at last meeting"] = "/".join(map(str, self.last_meeting.site_iterations))
             extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
-            print(training_log_line(self.iteration, t.train_iters, consumed, 1e3 * elapsed / acc.iters,
+            print(training_log_line(self.iteration, of_iters, consumed, 1e3 * elapsed / acc.iters,
                                     self.scheduler.current_lr, gbs, means, self.optimizer.loss_scale, norm,
                                     acc.skipped, acc.nans, extra), flush=True)
             self.tb.scalars({**{k: v for k, v in means.items()},
@@ -409,6 +423,8 @@ class Trainer:
                     self.last_meeting = meeting
                     self.consumed_samples = meeting.samples
                     self.agreed_iteration = meeting.samples // t.global_batch_size
+                    if meeting.synced:  # not at a pause's extra meeting: a resumed run stays exact
+                        self._follow_job_schedule(meeting)
                     if stop is None and self._crossed(before, self.agreed_iteration, t.exit_interval):
                         stop = Stop(False, f"--exit-interval {t.exit_interval}")
                 if self.iteration % t.log_interval == 0 or stop is not None:
@@ -533,7 +549,8 @@ def _exit_on_lost_peer(err: Exception, pgs) -> NoReturn:
         cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         message = (f"rank {pgs.rank} (site {pgs.site_rank}): a collective failed: another rank or site stopped or "
                    f"the network between them failed; its own log says why [{cause}]")
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if first_to_report(every_rank_without_store=True):  # a peer that failed first has said why
+        print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2) from err
 
 
@@ -543,6 +560,27 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     (and the model) so tests and benchmarks can inspect the run."""
     clock = Clock()  # --exit-duration-in-mins counts from here, as Megatron's does
     args = parse_args(argv, extra_args_provider)
+    signals = RunSignals(args.exit_signal_handler, watch_launcher="TORCHELASTIC_RUN_ID" in os.environ).install()
+    try:
+        return _pretrain(args, clock, signals, train_valid_test_datasets_provider, model_provider,
+                         forward_step_func)
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM, the launcher gone: one line for the job
+        _exit_on_interrupt(err)
+    finally:
+        signals.restore()
+
+
+def _exit_on_interrupt(err: KeyboardInterrupt) -> NoReturn:
+    what = err.describe() if isinstance(err, Interrupted) else "SIGINT received"
+    launcher_gone = isinstance(err, Interrupted) and err.launcher_gone  # torchrun held the store: rank 0 speaks
+    if (os.environ.get("RANK", "0") == "0") if launcher_gone else first_to_report():
+        print(f"stopped: {what}. Checkpoints already in --save are intact (a save in progress was removed)",
+              file=sys.stderr, flush=True)
+    raise SystemExit(err.exit_code if isinstance(err, Interrupted) else 130) from None
+
+
+def _pretrain(args, clock: Clock, signals: RunSignals, train_valid_test_datasets_provider: Callable,
+              model_provider: Callable, forward_step_func: Callable) -> TrainingResult:
     try:
         device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes, args.device)
     except ValueError as err:
@@ -562,9 +600,13 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             check_attention_backend(config.model, device)
             lock = take_save_lock(config.checkpoint.save)
             trainer = Trainer(config, model_provider, train_valid_test_datasets_provider, forward_step_func, device,
-                              clock)
+                              clock, signals)
         except STARTUP_ERRORS as err:
             _exit_on_bad_input(err)
+        except RuntimeError as err:  # the model or optimizer state does not fit
+            if not is_out_of_memory(err):
+                raise
+            _exit_on_bad_input(ValueError(out_of_memory_message(err, config)))
         if dist.get_rank() == 0:
             n = sum(p.numel() for p in trainer.model.module.parameters())
             print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
@@ -575,6 +617,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             _exit_on_bad_input(err, prefix=f"iteration {trainer.iteration + 1}: " if isinstance(
                 err, NonFiniteError) else "")
         except RuntimeError as err:
+            if is_out_of_memory(err):
+                _exit_on_bad_input(ValueError(out_of_memory_message(err, config)))
             if not _is_lost_peer(err):
                 raise
             _exit_on_lost_peer(err, trainer.pgs)

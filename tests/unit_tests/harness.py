@@ -7,6 +7,7 @@ single-rank view so any layout can be compared with a single-rank run.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import tempfile
@@ -121,3 +122,19 @@ def assert_replicas_identical(records: List[dict]) -> None:
         other = merge_full_params(records, site=site, dp_intra=dpi)
         for name in ref:
             assert torch.equal(other[name], ref[name]), f"replica (site {site}, dp {dpi}) differs in {name}"
+
+
+@contextlib.contextmanager
+def no_room_for_files(limit_bytes: int = 0):
+    """While inside, no regular file of this process may grow past `limit_bytes`: a write
+    beyond it fails in the kernel with OSError EFBIG, as a full disk fails with ENOSPC
+    (RLIMIT_FSIZE; Python ignores the SIGXFSZ that would otherwise kill the process). Pipes
+    and in-memory captures are not files, so the test's own output still flows."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -1,5 +1,6 @@
 """Bad arguments fail at start with a message naming the flag and the fix."""
 
+import os
 import subprocess
 import sys
 
@@ -102,3 +103,28 @@ def test_sequence_parallel_without_tensor_parallel_is_turned_off_with_a_warning(
     c = config(["--sequence-parallel"])  # Megatron's Llama 3 8B script passes it with TP 1
     assert c.model.sequence_parallel is False
     assert "--sequence-parallel has no effect with --tensor-model-parallel-size 1" in capsys.readouterr().err
+
+
+def test_help_reads_well():
+    """--help: every model flag is described, each default is shown once (none for flags
+    without one), the streaming fragment flags form their own group, tool descriptions
+    keep their example commands on lines of their own (no runs of spaces)."""
+    import re
+    import sys
+
+    from megatron_lsgd.training.arguments import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    assert not [line for line in text.splitlines() if line.count("default") > 1]
+    assert "(default: None)" not in text and "(default: False)" not in text
+    groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in parser._action_groups}
+    assert all(a.help for g in parser._action_groups if g.title == "model" for a in g._group_actions)
+    fragments = groups["streaming fragments (--lsgd-algorithm cocodc or streaming-diloco)"]
+    assert "--lsgd-fragments" in fragments and "--lsgd-fragments" not in groups["cocodc (--lsgd-algorithm cocodc)"]
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tools"))
+    import preprocess_data
+
+    description = preprocess_data.build_parser().format_help().split("options:")[0]
+    assert not re.search(r"\S {3,}\S", description), description

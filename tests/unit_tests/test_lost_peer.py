@@ -46,3 +46,26 @@ def test_the_surviving_site_says_what_happened(tmp_path, algorithm):
     assert code == 2, text[-2000:]
     assert "error: rank 0 (site 0)" in text and "stopped" in text
     assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_one_error_line_per_job_from_the_rank_that_knows_the_cause(tmp_path):
+    """The logging rank (site 1) cannot write --json-log (a full device); rank 0 loses its
+    peer in the next collective and stays silent: the job prints one `error:` line, the
+    cause. No launcher here, so nothing else stops rank 0."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    port = free_port()
+    logs = [str(tmp_path / f"rank{i}.log") for i in range(2)]
+    procs = [_site(i, port, logs[i], ["--json-log", "/dev/full"]) for i in range(2)]
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = read(logs[0]) + read(logs[1])
+    assert codes == [2, 2], text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith(("error:", "stopped:"))]
+    assert errors == ["error: cannot write --json-log /dev/full: [Errno 28] No space left on device (the disk is full "
+                      "or a size limit was reached: free space or write elsewhere)"], text[-3000:]

@@ -129,3 +129,72 @@ def test_a_local_sgd_algorithm_with_one_site_warns_once(monkeypatch, capsys, alg
     code, _out, err = _run(["--train-iters", "2", "--lsgd-algorithm", algorithm], monkeypatch, capsys)
     assert code == 0
     assert err.count(f"warning: --lsgd-algorithm {algorithm} with --num-sites 1 has nothing to synchronize") == warned
+
+
+def test_data_that_do_not_match_are_refused(monkeypatch, capsys, tmp_path):
+    """An .idx of another (smaller) dataset beside a .bin, --mock-data beside --data-path,
+    a split without training data: refused at start-up, naming the files or flags."""
+    big, small = _dataset(str(tmp_path / "big"), 250), str(tmp_path / "small")
+    builder = IndexedDatasetBuilder(small + ".bin", np.uint16)
+    builder.add_document(np.arange(60, dtype=np.uint16))
+    builder.finalize(small + ".idx")
+    os.replace(small + ".idx", big + ".idx")  # the run would read the first 120 bytes of the .bin only
+    before = tree_digest(str(tmp_path))
+    data = ["--data-path", big, "--tokenizer-type", "NullTokenizer", "--vocab-size", "250"]
+    code, _, err = _run(["--train-iters", "2", *data], monkeypatch, capsys, base=FILES)
+    assert code == 2 and f"error: {big}.idx describes 120 bytes of tokens but {big}.bin has 4800" in err
+    assert tree_digest(str(tmp_path)) == before
+    code, _, err = _run(["--train-iters", "2", "--data-path", big], monkeypatch, capsys)
+    assert code == 2 and "error: --mock-data and --data-path exclude each other" in err
+    code, _, err = _run(["--train-iters", "2", "--split", "0,0,100"], monkeypatch, capsys)
+    assert code == 2 and "error: --split 0,0,100 gives the training set no data" in err
+
+
+def test_launch_mistakes_say_what_happened(monkeypatch, capsys):
+    """A port another process holds, and RANK/WORLD_SIZE left in the environment by an
+    earlier session (the other ranks never come): one line each, exit 2, not a torch traceback."""
+    import socket
+
+    import pretrain_gpt
+    from megatron_lsgd.training.initialize import free_port, init_distributed
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for key, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(SystemExit) as exc:
+            pretrain_gpt.main(TINY + ["--train-iters", "2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert f"error: MASTER_ADDR=127.0.0.1 MASTER_PORT={port}: the port is already in use" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # stale: no rank 1 will ever come
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ValueError, match="only 1 of WORLD_SIZE=2 ranks joined .* the other ranks never started. "
+                                         "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment"):
+        init_distributed("gloo", 0.05)
+    assert "note: joining a job of WORLD_SIZE=2 as RANK=0 from environment variables" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["build", "step"])
+def test_out_of_memory_names_the_flags_to_lower(monkeypatch, capsys, where):
+    """The allocator's report (simulated: there is no device to exhaust here) becomes one
+    line naming this run's values of the flags that shrink memory."""
+    import torch
+
+    from megatron_lsgd.training import inner_step, training
+
+    def exhausted(*_a, **_k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    if where == "build":
+        monkeypatch.setattr(training, "ShardedOptimizer", exhausted)
+    else:
+        monkeypatch.setattr(inner_step.InnerStep, "compute_grads", exhausted)
+    code, out, err = _run(["--train-iters", "2"], monkeypatch, capsys)
+    assert code == 2 and err.count("error:") == 1
+    assert "error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB). Lower --micro-batch-size " \
+           "(now 2) or --seq-length (now 32), raise --tensor-model-parallel-size (now 1)" in err

@@ -33,3 +33,15 @@ def test_summary_line():
     line = summary_line("dilocox", 200, {"bytes": 2 * 2**20, "sync_bytes": 712 * 2**20})
     assert line == (" cross-site traffic: dilocox moved 2.00 MB (sent + received, all ranks) in 200 steps; "
                     "per-step sync would have moved 712.00 MB (356x less with dilocox)")
+
+
+def test_summary_line_says_more_when_the_algorithm_sent_more():
+    from megatron_lsgd.training.traffic_summary import summary_line
+
+    def ratio(moved, sync):
+        return summary_line("acco", 10, {"bytes": moved * 2**20, "sync_bytes": sync * 2**20}).rsplit("(", 1)[1]
+
+    assert ratio(200, 100) == "2.0x more with acco)"  # was "0x less with acco"
+    assert ratio(100, 100) == "the same with acco)"
+    assert ratio(40, 100) == "2.5x less with acco)"
+    assert ratio(1, 356) == "356x less with acco)"

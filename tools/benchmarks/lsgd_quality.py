@@ -18,7 +18,7 @@ validation runs every N iterations, and `--target RUN` adds a table of the itera
 run needs to reach RUN's final validation loss (linear interpolation between evaluations)
 and a plot of the validation curves, e.g. for CoCoDC against Streaming DiLoCo at 4 sites:
 
-    python tools/benchmarks/lsgd_quality.py --sites 4 --num-layers 4 --interval 100 \
+    python tools/benchmarks/lsgd_quality.py --sites 4 --num-layers 4 --interval 100 \\
         --runs streaming-diloco,cocodc --eval-interval 50 --target streaming-diloco ...
 
 a-edit syncs by wall-clock time (--aedit-seconds) and its sites may take different numbers

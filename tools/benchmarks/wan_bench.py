@@ -3,7 +3,7 @@
     python tools/benchmarks/wan_bench.py                                  # default scenario
     python tools/benchmarks/wan_bench.py --slow-ranks 1 --slow-factor 2   # one 2x straggler
     python tools/benchmarks/wan_bench.py --algorithms sync,diloco --algo-args "diloco=--lsgd-interval 10"
-    python tools/benchmarks/wan_bench.py --algorithms diloco,dilocox,dilocox-int4=dilocox \
+    python tools/benchmarks/wan_bench.py --algorithms diloco,dilocox,dilocox-int4=dilocox \\
         --algo-args "dilocox-int4=--lsgd-compression int4"            # two runs of one algorithm
 
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site

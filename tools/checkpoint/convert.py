@@ -32,6 +32,8 @@ for path in (HERE, ROOT):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from megatron_lsgd import cli  # noqa: E402
+
 PLUGINS = ("lsgd", "hf")
 
 
@@ -40,8 +42,8 @@ def _plugin(kind: str, name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=cli.HelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"])
     p.add_argument("--loader", required=True, choices=PLUGINS, help="format of --load-dir")
     p.add_argument("--saver", required=True, choices=PLUGINS, help="format of --save-dir")

@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # python tools/wan/launch.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tools.wan.link import LinkSpec  # noqa: E402
+from megatron_lsgd import cli  # noqa: E402
 from tools.wan.netns import WanError  # noqa: E402
 from tools.wan.preflight import BACKENDS  # noqa: E402
 from tools.wan.topology import IFNAME, REPO_ROOT, WanTopology  # noqa: E402
@@ -130,7 +131,7 @@ def topology_from_args(a: argparse.Namespace) -> WanTopology:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_link_args(p)
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--master-port", type=int, default=29500)

@@ -25,6 +25,8 @@ from typing import BinaryIO, Dict, Iterable, Optional, Type, Union
 
 import numpy as np
 
+from megatron_lsgd.core.output_files import remove_path, write_error, written_or_removed
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence_count, document_count
@@ -122,15 +124,22 @@ class _Index:
             raise IndexedDatasetError(f"{self.path}: sequence {bad} has negative length {int(lengths[bad])}")
         # Chunked so validating a huge index does not allocate index-sized temporaries.
         chunk = 1 << 22
+        covered = 0  # the end of the furthest sequence
         for start in range(0, pointers.size, chunk):
             ptr = pointers[start:start + chunk]
             ends = ptr + lengths[start:start + chunk].astype(np.int64) * itemsize
+            covered = max(covered, int(ends.max()) if ends.size else 0)
             bad_mask = (ptr < 0) | (ends > bin_size)
             if bad_mask.any():
                 bad = int(np.argmax(bad_mask))
                 raise IndexedDatasetError(
                     f"{self.path}: sequence {start + bad} spans bytes [{int(ptr[bad])}, {int(ends[bad])}) "
                     f"but {bin_path} has only {bin_size} bytes (truncated .bin or corrupt index)")
+        if covered < bin_size:  # an index written for another (smaller) dataset would read a prefix only
+            raise IndexedDatasetError(
+                f"{self.path} describes {covered} bytes of tokens but {bin_path} has {bin_size}: the two files do "
+                f"not belong together (an .idx from another dataset, or a .bin written to after its index); "
+                f"write them again with tools/preprocess_data.py")
         if docs[0] != 0:
             raise IndexedDatasetError(f"{self.path}: document indices must start at 0, found {int(docs[0])}")
         if docs.size > 1 and (np.diff(docs) < 0).any():
@@ -263,8 +272,14 @@ class IndexedDatasetBuilder:
                                  f"the tokenizer's vocabulary is too large for this dataset dtype")
         if arr.size >= 2**31:
             raise ValueError(f"{self.bin_path}: a sequence of {arr.size} tokens exceeds the int32 length field")
-        self._file.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(arr.size))
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._file.write(data)
+        except OSError as err:  # a full disk: the message names the output, not its temporary name
+            raise write_error(err, self.bin_path) from None
 
     def end_document(self) -> None:
         self._doc_idx.append(len(self._lengths))
@@ -294,22 +309,26 @@ class IndexedDatasetBuilder:
                     remaining = end
                     while remaining:
                         chunk = src.read(min(remaining, 1 << 24))
-                        self._file.write(chunk)
+                        self._write(chunk)
                         remaining -= len(chunk)
             else:
                 for i in range(len(other)):
-                    self._file.write(other.get(i).tobytes())
+                    self._write(other.get(i).tobytes())
         finally:
             other.close()
 
     def abort(self) -> None:
-        """Close and delete the partial output (on error before finalize)."""
-        self._file.close()
-        if os.path.exists(self._tmp_bin):
-            os.unlink(self._tmp_bin)
+        """Close and delete the partial output (on error before finalize). Closing flushes
+        the buffer, which fails again on a full disk: the file is removed all the same."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        remove_path(self._tmp_bin)
 
     def finalize(self, idx_path: str) -> None:
-        self._file.close()
+        with written_or_removed(self._tmp_bin, report_as=self.bin_path):
+            self._file.close()
         tmp_idx = f"{idx_path}.tmp.{os.getpid()}"
         lengths = np.frombuffer(self._lengths, dtype=np.int64) if len(self._lengths) else np.zeros(0, np.int64)
         pointers = np.zeros(lengths.size, dtype="<i8")
@@ -317,15 +336,14 @@ class IndexedDatasetBuilder:
             np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
         try:
-            with open(tmp_idx, "wb") as f:
-                f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, lengths.size, doc_idx.size))
-                f.write(lengths.astype("<i4").tobytes())
-                f.write(pointers.tobytes())
-                f.write(doc_idx.astype("<i8").tobytes())
+            with written_or_removed(tmp_idx, report_as=idx_path):
+                with open(tmp_idx, "wb") as f:
+                    f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, lengths.size, doc_idx.size))
+                    f.write(lengths.astype("<i4").tobytes())
+                    f.write(pointers.tobytes())
+                    f.write(doc_idx.astype("<i8").tobytes())
         except BaseException:
-            for path in (tmp_idx, self._tmp_bin):
-                if os.path.exists(path):
-                    os.unlink(path)
+            remove_path(self._tmp_bin)
             raise
         # .bin first: a reader between the two renames sees the new .bin with the old .idx,
         # which the index check (sizes against the .bin) refuses loudly.

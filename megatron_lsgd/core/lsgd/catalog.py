@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, dreamddp, streaming, sync  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.edit import a_edit, edit  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
+from megatron_lsgd.core.lsgd.options import OptionGroup
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
 __all__ = ["add_arguments", "config_from_args", "registered_algorithms", "synchronizer_class", "validate"]
@@ -35,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_arguments(parser)
     LinkOptions.add_arguments(parser)
     declared: List[str] = []
+    # Options several algorithms inherit without being any algorithm's own (the streaming
+    # algorithms' fragments) get a group of their own, named with every algorithm that reads them.
+    for base, names in _shared_bases().items():
+        base.add_arguments(parser, skip=declared, title=f"{base.title} (--lsgd-algorithm {' or '.join(names)})",
+                           description=(base.__doc__ or "").strip() or None)
+        declared += base.flags()
     # An algorithm whose Options extend another's (a-edit's extend edit's) comes after it, so
     # the shared flags are shown in the parent's group and the child's group adds its own.
     for name in sorted(registered_algorithms(), key=lambda n: (len(synchronizer_class(n).Options.__mro__), n)):
@@ -42,6 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         cls.Options.add_arguments(parser, skip=declared, title=f"{name} (--lsgd-algorithm {name})",
                                   description=_summary(cls))
         declared += cls.Options.flags()
+
+
+def _shared_bases() -> Dict[type, List[str]]:
+    """Option classes that are no algorithm's own Options but that several inherit -> those algorithms."""
+    own = {synchronizer_class(n).Options for n in registered_algorithms()}
+    shared: Dict[type, List[str]] = {}
+    for name in sorted(registered_algorithms()):
+        for base in synchronizer_class(name).Options.__mro__[1:]:
+            if issubclass(base, OptionGroup) and base is not OptionGroup and base not in own and base.option_fields():
+                shared.setdefault(base, []).append(name)
+    return {base: names for base, names in shared.items() if len(names) > 1}
 
 
 def _owners() -> Dict[str, List[str]]:
@@ -88,6 +106,16 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
         takers = [n for n in registered_algorithms() if "compression" in synchronizer_class(n).uses]
         raise ValueError(f"--lsgd-compression {config.compression.kind} is not supported by --lsgd-algorithm "
                          f"{cls.name} (algorithms that compress: {', '.join(takers)})")
+    for key in ("rounds", "outer"):  # a shared flag the algorithm never reads would be ignored silently
+        changed = getattr(config, key).changed_flags()
+        if key not in cls.uses and changed:
+            takers = [n for n in registered_algorithms() if key in synchronizer_class(n).uses]
+            raise ValueError(f"{changed[0]} has no effect with --lsgd-algorithm {cls.name}; it applies to "
+                             f"{', '.join(takers)}")
+    if not config.compression.enabled:
+        changed = [f for f in config.compression.changed_flags() if f != "--lsgd-compression"]
+        if changed:
+            raise ValueError(f"{changed[0]} has no effect without --lsgd-compression (int8, int4 or lowrank-int4)")
     if args is not None:
         own = set(cls.Options.flags())
         owners = _owners()

@@ -10,8 +10,21 @@ algorithm" errors). Validation is each group's own `validate()`.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Dict, List, Optional, Sequence
+
+
+def finite_float(text: str) -> float:
+    """argparse type for every float flag: `nan` and `inf` parse as floats but are never a
+    setting (a nan latency, an inf interval), so they are refused, naming the flag."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def option(flag: str, default: Any, help: str, *, choices: Optional[Sequence] = None, metavar: Optional[str] = None,
@@ -56,6 +69,7 @@ class OptionGroup:
                 group.add_argument(m["flag"], action="store_true", help=m["help"])
                 continue
             kind = m["type"] or (type(default) if default is not None else str)
+            kind = finite_float if kind is float else kind
             group.add_argument(m["flag"], type=kind, default=default, choices=m["choices"], metavar=m["metavar"],
                                help=m["help"])
 

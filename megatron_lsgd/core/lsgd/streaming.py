@@ -58,7 +58,9 @@ from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup
 # ---- options ------------------------------------------------------------------------------------
 @dataclass
 class FragmentOptions(OptionGroup):
-    """Shared by the streaming algorithms (streaming-diloco, cocodc)."""
+    """How the model is split into fragments that sync one at a time."""
+
+    title = "streaming fragments"
 
     fragments: int = option("--lsgd-fragments", 2,
                             "K: split the model into K fragments of sync units that sync one at a time "
@@ -135,7 +137,7 @@ class InFlight:
 # ---- the algorithm ------------------------------------------------------------------------------
 @register
 class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
-    """Streaming DiLoCo: one fragment synced per H/K inner steps, its all-reduce overlapping tau steps (the fragment flags are listed under cocodc)"""
+    """Streaming DiLoCo: one fragment synced per H/K inner steps, its all-reduce overlapping tau steps"""
 
     name = "streaming-diloco"
     Options = StreamingDiLoCoOptions

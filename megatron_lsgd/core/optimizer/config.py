@@ -56,6 +56,9 @@ class OptimizerConfig:
         if self.lr_warmup_iters < 0:
             raise ValueError("--lr-warmup-iters must be >= 0")
         if self.lr_decay_iters is None:
+            if train_iters is not None and self.lr_warmup_iters > train_iters:
+                raise ValueError(f"--lr-warmup-iters {self.lr_warmup_iters:g} is longer than the run ({train_iters} "
+                                 f"iterations): the learning rate would never reach --lr; shorten the warm-up")
             self.lr_decay_iters = train_iters
         if self.lr_decay_iters < self.lr_warmup_iters:
             raise ValueError(f"--lr-decay-iters {self.lr_decay_iters} is shorter than --lr-warmup-iters "

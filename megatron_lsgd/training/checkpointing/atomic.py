@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from megatron_lsgd.core.output_files import written_or_removed
+
 
 def fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -41,10 +43,11 @@ def fsync_tree(root: str) -> None:
 
 def write_text_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    with written_or_removed(tmp, report_as=path):
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 

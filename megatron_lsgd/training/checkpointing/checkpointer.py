@@ -13,7 +13,6 @@ agreed progress (`trainer.checkpoint_iteration`) and `ended` says its training i
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.distributed.data_parallel import unwrap
+from megatron_lsgd.core.output_files import WriteError, no_room_hint, remove_path, written_or_removed
 from megatron_lsgd.training.checkpointing import layout
 from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree, write_text_atomic
 from megatron_lsgd.training.checkpointing.compat import check_layout, check_model_config, model_config_dict
@@ -104,8 +104,7 @@ def tokenizer_info(tokenizer) -> Dict:
 def _save_failed(err: BaseException, iteration: int, save_dir: str) -> CheckpointError:
     if isinstance(err, CheckpointError):
         return err
-    hint = " (the disk is full: free space or point --save elsewhere)" \
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC else ""
+    hint = no_room_hint(err) if isinstance(err, OSError) and not isinstance(err, WriteError) else ""
     return CheckpointError(f"saving the checkpoint of iteration {iteration} to {save_dir} failed: {err}{hint}. "
                            f"The checkpoints already there are intact (the incomplete one was removed)")
 
@@ -114,10 +113,19 @@ def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
     """Write the checkpoint of the trainer's agreed iteration (its step count if lockstep),
     or raise CheckpointError on every rank (disk full, unwritable directory, a non-finite
     model) leaving earlier checkpoints and the tracker untouched and no partial directory
-    behind."""
+    behind (also when Ctrl-C or SIGTERM interrupts the save)."""
+    partial = os.path.join(cfg.save, layout.partial_dir_name(trainer.checkpoint_iteration))
+    try:
+        _save(trainer, cfg, partial)
+    except KeyboardInterrupt:  # the other ranks are interrupted too: no barrier, rank 0 cleans up
+        if trainer.pgs.rank == 0:
+            remove_path(partial)
+        raise
+
+
+def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
     pgs = trainer.pgs
     iteration = trainer.checkpoint_iteration  # agreed by every rank (a site's own step count if lockstep)
-    partial = os.path.join(cfg.save, layout.partial_dir_name(iteration))
     final = os.path.join(cfg.save, layout.iteration_dir_name(iteration))
     start = time.perf_counter()
     error = None
@@ -200,8 +208,10 @@ def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration:
         "files": files,
         "sha256": {k: digest for k, (_, digest) in records.items()},
     }
-    with open(os.path.join(partial, layout.METADATA), "w") as f:
-        json.dump(metadata, f, indent=1, sort_keys=True)
+    meta_path = os.path.join(partial, layout.METADATA)
+    with written_or_removed(meta_path):
+        with open(meta_path, "w") as f:
+            json.dump(metadata, f, indent=1, sort_keys=True)
     fsync_tree(partial)
     if os.environ.get(HOLD_ENV) == str(iteration):
         with open(os.path.join(cfg.save, f".holding_{iteration}"), "w"):

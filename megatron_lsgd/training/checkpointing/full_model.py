@@ -21,6 +21,7 @@ from megatron_lsgd.core.parallel_state import ParallelDims, ProcessGroups, RankC
 from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices, take_tp_slice
 from megatron_lsgd.core.tensor_parallel.random import RNGStatesTracker
 from megatron_lsgd.core.transformer.config import TransformerConfig
+from megatron_lsgd.core.output_files import written_or_removed
 from megatron_lsgd.training.checkpointing import layout
 from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree, write_text_atomic
 from megatron_lsgd.training.checkpointing.compat import config_from_dict, model_config_dict
@@ -166,30 +167,31 @@ def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
     final = os.path.join(save_dir, layout.iteration_dir_name(full.iteration))
     if os.path.exists(partial):
         shutil.rmtree(partial)
-    files, digests = {}, {}
-    for (t, p), state in pieces.items():
-        rel = os.path.join(layout.mp_rank_dir_name(t, p, pp), layout.model_file_name(0))
-        os.makedirs(os.path.join(partial, os.path.dirname(rel)), exist_ok=True)
-        files[rel], digests[rel] = save_file(state, os.path.join(partial, rel), rel)
-    args = dict(full.args)
-    args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if full.tokenizer_files:  # carried along; point the args at the copy
-        args["tokenizer_model"] = os.path.join(os.path.abspath(final), "tokenizer")
-    metadata = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": full.iteration,
-        "consumed_samples": full.consumed_samples, "layout": {"tp": tp, "pp": pp, "dp_intra": 1, "sites": 1},
-        "use_distributed_optimizer": False, "lsgd_algorithm": args.get("lsgd_algorithm", "sync"),
-        "has_optimizer": False, "has_rng": False, "scheduler": None,
-        "model_config": model_config_dict(full.config), "tokenizer": full.tokenizer, "args": args,
-        "files": files, "sha256": digests}
-    with open(os.path.join(partial, layout.METADATA), "w") as f:
-        json.dump(metadata, f, indent=1, sort_keys=True)
-    if full.tokenizer_files:
-        tok_dir = os.path.join(partial, "tokenizer")
-        os.makedirs(tok_dir)
-        for path in full.tokenizer_files:
-            shutil.copy2(path, tok_dir)
-    fsync_tree(partial)
+    with written_or_removed(partial, report_as=f"the converted checkpoint {partial}"):
+        files, digests = {}, {}
+        for (t, p), state in pieces.items():
+            rel = os.path.join(layout.mp_rank_dir_name(t, p, pp), layout.model_file_name(0))
+            os.makedirs(os.path.join(partial, os.path.dirname(rel)), exist_ok=True)
+            files[rel], digests[rel] = save_file(state, os.path.join(partial, rel), rel)
+        args = dict(full.args)
+        args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        if full.tokenizer_files:  # carried along; point the args at the copy
+            args["tokenizer_model"] = os.path.join(os.path.abspath(final), "tokenizer")
+        metadata = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": full.iteration,
+            "consumed_samples": full.consumed_samples, "layout": {"tp": tp, "pp": pp, "dp_intra": 1, "sites": 1},
+            "use_distributed_optimizer": False, "lsgd_algorithm": args.get("lsgd_algorithm", "sync"),
+            "has_optimizer": False, "has_rng": False, "scheduler": None,
+            "model_config": model_config_dict(full.config), "tokenizer": full.tokenizer, "args": args,
+            "files": files, "sha256": digests}
+        with open(os.path.join(partial, layout.METADATA), "w") as f:
+            json.dump(metadata, f, indent=1, sort_keys=True)
+        if full.tokenizer_files:
+            tok_dir = os.path.join(partial, "tokenizer")
+            os.makedirs(tok_dir)
+            for path in full.tokenizer_files:
+                shutil.copy2(path, tok_dir)
+        fsync_tree(partial)
     commit_dir(partial, final)
     write_text_atomic(os.path.join(save_dir, layout.TRACKER), str(full.iteration))
     return final

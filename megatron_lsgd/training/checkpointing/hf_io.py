@@ -10,6 +10,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megatron_lsgd.core.output_files import written_or_removed
 from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 
@@ -70,15 +71,16 @@ def write_hf(save_dir: str, config: Dict, tensors: Dict[str, torch.Tensor], toke
     partial = save_dir.rstrip("/") + ".partial"
     if os.path.exists(partial):
         shutil.rmtree(partial)
-    os.makedirs(partial)
-    with open(os.path.join(partial, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    # safetensors refuses shared or non-contiguous storage: give each tensor its own.
-    save_file({k: v.detach().to(torch.float32).contiguous().clone() for k, v in tensors.items()},
-              os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
-    for path in tokenizer_files:
-        shutil.copy2(path, os.path.join(partial, _hf_tokenizer_name(path)))
-    fsync_tree(partial)
+    with written_or_removed(partial, report_as=f"the Hugging Face export {partial}"):
+        os.makedirs(partial)
+        with open(os.path.join(partial, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        # safetensors refuses shared or non-contiguous storage: give each tensor its own.
+        save_file({k: v.detach().to(torch.float32).contiguous().clone() for k, v in tensors.items()},
+                  os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        for path in tokenizer_files:
+            shutil.copy2(path, os.path.join(partial, _hf_tokenizer_name(path)))
+        fsync_tree(partial)
     commit_dir(partial, save_dir)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from megatron_lsgd.core.output_files import written_or_removed
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -59,11 +60,12 @@ def save_file(obj: Any, path: str, what: str) -> Tuple[int, str]:
     """torch.save + fsync; returns (size in bytes, sha256 hex digest), both recorded in
     metadata.json and checked on load."""
     check_plain(obj, what)
-    with open(path, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(obj, writer)
-        f.flush()
-        os.fsync(f.fileno())
+    with written_or_removed(path):  # torch's zip writer hides a full disk's OSError: unmasked here
+        with open(path, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
     return os.path.getsize(path), writer.sha256.hexdigest()
 
 

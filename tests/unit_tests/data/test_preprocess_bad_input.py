@@ -88,7 +88,8 @@ def test_failed_run_leaves_an_existing_output_untouched(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "4"}) + "\n{broken\n")
     before = tree_digest(str(tmp_path))
-    _fail(capsys, ["--input", str(bad), "--output-prefix", out, "--strict", *NULL])
+    err = _fail(capsys, ["--input", str(bad), "--output-prefix", out, "--strict", "--overwrite", *NULL])
+    assert f"error: {bad}:2" in err
     assert tree_digest(str(tmp_path)) == before
 
 

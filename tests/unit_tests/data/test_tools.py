@@ -141,3 +141,39 @@ def test_train_tokenizer_small(tmp_path):
     assert sp.vocab_size() == 300
     text = "line 7 of text\n    code(7)"
     assert sp.decode(sp.encode(text)) == text
+
+
+def test_tool_mistakes_end_in_one_error_line(tmp_path, capsys):
+    """Each tool's bad input: exit code 2, one `error:` line naming the flag, no traceback,
+    no usage block, nothing written (and an existing output is not replaced silently)."""
+    import slice_jsonl
+
+    src = _write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": t}) for t in ("hello world", "abc def", "1 2 3")])
+    before = sorted(os.listdir(tmp_path))
+
+    def fails(main, argv, message):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err and "usage:" not in err
+        assert err.count("error:") == 1 and f"error: {message}" in err, err
+        assert sorted(os.listdir(tmp_path)) == before
+
+    fails(train_tokenizer.main, ["--input", src, "--model-prefix", str(tmp_path / "tok"), "--vocab-size", "5000"],
+          "--vocab-size: sentencepiece cannot train this model on this corpus: Vocabulary size too high (5000)")
+    fails(slice_jsonl.main, ["--input", src, "--output", str(tmp_path / "s.jsonl"), "--every", "0"],
+          "--every must be >= 1 (got 0)")
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--input", src]
+    fails(preprocess_data.main, [*null, "--output-prefix", str(tmp_path / "c"), "--chunk-size", "0"],
+          "--chunk-size must be >= 1 (got 0)")
+    fails(preprocess_data.main, [*null, "--output-prefix", str(tmp_path / "c"), "--no-such-flag"],
+          "unrecognized arguments: --no-such-flag (see ")
+    preprocess_data.main([*null, "--output-prefix", str(tmp_path / "c")])
+    capsys.readouterr()
+    before = sorted(os.listdir(tmp_path))
+    digest = open(tmp_path / "c_text_document.bin", "rb").read()
+    fails(preprocess_data.main, [*null, "--output-prefix", str(tmp_path / "c")],
+          f"--output-prefix {tmp_path / 'c'}: {tmp_path / 'c'}_text_document.bin already exists; choose another "
+          f"prefix, or pass --overwrite")
+    assert open(tmp_path / "c_text_document.bin", "rb").read() == digest
+    preprocess_data.main([*null, "--output-prefix", str(tmp_path / "c"), "--overwrite"])

@@ -25,3 +25,27 @@ def test_a_edit_lets_the_fast_site_step_ahead_of_a_straggler():
     stats = records[0]["sync_stats"]
     assert stats["syncs"] >= 2 and stats["meetings"] >= stats["syncs"]
     assert records[0]["comm"]["bytes_sent"] > 0
+
+
+@pytest.mark.slow
+def test_a_fast_site_follows_the_jobs_lr_schedule_and_logs_its_own_cap(tmp_path):
+    """Virtual clock: site 0 steps in 1 s, site 1 in 2 s, meetings every 4 s; 12 global
+    batches = 24 site steps, 16 taken by site 0. Counting its own steps, site 0 ended its
+    decay at step 12 and ran steps 12-16 at --min-lr (and logged "iteration 16/ 12"); it
+    now follows the job's agreed progress, which reaches 12 only at the end."""
+    import re
+
+    from megatron_lsgd.core.lsgd.edit.a_edit import VIRTUAL_CLOCK_ENV
+    from tests.unit_tests.checkpointing.launch import TINY
+    from tests.unit_tests.checkpointing.test_resume_edit import run_env
+
+    text = run_env(TINY + ["--num-sites", "2", "--global-batch-size", "8", "--lsgd-algorithm", "a-edit",
+                           "--lsgd-aedit-interval-seconds", "4", "--train-iters", "12"], 2,
+                   str(tmp_path / "run.log"), {VIRTUAL_CLOCK_ENV: "1,2"})
+    line = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?learning rate: ([0-9.E+-]+) \|.*?\| site: (\d+) \| "
+                      r"job iteration: (\d+)/12 \|")
+    lr = {(int(site), int(it)): float(rate) for it, _cap, rate, site, _job in line.findall(text)}
+    caps = {int(cap) for _it, cap, _rate, _site, _job in line.findall(text)}
+    assert max(it for site, it in lr if site == 0) == 16 and caps == {24}  # at most the whole budget, 24 site steps
+    assert lr[(0, 13)] > lr[(0, 14)] > 1e-4  # still decaying (was --min-lr 1e-4 from step 12 on)
+    assert lr[(1, 8)] == pytest.approx(1e-4, rel=0.05)  # the slow site reaches the end of the decay too

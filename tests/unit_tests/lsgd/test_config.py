@@ -143,3 +143,33 @@ def test_a_rank_larger_than_a_weight_matrix_is_a_message_on_two_sites(tmp_path):
     err = "".join(e for _, e in outs)
     assert err.count("error: --lsgd-rank 1000 is larger than the smallest weight matrix dimension (32)") == 1
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra,message", [
+    # a shared flag the chosen algorithm never reads
+    (["--lsgd-algorithm", "sync", "--lsgd-interval", "5"],
+     "--lsgd-interval has no effect with --lsgd-algorithm sync; it applies to "),
+    (["--lsgd-algorithm", "acco", "--lsgd-outer-lr", "0.5"],
+     "--lsgd-outer-lr has no effect with --lsgd-algorithm acco"),
+    (["--lsgd-algorithm", "dreamddp", "--lsgd-outer-momentum", "0.5"], "--lsgd-outer-momentum has no effect"),
+    (["--lsgd-algorithm", "diloco", "--lsgd-quant-block", "32"],
+     "--lsgd-quant-block has no effect without --lsgd-compression"),
+    # a warm-up longer than the run
+    (["--lsgd-algorithm", "diloco", "--lsgd-warmup-iters", "10"],
+     "--lsgd-warmup-iters 10 covers the whole run \\(10 iterations\\): --lsgd-algorithm diloco would never run"),
+    (["--lr-warmup-iters", "11"], "--lr-warmup-iters 11 is longer than the run \\(10 iterations\\)"),
+])
+def test_settings_that_would_be_ignored_are_refused(extra, message):
+    with pytest.raises(ValueError, match=message):
+        config(["--num-sites", "2"] + extra)
+
+
+@pytest.mark.parametrize("flag", ["--simulate-inter-site-latency", "--lsgd-aedit-interval-seconds", "--lr",
+                                  "--slow-factor"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_values_are_refused_naming_the_flag(flag, value, capsys):
+    extra = ["--lsgd-algorithm", "a-edit"] if flag == "--lsgd-aedit-interval-seconds" else []
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + extra + [f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"error: argument {flag}: must be a finite number, got '{value}'" in err

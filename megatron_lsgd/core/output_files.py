@@ -1,0 +1,74 @@
+"""A failed write of an output file (a full disk, a quota, a file size limit, any I/O error)
+becomes one `WriteError` that names the file, and what was half-written is removed.
+
+Used by every writer of the project (checkpoints, --json-log, Hugging Face exports,
+preprocessed datasets), so a full disk reads the same everywhere. Some writers hide the
+OSError: torch's zip writer turns a failed write into `RuntimeError: unexpected pos ...`
+with the OSError only as its context, so `os_error_in` looks through the chain.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+# Errors a user fixes by making room (or writing elsewhere), not by changing the program.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class WriteError(OSError):
+    """Writing an output file failed; the message names the file and what to do."""
+
+
+def os_error_in(err: BaseException) -> Optional[OSError]:
+    """`err` itself if it is an OSError, else the first OSError it was raised from or
+    during (None when there is none: then it is not an I/O failure)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def no_room_hint(err: OSError) -> str:
+    return " (the disk is full or a size limit was reached: free space or write elsewhere)" \
+        if err.errno in _NO_ROOM else ""
+
+
+def write_error(err: OSError, path: str) -> WriteError:
+    """The one message for a failed write of `path` (an existing WriteError is kept)."""
+    if isinstance(err, WriteError):
+        return err
+    reason = f"[Errno {err.errno}] {err.strerror}" if err.errno is not None else str(err)
+    return WriteError(f"cannot write {path}: {reason}{no_room_hint(err)}")
+
+
+def remove_path(path: str) -> None:
+    """Remove a half-written file or directory; never raises (it runs while failing)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+@contextmanager
+def written_or_removed(path: str, report_as: Optional[str] = None) -> Iterator[None]:
+    """Run the body that writes `path` (a file or a temporary directory): on any failure,
+    Ctrl-C included, `path` is removed; an I/O failure is raised as a WriteError naming
+    `report_as` (default: `path`)."""
+    try:
+        yield
+    except BaseException as err:
+        remove_path(path)
+        found = os_error_in(err) if isinstance(err, Exception) else None
+        if found is not None:
+            raise write_error(found, report_as or path) from None
+        raise
