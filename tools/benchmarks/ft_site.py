@@ -58,6 +58,7 @@ class SiteSpec:
     kill_at_step: Optional[int] = None  # SIGKILL itself after this step (a site failing mid-round)
     world_port: int = 0  # the plain world's port (lighthouse == "")
     go_file: str = ""  # wait for this file before the first step (every site's manager heartbeats by then)
+    pause_file: str = ""  # no inner step while this file exists (tests: hold the others while a site restarts)
 
 
 def inner_update(site: int, step: int) -> torch.Tensor:
@@ -171,6 +172,8 @@ def run_site(spec: SiteSpec) -> None:
         if state.step >= spec.steps:
             break
         step = state.step
+        while spec.pause_file and os.path.exists(spec.pause_file):
+            time.sleep(0.05)
         if spec.step_seconds:
             time.sleep(spec.step_seconds)
         with torch.no_grad():
@@ -201,12 +204,50 @@ def run_site(spec: SiteSpec) -> None:
         dist.destroy_process_group()
 
 
+def start_lighthouse(min_sites: int, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 200):
+    """A torchft lighthouse in this process (loopback, a free port)."""
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=min_sites, join_timeout_ms=join_timeout_ms,
+                            heartbeat_timeout_ms=heartbeat_timeout_ms)
+
+
+def launch(spec: SiteSpec):
+    """Start one site as its own process (SIGKILL-able); its output goes to <out>/site<k>.out."""
+    import dataclasses
+    import subprocess
+
+    out = open(os.path.join(spec.out_dir, f"site{spec.site}.out"), "a")
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(dataclasses.asdict(spec))],
+                            stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def starts(records: List[dict]) -> List[int]:
+    """Indices of the records where a process of the site started (a restart appends)."""
+    return [i for i, r in enumerate(records) if r.get("log", "").startswith('{"started"')]
+
+
+def wait_started(out_dir: str, sites, timeout_s: float = 120.0, times: int = 1) -> None:
+    """Until every site in `sites` has built its manager `times` times (restarts count)."""
+    deadline = time.time() + timeout_s
+    while not all(len(starts(read_log(out_dir, s))) >= times for s in sites):
+        if time.time() > deadline:
+            raise TimeoutError(f"sites {list(sites)} did not start in {timeout_s:.0f} s (see {out_dir}/site*.out)")
+        time.sleep(0.05)
+
+
 def read_log(out_dir: str, site: int) -> List[dict]:
     path = os.path.join(out_dir, f"site{site}.jsonl")
     if not os.path.exists(path):
         return []
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # the line a running (or killed) site is writing
+                break
+    return records
 
 
 if __name__ == "__main__":
