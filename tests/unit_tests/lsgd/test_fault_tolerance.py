@@ -201,3 +201,61 @@ def test_without_torchft_the_flag_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft -> ImportError
     with pytest.raises(ValueError, match=r'needs torchft.*pip install -e "\.\[ft\]"'):
         FaultToleranceOptions(mode="torchft").validate(algorithm="diloco", num_sites=2)
+
+
+class _FakeManager:
+    """The three Manager calls `reduce` makes, scripted."""
+
+    def __init__(self, commit: bool):
+        self.commit, self.error = commit, None
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, err):
+        self.error = err
+
+    def should_commit(self):
+        return self.commit and self.error is None
+
+
+class _Buffer:
+    def __init__(self):
+        self.value = torch.zeros(2)
+
+    def state_dict(self):
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state):
+        self.value.copy_(state["value"])
+
+
+def _membership(commit: bool):
+    from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
+
+    m = TorchftMembership.__new__(TorchftMembership)  # no torchft processes: the round logic alone
+    m.manager, m.present, m._failed = _FakeManager(commit), [0, 1], None
+    m.rounds_attempted = m.rounds_committed = 0
+    return m
+
+
+def test_a_round_that_does_not_commit_returns_nothing_and_puts_the_error_feedback_back():
+    buf = _Buffer()
+
+    def mean():
+        buf.value += 1  # what a compressor's error feedback does during the mean
+        return "mean"
+
+    kept = _membership(commit=True)
+    assert kept.reduce(mean, undo=[buf]) == "mean" and buf.value.tolist() == [1, 1]
+    lost = _membership(commit=False)  # a peer failed: its site or ours says no
+    assert lost.reduce(mean, undo=[buf]) is None and buf.value.tolist() == [1, 1]
+    assert lost._failed == [0, 1] and (lost.rounds_attempted, lost.rounds_committed) == (1, 0)
+
+    def broken():
+        buf.value += 1
+        raise RuntimeError("Connection closed by peer")
+
+    failing = _membership(commit=True)
+    assert failing.reduce(broken, undo=[buf]) is None and buf.value.tolist() == [1, 1]
+    assert "Connection closed" in str(failing.manager.error)
