@@ -90,8 +90,9 @@ def _run(tmp_path, num_sites, min_sites, steps, kills=None, restart=False, compr
                         step_seconds=step_seconds, kill_at_step=kill, go_file=go, pause_file=pause, world_port=port,
                         timeout_s=5.0)
 
+    procs = {}
     try:
-        procs = {s: launch(spec(s, kills.get(s))) for s in range(num_sites)}
+        procs.update({s: launch(spec(s, kills.get(s))) for s in range(num_sites)})
         wait_started(out, procs)
         open(go, "w").close()
         deadline = time.time() + timeout_s
@@ -108,6 +109,9 @@ def _run(tmp_path, num_sites, min_sites, steps, kills=None, restart=False, compr
             time.sleep(0.05)
         return [read_log(out, s) for s in range(num_sites)], {s: p.returncode for s, p in procs.items()}
     finally:
+        for p in procs.values():  # a failed test leaves no site behind
+            if p.poll() is None:
+                p.kill()
         if lh is not None:
             lh.shutdown()
 
