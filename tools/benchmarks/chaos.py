@@ -7,7 +7,8 @@ Each site is tools/benchmarks/ft_site.py (the real diloco synchronizer, TorchftM
 torchft's Manager, lighthouse and checkpoint transport on loopback; a toy inner step), one
 process per site, killed with SIGKILL. The same job runs first without faults (the
 baseline for goodput). Reported (and written to --out-dir/chaos.json):
-- faults injected, and survived (the killed site rejoined, was healed, and the job ended
+- faults injected (only a site whose process is up is killed, at most --max-down sites
+  down at once), and survived (the killed site rejoined, was healed, and the job ended
   with every site's last process exiting 0);
 - rounds committed vs attempted (the survivors' counts);
 - goodput: useful inner steps (committed rounds x H) / the inner steps the fault-free run
@@ -58,17 +59,19 @@ def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
         open(go, "w").close()
         t0 = time.time()
         next_fault = t0 + args.fault_every
+        started = {s: 0 for s in procs}  # processes of each site that started before its current one
         while [p.poll() for p in list(procs.values())].count(None):
             now = time.time()
             if now - t0 > args.max_minutes * 60:
                 raise RuntimeError(f"the job did not end in --max-minutes {args.max_minutes} ({out_dir})")
-            if faults and now >= next_fault:
-                live = [s for s, p in procs.items() if p.poll() is None]
-                victim = rng.choice(live)
+            up = [s for s, p in procs.items() if p.poll() is None and len(starts(read_log(out_dir, s))) > started[s]]
+            if faults and now >= next_fault and args.sites - len(up) < args.max_down:
+                victim = rng.choice(up)
+                started[victim] += 1  # its next process counts as up once it has started
                 procs[victim].kill()  # SIGKILL: no clean-up, no goodbye
                 procs[victim].wait()
                 procs[victim] = launch(spec(victim))
-                kills.append({"site": victim, "t": now, "starts_before": len(starts(read_log(out_dir, victim))) - 1})
+                kills.append({"site": victim, "t": now, "starts_before": started[victim] - 1})
                 log(f"[chaos] {now - t0:6.1f} s: killed site {victim}, restarted it")
                 next_fault = now + args.fault_every
             time.sleep(0.05)
@@ -134,6 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=400, help="inner steps of the job (every site)")
     p.add_argument("--step-seconds", type=float, default=0.05, help="sleep per toy inner step")
     p.add_argument("--fault-every", type=float, default=10.0, help="seconds between SIGKILLs")
+    p.add_argument("--max-down", type=int, default=0,
+                   help="most sites down at once (default: --sites minus --min-sites, so the floor is never hit)")
     p.add_argument("--compression", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--timeout", type=float, default=5.0, help="--lsgd-ft-timeout of the sites")
     p.add_argument("--max-minutes", type=float, default=5.0, help="give up (and fail) after this long")
@@ -146,6 +151,7 @@ def main(argv=None) -> int:
     if args.min_sites == args.sites:
         print("error: --min-sites equal to --sites leaves no site to lose: every fault pauses the job", file=sys.stderr)
         return 2
+    args.max_down = args.max_down or args.sites - args.min_sites
     out = args.out_dir or tempfile.mkdtemp(prefix="chaos-")
     base = run_job(args, os.path.join(out, "baseline"), faults=False)
     print(f"[chaos] baseline: {args.steps} steps in {base['wall_s']:.1f} s")

@@ -92,7 +92,10 @@ class TorchftMembership(SiteMembership):
             time.sleep(self.poll_s)
             self._quorum()
         before = self.present
-        self.present = self._gather_present()
+        present = self._gather_present()
+        if present is None:  # a site died right after the quorum: this round will not commit
+            present = list(before)
+        self.present = present
         self.comm.set_sites(self.pg, self.manager.num_participants())
         if self._healing:
             self._healing = False
@@ -152,7 +155,7 @@ class TorchftMembership(SiteMembership):
                  f"({time.monotonic() - since:.0f} s, {what}); sites of the last round: "
                  f"{_sites(self.present or [self.site])}; not seen: {_sites(missing)}")
 
-    def _gather_present(self) -> List[int]:
+    def _gather_present(self) -> Optional[List[int]]:
         """Which sites the new quorum holds: each contributes its index (a few bytes)."""
         n = self.manager.num_participants()
         if n <= 1:
@@ -163,7 +166,7 @@ class TorchftMembership(SiteMembership):
 
         try:
             self.pg.allgather([out], [mine], AllgatherOptions()).wait()
-        except RuntimeError as err:  # a site died right after the quorum: this round will not commit
+        except RuntimeError as err:
             self.manager.report_error(err)
-            return [self.site]
+            return None
         return sorted(int(t.item()) for t in out)
