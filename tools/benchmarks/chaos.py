@@ -154,6 +154,9 @@ def main(argv=None) -> int:
     args.max_down = args.max_down or args.sites - args.min_sites
     out = args.out_dir or tempfile.mkdtemp(prefix="chaos-")
     base = run_job(args, os.path.join(out, "baseline"), faults=False)
+    if set(base["codes"].values()) != {0}:
+        print(f"error: the fault-free baseline failed (exit codes {base['codes']}; see {out}/baseline)", file=sys.stderr)
+        return 1
     print(f"[chaos] baseline: {args.steps} steps in {base['wall_s']:.1f} s")
     chaos = run_job(args, os.path.join(out, "chaos"), faults=True)
     summary = summarize(args, base, chaos)

@@ -204,8 +204,11 @@ def run_site(spec: SiteSpec) -> None:
         dist.destroy_process_group()
 
 
-def start_lighthouse(min_sites: int, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 200):
-    """A torchft lighthouse in this process (loopback, a free port)."""
+def start_lighthouse(min_sites: int, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 3000):
+    """A torchft lighthouse in this process (loopback, a free port). A site that has stopped
+    heartbeating (dead) is dropped after `heartbeat_timeout_ms`; a live one that reaches the
+    round's quorum late is waited for up to `join_timeout_ms` (shorter, and a loaded machine
+    splits the sites: the late one is left out of the round and heals at the next)."""
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind="[::]:0", min_replicas=min_sites, join_timeout_ms=join_timeout_ms,

@@ -48,7 +48,7 @@ class TorchftMembership(SiteMembership):
         lighthouse = options.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         if not lighthouse:
             raise ValueError("--lsgd-fault-tolerance torchft needs a lighthouse: --lsgd-lighthouse http://HOST:PORT "
-                             "or $TORCHFT_LIGHTHOUSE (tools/wan/launch.py starts one)")
+                             "or $TORCHFT_LIGHTHOUSE (docs/fault_tolerance.md)")
         self.comm, self.options, self.site, self.device = comm, options, site, device
         self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
         self.log_every, self.poll_s = log_every, poll_s
@@ -82,13 +82,16 @@ class TorchftMembership(SiteMembership):
 
     # ---- SiteMembership -----------------------------------------------------------------------------
     def round_started(self) -> None:
-        waited_since = time.monotonic()
+        waited_since = last_line = time.monotonic()
         self._quorum()
         while self.manager.num_participants() < self.options.min_sites:
-            if time.monotonic() - waited_since > self.options.max_wait_s:
+            now = time.monotonic()
+            if now - waited_since > self.options.max_wait_s:
                 raise RuntimeError(f"site {self.site}: fewer than --lsgd-min-sites {self.options.min_sites} sites for "
                                    f"--lsgd-ft-max-wait {self.options.max_wait_s:g} s")
-            self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum")
+            if now - last_line >= self.log_every or last_line == waited_since:
+                self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum")
+                last_line = now
             time.sleep(self.poll_s)
             self._quorum()
         before = self.present
