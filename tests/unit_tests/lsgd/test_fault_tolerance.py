@@ -263,4 +263,10 @@ def test_a_round_that_does_not_commit_returns_nothing_and_puts_the_error_feedbac
 
     failing = _membership(commit=True)
     assert failing.reduce(broken, undo=[buf]) is None and buf.value.tolist() == [1, 1]
-    assert "Connection closed" in str(failing.manager.error)
+    assert "Connection closed" in str(failing.manager.error) and failing._failure == "Connection closed by peer"
+
+    def unconfigured():  # what torchft's wrapper raises when the quorum could not rebuild the group
+        raise AssertionError("process group not initialized")
+
+    survivor = _membership(commit=True)
+    assert survivor.reduce(unconfigured, undo=[buf]) is None and "not initialized" in survivor._failure

@@ -63,6 +63,7 @@ class TorchftMembership(SiteMembership):
         self.rounds_attempted = self.rounds_committed = 0
         self.healed_rounds: List[int] = []  # committed-round counts at which this site received a peer's state
         self._failed: Optional[List[int]] = None  # the sites of a round that was not committed
+        self._failure = ""  # why, in a few words
         self._healing = False
 
     # ---- state a healing site receives -------------------------------------------------------------
@@ -108,7 +109,7 @@ class TorchftMembership(SiteMembership):
         if self._failed is not None:
             lost = sorted(set(self._failed) - set(self.present))
             self.log(f"site {self.site}: round {self.rounds_attempted} was not committed (lost site "
-                     f"{_sites(lost) if lost else 'none: the collective failed'}); restarted from the anchor; "
+                     f"{_sites(lost) if lost else 'none'}: {self._failure}); restarted from the anchor; "
                      f"sites now {_sites(self.present)}")
             self._failed = None
         elif before and before != self.present:
@@ -118,10 +119,10 @@ class TorchftMembership(SiteMembership):
         self.rounds_attempted += 1
         saved = [u.state_dict() for u in undo]
         result = None
-        if self.manager.errored() is None:
+        if self.manager.errored() is None:  # else the quorum's group is already broken: nothing to try
             try:
                 result = mean()
-            except RuntimeError as err:  # a peer died or timed out (InterSiteTimeout, gloo/nccl errors)
+            except Exception as err:  # a peer died or timed out (InterSiteTimeout, gloo/nccl, torchft's own)
                 self.manager.report_error(err)
         if self.manager.should_commit():
             self.rounds_committed += 1
@@ -129,6 +130,10 @@ class TorchftMembership(SiteMembership):
         for u, state in zip(undo, saved):
             u.load_state_dict(state)
         self._failed = list(self.present)
+        err = self.manager.errored()
+        cause = getattr(err, "original_exception", err)
+        self._failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160] if cause is not None \
+            else "a peer site did not commit"
         return None
 
     def close(self) -> None:
@@ -161,6 +166,8 @@ class TorchftMembership(SiteMembership):
     def _gather_present(self) -> Optional[List[int]]:
         """Which sites the new quorum holds: each contributes its index (a few bytes)."""
         n = self.manager.num_participants()
+        if self.manager.errored() is not None:  # the group could not be rebuilt (a peer too slow or gone)
+            return None
         if n <= 1:
             return [self.site]
         mine = torch.tensor([float(self.site)], device=self.device)
@@ -169,7 +176,7 @@ class TorchftMembership(SiteMembership):
 
         try:
             self.pg.allgather([out], [mine], AllgatherOptions()).wait()
-        except RuntimeError as err:
+        except Exception as err:  # as in reduce: reported, the round will not commit
             self.manager.report_error(err)
             return None
         return sorted(int(t.item()) for t in out)
