@@ -8,8 +8,10 @@ torchft's Manager, lighthouse and checkpoint transport on loopback; a toy inner 
 process per site, killed with SIGKILL. The same job runs first without faults (the
 baseline for goodput). Reported (and written to --out-dir/chaos.json):
 - faults injected (only a site whose process is up is killed, at most --max-down sites
-  down at once), and survived (the killed site rejoined, was healed, and the job ended
-  with every site's last process exiting 0);
+  down at once; none after the first site finished), and survived (the job reached its
+  budget with at least --min-sites sites, every one of them exiting 0), how many killed
+  sites rejoined (healed from a peer), and which were still restarting when the job ended
+  (stopped after --timeout + 10 s: they wait for a quorum that cannot come);
 - rounds committed vs attempted (the survivors' counts);
 - goodput: useful inner steps (committed rounds x H) / the inner steps the fault-free run
   takes in the same wall time;
@@ -52,6 +54,7 @@ def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
                         step_seconds=args.step_seconds, timeout_s=args.timeout, go_file=go)
 
     kills: List[Dict] = []
+    late: List[int] = []  # sites still waiting when the others had finished the job
     procs = {}
     try:
         procs.update({s: launch(spec(s)) for s in range(args.sites)})
@@ -60,12 +63,23 @@ def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
         t0 = time.time()
         next_fault = t0 + args.fault_every
         started = {s: 0 for s in procs}  # processes of each site that started before its current one
+        ended_at = None  # when the first site finished the job (its budget of steps, exit 0)
         while [p.poll() for p in list(procs.values())].count(None):
             now = time.time()
+            if ended_at is None and 0 in [p.returncode for p in procs.values()]:
+                ended_at = now
+            if ended_at is not None and now - ended_at > args.timeout + 10:
+                # A site restarted too late for the job's last quorum waits for peers that
+                # have finished (docs/fault_tolerance.md, "What is missing"): stop it.
+                for s, p in procs.items():
+                    if p.poll() is None:
+                        p.kill()
+                        late.append(s)
+                break
             if now - t0 > args.max_minutes * 60:
                 raise RuntimeError(f"the job did not end in --max-minutes {args.max_minutes} ({out_dir})")
             up = [s for s, p in procs.items() if p.poll() is None and len(starts(read_log(out_dir, s))) > started[s]]
-            if faults and now >= next_fault and args.sites - len(up) < args.max_down:
+            if faults and ended_at is None and now >= next_fault and args.sites - len(up) < args.max_down:
                 victim = rng.choice(up)
                 started[victim] += 1  # its next process counts as up once it has started
                 procs[victim].kill()  # SIGKILL: no clean-up, no goodbye
@@ -75,7 +89,7 @@ def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
                 log(f"[chaos] {now - t0:6.1f} s: killed site {victim}, restarted it")
                 next_fault = now + args.fault_every
             time.sleep(0.05)
-        wall = time.time() - t0
+        wall = (ended_at or time.time()) - t0
         codes = {s: p.returncode for s, p in procs.items()}
     finally:
         for p in procs.values():  # nothing left behind when the run fails
@@ -83,7 +97,7 @@ def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
                 p.kill()
         lh.shutdown()
     records = {s: read_log(out_dir, s) for s in range(args.sites)}
-    return {"wall_s": wall, "codes": codes, "kills": kills, "records": records}
+    return {"wall_s": wall, "codes": codes, "kills": kills, "records": records, "late": late}
 
 
 def summarize(args, base: Dict, chaos: Dict) -> Dict:
@@ -96,7 +110,7 @@ def summarize(args, base: Dict, chaos: Dict) -> Dict:
                 by_round.setdefault(r["round"], set()).add(r["digest"])
     disagree = sorted(k for k, d in by_round.items() if len(d) > 1)
     # rejoin times and survived faults
-    survived, rejoin = 0, []
+    rejoined, rejoin = 0, []
     for kill in chaos["kills"]:
         recs = records[kill["site"]]
         begun = starts(recs)
@@ -105,7 +119,7 @@ def summarize(args, base: Dict, chaos: Dict) -> Dict:
         after = recs[begun[kill["starts_before"] + 1]:]
         healed = [r for r in after if "rejoined" in r.get("log", "")]
         if healed:
-            survived += 1
+            rejoined += 1
             rejoin.append(healed[0]["t"] - kill["t"])
     finals = [[r for r in recs if "round" in r] for recs in records.values()]
     committed = max(r[-1]["round"] for r in finals if r)
@@ -114,18 +128,24 @@ def summarize(args, base: Dict, chaos: Dict) -> Dict:
     useful = committed * args.interval
     base_rate = args.steps / base["wall_s"]  # inner steps per second without faults
     goodput = useful / (base_rate * chaos["wall_s"])
-    all_ok = set(chaos["codes"].values()) == {0}
+    finished = [s for s, c in chaos["codes"].items() if c == 0]
+    # The job survived when the sites that finished reached the budget with the same state
+    # and at least --min-sites of them did; no committed round was lost.
+    killed = {k["site"] for k in chaos["kills"]}
+    all_ok = len(finished) >= args.min_sites and set(chaos["late"]) <= killed and \
+        all(c == 0 for s, c in chaos["codes"].items() if s not in chaos["late"])
     base_final = [r for r in base["records"][0] if "round" in r][-1]
     return {
         "sites": args.sites, "min_sites": args.min_sites, "interval": args.interval, "steps": args.steps,
         "fault_every_s": args.fault_every, "wall_s": round(chaos["wall_s"], 1), "baseline_wall_s": round(base["wall_s"], 1),
-        "faults_injected": len(chaos["kills"]), "faults_survived": survived if all_ok else 0,
-        "every_site_finished": all_ok, "rounds_committed": committed, "rounds_attempted_by_unkilled_site": attempted,
+        "faults_injected": len(chaos["kills"]), "faults_survived": len(chaos["kills"]) if all_ok else 0,
+        "killed_sites_rejoined": rejoined, "sites_restarted_after_the_end": chaos["late"],
+        "sites_finished": finished, "job_finished": all_ok, "rounds_committed": committed, "rounds_attempted_by_unkilled_site": attempted,
         "baseline_rounds": base_final["round"], "goodput": round(goodput, 3),
         "rejoin_s": {"mean": round(sum(rejoin) / len(rejoin), 2), "max": round(max(rejoin), 2)} if rejoin else None,
         "digest_rounds_checked": len(by_round), "digest_disagreements": disagree,
         "final_anchor_max_abs_diff_vs_baseline": max(
-            abs(a - b) for a, b in zip(finals[0][-1]["anchor"], base_final["anchor"])) if finals[0] else None,
+            abs(a - b) for a, b in zip(finals[finished[0]][-1]["anchor"], base_final["anchor"])) if finished else None,
     }
 
 
@@ -164,8 +184,7 @@ def main(argv=None) -> int:
         json.dump(summary, f, indent=1)
     for key, value in summary.items():
         print(f"{key}: {value}")
-    ok = summary["every_site_finished"] and not summary["digest_disagreements"] and \
-        summary["faults_survived"] == summary["faults_injected"]
+    ok = summary["job_finished"] and not summary["digest_disagreements"]
     return 0 if ok else 1
 
 
