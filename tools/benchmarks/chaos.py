@@ -7,7 +7,7 @@ Each site is tools/benchmarks/ft_site.py (the real diloco synchronizer, TorchftM
 torchft's Manager, lighthouse and checkpoint transport on loopback; a toy inner step), one
 process per site, killed with SIGKILL. The same job runs first without faults (the
 baseline for goodput). Reported (and written to --out-dir/chaos.json):
-- faults injected (only a site whose process is up is killed, at most --max-down sites
+- faults injected (only a site whose process is training is killed, at most --max-down sites
   down at once; none after the first site finished), and survived (the job reached its
   budget with at least --min-sites sites, every one of them exiting 0), how many killed
   sites rejoined (healed from a peer), and which were still restarting when the job ended
@@ -40,6 +40,16 @@ if REPO not in sys.path:
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 
 from tools.benchmarks.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
+
+
+def training(records: List[Dict], earlier: int) -> bool:
+    """Whether the site's current process (after `earlier` earlier ones) has joined the job:
+    it committed a round or was healed. Only such a site is killed, so each fault hits a
+    site that is really training (a restart on a loaded machine can take tens of seconds)."""
+    begun = starts(records)
+    if len(begun) <= earlier:
+        return False
+    return any("round" in r or "rejoined" in r.get("log", "") for r in records[begun[earlier]:])
 
 
 def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
@@ -78,7 +88,7 @@ def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
                 break
             if now - t0 > args.max_minutes * 60:
                 raise RuntimeError(f"the job did not end in --max-minutes {args.max_minutes} ({out_dir})")
-            up = [s for s, p in procs.items() if p.poll() is None and len(starts(read_log(out_dir, s))) > started[s]]
+            up = [s for s, p in procs.items() if p.poll() is None and training(read_log(out_dir, s), started[s])]
             if faults and ended_at is None and now >= next_fault and args.sites - len(up) < args.max_down:
                 victim = rng.choice(up)
                 started[victim] += 1  # its next process counts as up once it has started
