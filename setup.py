@@ -45,5 +45,7 @@ setup(
         "test": ["pytest>=7", "matplotlib", "tokenizers", "transformers"],
         "hf": ["transformers", "tokenizers"],
         "gpu": ["apex", "transformer-engine"],
+        # --lsgd-fault-tolerance torchft: elastic sites (docs/fault_tolerance.md)
+        "ft": ["torchft==0.2.0"],
     },
 )

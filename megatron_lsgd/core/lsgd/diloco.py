@@ -57,6 +57,12 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
         if self.steps_in_round >= self.interval:
             self._close_round()
 
+    def before_forward_backward(self, iteration: int) -> None:
+        # A round's membership is settled before its first inner step (a rejoining site is
+        # healed here, so it trains the whole round from the live peers' state).
+        if self.active and not self.in_warmup(iteration) and self.steps_in_round == 0:
+            self.ctx.membership.round_started()
+
     def _close_round(self) -> None:
         self.steps_in_round = 0
         self.end_round()
@@ -106,8 +112,9 @@ class DiLoCo(LocalSGDBase):
 
     def end_round(self) -> None:
         deltas = self.outer.pseudo_gradient(self.views)
-        mean = run_blocking(self.compressor.reduce(deltas))
-        self.outer.step(self.views, mean)
+        mean = self.ctx.membership.reduce(lambda: run_blocking(self.compressor.reduce(deltas)), undo=[self.compressor])
+        if mean is not None:  # None: not committed (a site failed mid-round); the anchor stays
+            self.outer.step(self.views, mean)
         self.restart_from_anchor()
 
     def state_dict(self) -> Dict:

@@ -51,6 +51,7 @@ import torch
 from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.config import LsgdConfig
+from megatron_lsgd.core.lsgd.membership import AllSites, SiteMembership
 from megatron_lsgd.core.lsgd.options import NoOptions
 from megatron_lsgd.core.parallel_state import ProcessGroups
 
@@ -184,6 +185,9 @@ class SyncContext:
     optimizer: object  # ShardedOptimizer: views(units), copy_main_to_model_params(views), state
     comm: InterSiteComm
     units: List[object] = field(default_factory=list)  # SyncUnits of this stage, forward order
+    # Which sites take part in each outer round (fault tolerance: fault_tolerance/); the
+    # default is every site, every round.
+    membership: SiteMembership = field(default_factory=AllSites)
 
     @property
     def clock(self) -> Clock:

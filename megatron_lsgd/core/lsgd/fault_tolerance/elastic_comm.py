@@ -1,0 +1,70 @@
+"""InterSiteComm over torchft's reconfigurable process group.
+
+The group is rebuilt by the torchft Manager at every quorum, and the number of sites is
+the number present in the round (`set_sites`), so every mean in means.py and every
+compressor averages over the sites that take part without knowing about faults. torchft's
+wrapper groups implement the list-form collectives (allreduce, allgather, alltoall_base)
+but not c10d's flat `*_single` ones, hence the overrides; the byte accounting and the
+simulated link are InterSiteComm's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceOp
+
+from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteWork, SimulatedLink
+
+
+class ElasticComm(InterSiteComm):
+    def __init__(self, configured_sites: int, link: Optional[SimulatedLink] = None,
+                 timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None):
+        # Until the first quorum the synchronizers see the configured sites (they decide
+        # from num_sites > 1 whether there is anything to average).
+        super().__init__(None, configured_sites, link, timeout_minutes, rank, site)
+        self.configured_sites = configured_sites
+
+    def set_sites(self, group, present: int) -> None:
+        """The round's group (torchft's, reconfigured at the quorum) and how many sites it joins."""
+        self.group = group
+        self.num_sites = present
+
+    def _reduce(self, tensor: torch.Tensor, op) -> object:
+        opts = AllreduceOptions()
+        opts.reduceOp = op
+        return self.group.allreduce([tensor], opts)
+
+    def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
+        if self.num_sites == 1:
+            return InterSiteWork(self, None)
+        tensor.mul_(1.0 / self.num_sites)
+        moved = self._ring_bytes(tensor.numel() * tensor.element_size())
+        return self._finish(self._issue(self._reduce(tensor, ReduceOp.SUM), moved, moved), async_op)
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
+        if self.num_sites == 1:
+            output.copy_(tensor.reshape(-1))
+            return InterSiteWork(self, None)
+        parts = list(output.view(self.num_sites, -1).unbind(0))
+        work = self.group.allgather([parts], [tensor.reshape(-1)], AllgatherOptions())
+        moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size()
+        return self._finish(self._issue(work, moved, moved), async_op)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
+        if self.num_sites == 1:
+            output.copy_(tensor)
+            return InterSiteWork(self, None)
+        work = self.group.alltoall_base(output, tensor, [], [], AllToAllOptions())
+        moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size() // self.num_sites
+        return self._finish(self._issue(work, moved, moved), async_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        if self.num_sites == 1:
+            return
+        moved = self._ring_bytes(tensor.numel() * tensor.element_size())
+        self._issue(self._reduce(tensor, ReduceOp.MAX), moved, moved).wait()
+
+    def use_dedicated_group(self, dims, timeout=None) -> None:
+        """Nothing to do: the torchft group is already this comm's alone."""

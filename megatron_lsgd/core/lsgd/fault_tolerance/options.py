@@ -1,0 +1,57 @@
+"""The fault-tolerance flags and their checks (torchft is an optional extra)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lsgd.core.lsgd.options import OptionGroup, option
+
+MODES = ("none", "torchft")
+# Algorithms whose outer round runs through SiteMembership (quorum, commit or roll back).
+SUPPORTED_ALGORITHMS = ("diloco",)
+INSTALL_HINT = 'pip install -e ".[ft]" (torchft==0.2.0)'
+
+
+@dataclass
+class FaultToleranceOptions(OptionGroup):
+    title = "fault tolerance: elastic sites (docs/fault_tolerance.md)"
+    mode: str = option("--lsgd-fault-tolerance", "none",
+                       "torchft: each site is a torchft replica group; a site may fail and rejoin while the "
+                       "others keep training", choices=MODES)
+    min_sites: int = option("--lsgd-min-sites", 1,
+                            "fewest sites a round may commit with; below it training waits for sites to return")
+    lighthouse: str = option("--lsgd-lighthouse", "",
+                             "torchft lighthouse address (http://host:port); default: $TORCHFT_LIGHTHOUSE")
+    timeout_s: float = option("--lsgd-ft-timeout", 60.0,
+                              "seconds a cross-site collective or a heal may take before the round is given up")
+    max_wait_s: float = option("--lsgd-ft-max-wait", 3600.0,
+                               "seconds a site waits for --lsgd-min-sites sites before it gives up")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def validate(self, algorithm: str = "", num_sites: int = 2, **_) -> None:
+        if not self.enabled:
+            changed = [f for f in self.changed_flags() if f != "--lsgd-fault-tolerance"]
+            if changed:
+                raise ValueError(f"{changed[0]} needs --lsgd-fault-tolerance torchft")
+            return
+        if algorithm not in SUPPORTED_ALGORITHMS:
+            raise ValueError(f"--lsgd-fault-tolerance {self.mode} does not support --lsgd-algorithm {algorithm} "
+                             f"(supported: {', '.join(SUPPORTED_ALGORITHMS)})")
+        if not 1 <= self.min_sites <= num_sites:
+            raise ValueError(f"--lsgd-min-sites must be in [1, --num-sites {num_sites}] (got {self.min_sites})")
+        if self.timeout_s <= 0 or self.max_wait_s <= 0:
+            raise ValueError("--lsgd-ft-timeout and --lsgd-ft-max-wait must be > 0")
+        require_torchft(self.mode)
+
+
+def require_torchft(mode: str = "torchft"):
+    """The torchft module, or a ValueError saying how to install it."""
+    try:
+        import torchft
+    except ImportError as err:
+        raise ValueError(f"--lsgd-fault-tolerance {mode} needs torchft, which is not installed ({err}); "
+                         f"install it with {INSTALL_HINT}") from err
+    return torchft

@@ -1,0 +1,182 @@
+"""Round membership on torchft: quorum, floor, commit or roll back, healing.
+
+Per outer round (torchft's DiLoCo protocol, with the quorum moved to the round's start):
+- `round_started`: a blocking quorum on the torchft Manager (use_async_quorum=False).
+  torchft reconfigures the cross-site process group for the sites present, and a site
+  whose committed-round count is behind the quorum's (restarted, or new) receives a live
+  peer's state through torchft's checkpoint transport before its first inner step. A
+  fresh site is never the source: torchft heals towards the highest committed step, and
+  `init_sync=False` because every site starts from the same seeded weights. Below
+  `--lsgd-min-sites` the site waits (a line every `log_every` seconds) and re-forms the
+  quorum; it never trains a round it could not commit.
+- `reduce`: the round's mean over the sites present. A collective that fails (a peer
+  died, a timeout) is reported to the Manager instead of raised; `should_commit` (agreed by
+  every rank of the site) then says whether the round is kept. Not kept: the state in
+  `undo` is put back and None is returned, so the synchronizer leaves its anchor as it
+  was and restarts from it; the next quorum names the site that was lost, in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, List, Optional, Sequence, TypeVar
+
+import torch
+
+from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
+from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions, require_torchft
+from megatron_lsgd.core.lsgd.membership import SiteMembership
+
+T = TypeVar("T")
+
+
+def _sites(sites: Sequence[int]) -> str:
+    return ",".join(map(str, sorted(sites))) or "none"
+
+
+class TorchftMembership(SiteMembership):
+    def __init__(self, comm: ElasticComm, options: FaultToleranceOptions, *, site: int, group_rank: int,
+                 group_world_size: int, store_addr: str, store_port: int, device: torch.device,
+                 log: Callable[[str], None] = print, log_every: float = 10.0, poll_s: float = 0.5):
+        require_torchft(options.mode)
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        lighthouse = options.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise ValueError("--lsgd-fault-tolerance torchft needs a lighthouse: --lsgd-lighthouse http://HOST:PORT "
+                             "or $TORCHFT_LIGHTHOUSE (docs/fault_tolerance.md)")
+        self.comm, self.options, self.site, self.device = comm, options, site, device
+        self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
+        self.log_every, self.poll_s = log_every, poll_s
+        timeout = timedelta(seconds=options.timeout_s)
+        self.pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_sites,
+                               use_async_quorum=False, timeout=timeout,
+                               quorum_timeout=timedelta(seconds=options.max_wait_s), rank=group_rank,
+                               world_size=group_world_size, store_addr=store_addr, store_port=store_port,
+                               lighthouse_addr=lighthouse, replica_id=f"site{site}", init_sync=False)
+        self.present: List[int] = []  # sites of the current round
+        self.rounds_attempted = self.rounds_committed = 0
+        self.healed_rounds: List[int] = []  # committed-round counts at which this site received a peer's state
+        self._failed: Optional[List[int]] = None  # the sites of a round that was not committed
+        self._failure = ""  # why, in a few words
+        self._healing = False
+
+    # ---- state a healing site receives -------------------------------------------------------------
+    def register_state(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]
+                       ) -> None:
+        """`state_dict` must return a snapshot (copies): torchft serves it while training goes on."""
+        def load(state: object) -> None:
+            self._healing = True
+            load_state_dict(state)
+
+        self.manager.register_state_dict_fn(key, load, state_dict)
+
+    @property
+    def committed_rounds(self) -> int:
+        """Rounds the job has committed (torchft's step; a healed site takes its peer's)."""
+        return self.manager.current_step()
+
+    # ---- SiteMembership -----------------------------------------------------------------------------
+    def round_started(self) -> None:
+        waited_since = last_line = time.monotonic()
+        self._quorum()
+        while self.manager.num_participants() < self.options.min_sites:
+            now = time.monotonic()
+            if now - waited_since > self.options.max_wait_s:
+                raise RuntimeError(f"site {self.site}: fewer than --lsgd-min-sites {self.options.min_sites} sites for "
+                                   f"--lsgd-ft-max-wait {self.options.max_wait_s:g} s")
+            if now - last_line >= self.log_every or last_line == waited_since:
+                self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum")
+                last_line = now
+            time.sleep(self.poll_s)
+            self._quorum()
+        before = self.present
+        present = self._gather_present()
+        if present is None:  # a site died right after the quorum: this round will not commit
+            present = list(before)
+        self.present = present
+        self.comm.set_sites(self.pg, self.manager.num_participants())
+        if self._healing:
+            self._healing = False
+            self.healed_rounds.append(self.committed_rounds)
+            self.log(f"site {self.site} rejoined at committed round {self.committed_rounds}: state received from "
+                     f"a live peer; sites now {_sites(self.present)}")
+        if self._failed is not None:
+            lost = sorted(set(self._failed) - set(self.present))
+            self.log(f"site {self.site}: round {self.rounds_attempted} was not committed (lost site "
+                     f"{_sites(lost) if lost else 'none'}: {self._failure}); restarted from the anchor; "
+                     f"sites now {_sites(self.present)}")
+            self._failed = None
+        elif before and before != self.present:
+            self.log(f"site {self.site}: sites now {_sites(self.present)} (were {_sites(before)})")
+
+    def reduce(self, mean: Callable[[], T], undo: Sequence[object] = ()) -> Optional[T]:
+        self.rounds_attempted += 1
+        saved = [u.state_dict() for u in undo]
+        result = None
+        if self.manager.errored() is None:  # else the quorum's group is already broken: nothing to try
+            try:
+                result = mean()
+            except Exception as err:  # a peer died or timed out (InterSiteTimeout, gloo/nccl, torchft's own)
+                self.manager.report_error(err)
+        if self.manager.should_commit():
+            self.rounds_committed += 1
+            return result
+        for u, state in zip(undo, saved):
+            u.load_state_dict(state)
+        self._failed = list(self.present)
+        err = self.manager.errored()
+        cause = getattr(err, "original_exception", err)
+        self._failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160] if cause is not None \
+            else "a peer site did not commit"
+        return None
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _quorum(self) -> None:
+        """A blocking quorum, with a line every `log_every` seconds while it waits."""
+        done = threading.Event()
+        started = time.monotonic()
+
+        def watch() -> None:
+            while not done.wait(self.log_every):
+                self._waiting(started, "no quorum yet")
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            self.manager.start_quorum()
+        finally:
+            done.set()
+            watcher.join()
+
+    def _waiting(self, since: float, what: str) -> None:
+        missing = sorted(set(range(self.comm.configured_sites)) - set(self.present or [self.site]))
+        self.log(f"site {self.site} waits for --lsgd-min-sites {self.options.min_sites} sites "
+                 f"({time.monotonic() - since:.0f} s, {what}); sites of the last round: "
+                 f"{_sites(self.present or [self.site])}; not seen: {_sites(missing)}")
+
+    def _gather_present(self) -> Optional[List[int]]:
+        """Which sites the new quorum holds: each contributes its index (a few bytes)."""
+        n = self.manager.num_participants()
+        if self.manager.errored() is not None:  # the group could not be rebuilt (a peer too slow or gone)
+            return None
+        if n <= 1:
+            return [self.site]
+        mine = torch.tensor([float(self.site)], device=self.device)
+        out = [torch.empty_like(mine) for _ in range(n)]
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        try:
+            self.pg.allgather([out], [mine], AllgatherOptions()).wait()
+        except Exception as err:  # as in reduce: reported, the round will not commit
+            self.manager.report_error(err)
+            return None
+        return sorted(int(t.item()) for t in out)

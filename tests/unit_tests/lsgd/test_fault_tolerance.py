@@ -1,0 +1,278 @@
+"""Elastic sites on torchft (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md).
+
+The multi-site tests run each site as its own process (tools/benchmarks/ft_site.py: the
+real diloco synchronizer, TorchftMembership and ElasticComm; a toy inner step whose
+updates are dyadic, so two-site means are exact and rounds can be replayed here), with a
+torchft lighthouse in the test process. Sites are killed with SIGKILL mid-round and
+restarted as fresh processes, as torchrun --max-restarts would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_lsgd.core.lsgd.config import OuterOptions
+from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions
+from megatron_lsgd.core.lsgd.outer_state import OuterState
+
+os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) logs every quorum at info
+# The multi-site tests need torchft (pip install -e ".[ft]"); the option checks do not.
+needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
+
+from tools.benchmarks.ft_site import (FlatOptimizer, SiteSpec, initial_params, inner_update, launch, read_log, starts,  # noqa: E402
+                                      start_lighthouse, wait_started)
+
+
+# ---- the reference: a round replayed in this process ---------------------------------------------
+def inner_momentum(site: int, steps: int, start: torch.Tensor = None, first: int = 0) -> torch.Tensor:
+    """A site's inner momentum before step `steps` (it does not depend on the parameters)."""
+    m = torch.zeros(8) if start is None else start.clone()
+    for k in range(first, steps):
+        m.mul_(0.5).add_(inner_update(site, k))
+    return m
+
+
+def replay_round(anchor, momentum, sites, first_step, interval, momenta_at_first):
+    """One committed round over `sites` (exact for 1 or 2 sites): returns (anchor, outer momentum)."""
+    outer = OuterState([torch.tensor(anchor)], OuterOptions(lr=0.5, momentum=0.5))
+    outer.load_state_dict({"anchors": [torch.tensor(anchor)], "momentum": [torch.tensor(m) for m in momentum],
+                           "momentum_started": ["all"] if momentum else []})
+    deltas = []
+    for site in sites:
+        local, m = torch.tensor(anchor), momenta_at_first[site].clone()
+        for k in range(first_step, first_step + interval):
+            m.mul_(0.5).add_(inner_update(site, k))
+            local.add_(m)
+        views = FlatOptimizer(local).views()
+        deltas.append(outer.pseudo_gradient(views)[0] * (1.0 / len(sites)))
+    mean = deltas[0] if len(deltas) == 1 else deltas[0] + deltas[1]
+    outer.step(FlatOptimizer(torch.tensor(anchor)).views(), [mean])
+    return outer.anchors[0].tolist(), [m.tolist() for m in outer.momenta]
+
+
+def rounds(records):
+    return [r for r in records if "round" in r]
+
+
+def logs(records):
+    return [r["log"] for r in records if "log" in r]
+
+
+def by_round(records):
+    """committed-round count -> digest, over the records of committed rounds."""
+    return {r["round"]: r["digest"] for r in rounds(records)}
+
+
+def _run(tmp_path, num_sites, min_sites, steps, kills=None, restart=False, compression="none", lighthouse=True,
+         step_seconds=0.05, lighthouse_min=None, timeout_s=180):
+    """Run the sites to the end; with `restart`, a killed site is started again (a fresh
+    process) while the others are held before their next inner step until it is up.
+    Returns every site's records and last exit codes."""
+    import time
+
+    out = str(tmp_path)
+    os.makedirs(out, exist_ok=True)
+    kills = kills or {}
+    lh = start_lighthouse(lighthouse_min or min_sites) if lighthouse else None
+    go, pause = os.path.join(out, "go"), os.path.join(out, "pause")
+    port = 0
+    if not lighthouse:
+        from megatron_lsgd.training.initialize import free_port
+
+        port = free_port()
+
+    def spec(site, kill=None):
+        return SiteSpec(site=site, num_sites=num_sites, steps=steps, interval=2, out_dir=out,
+                        lighthouse=lh.address() if lh else "", min_sites=min_sites, compression=compression,
+                        step_seconds=step_seconds, kill_at_step=kill, go_file=go, pause_file=pause, world_port=port,
+                        timeout_s=5.0)
+
+    procs = {}
+    try:
+        procs.update({s: launch(spec(s, kills.get(s))) for s in range(num_sites)})
+        wait_started(out, procs)
+        open(go, "w").close()
+        deadline = time.time() + timeout_s
+        restarted = set()
+        while [p.poll() for p in list(procs.values())].count(None):  # poll every one (sets returncode)
+            assert time.time() < deadline, f"the job did not finish in {timeout_s} s ({out})"
+            for s, p in list(procs.items()):
+                if restart and p.returncode == -9 and s not in restarted:
+                    open(pause, "w").close()
+                    procs[s] = launch(spec(s))
+                    wait_started(out, [s], times=2)
+                    os.remove(pause)
+                    restarted.add(s)
+            time.sleep(0.05)
+        return [read_log(out, s) for s in range(num_sites)], {s: p.returncode for s, p in procs.items()}
+    finally:
+        for p in procs.values():  # a failed test leaves no site behind
+            if p.poll() is None:
+                p.kill()
+        if lh is not None:
+            lh.shutdown()
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_site_killed_mid_round_is_rolled_back_then_heals(tmp_path):
+    # 3 sites, H = 2, floor 2: site 2 dies after step 5, in the middle of the round of
+    # steps 4-5 (committed rounds so far: 2), and is restarted fresh a moment later.
+    records, codes = _run(tmp_path, num_sites=3, min_sites=2, steps=16, kills={2: 5}, restart=True)
+    s0, s1, s2 = records
+    assert codes == {0: 0, 1: 0, 2: 0}
+
+    # Survivors: the round in flight was not committed, one line names the lost site.
+    for survivor in (s0, s1):
+        lost = [line for line in logs(survivor) if "not committed" in line]
+        assert len(lost) == 1 and "lost site 2" in lost[0], logs(survivor)
+        r = rounds(survivor)
+        assert [x["round"] for x in r[:3]] == [1, 2, 2]  # round 3 attempted, not kept
+        assert r[2]["digest"] == r[1]["digest"]  # the anchor stayed
+
+    # ... and continue as if that round never happened: the next committed round is the
+    # two survivors' round of steps 6-7 from the round-2 anchor and outer momentum.
+    r0 = rounds(s0)
+    assert r0[3]["round"] == 3 and r0[3]["step"] == 8
+    momenta = {s: inner_momentum(s, 6) for s in (0, 1)}
+    anchor, momentum = replay_round(r0[1]["anchor"], r0[1]["momentum"], (0, 1), 6, 2, momenta)
+    assert r0[3]["anchor"] == anchor and r0[3]["momentum"] == momentum
+    assert rounds(s1)[3]["digest"] == r0[3]["digest"]
+
+    # The restarted site was healed from a live peer and agrees at every round after.
+    restarted = starts(s2)[1]
+    assert any("rejoined" in line for line in logs(s2[restarted:]))
+    after = by_round(s2[restarted:])
+    assert after, "the restarted site committed no round"
+    for other in (s0, s1):
+        digests = by_round(other)
+        assert all(digests[k] == d for k, d in after.items())
+    # Every site's anchors agree at every committed round.
+    assert by_round(s0) == by_round(s1)
+    assert max(after) == max(by_round(s0))
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_one_survivor_waits_at_the_floor_and_a_fresh_site_cannot_overwrite_it(tmp_path):
+    # 2 sites, --lsgd-min-sites 2: site 1 dies after step 3 (mid round 2); site 0 must not
+    # commit alone: it waits, then the restarted (fresh, untrained) site 1 heals from it.
+    # The lighthouse would form a quorum of one: the floor is the sites' own.
+    records, codes = _run(tmp_path, num_sites=2, min_sites=2, steps=12, kills={1: 3}, restart=True, lighthouse_min=1)
+    s0, s1 = records
+    assert codes == {0: 0, 1: 0}
+    assert any("waits for --lsgd-min-sites 2" in line for line in logs(s0)), logs(s0)
+    r0 = rounds(s0)
+    assert [x["round"] for x in r0[:2]] == [1, 1]  # round 2 lost with its peer, never committed alone
+    # The round after the return continues from site 0's trained anchor, not the fresh
+    # site's initial weights: replayed exactly, with site 1's inner momentum healed from site 0.
+    at_join = r0[1]
+    first = at_join["step"]  # the rolled-back round's steps ran: the next round starts here
+    momenta = {0: inner_momentum(0, first), 1: inner_momentum(0, first)}  # site 1's is site 0's, healed
+    anchor, momentum = replay_round(at_join["anchor"], at_join["momentum"], (0, 1), first, 2, momenta)
+    assert r0[2]["round"] == 2 and r0[2]["anchor"] == anchor and r0[2]["momentum"] == momentum
+    assert initial_params().tolist() != at_join["anchor"]
+    fresh = by_round(s1[starts(s1)[1]:])
+    assert min(fresh) == 2 and fresh == {k: d for k, d in by_round(s0).items() if k >= 2}
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_without_faults_torchft_gives_the_numbers_of_a_plain_run(tmp_path):
+    # int8: the quantized mean and its error feedback go through ElasticComm too.
+    compression = "int8"
+    plain, codes = _run(tmp_path / "plain", num_sites=3, min_sites=3, steps=8, compression=compression,
+                        lighthouse=False)
+    assert set(codes.values()) == {0}
+    elastic, codes = _run(tmp_path / "ft", num_sites=3, min_sites=3, steps=8, compression=compression)
+    assert set(codes.values()) == {0}
+    for p, e in zip(plain, elastic):
+        assert [(r["round"], r["digest"], r["error"]) for r in rounds(p)] == \
+               [(r["round"], r["digest"], r["error"]) for r in rounds(e)]
+        assert len(rounds(e)) == 4
+
+
+def test_fault_tolerance_flags_are_checked():
+    with pytest.raises(ValueError, match="--lsgd-fault-tolerance torchft does not support --lsgd-algorithm dilocox"):
+        FaultToleranceOptions(mode="torchft").validate(algorithm="dilocox", num_sites=2)
+    with pytest.raises(ValueError, match=r"--lsgd-min-sites must be in \[1, --num-sites 2\]"):
+        FaultToleranceOptions(mode="torchft", min_sites=3).validate(algorithm="diloco", num_sites=2)
+    with pytest.raises(ValueError, match="--lsgd-min-sites needs --lsgd-fault-tolerance torchft"):
+        FaultToleranceOptions(min_sites=2).validate(algorithm="diloco", num_sites=2)
+    if importlib.util.find_spec("torchft") is not None:  # else the install message (next test) is the answer
+        FaultToleranceOptions(mode="torchft", min_sites=2).validate(algorithm="diloco", num_sites=2)
+
+
+def test_without_torchft_the_flag_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft -> ImportError
+    with pytest.raises(ValueError, match=r'needs torchft.*pip install -e "\.\[ft\]"'):
+        FaultToleranceOptions(mode="torchft").validate(algorithm="diloco", num_sites=2)
+
+
+class _FakeManager:
+    """The three Manager calls `reduce` makes, scripted."""
+
+    def __init__(self, commit: bool):
+        self.commit, self.error = commit, None
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, err):
+        self.error = err
+
+    def should_commit(self):
+        return self.commit and self.error is None
+
+
+class _Buffer:
+    def __init__(self):
+        self.value = torch.zeros(2)
+
+    def state_dict(self):
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state):
+        self.value.copy_(state["value"])
+
+
+def _membership(commit: bool):
+    from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
+
+    m = TorchftMembership.__new__(TorchftMembership)  # no torchft processes: the round logic alone
+    m.manager, m.present, m._failed = _FakeManager(commit), [0, 1], None
+    m.rounds_attempted = m.rounds_committed = 0
+    return m
+
+
+def test_a_round_that_does_not_commit_returns_nothing_and_puts_the_error_feedback_back():
+    buf = _Buffer()
+
+    def mean():
+        buf.value += 1  # what a compressor's error feedback does during the mean
+        return "mean"
+
+    kept = _membership(commit=True)
+    assert kept.reduce(mean, undo=[buf]) == "mean" and buf.value.tolist() == [1, 1]
+    lost = _membership(commit=False)  # a peer failed: its site or ours says no
+    assert lost.reduce(mean, undo=[buf]) is None and buf.value.tolist() == [1, 1]
+    assert lost._failed == [0, 1] and (lost.rounds_attempted, lost.rounds_committed) == (1, 0)
+
+    def broken():
+        buf.value += 1
+        raise RuntimeError("Connection closed by peer")
+
+    failing = _membership(commit=True)
+    assert failing.reduce(broken, undo=[buf]) is None and buf.value.tolist() == [1, 1]
+    assert "Connection closed" in str(failing.manager.error) and failing._failure == "Connection closed by peer"
+
+    def unconfigured():  # what torchft's wrapper raises when the quorum could not rebuild the group
+        raise AssertionError("process group not initialized")
+
+    survivor = _membership(commit=True)
+    assert survivor.reduce(unconfigured, undo=[buf]) is None and "not initialized" in survivor._failure
