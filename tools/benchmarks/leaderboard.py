@@ -16,7 +16,8 @@ seeds) and one plot per scenario (validation loss vs simulated time, every algor
     python tools/benchmarks/leaderboard.py                  # everything (resumable)
     python tools/benchmarks/leaderboard.py --scenarios emulated-default --algorithms sync,diloco --seeds 1
 
-Finished cells are cached as JSON under --cache-dir and reused; delete a file to re-run it.
+Finished cells are cached as JSON under --cache-dir, named by a digest of their flags and
+scenario file, and reused; delete a file to re-run it.
 
 Recommended settings: the outer interval H of the DiLoCo family is chosen per scenario so
 that one full-model exchange costs at most a tenth of H steps of compute,
@@ -29,6 +30,7 @@ of H steps' time.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -330,13 +332,17 @@ def main() -> None:
         cells: Dict[str, List[Dict]] = {}
         for algo in algorithms:
             for seed in range(1, args.seeds + 1):
-                cache = os.path.join(args.cache_dir, f"{name}__{algo}__seed{seed}__{args.steps}.json")
+                argv = cell_argv(path, algo, seed, args.steps, args.eval_interval, scenario.sites)
+                # The cell's name carries a digest of its flags and scenario: a changed setting or
+                # cost model is a new cell, never a stale one reused.
+                with open(path, "rb") as f:
+                    digest = hashlib.sha256(" ".join(argv).encode() + f.read()).hexdigest()[:12]
+                cache = os.path.join(args.cache_dir, f"{name}__{algo}__seed{seed}__{digest}.json")
                 if os.path.exists(cache):
                     with open(cache) as f:
                         cell = json.load(f)
                 else:
                     print(f"> {name} / {algo} / seed {seed}", flush=True)
-                    argv = cell_argv(path, algo, seed, args.steps, args.eval_interval, scenario.sites)
                     cell = run_cell(argv, scenario.sites)
                     cell["argv"] = argv
                     with open(cache + ".tmp", "w") as f:
