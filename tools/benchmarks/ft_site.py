@@ -74,6 +74,8 @@ def initial_params() -> torch.Tensor:
 class FlatOptimizer:
     """The optimizer surface a synchronizer touches, over one flat fp32 shard."""
 
+    sharded = False  # one rank per site: nothing to split across a site (sync.SiteSplit)
+
     def __init__(self, shard: torch.Tensor):
         self.shard = shard
         n = shard.numel()
@@ -147,8 +149,8 @@ def run_site(spec: SiteSpec) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.world_port}", rank=spec.site,
                                 world_size=spec.num_sites, timeout=timedelta(seconds=60))
         comm, world = InterSiteComm(dist.group.WORLD, spec.num_sites, site=spec.site), True
-    ctx = SyncContext(pgs=SimpleNamespace(site=None), config=cfg, models=[], optimizer=optimizer, comm=comm,
-                      membership=membership)
+    pgs = SimpleNamespace(site=None, dims=SimpleNamespace(dp_intra=1), dp_intra_rank=0, dp_intra=None)  # one rank
+    ctx = SyncContext(pgs=pgs, config=cfg, models=[], optimizer=optimizer, comm=comm, membership=membership)
     sync = catalog.synchronizer_class("diloco")(ctx)
 
     if spec.lighthouse:

@@ -139,7 +139,8 @@ def _roundtrip(state):
 def test_dilocox_state_dict_is_complete_and_weights_only(compression, rank):
     layout = [[((8, 6), 0, 48, 0, 48)]]
     # Adaptive state travels too (the timing-free rule keeps both runs deterministic).
-    cfg = lsgd_config("dilocox", interval=2, compression=compression, rank=rank, quant_block=16,
+    block = {"quant_block": 16} if compression != "none" else {}  # refused without a compression
+    cfg = lsgd_config("dilocox", interval=2, compression=compression, rank=rank, **block,
                      adaptive=rank > 0, adaptive_h_rule="scale-with-rank", outer_offload=True)
 
     def build():
