@@ -33,7 +33,9 @@ def start(args: List[str], nproc: int, log_path: str, env: Optional[Dict[str, st
                             start_new_session=True)
 
 
-def run(args: List[str], nproc: int, log_path: str, timeout: float = 120.0) -> str:
+def run(args: List[str], nproc: int, log_path: str, timeout: float = 600.0) -> str:
+    """Run to completion (the generous timeout is for a loaded machine: a tiny run takes
+    seconds alone and minutes beside a benchmark)."""
     proc = start(args, nproc, log_path)
     try:
         proc.wait(timeout=timeout)
