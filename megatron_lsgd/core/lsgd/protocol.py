@@ -261,7 +261,9 @@ class Synchronizer:
     def quiesce(self) -> None:
         """Finish all communication in flight so state_dict() is complete and the model
         evaluated or saved is consistent. Must not change the numbers the run produces:
-        a finished reduction is applied when it would have been anyway."""
+        a finished reduction is applied when it would have been anyway. A sync that is
+        already decided but carried out lazily (edit's, in the next forward) is carried out
+        here, so evaluation and checkpoints see the synced model at a sync boundary."""
 
     def finish_training(self, iteration: int) -> None:
         pass

@@ -1,8 +1,9 @@
 """edit and a-edit resume bit-exactly.
 
 - edit, killed with SIGKILL after a checkpoint taken at a step boundary where a sync is due
-  (decided: norms gathered, sites weighed; its data moves in the next forward), resumes and
-  reproduces the uninterrupted run's losses and final checkpoint bit for bit;
+  (decided: norms gathered, sites weighed; its data would move in the next forward): the save
+  carries the sync out first, so both sites' saved models are the same synced model; the
+  run resumes and reproduces the uninterrupted run's losses and final checkpoint bit for bit;
 - a-edit (sites at different speeds, on the deterministic virtual clock) pauses mid-interval
   at --exit-duration-in-mins, at a meeting where no sync is due; the resumed run continues
   each site from its own step, sample position and LR schedule, the interval's elapsed
@@ -39,7 +40,8 @@ def run_env(args, nproc, log_path, env, timeout=180.0):
 
 @pytest.mark.slow
 def test_edit_resumes_exactly_from_a_checkpoint_with_a_sync_due(tmp_path):
-    # H = 2: the checkpoint at iteration 4 closes round 2, whose sync runs in step 5's forward.
+    # H = 2: the checkpoint at iteration 4 closes round 2, whose sync would run in step 5's
+    # forward; the save carries it out (quiesce) with the same numbers.
     layout = ["--num-sites", "2", "--use-distributed-optimizer", "--global-batch-size", "8",
               "--hidden-dropout", "0", "--attention-dropout", "0", "--lsgd-algorithm", "edit",
               "--lsgd-interval", "2", "--lsgd-compression", "int8", "--lsgd-edit-ema-warmup", "2",
@@ -51,6 +53,10 @@ def test_edit_resumes_exactly_from_a_checkpoint_with_a_sync_due(tmp_path):
     wait_for(lambda: os.path.exists(os.path.join(ckpt, ".holding_8")), proc, str(tmp_path / "killed.log"))
     kill(proc)
     assert _tracker(ckpt) == 4
+    saved = load_tree(os.path.join(ckpt, "iter_0000004"))
+    models = sorted(k for k in saved if os.path.basename(k).startswith("model_site_"))
+    assert [os.path.basename(k) for k in models] == ["model_site_000.pt", "model_site_001.pt"]
+    assert_same(saved[models[0]], saved[models[1]], "the sites' saved models (synced at the boundary)")
     run_env(common + ["--save", ckpt, "--load", ckpt], 4, str(tmp_path / "resumed.log"), {})
     _check_resumed(tmp_path, str(tmp_path / "ref.log"), str(tmp_path / "resumed.log"), 4)
 

@@ -31,11 +31,15 @@ the steady state's bytes, and with H = 1 averages everything) while the profiler
 each unit's backward; then the link is probed, the profile is agreed (max over all ranks),
 the schedule of every stage is computed on every rank from it (scheduler.py: DFS with the
 paper's pruning rules, then bubble filling), printed, written with the profile to
-dreamddp_profile.json next to the logs, and a new period starts.
+dreamddp_profile.json next to the logs, and a new period starts. A unit whose last average
+lies H iterations back when its new slot has not come yet is averaged in that iteration as
+well (deadlines.py), so across the switch, as within a schedule, every unit is averaged at
+least once in any H consecutive iterations.
 Warm-up steps (--lsgd-warmup-iters) average gradients instead, as in the other
 local-SGD algorithms. When --train-iters is reached the whole model is averaged once, so
-every site ends with the same model. Checkpoints hold the profile, the schedule and the
-period's origin: a resumed run continues the same schedule, it does not profile again.
+every site ends with the same model. Checkpoints hold the profile, the schedule, the
+period's origin and when each unit was last averaged: a resumed run continues the same
+schedule, it does not profile again.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.dreamddp.deadlines import Deadlines
 from megatron_lsgd.core.lsgd.dreamddp.plan import Plan, StagePlan, build_plan, format_plan
 from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile, StepClock,
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
@@ -160,6 +165,7 @@ class DreamDDP(Synchronizer):
         # until then the equal-number schedule, which needs no timings (with the tied rule)
         self.plan: Plan = build_plan(self._untimed_profile(), self.interval, "equal", False)
         self.origin = self.warmup_iters  # first iteration of the first period
+        self.deadlines: Optional[Deadlines] = Deadlines(self.names, self.warmup_iters)  # when each unit was averaged
         self.profile_steps_done = 0
         self.samples: List[Dict] = []  # profiling: (step ordinal, iteration, timings)
         self.monitor: List[Dict] = []  # re-profiling window
@@ -199,7 +205,10 @@ class DreamDDP(Synchronizer):
         if self.in_warmup(iteration):
             return []
         self.slot = (iteration - self.origin) % self.interval
-        return self.plan.slot_units(self.stage, self.slot)
+        if self.deadlines is None:  # resumed from a checkpoint that kept no deadlines
+            self.deadlines = Deadlines.of_steady_schedule(self.names, self.plan.stages[self.stage].slots, self.origin,
+                                                          iteration)
+        return self.deadlines.with_overdue(self.plan.slot_units(self.stage, self.slot), iteration, self.interval)
 
     def before_forward_backward(self, iteration: int) -> None:
         if not self.active:
@@ -276,6 +285,8 @@ class DreamDDP(Synchronizer):
             opt = self.ctx.optimizer
             opt.copy_main_to_model_params(opt.views([self.units[n] for n in self.averaged]))
         self.history.append((iteration, tuple(self.averaged)))
+        if self.deadlines is not None:
+            self.deadlines.averaged(iteration, self.averaged)
         if self.profiling:
             self.profile_steps_done += 1
             if self.profile_steps_done >= self.opts.profile_steps:
@@ -395,13 +406,14 @@ class DreamDDP(Synchronizer):
 
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> Dict:
-        return {"version": 1,
+        return {"version": 2,
                 "profile": dataclasses.asdict(self.profile) if self.profile is not None else {},
                 "plan": dataclasses.asdict(self.plan),
                 "origin": self.origin, "profile_steps_done": self.profile_steps_done,
                 "samples": json.dumps(self.samples), "monitor": json.dumps(self.monitor),
                 "monitor_exposed_s": self.monitor_exposed_s, "monitor_steps": self.monitor_steps,
-                "reprofiles": self.reprofiles}
+                "reprofiles": self.reprofiles,
+                "last_averaged": self.deadlines.state_dict() if self.deadlines is not None else {}}
 
     def load_state_dict(self, state: Dict) -> None:
         if not state:
@@ -413,6 +425,11 @@ class DreamDDP(Synchronizer):
         self.monitor_exposed_s = float(state["monitor_exposed_s"])
         self.monitor_steps = int(state["monitor_steps"])
         self.reprofiles = int(state["reprofiles"])
+        if state.get("last_averaged"):
+            self.deadlines = Deadlines(self.names, self.warmup_iters)
+            self.deadlines.load_state_dict(state["last_averaged"])
+        else:  # a version 1 checkpoint: derived from its schedule at the next step
+            self.deadlines = None
         q = state["plan"]
         self.plan = Plan(q["interval"], q["method"], q["bubble_fill"], [StagePlan(**s) for s in q["stages"]])
         if not state["profile"]:  # saved while profiling: the remaining profiling steps run after the resume

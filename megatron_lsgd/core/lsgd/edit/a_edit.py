@@ -225,7 +225,8 @@ class AEDiT(EDiT):
         state.update(interval_elapsed_s=self.clock.now() - self.interval_start,
                      steps_in_interval=self.steps_in_interval, sync_samples=self.sync_samples,
                      own_samples_at_sync=self.own_samples_at_sync, last_interval_steps=list(self.last_interval_steps),
-                     quota=list(self.quota) if self.quota is not None else [])
+                     quota=list(self.quota) if self.quota is not None else [],
+                     restart_clock=int(self._restart_clock))
         return state
 
     def load_state_dict(self, state: Dict) -> None:
@@ -236,7 +237,9 @@ class AEDiT(EDiT):
         self.own_samples_at_sync = int(state["own_samples_at_sync"])
         self.last_interval_steps = [int(n) for n in state["last_interval_steps"]]
         self.quota = [int(q) for q in state["quota"]] or None
-        self._restart_clock = self.pending  # saved at a meeting whose sync runs in the next forward
+        # saved at a sync meeting: the interval starts after the next forward (checkpoints
+        # written before this was saved: their sync was still pending then)
+        self._restart_clock = bool(state.get("restart_clock", self.pending))
 
     def stats(self) -> Dict[str, float]:
         stats = super().stats()

@@ -25,8 +25,12 @@ computes:
     (one all-gather of the unit's extents over dp_intra) and the unit computes.
 
 A sync that is due when training ends (--train-iters) or a last, partial round is carried
-out by finish_training, so every site ends with the same model. Anchors only take
-averaged steps and are bit-identical on every site.
+out by finish_training, so every site ends with the same model. A sync that is due when the
+loop evaluates or saves a checkpoint is carried out by quiesce(), before it: evaluation and
+checkpoints see the synced model, as diloco's do at the end of a round. Nothing changes the
+local model between the step boundary and the next forward, so carrying the sync out there
+gives the same numbers as carrying it out in the forward. Anchors only take averaged steps
+and are bit-identical on every site.
 
 Tied embeddings with pipeline parallelism: the last stage holds a copy of the word
 embedding inside its `output` unit. The copy takes the first stage's `embedding` decision:
@@ -417,7 +421,7 @@ class EDiT(Synchronizer):
             self.pending = False
 
     def _sync_now(self) -> None:
-        """Carry out a due sync outside the forward pass (finish_training)."""
+        """Carry out a due sync outside the forward pass (quiesce, finish_training)."""
         for j in range(len(self.plans)):
             self._consume(j)
         self._wait_tied()
@@ -451,6 +455,8 @@ class EDiT(Synchronizer):
             self.begin_sync([self.interval] * self.num_sites)
 
     def quiesce(self) -> None:
+        if self.pending:  # evaluate and save the synced model, not this site's local one
+            self._sync_now()
         self._wait_tied()
 
     def finish_training(self, iteration: int) -> None:
@@ -466,7 +472,7 @@ class EDiT(Synchronizer):
     def state_dict(self) -> Dict:
         if not self.active:
             return {}
-        self.quiesce()
+        # No quiesce() here (state_dict has no side effects): the checkpoint calls it first.
         return {"steps_in_round": self.steps_in_round, "syncs": self.syncs, "pending": int(self.pending),
                 "interval": self.interval, "decisions": {k: d.state() for k, d in sorted(self.decisions.items())},
                 "penalty": self.penalty.state_dict(), "outer": self.outer.state_dict(),
