@@ -288,6 +288,11 @@ def document(names: List[str], sections: List[str], args) -> str:
         "## Results",
         "",
     ]
+    every = sorted(n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
+    missing = [n for n in every if n not in names]
+    if missing or args.seeds < 3:
+        head += [f"**Partial board:** {args.seeds} seed(s); scenarios not run: {', '.join(missing) or 'none'}. "
+                 "Regenerate with `python tools/benchmarks/leaderboard.py` (every scenario, 3 seeds).", ""]
     tail = ["", "## Validation of the simulator", ""]
     if os.path.exists(validation):
         with open(validation) as f:
