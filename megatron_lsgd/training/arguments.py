@@ -378,10 +378,11 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     stragglers = StragglerConfig.from_args(args)
     stragglers.validate(world_size)
     simulation = SimulationOptions.from_args(args)
-    simulation.validate()
-    if simulation.scenario is not None and load_scenario(simulation.scenario).sites != dims.sites:
-        raise ValueError(f"--simulate-scenario {simulation.scenario}: it describes "
-                         f"{load_scenario(simulation.scenario).sites} sites, but --num-sites is {dims.sites}")
+    simulation.validate()  # reads and checks the scenario file
+    scenario_sites = load_scenario(simulation.scenario).sites if simulation.scenario is not None else dims.sites
+    if scenario_sites != dims.sites:
+        raise ValueError(f"--simulate-scenario {simulation.scenario}: it describes {scenario_sites} sites, "
+                         f"but --num-sites is {dims.sites}")
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
     run = RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,

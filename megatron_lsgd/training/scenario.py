@@ -209,10 +209,7 @@ def trained_parameters(model: torch.nn.Module, pgs) -> int:
 def build_simulated_clock(options: SimulationOptions, link_flags, dims, site: int,
                           trained_params: int) -> SimulatedClock:
     """This rank's simulated clock: scenario, then flags, then defaults."""
-    scenario = load_scenario(options.scenario) if options.scenario else None
-    if scenario is not None and scenario.sites != dims.sites:
-        raise ValueError(f"--simulate-scenario {scenario.path}: it describes {scenario.sites} sites, "
-                         f"but --num-sites is {dims.sites}")
+    scenario = load_scenario(options.scenario) if options.scenario else None  # its sites were checked in build_config
 
     def pick(flag_value, scenario_value, default):
         if flag_value is not None:

@@ -130,7 +130,7 @@ class InterSiteComm:
         self.exposed_seconds = 0.0
         self.rounds = 0
         self._link_free_at = 0.0
-        self._transfers = self.clock.transfer_log() if self.clock.simulated else None
+        self._transfers = self.clock.transfer_log()
         self._thread = threading.local()
 
     # ---- accounting ----------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class TorchftMembership(SiteMembership):
 
     # ---- SiteMembership -----------------------------------------------------------------------------
     def round_started(self) -> None:
-        waited_since = last_line = time.monotonic()
+        waited_since = last_line = time.monotonic()  # waiting for real peers: real time, whatever the run's clock
         self._quorum()
         while self.manager.num_participants() < self.options.min_sites:
             now = time.monotonic()
