@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from tests.unit_tests.harness import spawn
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures.json")
 
@@ -85,7 +85,7 @@ def run_layout(layout: str) -> Dict[str, dict]:
     from megatron_lsgd.training.initialize import free_port
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(layout, free_port(), d), nprocs=WORLD, join=True)
+        spawn(_worker, args=(layout, free_port(), d), nprocs=WORLD)
         records = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     return {name: {"losses": records[-1][name]["losses"], "param_sha256": [r[name]["digest"] for r in records]}
             for name in CONFIGS}

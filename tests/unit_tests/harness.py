@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import multiprocessing
 import os
 import tempfile
 from typing import Dict, List, Optional
@@ -19,6 +20,25 @@ import torch.multiprocessing as mp
 
 from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices
 from megatron_lsgd.training.initialize import free_port
+
+
+# Ranks fork from a server that imported torch and the project once per test session: a
+# spawned rank otherwise spends ~2 s importing, the suite's largest cost on 2 cores.
+multiprocessing.set_forkserver_preload(["torch", "pretrain_gpt"])
+
+
+def _entry(rank: int, fn, env: Dict[str, str], cwd: str, args: tuple) -> None:
+    os.environ.clear()  # the caller's environment and directory now, as a spawned rank gets
+    os.environ.update(env)  # them, not the server's from when it started
+    os.chdir(cwd)
+    fn(rank, *args)
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs, join=True)`, with the ranks forked from
+    the preloaded server (fn must be importable by name, as for spawn)."""
+    mp.start_processes(_entry, args=(fn, dict(os.environ), os.getcwd(), tuple(args)), nprocs=nprocs, join=True,
+                       start_method="forkserver")
 
 
 def tree_digest(path: str) -> Dict[str, str]:
@@ -79,7 +99,7 @@ def _record(result, path: str) -> None:
 def run_distributed(argv: List[str], world: int) -> List[dict]:
     """Spawn `world` ranks running pretrain_gpt.main(argv); return every rank's record."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, free_port(), argv, out_dir), nprocs=world, join=True)
+        spawn(_worker, args=(world, free_port(), argv, out_dir), nprocs=world)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -88,7 +108,7 @@ def run_distributed_many(argvs: List[List[str]], world: int, setup_module: Optio
     """Several runs back to back in the same `world` spawned ranks (one process start-up);
     `setup_module` is imported in every rank first. One list of records per argv."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker_many, args=(world, free_port(), argvs, out_dir, setup_module), nprocs=world, join=True)
+        spawn(_worker_many, args=(world, free_port(), argvs, out_dir, setup_module), nprocs=world)
         return [[torch.load(os.path.join(out_dir, f"rank{r}.run{i}.pt" if len(argvs) > 1 else f"rank{r}.pt"),
                             weights_only=False) for r in range(world)] for i in range(len(argvs))]
 

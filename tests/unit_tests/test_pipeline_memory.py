@@ -15,10 +15,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lsgd.training.initialize import free_port
 from tests.unit_tests.checkpointing.launch import TINY
+from tests.unit_tests.harness import spawn
 
 SEQ, MB, HIDDEN, MICROBATCHES = 64, 8, 256, 4
 ARGV = TINY + ["--train-iters", "4", "--seq-length", str(SEQ), "--micro-batch-size", str(MB), "--hidden-size",
@@ -87,7 +87,7 @@ def test_1f1b_frees_sent_outputs_same_result_lower_peak():
     if _allocator() is None:
         pytest.skip("glibc mallinfo2 is not available to measure allocator memory")
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
+        spawn(_worker, args=(2, free_port(), out), nprocs=2)
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     for rec in ranks:
         for kept, freed in zip(rec[False], rec[True]):

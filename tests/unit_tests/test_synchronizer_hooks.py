@@ -11,11 +11,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lsgd.core.lsgd.protocol import Synchronizer
 from megatron_lsgd.core.lsgd.registry import register, registered_algorithms
-from tests.unit_tests.harness import free_port
+from tests.unit_tests.harness import free_port, spawn
 
 PARTS = ("zero_grads", "compute_grads", "reduce_in_site", "apply")
 
@@ -97,7 +96,7 @@ def _worker(rank, world, port, out_dir):
 @pytest.mark.slow
 def test_hooks_fire_in_documented_order_on_each_pipeline_stage():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, free_port(), d), nprocs=2)
+        spawn(_worker, args=(2, free_port(), d), nprocs=2)
         events = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
     stage_units = [["embedding", "layers.0", "layers.1"], ["layers.2", "layers.3", "output"]]
     for rank, ev in enumerate(events):

@@ -8,11 +8,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lsgd.training.checkpointing.full_model import read_lsgd, to_module
 from tests.unit_tests.checkpointing.launch import TINY
-from tests.unit_tests.harness import free_port, merge_full_params, run_distributed
+from tests.unit_tests.harness import free_port, merge_full_params, run_distributed, spawn
 
 TOKENS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]])
 TRAIN = TINY + ["--train-iters", "3", "--global-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -69,7 +68,7 @@ def test_tp2_pp2_to_tp1_to_tp4_same_weights_and_logits(tmp_path):
     _convert(tp1, tp4, 4, 1)
     out = str(tmp_path / "logits_tp4.pt")
     argv = TRAIN + ["--tensor-model-parallel-size", "4", "--load", tp4, "--no-load-optim", "--no-load-rng"]
-    mp.spawn(_logits_worker, args=(4, free_port(), argv, out), nprocs=4, join=True)
+    spawn(_logits_worker, args=(4, free_port(), argv, out), nprocs=4)
     logits_tp4 = torch.load(out, weights_only=True)
     assert logits_tp4.shape == logits_tp1.shape == (2, 16, 256)
     torch.testing.assert_close(logits_tp4, logits_tp1, rtol=0, atol=1e-5)

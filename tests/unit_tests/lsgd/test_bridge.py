@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.unit_tests.harness import free_port
+from tests.unit_tests.harness import free_port, spawn
 
 WORLD = 16
 ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
@@ -129,7 +129,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_unit_shard_bridge_tp2_pp2_dp2_two_sites():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(free_port(), d), nprocs=WORLD, join=True)
+        spawn(_worker, args=(free_port(), d), nprocs=WORLD)
         records = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
     straddles = 0
     for r in records:

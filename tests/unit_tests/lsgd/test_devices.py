@@ -11,7 +11,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.devices import (InterSiteDevices, WrongDevice, backend_device,
@@ -19,7 +18,7 @@ from megatron_lsgd.core.lsgd.devices import (InterSiteDevices, WrongDevice, back
 from megatron_lsgd.core.lsgd.means import quantized_mean
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.parallel_state import ParallelDims, build_process_groups
-from tests.unit_tests.harness import free_port
+from tests.unit_tests.harness import free_port, spawn
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)  # GPU is only declared, never allocated on
 
@@ -119,7 +118,7 @@ def _staging_job(rank, port, out_dir):
 @pytest.mark.slow
 def test_staged_collectives_give_the_unstaged_values_and_reuse_their_buffers():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_staging_job, args=(free_port(), d), nprocs=2, join=True)
+        spawn(_staging_job, args=(free_port(), d), nprocs=2)
         records = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
     for rec in records:
         assert rec["backend"] == ("gloo", "gloo") and rec["dedicated_backend"] == "gloo"

@@ -27,10 +27,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lsgd.training.arguments import build_config, parse_args
-from tests.unit_tests.harness import assert_replicas_identical, free_port, merge_full_params
+from tests.unit_tests.harness import assert_replicas_identical, free_port, merge_full_params, spawn
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "5e-2",
           "--lr-decay-style", "constant", "--mock-data", "--vocab-size", "250", "--make-vocab-size-divisible-by", "32",
@@ -118,7 +117,7 @@ def _worker(rank: int, world: int, port: int, layout_args, out_dir: str) -> None
 def _run(layout):
     world, args = LAYOUTS[layout]
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, free_port(), args, d), nprocs=world, join=True)
+        spawn(_worker, args=(world, free_port(), args, d), nprocs=world)
         records = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     return {key: [r[key] for r in records] for key in records[0]}
 
@@ -237,7 +236,7 @@ def test_one_site_is_plain_training_and_drift_reschedules(tmp_path):
     units = [UnitProfile(n, 0, 1e-3, 0, 0) for n in ("embedding", "layers.0", "layers.1", "output")]
     path = tmp_path / "free_link.json"
     path.write_text(json.dumps({"profile": Profile(units, [0.0], 0.0, 0.0, False).to_dict()}))
-    mp.spawn(_small_worker, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    spawn(_small_worker, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2)
     recs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     # S = 1 (two data-parallel ranks in one site): dreamddp leaves training untouched
     plain, dream = [r["plain"] for r in recs], [r["dream"] for r in recs]

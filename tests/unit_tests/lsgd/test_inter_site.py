@@ -12,7 +12,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout
 from megatron_lsgd.core.lsgd.compressors import build_compressor
@@ -20,7 +19,7 @@ from megatron_lsgd.core.lsgd.config import CompressionOptions
 from megatron_lsgd.core.lsgd.means import quantized_mean
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.quantization import Quantized
-from tests.unit_tests.harness import free_port
+from tests.unit_tests.harness import free_port, spawn
 
 
 def _init(rank, port):
@@ -67,7 +66,7 @@ def _collectives(rank, port, out_dir):
 @pytest.mark.slow
 def test_quantized_means_and_error_feedback_across_two_sites():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_collectives, args=(free_port(), d), nprocs=2, join=True)
+        spawn(_collectives, args=(free_port(), d), nprocs=2)
         r0, r1 = (torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2))
     x0, x1 = r0["ef"][0], r1["ef"][0]
     true_mean = (x0 + x1) / 2
@@ -120,7 +119,7 @@ def _vanishing_peer(rank, port, out_dir):
 @pytest.mark.slow
 def test_a_peer_site_that_disappears_gives_a_clear_timeout():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_vanishing_peer, args=(free_port(), d), nprocs=2, join=True)
+        spawn(_vanishing_peer, args=(free_port(), d), nprocs=2)
         seconds, message = open(os.path.join(d, "msg")).read().split("|", 1)
     assert "--distributed-timeout-minutes" in message and "peer site" in message
     assert float(seconds) < 4

@@ -17,7 +17,7 @@ from megatron_lsgd.core.lsgd.compressors import build_compressor
 from megatron_lsgd.core.lsgd.config import CompressionOptions
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.sparse import SparseLayout, decode, encode, topk_per_chunk
-from tests.unit_tests.harness import free_port
+from tests.unit_tests.harness import free_port, spawn
 
 ONE_SITE = InterSiteComm(None, 1)
 
@@ -83,7 +83,7 @@ def _two_sites(rank, port, out_dir):
 @pytest.mark.slow
 def test_two_sites_agree_bit_for_bit_and_count_the_bytes_all_gathered():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_two_sites, args=(free_port(), d), nprocs=2, join=True)
+        spawn(_two_sites, args=(free_port(), d), nprocs=2)
         r0, r1 = (torch.load(os.path.join(d, f"{r}.pt")) for r in range(2))
     for a, b in zip(r0, r1):
         assert torch.equal(a["mean"], b["mean"])  # each site decoded both payloads identically

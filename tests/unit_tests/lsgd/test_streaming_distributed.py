@@ -23,9 +23,9 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lsgd.core.lsgd.cocodc import CoCoDC
+from tests.unit_tests.harness import spawn
 
 ITERS = 10
 COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -119,7 +119,7 @@ def run_layout(layout: str) -> List[dict]:
     world, args = LAYOUTS[layout]
     names = [n for n in CONFIGS if n not in SKIP[layout]]
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, args, names, world - 1, free_port(), d), nprocs=world, join=True)
+        spawn(_worker, args=(world, args, names, world - 1, free_port(), d), nprocs=world)
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

@@ -11,10 +11,10 @@ import types
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.unit_tests import harness
 from tests.unit_tests.lsgd.test_algorithms import COMMON, LAYOUTS, SGD, assert_close_runs
+from tests.unit_tests.harness import spawn
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "algorithms", "adding-an-algorithm.md")
 
@@ -44,7 +44,7 @@ def run_with_example(argv, world):
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, harness.free_port(), argv, d), nprocs=world, join=True)
+        spawn(_worker, args=(world, harness.free_port(), argv, d), nprocs=world)
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
