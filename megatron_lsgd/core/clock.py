@@ -84,6 +84,17 @@ class Clock:
     def compute(self, microbatches: int, forward_only: bool = False) -> None:
         """`microbatches` forward(+backward) passes of this rank's model chunk were run."""
 
+    @contextlib.contextmanager
+    def computing(self, microbatches: int) -> Iterator[None]:
+        """The block runs `microbatches` forward+backward passes (charged as `compute` when
+        it ends); inside it `backward_done` may report the last micro-batch's progress."""
+        yield
+        self.compute(microbatches)
+
+    def backward_done(self, share: float) -> None:
+        """Inside `computing`: a further `share` (of 1) of this rank's last backward pass has
+        completed (a unit's gradients are final). Real time needs no report."""
+
     def optimizer_step(self) -> None:
         """One inner optimizer step (clip, update, main -> model) was run."""
 

@@ -24,10 +24,11 @@ collectives' real duration does not matter: a run takes only its real compute ti
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Optional
+from typing import Deque, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,10 @@ class CostModel:
         p = self.pipeline_stages
         seconds = self.microbatch_seconds * (microbatches + p - 1) / p
         return self.factor * (seconds / 3.0 if forward_only else seconds)
+
+    def last_backward_seconds(self) -> float:
+        """The backward of one micro-batch on this stage (2/3 of its forward+backward)."""
+        return self.factor * self.microbatch_seconds / self.pipeline_stages * 2.0 / 3.0
 
     def intra_site_seconds(self, nbytes: int, ranks: int) -> float:
         if ranks <= 1 or self.intra_site_gbit <= 0:
@@ -137,6 +142,16 @@ class TransferLog:
                     return
 
 
+@dataclass
+class _Pass:
+    """A forward+backward pass in progress (`SimulatedClock.computing`)."""
+
+    seconds: float  # what the whole pass costs
+    last_backward: float  # the last micro-batch's backward, which ends the pass
+    done: float = 0.0  # share of that backward reported done
+    charged: float = 0.0  # seconds of the pass already charged
+
+
 class SimulatedClock(Clock):
     """Virtual time (see the module docstring). Threads other than the one that built it
     run on the timeline of the job they are bound to."""
@@ -147,6 +162,7 @@ class SimulatedClock(Clock):
         self.costs = costs
         self.link = link
         self._main = Job(0.0)
+        self._pass: Optional[_Pass] = None
         self._bound = threading.local()
         super().__init__()
 
@@ -172,6 +188,29 @@ class SimulatedClock(Clock):
     # ---- compute ------------------------------------------------------------------------------------
     def compute(self, microbatches: int, forward_only: bool = False) -> None:
         self.advance(self.costs.compute_seconds(microbatches, forward_only))
+
+    @contextlib.contextmanager
+    def computing(self, microbatches: int) -> Iterator[None]:
+        """Charges the pass when it ends, less what `backward_done` already charged: work a
+        unit hook issues mid-backward (dreamddp's layer averages) starts at its place in
+        the pass, and a profiler sees each unit's share of the backward, not zeros."""
+        self._pass = _Pass(self.costs.compute_seconds(microbatches), self.costs.last_backward_seconds())
+        try:
+            yield
+        finally:
+            rest, self._pass = self._pass.seconds - self._pass.charged, None
+            self.advance(rest)
+
+    def backward_done(self, share: float) -> None:
+        """The last micro-batch's backward ends the pass; it takes 2/3 of a micro-batch on
+        this stage and is spread over the units in proportion to the shares they report."""
+        if self._pass is None:
+            return
+        self._pass.done = min(1.0, self._pass.done + share)
+        reached = self._pass.seconds - self._pass.last_backward * (1.0 - self._pass.done)
+        if reached > self._pass.charged:
+            self.advance(reached - self._pass.charged)
+            self._pass.charged = reached
 
     def optimizer_step(self) -> None:
         self.advance(self.costs.factor * self.costs.optimizer_step_seconds)

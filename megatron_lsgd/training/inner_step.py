@@ -101,9 +101,8 @@ class InnerStep:
                           loss_divisor=loss_divisor)
         accumulate = self.model.no_sync() if accumulate_only else contextlib.nullcontext()
         try:
-            with self._straggler.around_compute(self.iteration), accumulate:
+            with self._straggler.around_compute(self.iteration), accumulate, self.clock.computing(n):
                 losses = self._forward_backward(self._forward_step_func, data_iterator, self.model, spec, self.pgs)
-                self.clock.compute(n)
         finally:
             self.phase.training = False
         self._last_microbatches = n

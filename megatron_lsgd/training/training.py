@@ -220,6 +220,12 @@ class Trainer:
             for unit in units:
                 unit.modules[0].register_forward_pre_hook(lambda _m, _a, unit=unit: before_forward(unit))
         if sync.uses_unit_backward_hooks:  # backward runs in training only
+            # The clock first, so that what the synchronizer issues starts at the unit's place
+            # in the pass (a simulated clock); a unit's share of the backward is its share of
+            # this rank's unit parameters (matmul FLOPs go with parameters).
+            sizes = {id(u): sum(p.numel() for p in u.parameters() if p.requires_grad) for u in units}
+            total = max(1, sum(sizes.values()))
+            self.model.add_unit_backward_listener(units, lambda unit: self.clock.backward_done(sizes[id(unit)] / total))
             self.model.add_unit_backward_listener(units, lambda unit: sync.after_unit_backward(unit, phase.last()))
 
     def _schedule_spec(self, forward_only: bool, num_microbatches: Optional[int] = None,

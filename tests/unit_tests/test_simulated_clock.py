@@ -13,14 +13,13 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.simulation import CostModel, LinkFifo, LinkModel, SimulatedClock
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.training.stragglers import Straggler, StragglerConfig
-from tests.unit_tests.harness import free_port, run_distributed_many
+from tests.unit_tests.harness import free_port, run_distributed_many, spawn
 
 SCENARIOS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "benchmarks", "scenarios")
 
@@ -48,6 +47,46 @@ def test_compute_costs():
     assert CostModel(0.05, factor=3.0).compute_seconds(2) == pytest.approx(0.3)
     assert c.intra_site_seconds(10 ** 9, 4) == pytest.approx(2 * 3 / 4 * 8e9 / 8e9)  # ring, 8 Gbit/s
     assert c.intra_site_seconds(10 ** 9, 1) == 0.0
+
+
+def test_a_pass_places_each_units_backward_in_it():
+    """The last micro-batch's backward (2/3 of a micro-batch on this stage) ends the pass and
+    is spread over the units as they report; the pass still costs what `compute` charges."""
+    clock = sim(microbatch=0.3, pp=1)
+    with clock.computing(2):  # 0.6 s: the last backward is [0.4, 0.6]
+        assert clock.now() == 0.0
+        clock.backward_done(0.25)
+        assert clock.now() == pytest.approx(0.45)
+        clock.backward_done(0.75)
+        assert clock.now() == pytest.approx(0.6)
+    assert clock.now() == pytest.approx(0.6)
+    with clock.computing(1):  # nothing reported: the whole pass at its end, as `compute`
+        pass
+    assert clock.now() == pytest.approx(0.9)
+    clock.backward_done(0.5)  # outside a pass: nothing to place
+    assert clock.now() == pytest.approx(0.9)
+    real = Clock()
+    with real.computing(3):
+        real.backward_done(1.0)
+
+
+def test_dreamddps_profiler_sees_each_units_share_of_the_backward():
+    from megatron_lsgd.core.lsgd.dreamddp.profile import BackwardRecorder, StepClock
+
+    clock = sim(microbatch=0.3)
+    recorder = BackwardRecorder(["head", "layer"], StepClock(torch.device("cpu"), clock), None)
+    recorder.begin_step()
+    recorder.marks["<backward start>"] = clock.now()
+    with clock.computing(1):
+        recorder.marks["<backward start>"] = 0.3 - 0.2  # the last backward starts 0.2 s before the end
+        for name, share in (("head", 0.75), ("layer", 0.25)):
+            clock.backward_done(share)
+            recorder.unit_done(name)
+    recorder.wait_reached()
+    sample = recorder.sample(block=True)
+    assert sample["backward"]["head"] == pytest.approx(0.15)
+    assert sample["backward"]["layer"] == pytest.approx(0.05)
+    assert sample["tail"] == pytest.approx(0.0)
 
 
 def test_link_latency_only_rate_only_and_sharing():
@@ -147,7 +186,7 @@ def _last_issuer(rank: int, port: int, out: str) -> None:
 
 
 def test_a_collective_starts_at_its_last_participants_issue_time(tmp_path):
-    mp.spawn(_last_issuer, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_last_issuer, args=(free_port(), str(tmp_path)), nprocs=2)
     early, late = (json.load(open(tmp_path / f"{r}.json")) for r in (0, 1))
     assert early["now"] == late["now"] == pytest.approx(5.0 + 0.04 + 0.02)
     assert early["exposed"] == pytest.approx(5.06) and late["exposed"] == pytest.approx(0.06)
@@ -217,6 +256,9 @@ def test_two_simulated_runs_of_every_algorithm_are_identical(tmp_path):
         for a, b in zip(runs[i], runs[n + i]):
             assert a["comm"] == b["comm"] and a["sync_stats"] == b["sync_stats"], name
             assert a["losses"] == b["losses"], name
+    with open(tmp_path / "dreamddp_profile.json") as f:  # the backward is placed unit by unit
+        units = json.load(f)["profile"]["units"]
+    assert all(u["backward_ms"] > 0 for u in units), units
     acco = runs[list(ALGORITHMS).index("acco")][-1]["sync_stats"]
     assert acco["mb site0"] > acco["mb site1"]  # the fast site accumulated while the slow one computed
 
