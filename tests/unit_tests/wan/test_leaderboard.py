@@ -47,3 +47,38 @@ def test_a_edit_gets_a_sample_budget_and_lockstep_algorithms_iterations():
     assert "--train-samples" in lb.cell_argv(EMULATED, "a-edit", 1, 100, 25, 2)
     argv = lb.cell_argv(EMULATED, "diloco", 1, 100, 25, 2)
     assert argv[argv.index("--train-iters") + 1] == "100" and "--simulate-scenario" in argv
+
+
+def test_the_free_link_ceiling_keeps_compute_and_settings(tmp_path):
+    straggler = os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml")
+    free = load_scenario(lb.free_link_copy(straggler, str(tmp_path)))
+    s = load_scenario(straggler)
+    assert lb.has_slow_site(s) and not lb.has_slow_site(load_scenario(EMULATED))
+    assert free.rate_mbit == [0.0, 0.0] and free.latency_ms == [0.0, 0.0]
+    assert (free.site_factors, free.microbatch_seconds, free.bytes_scale) == \
+        (s.site_factors, s.microbatch_seconds, s.bytes_scale)
+    # The ceiling runs a-edit with the interval recommended for the real link, not for a free one.
+    argv = lb.cell_argv(free.path, "a-edit", 1, 100, 25, 2, settings_from=straggler)
+    real = lb.cell_argv(straggler, "a-edit", 1, 100, 25, 2)
+    assert [i for i, (a, b) in enumerate(zip(argv, real)) if a != b] == [argv.index(free.path)]
+    interval = argv[argv.index("--lsgd-aedit-interval-seconds") + 1]
+    assert float(interval) == pytest.approx(lb.recommended_interval(s) * 0.058, rel=1e-3)
+
+
+def test_open_targets_are_judged_from_the_cells():
+    board = {
+        "emulated-default": {
+            "sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],
+            "cocodc": [dict(cell([1.0, 2.0], [4.5, 3.5], 2.0), valid_iterations=[5, 10])],  # 4.0 at step 7.5
+            "streaming-diloco": [dict(cell([1.0, 2.0], [4.5, 4.0], 2.0), valid_iterations=[5, 10])],  # step 10
+            "dreamddp": [cell([1.0, 2.0], [4.5, 4.1], 2.0)],  # never reaches 4.0
+            "diloco": [cell([1.0, 2.0], [4.5, 4.0], 2.0)]},
+        "emulated-1gbit-straggler4x": {
+            "sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],
+            "acco": [cell([4.0, 8.0], [4.5, 4.0], 8.0)]},  # 8 / 20
+    }
+    rows = {r.split(" | ")[0][2:]: r for r in lb.open_targets(board)[2:]}
+    assert rows[next(k for k in rows if k.startswith("acco"))].endswith("| 0.4 | yes |")
+    assert rows[next(k for k in rows if k.startswith("cocodc"))].endswith("| 0.75 | yes |")
+    assert rows[next(k for k in rows if k.startswith("dreamddp"))].endswith("| inf | **no** |")
+    assert rows[next(k for k in rows if k.startswith("a-edit"))].endswith("| not run | |")
