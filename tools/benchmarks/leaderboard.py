@@ -21,6 +21,9 @@ In scenarios with a slow site, a-edit also runs on a copy of the scenario whose 
 rounds (a-edit and acco under a slow site, cocodc vs streaming-diloco, dreamddp vs diloco),
 judged from the cells.
 
+A person's reading of a table goes in docs/leaderboard/<scenario>.reading.md (and
+targets.reading.md), which the board includes under the table, so regenerating keeps it.
+
 Finished cells are cached as JSON under --cache-dir, named by a digest of their flags and
 scenario file, and reused; delete a file to re-run it.
 
@@ -352,7 +355,7 @@ def scenario_table(names: List[str]) -> List[str]:
     return lines
 
 
-def document(names: List[str], sections: List[str], args) -> str:
+def document(names: List[str], sections: List[str], args, not_run: Dict[str, List[str]]) -> str:
     """docs/leaderboard.md: the method, the scenarios, every table, and the simulator's validation."""
     validation = os.path.join(os.path.dirname(args.out), "leaderboard", "validation.md")
     head = [
@@ -383,10 +386,12 @@ def document(names: List[str], sections: List[str], args) -> str:
         "",
     ]
     every = sorted(n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
-    missing = [n for n in every if n not in names]
-    if missing or args.seeds < 3:
+    missing = [n for n in every if n not in names or len(not_run.get(n, [])) == len(board_cells(n, args))]
+    if missing or args.seeds < 3 or not_run:
         head += [f"**Partial board:** {args.seeds} seed(s); scenarios not run: {', '.join(missing) or 'none'}. "
-                 "Regenerate with `python tools/benchmarks/leaderboard.py` (every scenario, 3 seeds).", ""]
+                 "Regenerate with `python tools/benchmarks/leaderboard.py` (every scenario, 3 seeds)."]
+        head += [f"Cells not run in {n}: {', '.join(cells)}." for n, cells in not_run.items() if n not in missing]
+        head += [""]
     tail = ["", "## Validation of the simulator", ""]
     if os.path.exists(validation):
         with open(validation) as f:
@@ -397,18 +402,37 @@ def document(names: List[str], sections: List[str], args) -> str:
     return "\n".join(head + sections + tail)
 
 
-def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int, sites: int, args) -> Dict:
-    """One cell, from the cache or trained now. Its file name carries a digest of its flags and
+def cell_digest(argv: List[str], scenario_path: str) -> str:
+    """Of the flags (paths relative to the checkout, so a cell is found from any clone) and
+    the scenario file's bytes."""
+    flags = " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in argv)
+    with open(scenario_path, "rb") as f:
+        return hashlib.sha256(flags.encode() + f.read()).hexdigest()[:12]
+
+
+def board_cells(name: str, args) -> List[str]:
+    """Every cell a scenario's table would hold with these arguments (labels x seeds)."""
+    scenario = load_scenario(os.path.join(SCENARIO_DIR, f"{name}.toml"))
+    algorithms = args.algorithms.split(",")
+    labels = algorithms + [f"{a} ({FREE_LINK})" for a in algorithms if a in CEILING_ALGORITHMS
+                           and has_slow_site(scenario)]
+    return [f"{label} seed {seed}" for label in labels for seed in range(1, args.seeds + 1)]
+
+
+def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int, sites: int, args
+                ) -> Optional[Dict]:
+    """One cell, from the cache or trained now (None: not cached, and --cached-only). Its file name carries a digest of its flags and
     scenario file: a changed setting or cost model is a new cell, never a stale one reused."""
     argv = cell_argv(scenario_path, algo, seed, args.steps, args.eval_interval, sites,
                      settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"))
-    with open(scenario_path, "rb") as f:
-        digest = hashlib.sha256(" ".join(argv).encode() + f.read()).hexdigest()[:12]
+    digest = cell_digest(argv, scenario_path)
     tag = label.replace(" ", "_").replace("(", "").replace(")", "")
     cache = os.path.join(args.cache_dir, f"{name}__{tag}__seed{seed}__{digest}.json")
     if os.path.exists(cache):
         with open(cache) as f:
             return json.load(f)
+    if args.cached_only:
+        return None
     print(f"> {name} / {label} / seed {seed}", flush=True)
     cell = run_cell(argv, sites)
     cell["argv"] = argv
@@ -428,6 +452,8 @@ def main() -> None:
     p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "leaderboard"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "leaderboard.md"))
     p.add_argument("--plots-dir", default=os.path.join(ROOT, "docs", "leaderboard"))
+    p.add_argument("--cached-only", action="store_true",
+                   help="train nothing: write the board from the finished cells, listing the cells not run")
     p.add_argument("--measure-costs", action="store_true",
                    help="only measure this CPU's seconds per step of the leaderboard model and print them")
     args = p.parse_args()
@@ -445,6 +471,7 @@ def main() -> None:
     os.makedirs(args.plots_dir, exist_ok=True)
     sections = []
     board: Dict[str, Dict[str, List[Dict]]] = {}
+    not_run: Dict[str, List[str]] = {}
     for name in names:
         path = os.path.join(SCENARIO_DIR, f"{name}.toml")
         if not os.path.exists(path):
@@ -457,17 +484,30 @@ def main() -> None:
         cells: Dict[str, List[Dict]] = {}
         for label, algo, scenario_path in runs:
             for seed in range(1, args.seeds + 1):
-                cells.setdefault(label, []).append(
-                    cached_cell(name, label, scenario_path, algo, seed, scenario.sites, args))
+                cell = cached_cell(name, label, scenario_path, algo, seed, scenario.sites, args)
+                if cell is None:
+                    not_run.setdefault(name, []).append(f"{label} seed {seed}")
+                else:
+                    cells.setdefault(label, []).append(cell)
         board[name] = cells
+        if not cells:
+            continue
         sections += summarize(name, scenario, cells) + ["", f"![{name}](leaderboard/{name}.png)", ""]
+        reading = os.path.join(args.plots_dir, f"{name}.reading.md")  # written by whoever read the table
+        if os.path.exists(reading):
+            with open(reading) as f:
+                sections += [f.read().strip(), ""]
         plot(name, cells, os.path.join(args.plots_dir, f"{name}.png"))
         print("\n".join(summarize(name, scenario, cells)), flush=True)
+    targets_reading = os.path.join(args.plots_dir, "targets.reading.md")
     sections += ["## Open targets", "",
                  "Targets earlier rounds could not judge on the noisy real clock (issue 21, item 7), from the "
                  "cells above (median over seeds):", ""] + open_targets(board) + [""]
+    if os.path.exists(targets_reading):
+        with open(targets_reading) as f:
+            sections += [f.read().strip(), ""]
     with open(args.out, "w") as f:
-        f.write(document(names, sections, args) + "\n")
+        f.write(document(names, sections, args, not_run) + "\n")
     print(f"wrote {args.out} and {args.plots_dir}/*.png")
 
 
