@@ -397,8 +397,9 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         with open(validation) as f:
             tail.append(f.read())
     else:
-        tail.append("Not done yet: the simulated time per step of every algorithm has not been compared with "
-                    "the real emulated WAN (tools/wan) in interleaved repetitions.")
+        tail.append("Not run yet: `python tools/benchmarks/validate_clock.py` (on a quiet machine) compares every "
+                    "algorithm's simulated time per step and ratio to the ceiling with the real emulated WAN "
+                    "(tools/wan) and writes its table here.")
     return "\n".join(head + sections + tail)
 
 
