@@ -92,7 +92,7 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.clock import Job
 from megatron_lsgd.core.lsgd.comm import Tally
-from megatron_lsgd.core.lsgd.compressors import CompressorBank
+from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
@@ -482,8 +482,7 @@ class OverlappedGradientSync(Synchronizer):
             out[f"mb site{s}"] = c
         if self.opts.accumulation == "adaptive":
             out["extra mb"] = self.extra_microbatches
-        if self.compressor is not None and self.compressor.last_input_norm > 0:
-            out["comp rel err"] = self.compressor.last_error_norm / self.compressor.last_input_norm
+        out.update(compression_error([self.compressor]))
         return out
 
 

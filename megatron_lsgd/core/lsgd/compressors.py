@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -280,6 +280,21 @@ def build_compressor(options: CompressionOptions, comm: InterSiteComm, shapes: L
         return SparseCompressor(comm, shapes, device, options.topk_chunk, options.topk_density, options.ef_decay)
     return LowRankCompressor(comm, shapes, device, options.quant_block, options.quantized_mean, layout, options.rank,
                              seed, energy, decay=options.ef_decay)
+
+
+def compression_error(compressors: Iterable[Optional[Compressor]]) -> Dict[str, float]:
+    """The log's compression statistic, for every algorithm: the last round's residual norm
+    and its ratio to the compressed input's norm, over the compressors that have run (several,
+    e.g. one per fragment: norms combined as one vector's); {} before any has."""
+    ran = [c for c in compressors if c is not None and c.last_input_norm > 0]
+    if not ran:
+        return {}
+    if len(ran) == 1:
+        err, inp = ran[0].last_error_norm, ran[0].last_input_norm
+    else:
+        err = sum(c.last_error_norm ** 2 for c in ran) ** 0.5
+        inp = sum(c.last_input_norm ** 2 for c in ran) ** 0.5
+    return {"comp err norm": err, "comp rel err": err / inp}
 
 
 class CompressorBank:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from typing import Dict
 
-from megatron_lsgd.core.lsgd.compressors import CompressorBank
+from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
@@ -124,7 +124,4 @@ class DiLoCo(LocalSGDBase):
         self._load_base_state(state)
 
     def stats(self) -> Dict[str, float]:
-        stats = {"H": self.interval, "outer rounds": self.outer_rounds}
-        if self.compressor.last_input_norm > 0:
-            stats["comp rel err"] = self.compressor.last_error_norm / self.compressor.last_input_norm
-        return stats
+        return {"H": self.interval, "outer rounds": self.outer_rounds, **compression_error([self.compressor])}

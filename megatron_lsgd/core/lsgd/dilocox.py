@@ -41,6 +41,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.compressors import compression_error
 from megatron_lsgd.core.lsgd.diloco import LocalSGDBase
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
@@ -291,9 +292,7 @@ class DiLoCoX(LocalSGDBase):
 
     def stats(self) -> Dict[str, float]:
         r = self.compressor
-        rel = r.last_error_norm / r.last_input_norm if r.last_input_norm > 0 else 0.0
-        stats = {"H": self.interval, "outer rounds": self.outer_rounds,
-                 "comp err norm": r.last_error_norm, "comp rel err": rel}
+        stats = {"H": self.interval, "outer rounds": self.outer_rounds, **compression_error([r])}
         if self.ctx.config.compression.kind == "lowrank-int4":  # rank means nothing for plain quantization
             stats["rank"] = r.rank
         return stats

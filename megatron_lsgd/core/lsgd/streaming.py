@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_lsgd.core.lsgd.compressors import CompressorBank
+from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.fragments import PARTITIONS, partition
 from megatron_lsgd.core.lsgd.means import SideValues, fp32_mean
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
@@ -375,9 +375,5 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
 
     def stats(self) -> Dict[str, float]:
         stats = {"H": self.interval, "K": self.num_fragments, "fragment syncs": self.syncs}
-        comps = [c for c in self.fragment_compressors if c is not None and c.last_input_norm > 0]
-        if comps:
-            err = sum(c.last_error_norm ** 2 for c in comps) ** 0.5
-            inp = sum(c.last_input_norm ** 2 for c in comps) ** 0.5
-            stats["comp rel err"] = err / inp
+        stats.update(compression_error(self.fragment_compressors))
         return stats

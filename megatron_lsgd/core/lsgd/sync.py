@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_lsgd.core.distributed.collectives import all_gather_flat
-from megatron_lsgd.core.lsgd.compressors import CompressorBank
+from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
@@ -131,9 +131,4 @@ class SyncEveryStep(Synchronizer):
             self.compressors.load_state_dict(state.get("compressors", {}), {views.key: views}, views.grad[0].device)
 
     def stats(self) -> Dict[str, float]:
-        if self.compressors is None:
-            return {}
-        comp = next(iter(self.compressors.compressors.values()), None)
-        if comp is None or comp.last_input_norm == 0:
-            return {}
-        return {"comp rel err": comp.last_error_norm / comp.last_input_norm}
+        return compression_error(self.compressors.compressors.values()) if self.compressors is not None else {}

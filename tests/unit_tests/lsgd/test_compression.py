@@ -99,3 +99,17 @@ def test_pending_reduce_poll_and_wait():
     handles[0].ready = True
     assert not p.poll()  # advanced to the second collective, still running
     assert p.wait() == "done" and p.done
+
+
+def test_the_compression_error_statistic_is_one_for_every_algorithm():
+    from types import SimpleNamespace
+
+    from megatron_lsgd.core.lsgd.compressors import compression_error
+
+    def ran(err, inp):
+        return SimpleNamespace(last_error_norm=err, last_input_norm=inp)
+
+    assert compression_error([None, ran(0.0, 0.0)]) == {}  # nothing compressed yet
+    assert compression_error([ran(0.5, 2.0)]) == {"comp err norm": 0.5, "comp rel err": 0.25}
+    both = compression_error([ran(3.0, 4.0), None, ran(4.0, 3.0)])  # fragments: one vector's norms
+    assert both["comp err norm"] == pytest.approx(5.0) and both["comp rel err"] == pytest.approx(1.0)
