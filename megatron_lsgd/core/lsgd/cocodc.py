@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,7 @@ from megatron_lsgd.core.lsgd.options import option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.registry import register
 from megatron_lsgd.core.lsgd.streaming import FragmentOptions, InFlight, StreamingDiLoCo
+from megatron_lsgd.core.optimizer.shard_views import sum_of_squares
 
 SCHEDULES = ("adaptive", "round-robin")
 DC_NORMALIZE = ("none", "mean-square")
@@ -168,28 +169,6 @@ def _moving_average(old: float, new: float, weight: float = 0.25) -> float:
     return new if old <= 0 else (1 - weight) * old + weight * new
 
 
-def counted_spans(ctx: SyncContext, views) -> List[Tuple[int, int, int]]:
-    """(range, lo, hi) of each parameter piece counted once in a norm over the site: pieces
-    replicated over TP count on TP rank 0, the last stage's tied embedding copy not at all."""
-    params: Dict[str, object] = {}
-    for m in ctx.models:
-        module = getattr(m, "module", m)
-        if hasattr(module, "global_named_parameters"):
-            params.update(dict(module.global_named_parameters()))
-    tp_rank = getattr(ctx.pgs, "tp_rank", 0)
-    first_stage = getattr(ctx.pgs, "is_first_stage", True)
-    spans = []
-    for piece in views.pieces:
-        p = params.get(piece.name)
-        if p is not None:
-            if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
-                continue
-            if getattr(p, "shared_embedding", False) and not first_stage:
-                continue
-        spans.append((piece.range_index, piece.lo, piece.hi))
-    return spans
-
-
 # ---- the algorithm --------------------------------------------------------------------------------
 @register
 class CoCoDC(StreamingDiLoCo):
@@ -212,7 +191,7 @@ class CoCoDC(StreamingDiLoCo):
         self.slot = max(1, self.interval // self.num_syncs)  # h
         self.next_start = max(1, self.interval // self.num_fragments - self.tau)
         self.ratios = [math.inf] * self.num_fragments  # R_p
-        self.spans = [counted_spans(ctx, v) for v in self.views]
+        self.spans = [ctx.optimizer.counted_spans(v) for v in self.views]  # a norm counts each value once
         # measured times (seconds): this rank's, the site's (sent with the next sync), the job's
         self.step_seconds_sum, self.step_count = 0.0, 0
         self.site_step_seconds = self.site_sync_seconds = 0.0
@@ -283,11 +262,7 @@ class CoCoDC(StreamingDiLoCo):
         if not self.adaptive:
             return
         p = rec.fragment
-        sq = 0.0
-        for r, lo, hi in self.spans[p]:
-            piece = mean[r][lo:hi]
-            sq += float(torch.dot(piece, piece))
-        values = [sq, 0.0, 0.0, 0.0, 0.0, 0.0]
+        values = [sum_of_squares(mean, self.spans[p]), 0.0, 0.0, 0.0, 0.0, 0.0]
         if self.measuring:
             if self.step_count:
                 values[1] = self.step_seconds_sum / self.step_count

@@ -163,3 +163,12 @@ def build_views(key: str, unit_names: Tuple[str, ...], param_ids: set, main_shar
     main = [main_shards[r.shard][1][r.lo:r.hi] for r in ranges]
     grad = [main_shards[r.shard][2][r.lo:r.hi] for r in ranges]
     return ShardViews(key, unit_names, ranges, pieces, main, grad, extents, whole)
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor], spans: Iterable[Tuple[int, int, int]]) -> float:
+    """The sum of squares of tensors[range][lo:hi] over `spans` (an optimizer's `counted_spans`
+    of the views the tensors are laid out like), accumulated in float64."""
+    total = 0.0
+    for r, lo, hi in spans:
+        total += float(torch.linalg.vector_norm(tensors[r][lo:hi], dtype=torch.float64)) ** 2
+    return total

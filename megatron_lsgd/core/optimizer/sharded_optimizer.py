@@ -97,6 +97,7 @@ class ShardedOptimizer:
                 else module.named_parameters()
             self._param_names.update({id(p): name for name, p in named})
         self._all_param_ids = {id(p) for buffer in self._buffers for b in buffer.buckets for p in b.params}
+        self._counted_names = {self._param_names.get(id(pc.param)) for pc in self.pieces if pc.counts_in_norm}
         self._views: Dict[Tuple[str, ...], ShardViews] = {}
 
         # Param groups: weight decay or not (biases and norms), and with --decoupled-lr the
@@ -157,13 +158,11 @@ class ShardedOptimizer:
             return False
         return True
 
-    def counts_in_norm(self, param) -> bool:
-        """Whether this rank counts `param`'s values in a norm over the model (the rule
-        grad_norm uses): parameters replicated across TP ranks count on TP rank 0 only,
-        the last stage's copy of a tied word embedding not at all. A synchronizer summing
-        squares over its views' pieces and all-reducing over TP (and dp_intra under ZeRO-1)
-        gets each value exactly once."""
-        return self._counts_in_norm(param)
+    def counted_spans(self, views: ShardViews) -> List[Tuple[int, int, int]]:
+        """(range, lo, hi) of the pieces of `views` this rank counts in a norm over the model
+        (grad_norm's rule, `_counts_in_norm`): `sum_of_squares` over them, all-reduced over
+        TP (and over dp_intra where the site's ranks hold parts), counts every value once."""
+        return [(pc.range_index, pc.lo, pc.hi) for pc in views.pieces if pc.name in self._counted_names]
 
     # ---- the step -----------------------------------------------------------------------
     @property

@@ -58,6 +58,9 @@ class FragmentOptimizer:
                           [self.shard[lo:hi] for lo, hi in spans], [torch.zeros(hi - lo) for lo, hi in spans],
                           [BucketExtent(0, lo, hi) for lo, hi in spans], whole)
 
+    def counted_spans(self, views):
+        return [(pc.range_index, pc.lo, pc.hi) for pc in views.pieces]  # one rank: every value counts
+
     def copy_main_to_model_params(self, views=None):
         self.copies.append(views.key if views is not None else "all")
 

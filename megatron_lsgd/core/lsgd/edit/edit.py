@@ -69,6 +69,7 @@ from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchroniz
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
 from megatron_lsgd.core.lsgd.registry import register
 from megatron_lsgd.core.lsgd.sync import SiteSplit, average_grads_across_sites
+from megatron_lsgd.core.optimizer.shard_views import sum_of_squares
 
 Fault = Tuple[Optional[int], int, float]  # (site or None for every site, sync number, factor)
 
@@ -185,13 +186,6 @@ class _UnitPlan:
     groups: List[_Group]
 
 
-def _sum_sq(tensors: Sequence[torch.Tensor], counted: Sequence[Tuple[int, int, int]]) -> float:
-    total = 0.0
-    for r, lo, hi in counted:
-        total += float(torch.linalg.vector_norm(tensors[r][lo:hi], dtype=torch.float64)) ** 2
-    return total
-
-
 @register
 class EDiT(Synchronizer):
     """Layer-wise parameter sync in the forward pass every H steps, with prefetch and the pseudo-gradient penalty"""
@@ -256,9 +250,6 @@ class EDiT(Synchronizer):
     # ---- plan: units -> penalty groups ----------------------------------------------------
     def _plan(self, units) -> List[_UnitPlan]:
         opt, pgs = self.ctx.optimizer, self.ctx.pgs
-        model = self.ctx.models[0]
-        module = getattr(model, "module", model)
-        names = {id(p): n for n, p in module.global_named_parameters()}
 
         def tied_copy(p) -> bool:
             return getattr(p, "shared_embedding", False) and not pgs.is_first_stage
@@ -266,8 +257,7 @@ class EDiT(Synchronizer):
         def group(stat, part, borrowed) -> _Group:
             whole = opt.views([part])
             views = self.split.mine(whole)
-            counted_names = {names[id(p)] for p in part.parameters() if opt.counts_in_norm(p)}
-            counted = [(pc.range_index, pc.lo, pc.hi) for pc in views.pieces if pc.name in counted_names]
+            counted = opt.counted_spans(views)
             comp = None if views.empty else self.bank.for_views(views, self.outer.device)
             return _Group(stat, views, whole, counted, borrowed, comp)
 
@@ -315,7 +305,7 @@ class EDiT(Synchronizer):
         for plan in self.plans:
             for g in plan.groups:
                 if not g.borrowed and g.counted:
-                    local[self.stat_keys.index(g.stat)] += _sum_sq(self.outer.pseudo_gradient(g.views), g.counted)
+                    local[self.stat_keys.index(g.stat)] += sum_of_squares(self.outer.pseudo_gradient(g.views), g.counted)
         local *= factor * factor
         self._site_sum(local)
         if self.lends_embedding or self.borrows_embedding:  # the tied copy's norm is the first stage's
@@ -382,7 +372,7 @@ class EDiT(Synchronizer):
             t = torch.zeros(1, dtype=torch.float64, device=self.device)
             dist.all_reduce(t, group=pgs.embedding)
             return float(t[0])
-        sq = torch.tensor([_sum_sq(mean, g.counted) if mean else 0.0], dtype=torch.float64, device=self.device)
+        sq = torch.tensor([sum_of_squares(mean, g.counted) if mean else 0.0], dtype=torch.float64, device=self.device)
         self._site_sum(sq)
         beta = clip_coefficient(math.sqrt(float(sq[0])), self.penalty.phi)
         if g.stat == "embedding" and self.lends_embedding:
