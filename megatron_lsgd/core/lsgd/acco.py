@@ -91,6 +91,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.clock import Job
+from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.comm import Tally
 from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
@@ -345,8 +346,7 @@ class OverlappedGradientSync(Synchronizer):
         """True on every rank of the site once every rank's worker is done (MIN over the site)."""
         done = self._job is None or self.clock.done_by_now(self._job_clock)
         flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=self.device)
-        if self.pgs.site is not None and dist.get_world_size(self.pgs.site) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pgs.site)
+        agree_in_site(flag, self.pgs, dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def _finish_job(self) -> None:

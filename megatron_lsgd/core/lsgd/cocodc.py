@@ -58,8 +58,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.means import SideValues
 from megatron_lsgd.core.lsgd.options import option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
@@ -273,11 +273,7 @@ class CoCoDC(StreamingDiLoCo):
                 values[4], values[5] = float(rec.side.mean[0]), float(rec.side.mean[1])
         # on the training device: the site group is NCCL on GPUs
         agreed = torch.tensor(values, dtype=torch.float64, device=self.ctx.optimizer.main_param_shards()[0].device)
-        site = getattr(self.ctx.pgs, "site", None)
-        n = 1
-        if site is not None and dist.get_world_size(site) > 1:
-            dist.all_reduce(agreed, group=site)  # a few bytes inside the site, never across sites
-            n = dist.get_world_size(site)
+        n = agree_in_site(agreed, self.ctx.pgs)
         self.ratios[p] = math.sqrt(float(agreed[0])) / max(1, rec.started - self.last_land[p])
         if not self.measuring:
             return

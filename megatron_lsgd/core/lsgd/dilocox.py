@@ -41,6 +41,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
 from megatron_lsgd.core.lsgd.compressors import compression_error
 from megatron_lsgd.core.lsgd.diloco import LocalSGDBase
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
@@ -260,10 +261,7 @@ class DiLoCoX(LocalSGDBase):
 
     def _agree_max(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)  # site group: NCCL on GPUs
-        pgs = self.ctx.pgs
-        if pgs.site is not None and dist.get_world_size(pgs.site) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pgs.site)
-        self.ctx.comm.all_reduce_max(t)
+        agree_max_in_job(t, self.ctx.pgs, self.ctx.comm)
         return int(t.item())
 
     # ---- state and stats -------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
 from megatron_lsgd.core.lsgd.dreamddp.scheduler import Problem
 
 PROFILE_FORMAT = "megatron_lsgd.dreamddp.profile/1"
@@ -294,9 +294,7 @@ def agree_max(values: List[float], pgs, comm, device: torch.device) -> List[floa
     """Element-wise maximum over every rank of the job: inside the site, then across sites
     (every rank of a site holds the site's maximum, so dp_inter completes it)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    if pgs.site is not None and dist.is_initialized() and dist.get_world_size(pgs.site) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pgs.site)
-    comm.all_reduce_max(t)
+    agree_max_in_job(t, pgs, comm)
     return [float(x) for x in t.cpu().tolist()]
 
 

@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.edit.edit import EDiT, EDiTOptions
 from megatron_lsgd.core.lsgd.options import option
 from megatron_lsgd.core.lsgd.protocol import Meeting, Progress, Stop, SyncContext, stop_at_meeting
@@ -147,9 +148,7 @@ class AEDiT(EDiT):
 
     # ---- meetings --------------------------------------------------------------------------------
     def _site_vote(self, flags: torch.Tensor) -> None:
-        site = self.ctx.pgs.site
-        if site is not None and dist.get_world_size(site) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=site)
+        agree_in_site(flags, self.ctx.pgs, dist.ReduceOp.MAX)
 
     def agree_to_stop(self, progress: Progress) -> Optional[Stop]:
         self._meeting = None

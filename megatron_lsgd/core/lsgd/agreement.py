@@ -1,0 +1,28 @@
+"""Agreement on a few control values (flags, measured times, a proposed interval) inside a
+site and across the job, written once for every synchronizer: the site's ranks must take the
+same timing-driven decisions, or their collectives stop matching."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def agree_in_site(values: torch.Tensor, pgs, op=dist.ReduceOp.SUM) -> int:
+    """Reduce `values` in place over this rank's site (nothing crosses sites; the tensor is on
+    the training device, as the site group may be NCCL). Returns the site's rank count (1:
+    nothing to agree with)."""
+    site = getattr(pgs, "site", None)
+    if site is None or not dist.is_initialized():
+        return 1
+    ranks = dist.get_world_size(site)
+    if ranks > 1:
+        dist.all_reduce(values, op=op, group=site)
+    return ranks
+
+
+def agree_max_in_job(values: torch.Tensor, pgs, comm) -> None:
+    """Element-wise maximum over every rank of the job, in place: inside the site, then across
+    sites (each rank then holds its site's maximum, so the inter-site group completes it)."""
+    agree_in_site(values, pgs, dist.ReduceOp.MAX)
+    comm.all_reduce_max(values)
