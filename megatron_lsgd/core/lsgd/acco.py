@@ -462,7 +462,8 @@ class OverlappedGradientSync(Synchronizer):
         self._stash, self._load_after_compute = None, None
 
     def state_dict(self) -> Dict:
-        self.quiesce()
+        # quiesce() waited for the job and stashed the next compute's parameters.
+        self.require_quiesced(self._job is not None or (self._load_after_compute == "main" and self._stash is None))
         return {"stash": [t.clone() for t in self._stash] if self._stash is not None else [],
                 "has_stash": int(self._stash is not None), "rounds": self.rounds,
                 "compressor": self.compressor.state_dict() if self.compressor is not None else {}}

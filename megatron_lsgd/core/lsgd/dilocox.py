@@ -266,9 +266,9 @@ class DiLoCoX(LocalSGDBase):
 
     # ---- state and stats -------------------------------------------------------------------------
     def state_dict(self) -> Dict:
-        # A checkpoint holds the finished mean (applied at its usual step after a resume), and
-        # finishing it also completes the error-feedback update, so quiesce before reading.
-        self.quiesce()
+        # A checkpoint holds the finished mean (applied at its usual step after a resume);
+        # quiesce() finished it, and with it the error-feedback update.
+        self.require_quiesced(self.pending is not None and not self.pending.done)
         state = self._base_state()
         state.update(rank_window=list(self.rank_window),
                      pending_round=self.pending_round, applied_rounds=list(self.applied_rounds),

@@ -282,7 +282,14 @@ class Synchronizer:
 
     # ---- state and statistics ---------------------------------------------------------------
     def state_dict(self) -> Dict:
+        """Everything kept between steps. It only reads: the caller has quiesced (the
+        checkpoint does), so nothing is in flight; `require_quiesced` says so loudly."""
         return {}
+
+    def require_quiesced(self, in_flight: bool) -> None:
+        if in_flight:
+            raise RuntimeError(f"{self.name}: state_dict() with communication in flight; call quiesce() first "
+                               "(the checkpoint does)")
 
     def load_state_dict(self, state: Dict) -> None:
         pass

@@ -334,8 +334,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
                 "sync_delay": self.tau}
 
     def state_dict(self) -> Dict:
-        # Finishing the reductions in flight also completes their error-feedback updates.
-        self.quiesce()
+        # quiesce() finished the reductions in flight, and with them their error-feedback updates.
+        self.require_quiesced(len(self.queue) > 0)
         flights = []
         for rec in self.in_flight:
             flights.append({"fragment": rec.fragment, "started": rec.started, "lands": rec.lands,

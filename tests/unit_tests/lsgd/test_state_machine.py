@@ -150,6 +150,9 @@ def test_dilocox_state_dict_is_complete_and_weights_only(compression, rank):
     g = torch.Generator().manual_seed(0)
     drifts = [torch.randn(48, generator=g) * 0.1 for _ in range(4)]
     run_rounds(a, 2, 2, lambda r: drifts[r], False)  # leaves round 2's mean pending
+    with pytest.raises(RuntimeError, match="call quiesce"):  # state_dict() reads, it does not finish work
+        a.state_dict()
+    a.quiesce()  # as the checkpoint does
     b.load_state_dict(_roundtrip(a.state_dict()))
     b.ctx.optimizer.shards[0].copy_(a.ctx.optimizer.shards[0])
     ra = run_rounds(a, 2, a.interval, lambda r: drifts[2 + r], False)
