@@ -265,7 +265,7 @@ class OverlappedGradientSync(Synchronizer):
         kinds = ("dp_intra", "model_parallel", "site") + (("tp",) if getattr(ctx.optimizer, "muon", None) else ())
         self.worker_groups = clone_groups(ctx.pgs, kinds, timeout) if dist.is_initialized() else ctx.pgs
         self.storages = (self.model.buffer.active_grad_storage, self.model.add_grad_storage())
-        self.active = 0  # index into self.storages: where compute accumulates
+        self.computing = 0  # index into self.storages: where compute accumulates
         self.views = ctx.optimizer.views()  # the whole model: one fragment
         # Without ZeRO-1 every rank of a site holds the whole reduced gradient: each sends its
         # 1/DP_intra part across sites and the site all-gathers (as sync does).
@@ -320,12 +320,12 @@ class OverlappedGradientSync(Synchronizer):
         self._finish_job()
         self._load_model()
         step.reduce_in_site()
-        storage = self.storages[self.active]
+        storage = self.storages[self.computing]
         self._job_clock = self.clock.start_job()  # the worker's timeline forks from this moment
         self._job = self._worker.submit(self._timed_job, self._job_clock, kind, stage, storage, n, step)
         self._load_after_compute = "main" if kind == "commit" else "estimate"
-        self.active ^= 1
-        self.model.use_grad_storage(self.storages[self.active])
+        self.computing ^= 1
+        self.model.use_grad_storage(self.storages[self.computing])
         return losses, n
 
     def _accumulate(self, step, data_iterator, minimum: int) -> Tuple[list, int]:

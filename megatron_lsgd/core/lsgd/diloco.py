@@ -33,7 +33,6 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
     def __init__(self, ctx: SyncContext, energy: float = 0.9):
         super().__init__(ctx)
         cfg = ctx.config
-        self.active = ctx.comm.num_sites > 1
         self.interval = cfg.rounds.interval
         self.steps_in_round = 0
         self.outer_rounds = 0

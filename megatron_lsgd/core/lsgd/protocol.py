@@ -224,6 +224,9 @@ class Synchronizer:
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
+        # Whether there is anyone to synchronize with (more than one site); single-site
+        # tests of an algorithm's arithmetic may switch it on.
+        self.active = ctx.comm.num_sites > 1
 
     # ---- the step --------------------------------------------------------------------------
     def train_step(self, step: InnerStep, data_iterator, iteration: int) -> StepResult:

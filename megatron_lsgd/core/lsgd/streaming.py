@@ -146,7 +146,6 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)
         cfg, algo = ctx.config, ctx.config.algo
-        self.active = ctx.comm.num_sites > 1
         self.interval = cfg.rounds.interval
         self.num_fragments = algo.fragments
         self.tau = algo.sync_delay

@@ -136,7 +136,6 @@ class DreamDDP(Synchronizer):
         super().__init__(ctx)
         cfg = ctx.config
         self.opts: DreamDDPOptions = cfg.algo
-        self.active = ctx.comm.num_sites > 1
         self.interval = cfg.rounds.interval
         self.warmup_iters = cfg.rounds.warmup_iters
         pgs = ctx.pgs

@@ -201,7 +201,6 @@ class EDiT(Synchronizer):
         cfg, opts = ctx.config, ctx.config.algo
         self.num_sites = ctx.comm.num_sites
         self.site = getattr(ctx.pgs, "site_rank", 0)
-        self.active = self.num_sites > 1
         self.interval = cfg.rounds.interval
         self.warmup_iters = cfg.rounds.warmup_iters
         self.prefetch = opts.prefetch
