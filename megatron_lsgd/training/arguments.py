@@ -369,7 +369,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         num_microbatches=global_batch // per_step, pipeline_stages=dims.pp, fp16=args.fp16,
         sample_budget_flag=budget, batch_schedule_flag=schedule,
         per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
-        tied_embeddings=not args.untie_embeddings_and_output_weights))
+        tied_embeddings=not args.untie_embeddings_and_output_weights, num_layers=args.num_layers))
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,

@@ -76,7 +76,7 @@ def config_from_args(args: argparse.Namespace, num_sites: int, run: Optional[Run
     shared = {key: group.from_args(args) for key, group in SHARED_GROUPS.items()}
     config = LsgdConfig(algorithm=cls.name, seed=args.seed, link=LinkOptions.from_args(args),
                         algo=cls.Options.from_args(args), output_dir=output_dir(args), **shared)
-    validate(config, num_sites, args, run, num_layers=getattr(args, "num_layers", None))
+    validate(config, num_sites, args, run)
     return config
 
 
@@ -90,13 +90,11 @@ def output_dir(args: argparse.Namespace):
 
 
 def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None,
-             run: Optional[RunFacts] = None, num_layers: Optional[int] = None) -> None:
+             run: Optional[RunFacts] = None) -> None:
     """Check the whole configuration; `args` (the parsed flags) lets flags that belong to
-    another algorithm be reported instead of silently ignored, and is handed to the
-    algorithm's own `validate` (to check its options against the model's flags); `run`
-    tells the algorithm's own validate what else the run does (batch, stages, precision,
-    budget); `num_layers` (the model's transformer layers, when known) bounds settings such
-    as the number of fragments."""
+    another algorithm be reported instead of silently ignored; `run` (the one context an
+    algorithm's own `validate` gets, None where the lsgd options are checked alone) tells it
+    what else the run does: batch, stages, precision, budget, layers."""
     cls = synchronizer_class(config.algorithm)
     if cls.requires_multiple_sites and num_sites < 2:
         raise ValueError(f"--lsgd-algorithm {cls.name} needs --num-sites >= 2 (got {num_sites})")
@@ -125,4 +123,4 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
             for flag in synchronizer_class(name).Options.from_args(args).changed_flags():
                 if flag not in own:
                     raise ValueError(f"{flag} needs --lsgd-algorithm {' or '.join(owners[flag])}")
-    config.algo.validate(config=config, num_sites=num_sites, args=args, run=run, num_layers=num_layers)
+    config.algo.validate(config=config, num_sites=num_sites, run=run)

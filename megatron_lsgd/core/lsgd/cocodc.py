@@ -93,8 +93,8 @@ class CoCoDCOptions(FragmentOptions):
                                   "adaptive schedule: fix N instead of measuring step and sync times (0: measure)",
                                   metavar="N")
 
-    def validate(self, config, num_sites: int, num_layers: Optional[int] = None, **_) -> None:
-        super().validate(config=config, num_sites=num_sites, num_layers=num_layers)
+    def validate(self, config, num_sites: int, run=None, **_) -> None:
+        super().validate(config=config, num_sites=num_sites, run=run)
         interval, k = config.rounds.interval, self.fragments
         if self.dc_lambda < 0:
             raise ValueError(f"--lsgd-cocodc-lambda must be >= 0 (got {self.dc_lambda})")

@@ -186,6 +186,7 @@ class RunFacts:
     batch_schedule_flag: Optional[str] = None  # "--rampup-batch-size" / "--step-batch-size-schedule" when given
     per_token_loss: bool = False  # --calculate-per-token-loss
     tied_embeddings: bool = True  # the word embedding is shared with the output layer (no --untie-...)
+    num_layers: Optional[int] = None  # --num-layers: bounds per-layer settings (fragments, a profile's units)
 
 
 @dataclass

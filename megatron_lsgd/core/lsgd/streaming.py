@@ -73,8 +73,9 @@ class FragmentOptions(OptionGroup):
                              "tau: inner steps a fragment's all-reduce overlaps before its outer step is applied "
                              "(torchft: fragment_sync_delay)", metavar="TAU")
 
-    def validate(self, config, num_sites: int, num_layers: Optional[int] = None, **_) -> None:
+    def validate(self, config, num_sites: int, run=None, **_) -> None:
         interval, k, tau = config.rounds.interval, self.fragments, self.sync_delay
+        num_layers = run.num_layers if run is not None else None
         if k < 1:
             raise ValueError(f"--lsgd-fragments must be >= 1 (got {k})")
         if num_layers is not None and k > num_layers:
@@ -101,8 +102,8 @@ class StreamingDiLoCoOptions(FragmentOptions):
                           "alpha x the local one (torchft: fragment_update_alpha; 0 drops the tau steps of local "
                           "progress)", metavar="ALPHA")
 
-    def validate(self, config, num_sites: int, num_layers: Optional[int] = None, **_) -> None:
-        super().validate(config=config, num_sites=num_sites, num_layers=num_layers)
+    def validate(self, config, num_sites: int, run=None, **_) -> None:
+        super().validate(config=config, num_sites=num_sites, run=run)
         interval, k = config.rounds.interval, self.fragments
         if interval % k:
             raise ValueError(f"--lsgd-interval {interval} must be a multiple of --lsgd-fragments {k}: the round "

@@ -94,7 +94,7 @@ class DreamDDPOptions(OptionGroup):
                                         "relative drift of the backward time, or exposed time beyond the "
                                         "prediction by this share of the backward time, that triggers a re-profile")
 
-    def validate(self, config, num_sites: int, args=None, **_) -> None:
+    def validate(self, config, num_sites: int, run=None, **_) -> None:
         if self.profile_steps < 1:
             raise ValueError(f"--lsgd-dreamddp-profile-steps must be >= 1 (got {self.profile_steps})")
         if self.scheduler not in SCHEDULERS:
@@ -108,8 +108,8 @@ class DreamDDPOptions(OptionGroup):
             raise ValueError(f"--lsgd-dreamddp-reprofile-tolerance must be > 0 (got {self.reprofile_tolerance})")
         if self.profile is not None:
             parsed = read_profile_file(self.profile)
-            layers = getattr(args, "num_layers", None)
-            stages = getattr(args, "pipeline_model_parallel_size", None)
+            layers = run.num_layers if run is not None else None
+            stages = run.pipeline_stages if run is not None else None
             if layers is not None:
                 wanted = ["embedding"] + [f"layers.{i}" for i in range(layers)] + ["output"]
                 missing = [n for n in wanted if n not in parsed["backward_ms"]]
