@@ -1,6 +1,7 @@
 """Incompatible lsgd flags fail at start with a message naming the flag; each algorithm's
 options form their own --help group; every existing flag keeps its meaning."""
 
+import json
 import subprocess
 import sys
 
@@ -173,3 +174,22 @@ def test_non_finite_values_are_refused_naming_the_flag(flag, value, capsys):
         parse_args(BASE + extra + [f"{flag}={value}"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"error: argument {flag}: must be a finite number, got '{value}'" in err
+
+
+def test_settings_bounded_by_the_model_are_checked_against_it(tmp_path):
+    """The run's facts (RunFacts: layers, stages) reach every algorithm's validation."""
+    with pytest.raises(ValueError, match="--lsgd-fragments 3 is more than the model's 2 layers"):
+        config(["--num-sites", "2", "--lsgd-algorithm", "cocodc", "--lsgd-interval", "6", "--lsgd-fragments", "3"])
+    from megatron_lsgd.core.lsgd.dreamddp.profile import PROFILE_FORMAT
+
+    profile = tmp_path / "profile.json"
+    units = ["embedding", "layers.0", "layers.1", "layers.2", "output"]  # a 3-layer model's
+    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "units": [{"name": n, "backward_ms": 1.0} for n in units],
+                                   "stages": [{"tail_ms": 0.5}], "link": {"latency_ms": 1.0, "ms_per_MB": 2.0}}))
+    dreamddp = ["--num-sites", "2", "--lsgd-algorithm", "dreamddp", "--lsgd-dreamddp-profile", str(profile)]
+    config(dreamddp)  # 2 layers: every unit the model has is in the profile
+    with pytest.raises(ValueError, match="has no backward time for layers.3"):
+        four_layers = BASE[:1] + ["4"] + BASE[2:]  # BASE starts with --num-layers 2
+        build_config(parse_args(four_layers + dreamddp), 2)
+    with pytest.raises(ValueError, match="written for 1 pipeline stages"):
+        config(dreamddp + ["--pipeline-model-parallel-size", "2"], world=4)
