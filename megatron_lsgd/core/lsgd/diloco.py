@@ -47,9 +47,7 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if not self.active:
             return
-        if self.in_warmup(iteration):
-            if iteration == self.ctx.config.rounds.warmup_iters - 1:  # local phase starts from here
-                self.outer.reset(self.views)
+        if self.warming_up(iteration, self.outer, self.views):
             return
         # Skipped (fp16 overflow) steps count too: sites must agree on round boundaries.
         self.steps_in_round += 1

@@ -193,9 +193,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if not self.active:
             return
-        if self.in_warmup(iteration):
-            if iteration == self.ctx.config.rounds.warmup_iters - 1:  # local phase starts from here
-                self.outer.reset(self.ctx.optimizer.views())
+        if self.warming_up(iteration, self.outer, self.ctx.optimizer.views()):
             return
         if self._step_started is not None:
             self.record_step_time(self.ctx.clock.now() - self._step_started)

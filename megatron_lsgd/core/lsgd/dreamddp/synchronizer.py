@@ -64,8 +64,7 @@ from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit
-from megatron_lsgd.core.lsgd.sync import average_grads_across_sites
+from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup, average_grads_across_sites
 
 PROFILE_FILE = "dreamddp_profile.json"
 
@@ -123,7 +122,7 @@ class DreamDDPOptions(OptionGroup):
 
 
 @register
-class DreamDDP(Synchronizer):
+class DreamDDP(SynchronousWarmup, Synchronizer):
     """Average each layer across sites right after its backward, in iterations a profiled schedule picks"""
 
     name = "dreamddp"
@@ -137,7 +136,6 @@ class DreamDDP(Synchronizer):
         cfg = ctx.config
         self.opts: DreamDDPOptions = cfg.algo
         self.interval = cfg.rounds.interval
-        self.warmup_iters = cfg.rounds.warmup_iters
         pgs = ctx.pgs
         self.stage, self.num_stages = pgs.pp_rank, pgs.dims.pp
         trainable = [u for u in ctx.units if any(p.requires_grad for p in u.parameters())]
@@ -186,9 +184,6 @@ class DreamDDP(Synchronizer):
         self._exposed_before = 0.0
 
     # ---- which units this step ---------------------------------------------------------------
-    def in_warmup(self, iteration: int) -> bool:
-        return iteration < self.warmup_iters
-
     @property
     def profiling(self) -> bool:
         return self.profile is None

@@ -140,8 +140,8 @@ class AEDiT(EDiT):
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if self.virtual:
             self.clock.tick()
-        if not self._after_warmup(iteration):
-            if iteration == self.warmup_iters - 1:
+        if self.warming_up(iteration, self.outer, self.ctx.optimizer.views()):
+            if iteration == self.warmup_iters - 1:  # the first interval starts with the local phase
                 self.interval_start = self.clock.now()
             return
         self.steps_in_interval += 1

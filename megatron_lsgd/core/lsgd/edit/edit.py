@@ -68,7 +68,7 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit, average_grads_across_sites
+from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup
 from megatron_lsgd.core.optimizer.shard_views import sum_of_squares
 
 Fault = Tuple[Optional[int], int, float]  # (site or None for every site, sync number, factor)
@@ -187,7 +187,7 @@ class _UnitPlan:
 
 
 @register
-class EDiT(Synchronizer):
+class EDiT(SynchronousWarmup, Synchronizer):
     """Layer-wise parameter sync in the forward pass every H steps, with prefetch and the pseudo-gradient penalty"""
 
     name = "edit"
@@ -202,7 +202,6 @@ class EDiT(Synchronizer):
         self.num_sites = ctx.comm.num_sites
         self.site = getattr(ctx.pgs, "site_rank", 0)
         self.interval = cfg.rounds.interval
-        self.warmup_iters = cfg.rounds.warmup_iters
         self.prefetch = opts.prefetch
         self.penalty = Penalty(parse_parts(opts.penalty), self.num_sites, opts.z_threshold, opts.ema_alpha,
                                opts.ema_warmup, opts.clip)
@@ -424,19 +423,10 @@ class EDiT(Synchronizer):
         if not self.active:
             return
         self._wait_tied()
-        if iteration < self.warmup_iters:
-            average_grads_across_sites(self.ctx)
-
-    def _after_warmup(self, iteration: int) -> bool:
-        """Warm-up bookkeeping; True when `iteration` was a local (post-warm-up) step."""
-        if iteration < self.warmup_iters:
-            if iteration == self.warmup_iters - 1:  # local training starts from here
-                self.outer.reset(self.ctx.optimizer.views())
-            return False
-        return True
+        super().after_forward_backward(iteration)
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
-        if not self.active or not self._after_warmup(iteration):
+        if not self.active or self.warming_up(iteration, self.outer, self.ctx.optimizer.views()):
             return
         self.steps_in_round += 1  # skipped (fp16 overflow) steps count too: sites must agree
         if self.steps_in_round >= self.interval:
