@@ -44,7 +44,7 @@ the checkpoint calls after quiesce().
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, FrozenSet, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, ClassVar, Dict, FrozenSet, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -54,6 +54,10 @@ from megatron_lsgd.core.lsgd.config import LsgdConfig
 from megatron_lsgd.core.lsgd.membership import AllSites, SiteMembership
 from megatron_lsgd.core.lsgd.options import NoOptions
 from megatron_lsgd.core.parallel_state import ProcessGroups
+
+if TYPE_CHECKING:  # types only: the optimizer and the DDP wrapper import nothing from here
+    from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
+    from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -181,8 +185,8 @@ class SyncContext:
 
     pgs: ProcessGroups
     config: LsgdConfig
-    models: List[object]  # DistributedDataParallel chunks (grad buffers)
-    optimizer: object  # ShardedOptimizer: views(units), copy_main_to_model_params(views), state
+    models: List[DistributedDataParallel]  # this rank's model chunks (grad buffers)
+    optimizer: ShardedOptimizer  # views(units), copy_main_to_model_params(views), counted_spans, state
     comm: InterSiteComm
     units: List[object] = field(default_factory=list)  # SyncUnits of this stage, forward order
     # Which sites take part in each outer round (fault tolerance: fault_tolerance/); the
