@@ -382,87 +382,114 @@ class Trainer:
         return bool(interval) and now // interval > before // interval
 
     def train(self) -> TrainingResult:
-        t = self.config.training
-        result = TrainingResult(model=self.model.module, config=self.config)
-        batch_schedule = self.config.compat.batch_schedule
-        total_skipped = 0
-        acc = _Interval(comm=self.comm.snapshot(), start=self.clock.now(), consumed_before=self.consumed_samples,
-                        site_consumed_before=self.site_consumed_samples)
-        run_start = acc.run_start
-        start_iter, start_agreed = self.iteration, self.agreed_iteration  # a resumed run counts its own steps
-        lockstep = self.lockstep
-        while (self.iteration < t.train_iters) if lockstep else not self.ended:
-            self.inner_step.iteration = self.iteration
-            if batch_schedule is not None:
-                self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
-            step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
-            losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
-            self.iteration += 1
-            acc.gbs = self._count_samples(step.num_microbatches, step.same_count_on_every_site)
-            acc.iters += 1
-            self.compat.after_step(self.iteration)
-            if not ok:
-                acc.skipped += 1
-                total_skipped += 1
-            elif grad_norm is not None:
-                if math.isnan(grad_norm):
-                    acc.nans += 1
-                acc.norm_sum, acc.norm_count = acc.norm_sum + grad_norm, acc.norm_count + 1
-            site_losses = self._reduce_site_losses(losses)
-            if self.config.optimizer.check_for_nan_in_grad and (ok or not t.fp16):
-                check_finite_loss(site_losses, t.fp16)
-            for k, v in site_losses.items():
-                acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
+        run = _Run(result=TrainingResult(model=self.model.module, config=self.config),
+                   acc=_Interval(comm=self.comm.snapshot(), start=self.clock.now(),
+                                 consumed_before=self.consumed_samples,
+                                 site_consumed_before=self.site_consumed_samples),
+                   start_iter=self.iteration, start_agreed=self.agreed_iteration)  # a resumed run counts its own
+        run.start = run.acc.run_start
+        if self.lockstep:
+            self._train_in_lockstep(run)
+        else:
+            self._train_at_own_pace(run)
+        return self._finish(run)
 
-            if lockstep:
-                if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
-                    self._log_interval(acc, result)
-                stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
-                eval_due = self.iteration % t.eval_interval == 0
-                save_due = bool(self.config.checkpoint.save_interval) and \
-                    self.iteration % self.config.checkpoint.save_interval == 0
-            else:
-                stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
-                meeting = self.synchronizer.meeting()
-                before = self.agreed_iteration
-                if meeting is not None:  # agreed on every rank: evaluate, save, stop only here
-                    self.last_meeting = meeting
-                    self.consumed_samples = meeting.samples
-                    self.agreed_iteration = meeting.samples // t.global_batch_size
-                    if meeting.synced:  # not at a pause's extra meeting: a resumed run stays exact
-                        self._follow_job_schedule(meeting)
-                    if stop is None and self._crossed(before, self.agreed_iteration, t.exit_interval):
-                        stop = Stop(False, f"--exit-interval {t.exit_interval}")
-                if self.iteration % t.log_interval == 0 or stop is not None:
-                    self._log_interval(acc, result)
-                eval_due = meeting is not None and self._crossed(before, self.agreed_iteration, t.eval_interval)
-                save_due = meeting is not None and self._crossed(before, self.agreed_iteration,
-                                                                 self.config.checkpoint.save_interval)
-            if stop is not None and stop.ends_training:  # before the final evaluation and save
-                self.synchronizer.finish_training(self.iteration)
-                self.ended = True
-            if t.eval_iters > 0 and eval_due:
-                at = self.clock.now() - run_start
-                loss = self.evaluate()
-                if loss is not None:
-                    result.validation_losses.append(loss)
-                    result.validation_seconds.append(at)
-                    result.validation_iterations.append(self.iteration)
-                acc.start = self.clock.now()
-            ckpt = self.config.checkpoint
-            if ckpt.save and save_due:
-                self.save_checkpoint()
-            if stop is not None:
-                if not stop.ends_training:
-                    print_rank(f"exiting at iteration {self.iteration} ({stop.reason})", self.pgs.rank,
-                               self.line_rank)
-                elif not lockstep:
-                    print_rank(f"training ends at iteration {self.iteration} of site {self.pgs.site_rank} "
-                               f"({stop.reason})", self.pgs.rank, self.line_rank)
-                break
-            if not lockstep and self.iteration >= self.max_site_iters:
+    def _train_in_lockstep(self, run: "_Run") -> None:
+        """Every site takes the same steps: log, evaluate, save and stop by iteration."""
+        t = self.config.training
+        while self.iteration < t.train_iters:
+            self._step(run)
+            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+                self._log_interval(run.acc, run.result)
+            stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
+            eval_due = self.iteration % t.eval_interval == 0
+            save_due = bool(self.config.checkpoint.save_interval) and \
+                self.iteration % self.config.checkpoint.save_interval == 0
+            if self._act(run, stop, eval_due, save_due):
+                return
+
+    def _train_at_own_pace(self, run: "_Run") -> None:
+        """Sites take their own numbers of steps (a-edit): the job's progress is agreed at the
+        synchronizer's meetings, and only there does the run evaluate, save and stop."""
+        t = self.config.training
+        while not self.ended:
+            self._step(run)
+            stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
+            meeting = self.synchronizer.meeting()
+            before = self.agreed_iteration
+            if meeting is not None:  # agreed on every rank
+                self.last_meeting = meeting
+                self.consumed_samples = meeting.samples
+                self.agreed_iteration = meeting.samples // t.global_batch_size
+                if meeting.synced:  # not at a pause's extra meeting: a resumed run stays exact
+                    self._follow_job_schedule(meeting)
+                if stop is None and self._crossed(before, self.agreed_iteration, t.exit_interval):
+                    stop = Stop(False, f"--exit-interval {t.exit_interval}")
+            if self.iteration % t.log_interval == 0 or stop is not None:
+                self._log_interval(run.acc, run.result)
+            eval_due = meeting is not None and self._crossed(before, self.agreed_iteration, t.eval_interval)
+            save_due = meeting is not None and self._crossed(before, self.agreed_iteration,
+                                                             self.config.checkpoint.save_interval)
+            if self._act(run, stop, eval_due, save_due):
+                return
+            if self.iteration >= self.max_site_iters:
                 raise RuntimeError(f"--lsgd-algorithm {self.config.lsgd.algorithm}: site {self.pgs.site_rank} took "
                                    f"{self.iteration} steps, all its data, without the sites agreeing to stop")
+
+    def _step(self, run: "_Run") -> None:
+        """One training step and what the log line accumulates from it."""
+        t, acc = self.config.training, run.acc
+        self.inner_step.iteration = self.iteration
+        batch_schedule = self.config.compat.batch_schedule
+        if batch_schedule is not None:
+            self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
+        step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
+        losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
+        self.iteration += 1
+        acc.gbs = self._count_samples(step.num_microbatches, step.same_count_on_every_site)
+        acc.iters += 1
+        self.compat.after_step(self.iteration)
+        if not ok:
+            acc.skipped += 1
+            run.skipped += 1
+        elif grad_norm is not None:
+            if math.isnan(grad_norm):
+                acc.nans += 1
+            acc.norm_sum, acc.norm_count = acc.norm_sum + grad_norm, acc.norm_count + 1
+        site_losses = self._reduce_site_losses(losses)
+        if self.config.optimizer.check_for_nan_in_grad and (ok or not t.fp16):
+            check_finite_loss(site_losses, t.fp16)
+        for k, v in site_losses.items():
+            acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
+
+    def _act(self, run: "_Run", stop: Optional[Stop], eval_due: bool, save_due: bool) -> bool:
+        """After a step's decisions: close training, evaluate, save; True when the loop stops."""
+        if stop is not None and stop.ends_training:  # before the final evaluation and save
+            self.synchronizer.finish_training(self.iteration)
+            self.ended = True
+        if self.config.training.eval_iters > 0 and eval_due:
+            at = self.clock.now() - run.start
+            loss = self.evaluate()
+            if loss is not None:
+                run.result.validation_losses.append(loss)
+                run.result.validation_seconds.append(at)
+                run.result.validation_iterations.append(self.iteration)
+            run.acc.start = self.clock.now()
+        if self.config.checkpoint.save and save_due:
+            self.save_checkpoint()
+        if stop is None:
+            return False
+        if not stop.ends_training:
+            print_rank(f"exiting at iteration {self.iteration} ({stop.reason})", self.pgs.rank, self.line_rank)
+        elif not self.lockstep:
+            print_rank(f"training ends at iteration {self.iteration} of site {self.pgs.site_rank} "
+                       f"({stop.reason})", self.pgs.rank, self.line_rank)
+        return True
+
+    def _finish(self, run: "_Run") -> TrainingResult:
+        """Quiesce, the last save, the run's summary and its log lines."""
+        result, run_start, start_iter, start_agreed = run.result, run.start, run.start_iter, run.start_agreed
+        total_skipped, lockstep = run.skipped, self.lockstep
         self.synchronizer.quiesce()
         self.termination.close()
         self._sum_site_samples()
@@ -500,6 +527,18 @@ class Trainer:
         self.tb.close()
         self.compat.close()
         return result
+
+
+@dataclass
+class _Run:
+    """One call of Trainer.train: its result so far and where it started."""
+
+    result: TrainingResult
+    acc: "_Interval"
+    start_iter: int
+    start_agreed: int
+    start: float = 0.0  # the run clock's time at the start
+    skipped: int = 0  # skipped iterations (fp16 overflow)
 
 
 @dataclass

@@ -31,8 +31,9 @@ Recommended settings: the outer interval H of the DiLoCo family is chosen per sc
 that one full-model exchange costs at most a tenth of H steps of compute,
 H = clamp(ceil(10 x exchange / step), 5, 100), from the scenario's own cost and link model
 (printed with the table); dilocox uses int4, streaming-diloco/cocodc one fragment per
-layer with tau = min(5, H / 8), acco/dpu their adaptive accumulation, a-edit an interval
-of H steps' time.
+layer with tau = min(5, H / 8), acco/dpu their adaptive accumulation (acco from two
+micro-batches per site per step, one per stage: it cannot take one), a-edit an interval of
+H steps' time.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def recommended(algorithm: str, scenario) -> List[str]:
         "cocodc": outer + fragments,
         "dreamddp": ["--lsgd-interval", str(h)],
         "dpu": [],
-        "acco": [],
+        # acco splits a step into an estimate and a real stage of at least one micro-batch
+        # each: two per site per step, twice the others' minimum (adaptive accumulation adds more).
+        "acco": ["--lsgd-site-microbatches", ",".join(["2"] * scenario.sites)],
         "edit": outer,
         "a-edit": ["--lsgd-aedit-interval-seconds", f"{h * step:.4g}", "--lsgd-outer-lr", "1.0",
                    "--lsgd-outer-momentum", "0.0"],

@@ -1,6 +1,7 @@
-"""a-edit on the wall clock with a straggler (--simulate-slow-ranks): the fast site takes more
-steps than the slow one, the sites use the token budget (to within one global batch) and end with the same model;
-every site logs its own steps."""
+"""a-edit with a straggler (--simulate-slow-ranks) on the simulated clock, so that the load of
+the machine cannot change the outcome: the fast site takes more steps than the slow one, the
+sites use the token budget (to within one global batch) and end with the same model; every
+site logs its own steps."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from tests.unit_tests.lsgd.test_algorithms import COMMON
 
 @pytest.mark.slow
 def test_a_edit_lets_the_fast_site_step_ahead_of_a_straggler():
-    # site 1 is 4x slower; 30 global batches of 8 = 60 site steps of 4 samples, synced every 0.3 s
+    # site 1 is 4x slower; 30 global batches of 8 = 60 site steps of 4 samples, synced every
+    # 0.3 simulated s (a step: 2 micro-batches of 0.05 s and a 0.005 s optimizer step, x4 on site 1)
     records = run_distributed(COMMON + [
         "--num-sites", "2", "--train-iters", "30", "--lr", "5e-3", "--lsgd-algorithm", "a-edit",
-        "--lsgd-aedit-interval-seconds", "0.3", "--simulate-slow-ranks", "1", "--slow-factor", "4"], 2)
+        "--lsgd-aedit-interval-seconds", "0.3", "--simulate-slow-ranks", "1", "--slow-factor", "4",
+        "--simulate-clock"], 2)
     fast, slow = (len(r["losses"]) for r in records)  # --log-interval 1: one line per own step
     # training ends with less than one global batch (two site steps) of the budget left; the
     # final interval's quotas normally use it exactly
