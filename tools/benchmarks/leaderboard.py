@@ -46,7 +46,8 @@ import os
 import statistics
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -231,42 +232,61 @@ def sync_target(cells: Dict[str, List[Dict]]) -> Optional[float]:
     return statistics.median(c["valid"][-1] for c in sync) if sync else None
 
 
+@dataclass(frozen=True)
+class OpenTarget:
+    """measure(candidate) / measure(reference) on one scenario's cells, judged against a bar
+    (`inverted`: the reference's over the candidate's, so that higher is better)."""
+
+    what: str
+    scenario: str
+    bar: str
+    candidate: str
+    reference: str
+    measure: str  # "time" (simulated seconds) or "steps" to the target
+    met: Callable[[float], bool]
+    inverted: bool = False
+    loose: bool = False  # the +2% target instead of sync's final loss
+
+
+OPEN_TARGETS = (
+    OpenTarget("a-edit, one site 2x slower: time to the +2% target on a free link (its ceiling) / a-edit's",
+               "emulated-straggler2x", ">= 0.90", "a-edit", f"a-edit ({FREE_LINK})", "time", lambda r: r >= 0.90,
+               inverted=True, loose=True),
+    OpenTarget("acco, one site 4x slower: time to sync's final loss, acco / sync", "emulated-1gbit-straggler4x",
+               "<= 0.5", "acco", "sync", "time", lambda r: r <= 0.5),
+    OpenTarget("cocodc vs streaming-diloco: steps to sync's final loss, cocodc / streaming-diloco",
+               "emulated-default", "< 1", "cocodc", "streaming-diloco", "steps", lambda r: r < 1.0),
+    OpenTarget("dreamddp vs diloco: time to sync's final loss, dreamddp / diloco", "emulated-default", "< 1",
+               "dreamddp", "diloco", "time", lambda r: r < 1.0),
+)
+
+
+def judge(target: OpenTarget, cells: Dict[str, List[Dict]]) -> Tuple[str, str]:
+    """(measured, met) for one open target from a scenario's cells."""
+    goal = sync_target(cells)
+    if goal is None or target.candidate not in cells or target.reference not in cells:
+        return "not run", ""
+    goal = goal * 1.02 if target.loose else goal
+    measure = time_to if target.measure == "time" else steps_to
+    unit = " s" if target.measure == "time" else " steps"
+    a = median_of([measure(c, goal) for c in cells[target.candidate]])
+    b = median_of([measure(c, goal) for c in cells[target.reference]])
+    if a is None and b is None:
+        return f"neither reaches {goal:.4g}", "**no**"
+    if a is None or b is None:  # only one reaches it: the candidate wins exactly when it is that one
+        who = target.candidate if a is not None else target.reference
+        return f"only {who} reaches {goal:.4g}", "yes" if who == target.candidate else "**no**"
+    value = b / a if target.inverted else a / b
+    return f"{value:.3g} ({a:.4g}{unit} vs {b:.4g}{unit})", "yes" if target.met(value) else "**no**"
+
+
 def open_targets(board: Dict[str, Dict[str, List[Dict]]]) -> List[str]:
     """The targets earlier rounds could not judge on a noisy real clock, re-judged here."""
-
-    def ratio(scenario: str, measure, num: str, den: str) -> Optional[float]:
-        cells = board.get(scenario, {})
-        target = sync_target(cells)
-        if target is None or num not in cells or den not in cells:
-            return None
-        a = median_of([measure(c, target) for c in cells[num]])
-        b = median_of([measure(c, target) for c in cells[den]])
-        return a / b if a is not None and b is not None and b > 0 else (math.inf if b else None)
-
-    rows = [
-        ("a-edit, one site 2x slower: its free-link ceiling's time to sync's loss / a-edit's "
-         "(progress kept despite the link)", "emulated-straggler2x", ">= 0.90",
-         lambda: _inverse(ratio("emulated-straggler2x", time_to, "a-edit", f"a-edit ({FREE_LINK})")),
-         lambda r: r >= 0.90),
-        ("acco, one site 4x slower: time to sync's final loss / sync's", "emulated-1gbit-straggler4x", "<= 0.5",
-         lambda: ratio("emulated-1gbit-straggler4x", time_to, "acco", "sync"), lambda r: r <= 0.5),
-        ("cocodc vs streaming-diloco: steps to sync's final loss, cocodc / streaming-diloco", "emulated-default",
-         "< 1", lambda: ratio("emulated-default", steps_to, "cocodc", "streaming-diloco"), lambda r: r < 1.0),
-        ("dreamddp vs diloco: time to sync's final loss, dreamddp / diloco", "emulated-default", "< 1",
-         lambda: ratio("emulated-default", time_to, "dreamddp", "diloco"), lambda r: r < 1.0),
-    ]
-    lines = ["| target | scenario | bar | measured | met |", "|---|---|---|---|---|"]
-    for what, scenario, bar, measure, met in rows:
-        value = measure()
-        if value is None:
-            lines.append(f"| {what} | {scenario} | {bar} | not run | |")
-        else:
-            lines.append(f"| {what} | {scenario} | {bar} | {value:.3g} | {'yes' if met(value) else '**no**'} |")
+    lines = ["| target | scenario | bar | measured (candidate vs reference) | met |", "|---|---|---|---|---|"]
+    for target in OPEN_TARGETS:
+        measured, met = judge(target, board.get(target.scenario, {}))
+        lines.append(f"| {target.what} | {target.scenario} | {target.bar} | {measured} | {met} |")
     return lines
-
-
-def _inverse(value: Optional[float]) -> Optional[float]:
-    return None if value is None else (0.0 if value == math.inf else 1.0 / value)
 
 
 def time_to(cell: Dict, target: float) -> Optional[float]:

@@ -77,8 +77,13 @@ def test_open_targets_are_judged_from_the_cells():
             "sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],
             "acco": [cell([4.0, 8.0], [4.5, 4.0], 8.0)]},  # 8 / 20
     }
-    rows = {r.split(" | ")[0][2:]: r for r in lb.open_targets(board)[2:]}
-    assert rows[next(k for k in rows if k.startswith("acco"))].endswith("| 0.4 | yes |")
-    assert rows[next(k for k in rows if k.startswith("cocodc"))].endswith("| 0.75 | yes |")
-    assert rows[next(k for k in rows if k.startswith("dreamddp"))].endswith("| inf | **no** |")
-    assert rows[next(k for k in rows if k.startswith("a-edit"))].endswith("| not run | |")
+    rows = {r.split(" | ")[0][2:].split(",")[0]: r for r in lb.open_targets(board)[2:]}
+    assert rows["acco"].endswith("| 0.4 (8 s vs 20 s) | yes |")
+    assert rows["cocodc vs streaming-diloco: steps to sync's final loss"].endswith("| 0.75 (7.5 steps vs 10 steps) | yes |")
+    assert rows["dreamddp vs diloco: time to sync's final loss"].endswith("| only diloco reaches 4 | **no** |")
+    assert rows["a-edit"].endswith("| not run |  |")
+    board["emulated-straggler2x"] = {"sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],  # +2%: 4.08
+                                     "a-edit": [cell([1.0, 2.0], [4.5, 4.08], 2.0)],
+                                     "a-edit (free link)": [cell([1.0, 1.8], [4.5, 4.08], 1.8)]}
+    assert dict((r.split(" | ")[0][2:].split(",")[0], r) for r in lb.open_targets(board)[2:])["a-edit"].endswith(
+        "| 0.9 (2 s vs 1.8 s) | yes |")  # the ceiling's time over a-edit's: higher is better
