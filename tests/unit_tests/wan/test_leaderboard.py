@@ -80,10 +80,23 @@ def test_open_targets_are_judged_from_the_cells():
     rows = {r.split(" | ")[0][2:].split(",")[0]: r for r in lb.open_targets(board)[2:]}
     assert rows["acco"].endswith("| 0.4 (8 s vs 20 s) | yes |")
     assert rows["cocodc vs streaming-diloco: steps to sync's final loss"].endswith("| 0.75 (7.5 steps vs 10 steps) | yes |")
-    assert rows["dreamddp vs diloco: time to sync's final loss"].endswith("| only diloco reaches 4 | **no** |")
+    assert rows["dreamddp vs diloco: time to sync's final loss"].endswith("| only diloco reaches it | **no** |")
     assert rows["a-edit"].endswith("| not run |  |")
     board["emulated-straggler2x"] = {"sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],  # +2%: 4.08
                                      "a-edit": [cell([1.0, 2.0], [4.5, 4.08], 2.0)],
                                      "a-edit (free link)": [cell([1.0, 1.8], [4.5, 4.08], 1.8)]}
     assert dict((r.split(" | ")[0][2:].split(",")[0], r) for r in lb.open_targets(board)[2:])["a-edit"].endswith(
         "| 0.9 (2 s vs 1.8 s) | yes |")  # the ceiling's time over a-edit's: higher is better
+
+
+def test_each_seed_is_judged_against_syncs_run_with_the_same_seed():
+    def seeded(seed, *args):
+        return dict(cell(*args), argv=["--seed", str(seed)])
+
+    cells = {"sync": [seeded(1, [10.0, 20.0], [5.0, 4.0], 20.0), seeded(2, [10.0, 20.0], [5.0, 3.0], 20.0)],
+             "algo": [seeded(1, [1.0, 2.0], [4.5, 4.0], 2.0), seeded(2, [1.0, 2.0], [4.5, 3.5], 2.0)]}
+    targets = lb.Targets(cells)
+    assert [targets.loss_for(c) for c in cells["algo"]] == [4.0, 3.0]  # not the median 3.5 for both
+    assert lb.time_to(cells["algo"][0], targets.loss_for(cells["algo"][0])) == 2.0
+    assert lb.time_to(cells["algo"][1], targets.loss_for(cells["algo"][1])) is None  # seed 2's sync got lower
+    assert targets.loss_for(seeded(3, [1.0], [4.0], 1.0)) == 3.5  # a seed sync did not run: the median
