@@ -113,7 +113,7 @@ def recommended(algorithm: str, scenario) -> List[str]:
 
 
 def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
-              settings_from: Optional[str] = None) -> List[str]:
+              settings_from: Optional[str] = None, eval_iters: int = 16) -> List[str]:
     """The cell's flags; the recommended settings come from `settings_from` (a free-link
     ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself."""
     gbs = MICRO_BATCH * sites  # one micro-batch per site per step
@@ -121,7 +121,7 @@ def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_in
         "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(gbs), "--lr", "2e-3", "--min-lr", "2e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, steps // 20)), "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--seed", str(seed), "--num-sites", str(sites), "--log-interval", str(steps),
-        "--eval-interval", str(eval_interval), "--eval-iters", "4",
+        "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),
         "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
     argv += recommended(algorithm, load_scenario(settings_from or scenario_path))
     if synchronizer_class(algorithm).lockstep:
@@ -404,10 +404,11 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
     head = [
         "# Leaderboard: time to a validation loss, per WAN scenario",
         "",
-        "Written by `python tools/benchmarks/leaderboard.py` (resumable; see its docstring). Every cell trains the",
+        "Written by `python tools/benchmarks/leaderboard.py` (resumable; see its docstring); this board by "
+        f"`python tools/benchmarks/leaderboard.py {' '.join(sys.argv[1:])}`. Every cell trains the",
         f"same GPT ({' '.join(MODEL[:8])}, micro-batch {MICRO_BATCH} x {SEQ} tokens, one micro-batch per site per",
-        f"step, {args.steps} steps, validation every {args.eval_interval} steps on the held-out split of the bundled",
-        "corpus) with one rank per site, on the **simulated clock** of the scenario: compute costs come from",
+        f"step, {args.steps} steps, validation every {args.eval_interval} steps on {args.eval_iters} batches of the "
+        "held-out split of the bundled corpus) with one rank per site, on the **simulated clock** of the scenario: compute costs come from",
         "the scenario's cost model and cross-site collectives from its link model (docs/architecture.md, 'Time'),",
         "so the seconds below are simulated seconds of that scenario, identical on every re-run and",
         "independent of this machine's load. They are not measurements of real hardware.",
@@ -469,7 +470,7 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
                 ) -> Optional[Dict]:
     """One cell, from the cache or trained now (None: not cached, and --cached-only). Its file name carries a digest of its flags and
     scenario file: a changed setting or cost model is a new cell, never a stale one reused."""
-    argv = cell_argv(scenario_path, algo, seed, args.steps, args.eval_interval, sites,
+    argv = cell_argv(scenario_path, algo, seed, args.steps, args.eval_interval, sites, eval_iters=args.eval_iters,
                      settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"))
     digest = cell_digest(argv, scenario_path)
     tag = label.replace(" ", "_").replace("(", "").replace(")", "")
@@ -495,6 +496,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300, help="steps per run (every algorithm the same)")
     p.add_argument("--eval-interval", type=int, default=25)
+    p.add_argument("--eval-iters", type=int, default=16,
+                   help="validation batches per evaluation (4 x 64-token sequences per site each; 4, the first "
+                        "boards' value, left a seed-to-seed spread of 0.4 in sync's final loss)")
     p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "leaderboard"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "leaderboard.md"))
     p.add_argument("--plots-dir", default=os.path.join(ROOT, "docs", "leaderboard"))
