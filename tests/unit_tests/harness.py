@@ -12,6 +12,7 @@ import importlib
 import multiprocessing
 import os
 import tempfile
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -34,11 +35,18 @@ def _entry(rank: int, fn, env: Dict[str, str], cwd: str, args: tuple) -> None:
     fn(rank, *args)
 
 
-def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
+def spawn(fn, args: tuple = (), nprocs: int = 1, timeout: Optional[float] = None) -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs, join=True)`, with the ranks forked from
-    the preloaded server (fn must be importable by name, as for spawn)."""
-    mp.start_processes(_entry, args=(fn, dict(os.environ), os.getcwd(), tuple(args)), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+    the preloaded server (fn must be importable by name, as for spawn); after `timeout`
+    seconds the ranks are killed and TimeoutError raised."""
+    context = mp.start_processes(_entry, args=(fn, dict(os.environ), os.getcwd(), tuple(args)), nprocs=nprocs,
+                                 join=False, start_method="forkserver")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if deadline is not None and time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{nprocs} ranks of {getattr(fn, '__name__', fn)} still running after {timeout:g} s")
 
 
 def tree_digest(path: str) -> Dict[str, str]:

@@ -1,5 +1,6 @@
-"""Run pretrain_gpt.py under torchrun as a subprocess (its own process group, so a test
-can SIGKILL the whole job) and read what it printed and saved."""
+"""Run pretrain_gpt.py's jobs and read what they printed and saved: `run` to completion in
+ranks forked from the test session's preloaded server, `start` under torchrun as a
+subprocess (its own process group, so a test can signal or SIGKILL the whole job)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import time
 from typing import Dict, List, Optional
 
 import torch
+import torch.multiprocessing as mp
 
-from tests.unit_tests.harness import free_port
+from tests.unit_tests.harness import free_port, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
@@ -34,16 +36,39 @@ def start(args: List[str], nproc: int, log_path: str, env: Optional[Dict[str, st
 
 
 def run(args: List[str], nproc: int, log_path: str, timeout: float = 600.0) -> str:
-    """Run to completion (the generous timeout is for a loaded machine: a tiny run takes
-    seconds alone and minutes beside a benchmark)."""
-    proc = start(args, nproc, log_path)
+    """Run to completion and return what the ranks printed. The ranks fork from the test
+    session's preloaded server (harness.spawn), without torchrun's agent and a fresh
+    interpreter per rank, which cost these tests most of their time; use `start` for a job a
+    test signals or kills. (The generous timeout is for a loaded machine.)"""
+    open(log_path, "w").close()
     try:
-        proc.wait(timeout=timeout)
-    finally:
-        kill(proc)
+        spawn(_rank, (nproc, free_port(), list(args), log_path), nprocs=nproc, timeout=timeout)
+        failure = None
+    except (mp.ProcessExitedException, mp.ProcessRaisedException, TimeoutError) as err:
+        failure = err
     text = read(log_path)
-    assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{text[-3000:]}"
+    assert failure is None, f"run failed ({failure}):\n{text[-3000:]}"
     return text
+
+
+def _rank(rank: int, world: int, port: int, args: List[str], log_path: str) -> None:
+    """One rank of `run`: pretrain_gpt.py's main with the environment torchrun would give it,
+    printing into the job's log (appended, like torchrun's workers sharing one stdout)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.chdir(ROOT)
+    torch.set_num_threads(1)
+    import pretrain_gpt
+    from megatron_lsgd.training.initialize import shutdown_distributed
+
+    pretrain_gpt.main(args)
+    shutdown_distributed()
 
 
 def _descendants(pid: int) -> List[int]:
