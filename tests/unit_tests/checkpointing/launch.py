@@ -35,14 +35,15 @@ def start(args: List[str], nproc: int, log_path: str, env: Optional[Dict[str, st
                             start_new_session=True)
 
 
-def run(args: List[str], nproc: int, log_path: str, timeout: float = 600.0) -> str:
+def run(args: List[str], nproc: int, log_path: str, timeout: float = 600.0,
+        env: Optional[Dict[str, str]] = None) -> str:
     """Run to completion and return what the ranks printed. The ranks fork from the test
     session's preloaded server (harness.spawn), without torchrun's agent and a fresh
     interpreter per rank, which cost these tests most of their time; use `start` for a job a
     test signals or kills. (The generous timeout is for a loaded machine.)"""
     open(log_path, "w").close()
     try:
-        spawn(_rank, (nproc, free_port(), list(args), log_path), nprocs=nproc, timeout=timeout)
+        spawn(_rank, (nproc, free_port(), list(args), log_path, env or {}), nprocs=nproc, timeout=timeout)
         failure = None
     except (mp.ProcessExitedException, mp.ProcessRaisedException, TimeoutError) as err:
         failure = err
@@ -51,7 +52,7 @@ def run(args: List[str], nproc: int, log_path: str, timeout: float = 600.0) -> s
     return text
 
 
-def _rank(rank: int, world: int, port: int, args: List[str], log_path: str) -> None:
+def _rank(rank: int, world: int, port: int, args: List[str], log_path: str, env: Dict[str, str]) -> None:
     """One rank of `run`: pretrain_gpt.py's main with the environment torchrun would give it,
     printing into the job's log (appended, like torchrun's workers sharing one stdout)."""
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
@@ -61,7 +62,7 @@ def _rank(rank: int, world: int, port: int, args: List[str], log_path: str) -> N
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env)
     os.chdir(ROOT)
     torch.set_num_threads(1)
     import pretrain_gpt

@@ -21,21 +21,14 @@ import pytest
 
 from megatron_lsgd.core.lsgd.edit.a_edit import VIRTUAL_CLOCK_ENV
 from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
-from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, read, start, wait_for
+from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, run, start, wait_for
 from tests.unit_tests.checkpointing.test_resume_exact import _check_resumed, _tracker
 
 SITE_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|.*?\| site: (\d+) \|")
 
 
 def run_env(args, nproc, log_path, env, timeout=180.0):
-    proc = start(args, nproc, log_path, env=env)
-    try:
-        proc.wait(timeout=timeout)
-    finally:
-        kill(proc)
-    text = read(log_path)
-    assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{text[-3000:]}"
-    return text
+    return run(args, nproc, log_path, timeout=timeout, env=env)
 
 
 @pytest.mark.slow
