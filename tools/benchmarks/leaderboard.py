@@ -450,11 +450,18 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
 
 
 def cell_digest(argv: List[str], scenario_path: str) -> str:
-    """Of the flags (paths relative to the checkout, so a cell is found from any clone) and
-    the scenario file's bytes."""
-    flags = " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in argv)
+    """Of the flags and the scenario file's bytes. The scenario is named by its file name and
+    other paths relative to the checkout, so a cell is found from any clone and any cache
+    directory (a free-link copy lives in the cache)."""
+    flags = []
+    for i, a in enumerate(argv):
+        if i > 0 and argv[i - 1] == "--simulate-scenario":
+            a = os.path.basename(a)
+        elif a.startswith(ROOT + os.sep):
+            a = os.path.relpath(a, ROOT)
+        flags.append(a)
     with open(scenario_path, "rb") as f:
-        return hashlib.sha256(flags.encode() + f.read()).hexdigest()[:12]
+        return hashlib.sha256(" ".join(flags).encode() + f.read()).hexdigest()[:12]
 
 
 def board_cells(name: str, args) -> List[str]:

@@ -100,3 +100,14 @@ def test_each_seed_is_judged_against_syncs_run_with_the_same_seed():
     assert lb.time_to(cells["algo"][0], targets.loss_for(cells["algo"][0])) == 2.0
     assert lb.time_to(cells["algo"][1], targets.loss_for(cells["algo"][1])) is None  # seed 2's sync got lower
     assert targets.loss_for(seeded(3, [1.0], [4.0], 1.0)) == 3.5  # a seed sync did not run: the median
+
+
+def test_a_cell_is_found_from_any_checkout_and_cache_directory(tmp_path):
+    straggler = os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml")
+    here, there = tmp_path / "a", tmp_path / "b"
+    here.mkdir(), there.mkdir()
+    copies = [lb.free_link_copy(straggler, str(d)) for d in (here, there)]
+    digests = {lb.cell_digest(lb.cell_argv(c, "a-edit", 1, 100, 25, 2, settings_from=straggler), c) for c in copies}
+    assert len(digests) == 1
+    assert lb.cell_digest(lb.cell_argv(EMULATED, "sync", 1, 100, 25, 2), EMULATED) != \
+        lb.cell_digest(lb.cell_argv(EMULATED, "sync", 2, 100, 25, 2), EMULATED)
