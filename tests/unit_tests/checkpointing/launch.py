@@ -109,8 +109,16 @@ def kill(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     proc.wait()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in victims) and time.monotonic() < deadline:
+    # Until every victim is gone (its save lock with it): a run started next must not find the
+    # killed one still holding its directory, however loaded the machine is.
+    deadline = time.monotonic() + 120
+    while any(_alive(pid) for pid in victims):
+        assert time.monotonic() < deadline, f"killed processes still alive after 120 s: {victims}"
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.05)
 
 
