@@ -73,11 +73,16 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
     _worker_many(rank, world, port, [argv], out_dir, None)
 
 
+def join_as_rank(rank: int, world: int, port: int, **env: str) -> None:
+    """The environment torchrun gives a rank of a one-host job, and one compute thread."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
+    torch.set_num_threads(1)
+
+
 def _worker_many(rank: int, world: int, port: int, argvs: List[List[str]], out_dir: str,
                  setup_module: Optional[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    join_as_rank(rank, world, port)
     if setup_module:
         importlib.import_module(setup_module)  # e.g. registers a test-only synchronizer
     import pretrain_gpt

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-from tests.unit_tests.harness import free_port, spawn
+from tests.unit_tests.harness import free_port, join_as_rank, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
@@ -61,10 +61,8 @@ def _rank(rank: int, world: int, port: int, args: List[str], log_path: str, env:
     os.close(fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env)
+    join_as_rank(rank, world, port, OMP_NUM_THREADS="1", **env)
     os.chdir(ROOT)
-    torch.set_num_threads(1)
     import pretrain_gpt
     from megatron_lsgd.training.initialize import shutdown_distributed
 

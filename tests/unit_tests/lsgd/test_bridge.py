@@ -20,7 +20,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.unit_tests.harness import free_port, spawn
 
