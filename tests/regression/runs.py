@@ -8,16 +8,26 @@ One spawn per layout runs all configurations back to back in the same ranks (eac
 re-seeds everything and builds its own process groups), which keeps the cost to three
 process start-ups.
 
-Regenerate only when a change is *meant* to move these numbers (say why in the commit),
-or on a machine whose floating-point results differ (another CPU family or torch build):
+Floating-point results differ in the last bits between CPU families and torch builds, and
+the project's machines change from session to session, so the file keeps one record per
+platform (`platform_signature`) and a layout passes when its numbers equal, bit for bit, the
+record of any one platform: a code change that moves the numbers matches none of them.
 
-    python -m tests.regression.record
+On a platform that has no record yet, the test fails and names it; record it from code
+whose numbers you know did not move (the last commit that passed, say), in a commit of
+its own:
+
+    python -m tests.regression.record                # add or replace this platform's record
+
+When a change is *meant* to move the numbers (say why in the commit), the other platforms'
+records are stale: `python -m tests.regression.record --drop-others`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import tempfile
 from typing import Dict, List
 
@@ -54,6 +64,21 @@ CONFIGS: Dict[str, List[str]] = {
 }
 
 WORLD = 4
+
+
+def platform_signature() -> str:
+    """What decides the last bits of a CPU run: the CPU's vendor and model, the vector
+    instructions torch dispatches to, and the torch build."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__}"
 
 
 def param_digest(model) -> str:

@@ -1,11 +1,11 @@
 """sync, diloco and dilocox reproduce their recorded numbers bit for bit (tests/regression/
-runs.py explains the fixtures and how to regenerate them when a change means to move them)."""
+runs.py explains the fixtures, why there is one record per platform, and how to record)."""
 
 import json
 
 import pytest
 
-from tests.regression.runs import CONFIGS, COMMON, FIXTURES, LAYOUTS, run_layout
+from tests.regression.runs import CONFIGS, COMMON, FIXTURES, LAYOUTS, platform_signature, run_layout
 
 with open(FIXTURES) as f:
     RECORDED = json.load(f)
@@ -13,14 +13,37 @@ with open(FIXTURES) as f:
 
 def test_fixtures_describe_these_runs():
     assert RECORDED["common_args"] == COMMON and RECORDED["layouts"] == LAYOUTS and RECORDED["configs"] == CONFIGS
+    assert RECORDED["platforms"], "no platform recorded"
+    for signature, runs in RECORDED["platforms"].items():
+        assert set(runs) == set(LAYOUTS), signature
+        for layout in LAYOUTS:
+            assert set(runs[layout]) == set(CONFIGS), (signature, layout)
+
+
+def differences(now, recorded):
+    """The configurations whose losses or final parameters differ from one platform's record."""
+    moved = []
+    for name, expected in recorded.items():
+        got = now[name]
+        if got["losses"] != expected["losses"]:
+            moved.append(f"{name}: losses")
+        elif got["param_sha256"] != expected["param_sha256"]:
+            moved.append(f"{name}: final parameters")
+    return moved
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_numbers_do_not_move(layout):
     now = run_layout(layout)
-    for name, expected in RECORDED["runs"][layout].items():
-        got = now[name]
-        assert len(got["losses"]) == 8, name
-        assert got["losses"] == expected["losses"], f"{layout}/{name}: losses moved"
-        assert got["param_sha256"] == expected["param_sha256"], f"{layout}/{name}: final parameters moved"
+    assert all(len(run["losses"]) == 8 for run in now.values())
+    report = {signature: differences(now, runs[layout]) for signature, runs in RECORDED["platforms"].items()}
+    if any(not moved for moved in report.values()):
+        return
+    here = platform_signature()
+    lines = [f"{layout}: the numbers match no recorded platform"]
+    lines += [f"  vs {signature}: {', '.join(moved)}" for signature, moved in report.items()]
+    if here not in RECORDED["platforms"]:
+        lines.append(f"  this platform ({here}) has no record: if the code's numbers did not move, record it "
+                     "from unchanged code (python -m tests.regression.record) in a commit of its own")
+    pytest.fail("\n".join(lines), pytrace=False)
