@@ -39,6 +39,7 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = None
     eval_interval: int = 1000
     eval_iters: int = 10
+    full_validation: bool = False  # every evaluation covers the whole validation split, the same samples
     log_interval: int = 100
     exit_interval: Optional[int] = None
     seed: int = 1234
@@ -156,6 +157,10 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                         "every rank stops at the same iteration and a resumed run continues exactly")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100, help="0 disables evaluation")
+    g.add_argument("--full-validation", action="store_true",
+                   help="every evaluation runs over the whole validation split, the same samples each time, "
+                        "so the points of a validation curve (and runs with other seeds) are comparable; "
+                        "--eval-iters then only switches evaluation on (> 0) or off (0)")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -304,6 +309,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             raise ValueError(f"{flag} must be >= 1")
     if args.eval_iters < 0:
         raise ValueError("--eval-iters must be >= 0")
+    if args.full_validation and args.mock_data:
+        raise ValueError("--full-validation needs a validation split of --data-path: --mock-data has no end")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ValueError("--exit-interval must be >= 1")
     if args.group_query_attention and not args.num_query_groups:
@@ -318,7 +325,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     training = TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, train_iters=train_iters,
         train_samples=train_samples, exit_duration_in_mins=args.exit_duration_in_mins,
-        eval_interval=args.eval_interval, eval_iters=args.eval_iters, log_interval=args.log_interval,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, full_validation=args.full_validation,
+        log_interval=args.log_interval,
         exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
         tensorboard_dir=args.tensorboard_dir, json_log=args.json_log, distributed_backend=args.distributed_backend,
         inter_site_backend=args.inter_site_backend,

@@ -139,8 +139,11 @@ class Trainer:
         bound = self.synchronizer.microbatches_per_step_bound(config.num_microbatches)
         train_samples = self.max_site_iters * gbs if bound == config.num_microbatches else \
             t.train_iters * bound * t.micro_batch_size * config.dims.dp
+        # --full-validation: one pass over the split, however many evaluations (1 sample asks for one epoch).
+        valid_samples = (1 if eval_runs else 0) if t.full_validation else eval_runs * gbs
         train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
-                                                  (train_samples, eval_runs * gbs, t.eval_iters * gbs))
+                                                  (train_samples, valid_samples, t.eval_iters * gbs))
+        self.eval_batches = self._evaluation_batches(valid_ds)
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
         self._job_samples_stale = False  # sites counted differently since consumed_samples was summed
@@ -290,20 +293,39 @@ class Trainer:
         return {k: float(v.item()) for k, v in values.items()}
 
     # ---- evaluation ----------------------------------------------------------------------------
+    def _evaluation_batches(self, valid_ds) -> int:
+        """Global batches per evaluation: --eval-iters, or with --full-validation as many whole
+        batches as the validation split holds."""
+        t = self.config.training
+        if not t.full_validation or valid_ds is None:
+            return t.eval_iters
+        batches = len(valid_ds) // t.global_batch_size
+        if batches == 0:
+            raise ValueError(f"--full-validation: the validation split (--split {self.config.data.split}) holds "
+                             f"{len(valid_ds)} samples, fewer than one global batch ({t.global_batch_size}); give it "
+                             f"a larger share")
+        if self.pgs.rank == self.log_rank:
+            print(f"> full validation: {batches} global batches ({batches * t.global_batch_size} samples) per "
+                  f"evaluation", flush=True)
+        return batches
+
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
         t = self.config.training
         if self.valid_iterator is None or t.eval_iters == 0:
             return None
+        if t.full_validation:  # the whole split from its first sample, every time
+            self.valid_iterator = build_data_iterator(self.valid_ds, 0, t.micro_batch_size, self.pgs,
+                                                      self.config.data.num_workers)
         self.synchronizer.quiesce()  # evaluate a consistent model, nothing in flight
         self.compat.around_eval()
         self.model.eval()
         collected: List[Dict[str, torch.Tensor]] = []
-        for _ in range(t.eval_iters):
+        for _ in range(self.eval_batches):
             collected += self.forward_backward(self.forward_step_func, self.valid_iterator, self.model,
                                                self._schedule_spec(True), self.pgs)
             self.clock.compute(self.config.num_microbatches, forward_only=True)
-        self.consumed_valid_samples += t.eval_iters * t.global_batch_size
+        self.consumed_valid_samples += self.eval_batches * t.global_batch_size
         self.model.train()
         self.compat.around_eval()
         reduced = self._mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}

@@ -75,8 +75,16 @@ MICRO_BATCH = 4
 TRAINED_PARAMS_GUESS = 1_491_584  # the model above with the 8k vocabulary (each run prints its count)
 
 
+# The held-out split every evaluation covers in full (--full-validation): about 2% of the
+# corpus, the same samples in every evaluation of every cell, so that curves and seeds compare.
+SPLIT = "979,20,1"
+# acco/dpu accumulate while the exchange is in flight; at most this many micro-batches per
+# stage (16 x the minimum by default) keeps a cell's real compute within a few minutes.
+MAX_MICROBATCHES = 4
+
+
 def data_args() -> List[str]:
-    return ["--data-path", os.path.join(DATA, "python_docs_text_document"), "--split", "949,50,1",
+    return ["--data-path", os.path.join(DATA, "python_docs_text_document"), "--split", SPLIT,
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(DATA, "python_docs_sp8k.model")]
 
 
@@ -102,10 +110,11 @@ def recommended(algorithm: str, scenario) -> List[str]:
         "streaming-diloco": outer + fragments,
         "cocodc": outer + fragments,
         "dreamddp": ["--lsgd-interval", str(h)],
-        "dpu": [],
+        "dpu": ["--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
         # acco splits a step into an estimate and a real stage of at least one micro-batch
         # each: two per site per step, twice the others' minimum (adaptive accumulation adds more).
-        "acco": ["--lsgd-site-microbatches", ",".join(["2"] * scenario.sites)],
+        "acco": ["--lsgd-site-microbatches", ",".join(["2"] * scenario.sites),
+                 "--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
         "edit": outer,
         "a-edit": ["--lsgd-aedit-interval-seconds", f"{h * step:.4g}", "--lsgd-outer-lr", "1.0",
                    "--lsgd-outer-momentum", "0.0"],
@@ -113,7 +122,7 @@ def recommended(algorithm: str, scenario) -> List[str]:
 
 
 def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
-              settings_from: Optional[str] = None, eval_iters: int = 16) -> List[str]:
+              settings_from: Optional[str] = None) -> List[str]:
     """The cell's flags; the recommended settings come from `settings_from` (a free-link
     ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself."""
     gbs = MICRO_BATCH * sites  # one micro-batch per site per step
@@ -121,7 +130,7 @@ def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_in
         "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(gbs), "--lr", "2e-3", "--min-lr", "2e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, steps // 20)), "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--seed", str(seed), "--num-sites", str(sites), "--log-interval", str(steps),
-        "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),
+        "--eval-interval", str(eval_interval), "--eval-iters", "1", "--full-validation",
         "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
     argv += recommended(algorithm, load_scenario(settings_from or scenario_path))
     if synchronizer_class(algorithm).lockstep:
@@ -234,8 +243,8 @@ def seed_of(cell: Dict) -> int:
 
 
 class Targets:
-    """Each cell is judged against sync's run with the same seed (same initialization, data
-    order and validation samples, which move the loss by more than most gaps here): its
+    """Each cell is judged against sync's run with the same seed (same initialization and data
+    order, which can move the loss by more than the gaps between algorithms): its
     final validation loss, and its whole run's time as the budget. Seeds sync did not run
     fall back to the median over sync's seeds."""
 
@@ -407,16 +416,17 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         "Written by `python tools/benchmarks/leaderboard.py` (resumable; see its docstring); this board by "
         f"`python tools/benchmarks/leaderboard.py {' '.join(sys.argv[1:])}`. Every cell trains the",
         f"same GPT ({' '.join(MODEL[:8])}, micro-batch {MICRO_BATCH} x {SEQ} tokens, one micro-batch per site per",
-        f"step, {args.steps} steps, validation every {args.eval_interval} steps on {args.eval_iters} batches of the "
-        "held-out split of the bundled corpus) with one rank per site, on the **simulated clock** of the scenario: compute costs come from",
+        f"step, {args.steps} steps, validation every {args.eval_interval} steps over the whole held-out split of the "
+        f"bundled corpus, `--split {SPLIT}` with `--full-validation`: the same samples in every evaluation of every",
+        f"cell; acco and dpu accumulate at most {MAX_MICROBATCHES} micro-batches per stage) with one rank per site, on "
+        "the **simulated clock** of the scenario: compute costs come from",
         "the scenario's cost model and cross-site collectives from its link model (docs/architecture.md, 'Time'),",
         "so the seconds below are simulated seconds of that scenario, identical on every re-run and",
         "independent of this machine's load. They are not measurements of real hardware.",
         "",
         "How to read a table: the ranking is by the median over seeds of the simulated time to reach the",
-        "final validation loss of sync's run with the same seed (paired: the seed sets the initialization,",
-        "the data order and the validation samples, which move the loss more than most gaps here; an",
-        "algorithm that does not reach it in most seeds ranks last). `updates/s` is",
+        "final validation loss of sync's run with the same seed (paired: the seed sets the initialization",
+        "and the training data order; an algorithm that does not reach it in most seeds ranks last). `updates/s` is",
         "optimizer steps per simulated second; `tokens/s` counts computed tokens and is not speed when an",
         "algorithm changes its batch (acco/dpu adaptive accumulation). Spread is [min, max] over seeds.",
         "Cross-site MB is what all ranks sent and received. Peak RSS is real memory of the largest rank.",
@@ -477,7 +487,7 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
                 ) -> Optional[Dict]:
     """One cell, from the cache or trained now (None: not cached, and --cached-only). Its file name carries a digest of its flags and
     scenario file: a changed setting or cost model is a new cell, never a stale one reused."""
-    argv = cell_argv(scenario_path, algo, seed, args.steps, args.eval_interval, sites, eval_iters=args.eval_iters,
+    argv = cell_argv(scenario_path, algo, seed, args.steps, args.eval_interval, sites,
                      settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"))
     digest = cell_digest(argv, scenario_path)
     tag = label.replace(" ", "_").replace("(", "").replace(")", "")
@@ -503,9 +513,6 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300, help="steps per run (every algorithm the same)")
     p.add_argument("--eval-interval", type=int, default=25)
-    p.add_argument("--eval-iters", type=int, default=16,
-                   help="validation batches per evaluation (4 x 64-token sequences per site each; 4, the first "
-                        "boards' value, left a seed-to-seed spread of 0.4 in sync's final loss)")
     p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "leaderboard"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "leaderboard.md"))
     p.add_argument("--plots-dir", default=os.path.join(ROOT, "docs", "leaderboard"))
