@@ -68,9 +68,12 @@ class TrainingResult:
     iteration: int = 0
     logged_losses: List[float] = field(default_factory=list)  # mean over sites, one per log interval
     validation_losses: List[float] = field(default_factory=list)
-    validation_seconds: List[float] = field(default_factory=list)  # the run clock's time of each, from the start
+    # When each was taken: the run clock's time from the start, less the time spent evaluating
+    # before it (as Megatron's iteration timers, evaluation is not training time).
+    validation_seconds: List[float] = field(default_factory=list)
     validation_iterations: List[int] = field(default_factory=list)
     clock_seconds: float = 0.0  # the run's length on its clock (simulated under --simulate-clock)
+    evaluation_seconds: float = 0.0  # of clock_seconds, spent evaluating (quiescing included)
     skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
     tokens_per_second: float = 0.0
     consumed_samples: int = 0  # the whole job's, all sites
@@ -490,13 +493,14 @@ class Trainer:
             self.synchronizer.finish_training(self.iteration)
             self.ended = True
         if self.config.training.eval_iters > 0 and eval_due:
-            at = self.clock.now() - run.start
+            before = self.clock.now()
             loss = self.evaluate()
             if loss is not None:
                 run.result.validation_losses.append(loss)
-                run.result.validation_seconds.append(at)
+                run.result.validation_seconds.append(before - run.start - run.result.evaluation_seconds)
                 run.result.validation_iterations.append(self.iteration)
             run.acc.start = self.clock.now()
+            run.result.evaluation_seconds += run.acc.start - before
         if self.config.checkpoint.save and save_due:
             self.save_checkpoint()
         if stop is None:

@@ -4,15 +4,19 @@ this machine's load and two runs of a cell give the same numbers.
 
 For every scenario (tools/benchmarks/scenarios/*.toml) and every algorithm with its
 recommended settings for that scenario (below), over several seeds, it trains the same small
-GPT on the bundled corpus (data/python-docs, held-out validation split) for the same
-number of steps, one rank per site, and reports per cell:
+GPT on the bundled corpus (data/python-docs; every evaluation covers the whole held-out split,
+--full-validation), one rank per site, for the same simulated time: sync trains --steps
+steps and its training time is the budget; every other algorithm runs a pilot of --steps
+steps (its pace on the scenario's clock) and then the steps that fit in the budget at that
+pace, at most --budget-cap x --steps, its learning-rate schedule sized to them. Per cell:
 - simulated time to the target validation loss (the final validation loss of sync's run with
   the same seed: a paired comparison) and to a looser target (that + 2%), interpolated
   between evaluations;
-- validation loss at a fixed simulated-time budget (the time that sync run took);
-- updates/s and tokens/s on the simulated clock, cross-site bytes (all ranks), peak RSS;
-and writes docs/leaderboard.md (tables ranked by time to target, median and spread over
-seeds) and one plot per scenario (validation loss vs simulated time, every algorithm).
+- validation loss at the budget (the last evaluation within sync's time);
+- updates/s and tokens/s on the simulated clock, cross-site bytes (all ranks), peak RSS.
+Times are training time: evaluation is left out. It writes docs/leaderboard.md (tables
+ranked by time to target, median and spread over seeds) and one plot per scenario
+(validation loss vs simulated time, every algorithm).
 
     python tools/benchmarks/leaderboard.py                  # everything (resumable)
     python tools/benchmarks/leaderboard.py --scenarios emulated-default --algorithms sync,diloco --seeds 1
@@ -81,6 +85,8 @@ SPLIT = "979,20,1"
 # acco/dpu accumulate while the exchange is in flight; at most this many micro-batches per
 # stage (16 x the minimum by default) keeps a cell's real compute within a few minutes.
 MAX_MICROBATCHES = 4
+# Evaluations per run (the interval scales with the run's length).
+EVALUATIONS = 12
 
 
 def data_args() -> List[str]:
@@ -124,14 +130,16 @@ def recommended(algorithm: str, scenario) -> List[str]:
 def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
               settings_from: Optional[str] = None) -> List[str]:
     """The cell's flags; the recommended settings come from `settings_from` (a free-link
-    ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself."""
+    ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself.
+    `eval_interval` 0: no evaluation (a pilot, which only measures the pace)."""
     gbs = MICRO_BATCH * sites  # one micro-batch per site per step
+    evaluation = ["--eval-interval", str(eval_interval), "--eval-iters", "1", "--full-validation"] if eval_interval \
+        else ["--eval-iters", "0"]
     argv = MODEL + data_args() + [
         "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(gbs), "--lr", "2e-3", "--min-lr", "2e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, steps // 20)), "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--seed", str(seed), "--num-sites", str(sites), "--log-interval", str(steps),
-        "--eval-interval", str(eval_interval), "--eval-iters", "1", "--full-validation",
-        "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
+        *evaluation, "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
     argv += recommended(algorithm, load_scenario(settings_from or scenario_path))
     if synchronizer_class(algorithm).lockstep:
         argv += ["--train-iters", str(steps)]
@@ -153,7 +161,9 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
     record = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if rank == world - 1:  # the logging rank (last site)
         record.update(valid=result.validation_losses, valid_seconds=result.validation_seconds,
-                      valid_iterations=result.validation_iterations, seconds=result.clock_seconds,
+                      valid_iterations=result.validation_iterations,
+                      seconds=result.clock_seconds - result.evaluation_seconds,  # training time
+                      evaluation_seconds=result.evaluation_seconds,
                       iterations=result.iteration, samples=result.consumed_samples, traffic=result.traffic,
                       stats=result.sync_stats)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
@@ -225,6 +235,20 @@ def free_link_copy(path: str, out_dir: str) -> str:
 
 def has_slow_site(scenario) -> bool:
     return any(f != scenario.site_factors[0] for f in scenario.site_factors)
+
+
+def budget_steps(steps: int, budget: float, pilot_seconds: float, cap: int) -> int:
+    """Steps that fit in sync's training time at the pace of the algorithm's pilot run (`steps`
+    steps in `pilot_seconds`): at least `steps` (an algorithm slower than sync gets sync's
+    steps), at most `cap` x `steps` (what this machine can afford)."""
+    if pilot_seconds <= 0:
+        return cap * steps
+    return int(min(cap * steps, max(steps, math.floor(steps * budget / pilot_seconds))))
+
+
+def eval_interval_for(steps: int) -> int:
+    """About EVALUATIONS evaluations per run, whatever its length."""
+    return max(1, round(steps / EVALUATIONS))
 
 
 def steps_to(cell: Dict, target: float) -> Optional[float]:
@@ -353,7 +377,8 @@ def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
         key = math.inf if key is None else key
         updates = [c["iterations"] / c["seconds"] for c in runs]
         tokens = [c["samples"] * SEQ / c["seconds"] for c in runs]
-        rows.append((key, algo, spread(times), spread(loose_times),
+        rows.append((key, algo, spread([c.get("steps", c["iterations"]) for c in runs]), spread(times),
+                     spread(loose_times),
                      spread([loss_at(c, target.budget_for(c)) for c in runs]),
                      spread([c["valid"][-1] for c in runs]), spread(updates), spread(tokens),
                      spread([c["traffic"].get("bytes", 0) / 2**20 for c in runs]),
@@ -363,9 +388,9 @@ def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
              f"the same seed (median over {len(sync)} seeds {target.median_loss:.4f}), and that + 2%; budget: "
              f"the simulated time of that sync run (median {target.median_seconds:.1f} s). H = "
              f"{recommended_interval(scenario)} for the DiLoCo family.", "",
-             "| rank | algorithm | time to target (s) | time to +2% (s) | val loss at budget | final val loss | "
+             "| rank | algorithm | steps | time to target (s) | time to +2% (s) | val loss at budget | final val loss | "
              "updates/s | tokens/s | cross-site MB | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     rank = 0
     for r in rows:
         ceiling = FREE_LINK in r[1]  # not a contender: what the algorithm would do if the link were free
@@ -414,22 +439,34 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         "# Leaderboard: time to a validation loss, per WAN scenario",
         "",
         "Written by `python tools/benchmarks/leaderboard.py` (resumable; see its docstring); this board by "
-        f"`python tools/benchmarks/leaderboard.py {' '.join(sys.argv[1:])}`. Every cell trains the",
-        f"same GPT ({' '.join(MODEL[:8])}, micro-batch {MICRO_BATCH} x {SEQ} tokens, one micro-batch per site per",
-        f"step, {args.steps} steps, validation every {args.eval_interval} steps over the whole held-out split of the "
-        f"bundled corpus, `--split {SPLIT}` with `--full-validation`: the same samples in every evaluation of every",
-        f"cell; acco and dpu accumulate at most {MAX_MICROBATCHES} micro-batches per stage) with one rank per site, on "
-        "the **simulated clock** of the scenario: compute costs come from",
+        f"`python tools/benchmarks/leaderboard.py {' '.join(sys.argv[1:])}`.",
+        "",
+        "Every cell trains the",
+        f"same GPT ({' '.join(MODEL[:8])}, micro-batch {MICRO_BATCH} x {SEQ} tokens, one micro-batch per site per "
+        "step) with one rank per site, on the **simulated clock** of the scenario: compute costs come from",
         "the scenario's cost model and cross-site collectives from its link model (docs/architecture.md, 'Time'),",
         "so the seconds below are simulated seconds of that scenario, identical on every re-run and",
-        "independent of this machine's load. They are not measurements of real hardware.",
+        "independent of this machine's load. They are not measurements of real hardware. They are training",
+        "time: the time spent evaluating (its forward passes, and the wait for communication in flight that",
+        "an evaluation must finish first) is left out, as Megatron's iteration timers leave it out.",
+        "",
+        f"Every algorithm gets the same time: sync trains {args.steps} steps, and its simulated training time is",
+        f"the budget. Each other algorithm first runs a pilot of {args.steps} steps without evaluation, which",
+        "measures its pace on the scenario's clock (the pace depends neither on the seed nor on the data), and",
+        "then trains as many steps as fit in the budget at that pace, with its learning-rate schedule",
+        f"(warm-up, cosine decay) sized to them, but at most {args.budget_cap}x sync's steps, which is what this machine",
+        f"can afford; the `steps` column says how many. About {EVALUATIONS} evaluations per run, each over the whole",
+        f"held-out split of the bundled corpus (`--split {SPLIT}` with `--full-validation`): the same samples in",
+        f"every evaluation of every cell. acco and dpu accumulate at most {MAX_MICROBATCHES} micro-batches per stage.",
         "",
         "How to read a table: the ranking is by the median over seeds of the simulated time to reach the",
         "final validation loss of sync's run with the same seed (paired: the seed sets the initialization",
-        "and the training data order; an algorithm that does not reach it in most seeds ranks last). `updates/s` is",
+        "and the training data order; an algorithm that does not reach it in most seeds ranks last).",
+        "`val loss at budget` is the last evaluation within sync's time (an algorithm capped at fewer steps",
+        "than fit ends before the budget: its last evaluation). `updates/s` is",
         "optimizer steps per simulated second; `tokens/s` counts computed tokens and is not speed when an",
         "algorithm changes its batch (acco/dpu adaptive accumulation). Spread is [min, max] over seeds.",
-        "Cross-site MB is what all ranks sent and received. Peak RSS is real memory of the largest rank.",
+        "Cross-site MB is what all ranks sent and received in the run. Peak RSS is real memory of the largest rank.",
         "",
         "## Scenarios",
         "",
@@ -483,11 +520,11 @@ def board_cells(name: str, args) -> List[str]:
     return [f"{label} seed {seed}" for label in labels for seed in range(1, args.seeds + 1)]
 
 
-def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int, sites: int, args
-                ) -> Optional[Dict]:
+def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int, sites: int, args, steps: int,
+                eval_interval: int) -> Optional[Dict]:
     """One cell, from the cache or trained now (None: not cached, and --cached-only). Its file name carries a digest of its flags and
     scenario file: a changed setting or cost model is a new cell, never a stale one reused."""
-    argv = cell_argv(scenario_path, algo, seed, args.steps, args.eval_interval, sites,
+    argv = cell_argv(scenario_path, algo, seed, steps, eval_interval, sites,
                      settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"))
     digest = cell_digest(argv, scenario_path)
     tag = label.replace(" ", "_").replace("(", "").replace(")", "")
@@ -497,13 +534,44 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
             return json.load(f)
     if args.cached_only:
         return None
-    print(f"> {name} / {label} / seed {seed}", flush=True)
+    print(f"> {name} / {label} / seed {seed} / {steps} steps{'' if eval_interval else ' (pilot)'}", flush=True)
     cell = run_cell(argv, sites)
-    cell["argv"] = argv
+    cell["argv"], cell["steps"] = argv, steps
     with open(cache + ".tmp", "w") as f:
         json.dump(cell, f)
     os.replace(cache + ".tmp", cache)
     return cell
+
+
+def scenario_cells(name: str, path: str, scenario, runs: List[Tuple[str, str, str]], args, not_run: List[str]
+                   ) -> Dict[str, List[Dict]]:
+    """A scenario's cells by label. sync trains --steps steps; its training time is the budget.
+    Every other algorithm first runs a pilot of --steps steps without evaluation (its pace on
+    this scenario's clock, which neither the seed nor the data change), then, per seed, as many
+    steps as fit in the budget at that pace (budget_steps), with its learning-rate schedule
+    sized to them. A free-link ceiling trains the steps of the algorithm it is the ceiling of."""
+    sites, steps = scenario.sites, args.steps
+    sync = [cached_cell(name, "sync", path, "sync", seed, sites, args, steps, eval_interval_for(steps))
+            for seed in range(1, args.seeds + 1)]
+    budget = statistics.median(c["seconds"] for c in sync) if all(sync) else None
+    planned: Dict[str, Optional[int]] = {"sync": steps}
+    for label, algo, scenario_path in runs:
+        if algo in planned or scenario_path != path:
+            continue
+        pilot = cached_cell(name, f"{label} pilot", path, algo, 1, sites, args, steps, 0)
+        planned[algo] = None if pilot is None or budget is None else \
+            budget_steps(steps, budget, pilot["seconds"], args.budget_cap)
+    cells: Dict[str, List[Dict]] = {}
+    for label, algo, scenario_path in runs:
+        for seed in range(1, args.seeds + 1):
+            n = planned.get(algo)
+            cell = None if n is None else sync[seed - 1] if label == "sync" else \
+                cached_cell(name, label, scenario_path, algo, seed, sites, args, n, eval_interval_for(n))
+            if cell is None:
+                not_run.append(f"{label} seed {seed}")
+            else:
+                cells.setdefault(label, []).append(cell)
+    return cells
 
 
 def main() -> None:
@@ -511,8 +579,11 @@ def main() -> None:
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: every file)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=300, help="steps per run (every algorithm the same)")
-    p.add_argument("--eval-interval", type=int, default=25)
+    p.add_argument("--steps", type=int, default=300,
+                   help="sync's steps (its training time is every algorithm's budget) and each pilot's")
+    p.add_argument("--budget-cap", type=int, default=3,
+                   help="an algorithm faster than sync trains the steps that fit in sync's time, at most this "
+                        "many times --steps")
     p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "leaderboard"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "leaderboard.md"))
     p.add_argument("--plots-dir", default=os.path.join(ROOT, "docs", "leaderboard"))
@@ -545,14 +616,7 @@ def main() -> None:
         if has_slow_site(scenario):
             free = free_link_copy(path, args.cache_dir)
             runs += [(f"{algo} ({FREE_LINK})", algo, free) for algo in algorithms if algo in CEILING_ALGORITHMS]
-        cells: Dict[str, List[Dict]] = {}
-        for label, algo, scenario_path in runs:
-            for seed in range(1, args.seeds + 1):
-                cell = cached_cell(name, label, scenario_path, algo, seed, scenario.sites, args)
-                if cell is None:
-                    not_run.setdefault(name, []).append(f"{label} seed {seed}")
-                else:
-                    cells.setdefault(label, []).append(cell)
+        cells = scenario_cells(name, path, scenario, runs, args, not_run.setdefault(name, []))
         board[name] = cells
         if not cells:
             continue

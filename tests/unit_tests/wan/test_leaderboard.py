@@ -111,3 +111,42 @@ def test_a_cell_is_found_from_any_checkout_and_cache_directory(tmp_path):
     assert len(digests) == 1
     assert lb.cell_digest(lb.cell_argv(EMULATED, "sync", 1, 100, 25, 2), EMULATED) != \
         lb.cell_digest(lb.cell_argv(EMULATED, "sync", 2, 100, 25, 2), EMULATED)
+
+
+def test_budget_steps_fit_syncs_time_at_the_pilots_pace():
+    assert lb.budget_steps(300, budget=150.0, pilot_seconds=75.0, cap=3) == 600  # twice sync's pace
+    assert lb.budget_steps(300, budget=150.0, pilot_seconds=10.0, cap=3) == 900  # 4500 fit: capped
+    assert lb.budget_steps(300, budget=150.0, pilot_seconds=200.0, cap=3) == 300  # slower than sync: sync's steps
+    assert lb.budget_steps(300, budget=150.0, pilot_seconds=0.0, cap=2) == 600
+
+
+def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
+    """sync sets the budget; each other algorithm gets a pilot (seed 1, no evaluation) and then
+    the steps that fit; the free-link ceiling trains the steps of the algorithm it bounds."""
+    calls = []
+    pace = {"sync": 2.0, "diloco": 0.25, "a-edit": 0.5}  # simulated seconds per step
+
+    def fake(name, label, path, algo, seed, sites, args, steps, eval_interval):
+        calls.append((label, seed, steps, eval_interval))
+        return dict(cell([1.0], [4.0], steps * pace[algo]), steps=steps)
+
+    monkeypatch.setattr(lb, "cached_cell", fake)
+    straggler = os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml")
+    s = load_scenario(straggler)
+    free = lb.free_link_copy(straggler, str(tmp_path))
+    runs = [("a-edit (free link)", "a-edit", free), ("sync", "sync", straggler), ("diloco", "diloco", straggler),
+            ("a-edit", "a-edit", straggler)]
+
+    class Args:
+        steps, seeds, budget_cap = 100, 2, 3
+
+    not_run = []
+    cells = lb.scenario_cells("emulated-straggler2x", straggler, s, runs, Args, not_run)
+    assert not not_run
+    assert ("diloco pilot", 1, 100, 0) in calls and ("a-edit pilot", 1, 100, 0) in calls
+    assert not any(label == "sync pilot" or label.startswith("a-edit (free link) pilot") for label, *_ in calls)
+    assert [c["steps"] for c in cells["sync"]] == [100, 100]
+    assert [c["steps"] for c in cells["diloco"]] == [300, 300]  # 800 fit in sync's 200 s: capped at 3x
+    assert [c["steps"] for c in cells["a-edit"]] == [300, 300] and \
+        [c["steps"] for c in cells["a-edit (free link)"]] == [300, 300]  # 400 fit: capped
+    assert ("diloco", 2, 300, lb.eval_interval_for(300)) in calls
