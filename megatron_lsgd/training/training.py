@@ -209,6 +209,7 @@ class Trainer:
         return out
 
     def mean_across_sites(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """Every site's values averaged over sites (collective over dp_inter: every site calls it)."""
         if self.config.dims.sites > 1 and values:
             stacked = torch.cat(list(values.values())) / self.config.dims.sites
             dist.all_reduce(stacked, group=self.pgs.dp_inter)  # a few bytes, at log intervals only
