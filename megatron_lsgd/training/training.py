@@ -1,21 +1,15 @@
-"""The training loop: `pretrain(datasets_provider, model_provider, forward_step_func)`.
+"""`pretrain(datasets_provider, model_provider, forward_step_func)` and the Trainer.
 
-The loop hands the synchronizer the parts of an inner step to compose, calls its hooks at
-fixed points and never asks which algorithm is running (the order is documented in
+The Trainer builds the run (model, optimizer, synchronizer, data) and owns what both training
+loops share: one step, evaluation, saving, the log line and the run's end. It runs one of
+two loops, chosen by the synchronizer's declared `lockstep`, never by its name:
+- lockstep_loop.py: every site takes the same steps; log, evaluate, save and stop at
+  iteration counts (Megatron's loop);
+- meeting_loop.py: sites take different numbers of steps and agree only at the
+  synchronizer's meetings, where the loop evaluates, saves and stops.
+The loops hand the synchronizer the parts of an inner step to compose, call its hooks at
+fixed points and never ask which algorithm is running (the order is documented in
 megatron_lsgd/core/lsgd/protocol.py).
-
-Lockstep synchronizers (every site takes the same steps) run Megatron's loop: log, evaluate,
-save and stop at iteration counts. A non-lockstep synchronizer (`lockstep = False`, A-EDiT)
-lets sites take different numbers of steps; then
-- the job's length is a budget of samples (--train-samples / --train-tokens, or --train-iters
-  global batches), and each site's data stream is sized for the fastest site (one site could
-  consume the whole budget);
-- the sites agree only at *meetings* the synchronizer holds (`agree_to_stop`, `meeting()`):
-  the loop evaluates, saves and stops there, naming the point by the job's progress
-  (samples of all sites // global batch), which is also the checkpoint's iteration; every
-  site keeps its own iteration, LR schedule and sample position in the checkpoint;
-- every site's last rank logs its own line (its own steps, loss and tokens, tagged with the
-  site, plus every site's steps at the last meeting), with no cross-site collective.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ import os
 import re
 import resource
 import sys
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NoReturn, Optional
 
 import torch
@@ -52,38 +45,16 @@ from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteE
 from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
+from megatron_lsgd.training.lockstep_loop import LockstepLoop
 from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_memory_mb, print_rank, training_log_line
+from megatron_lsgd.training.meeting_loop import MeetingLoop
+from megatron_lsgd.training.run_state import Interval, Run, TrainingResult
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, trained_parameters
 from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
 from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
 from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
-
-
-@dataclass
-class TrainingResult:
-    """What a run leaves behind (used by tests and benchmarks)."""
-
-    iteration: int = 0
-    logged_losses: List[float] = field(default_factory=list)  # mean over sites, one per log interval
-    validation_losses: List[float] = field(default_factory=list)
-    # When each was taken: the run clock's time from the start, less the time spent evaluating
-    # before it (as Megatron's iteration timers, evaluation is not training time).
-    validation_seconds: List[float] = field(default_factory=list)
-    validation_iterations: List[int] = field(default_factory=list)
-    clock_seconds: float = 0.0  # the run's length on its clock (simulated under --simulate-clock)
-    evaluation_seconds: float = 0.0  # of clock_seconds, spent evaluating (quiescing included)
-    skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
-    tokens_per_second: float = 0.0
-    consumed_samples: int = 0  # the whole job's, all sites
-    site_consumed_samples: int = 0  # this rank's site's own
-    comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
-    sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
-    synchronizer: Optional[object] = None  # for tests and tools that inspect its state
-    traffic: Dict[str, float] = field(default_factory=dict)  # all ranks' cross-site bytes vs per-step sync
-    model: Optional[torch.nn.Module] = None
-    config: Optional[RunConfig] = None
 
 
 class Trainer:
@@ -97,8 +68,6 @@ class Trainer:
         self.pgs, self.rng_tracker = initialize(config, device)
         pgs = self.pgs
         self.log_rank = dist.get_world_size() - 1  # last stage of the last site holds the loss
-        # Non-lockstep runs: each site's last rank (last stage) logs that site's own line.
-        self.site_log_rank = (pgs.site_rank + 1) * (config.dims.world_size // config.dims.sites) - 1
 
         self.tokenizer = build_tokenizer(config.tokenizer)
         config.model.padded_vocab_size = padded_vocab_size(
@@ -132,15 +101,13 @@ class Trainer:
 
         t = config.training
         gbs = t.global_batch_size
-        self.lockstep = self.synchronizer.lockstep
-        self.line_rank = self.log_rank if self.lockstep else self.site_log_rank  # prints training lines
-        # The most steps one site may take: all of the budget, for a non-lockstep run.
-        self.max_site_iters = t.train_iters if self.lockstep else self.job_budget_samples // (gbs // config.dims.sites)
+        self.lockstep = self.synchronizer.lockstep  # declared by the synchronizer: which loop runs
+        self.loop = LockstepLoop(self) if self.lockstep else MeetingLoop(self)
         eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
         # A synchronizer whose sites may take more micro-batches per step than configured
         # (ACCO/DPU's adaptive accumulation) says how many at most: size the stream for it.
         bound = self.synchronizer.microbatches_per_step_bound(config.num_microbatches)
-        train_samples = self.max_site_iters * gbs if bound == config.num_microbatches else \
+        train_samples = self.loop.site_step_cap * gbs if bound == config.num_microbatches else \
             t.train_iters * bound * t.micro_batch_size * config.dims.dp
         # --full-validation: one pass over the split, however many evaluations (1 sample asks for one epoch).
         valid_samples = (1 if eval_runs else 0) if t.full_validation else eval_runs * gbs
@@ -149,7 +116,6 @@ class Trainer:
         self.eval_batches = self._evaluation_batches(valid_ds)
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
-        self._job_samples_stale = False  # sites counted differently since consumed_samples was summed
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
         self.valid_ds = valid_ds
         self.consumed_valid_samples = 0  # the whole job's validation samples, restored on resume
@@ -169,10 +135,9 @@ class Trainer:
         self.termination = Termination(t, self.synchronizer, self.clock, range(config.dims.world_size), signals)
         self.iteration = 0  # this site's steps
         self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
-        self.ended = False  # non-lockstep: a resumed run whose training had already ended
-        self.last_meeting = None
-        self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.line_rank)
-        self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.line_rank)
+        self.ended = False  # training has ended (finish_training ran); a resumed non-lockstep run stops at once
+        self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.loop.line_rank)
+        self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.loop.line_rank)
         self.last_saved_iteration = None
         if config.checkpoint.load and load_checkpoint(self, config.checkpoint):
             self.last_saved_iteration = self.checkpoint_iteration  # nothing new to save until the next step
@@ -187,31 +152,15 @@ class Trainer:
         return clock
 
     @property
-    def job_budget_samples(self) -> int:
-        """The job's sample budget, all sites together (--train-iters x global batch if none was given)."""
-        t = self.config.training
-        return t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
-
-    @property
     def checkpoint_iteration(self) -> int:
-        """The agreed point a checkpoint is named by: this step count (lockstep, where every
-        site has the same), or the job's progress at the last meeting (non-lockstep)."""
-        return self.iteration if self.lockstep else self.agreed_iteration
+        """The agreed point a checkpoint is named by (the loop says which)."""
+        return self.loop.checkpoint_iteration
 
     def save_checkpoint(self) -> None:
         self.synchronizer.quiesce()  # nothing in flight: the saved state is complete
-        self._sum_site_samples()
+        self.loop.settle_job_samples()
         save_checkpoint(self, self.config.checkpoint)
         self.last_saved_iteration = self.checkpoint_iteration
-
-    def _follow_job_schedule(self, meeting) -> None:
-        """Non-lockstep: a site's LR schedule is the job's, not its own step count's. Its
-        schedule spans the job's --train-iters global batches, so a fast site counting its
-        own steps would finish the decay early and run its last steps at --min-lr; at every
-        meeting that syncs its position becomes the job's agreed progress (between them it
-        advances one global batch per own step, as if every site kept its pace)."""
-        self.scheduler.num_steps = meeting.samples if self.scheduler.by_samples \
-            else meeting.samples // self.config.training.global_batch_size
 
     # ---- hooks -----------------------------------------------------------------------------
     def _wire_unit_hooks(self, units) -> None:
@@ -242,32 +191,6 @@ class Trainer:
                             forward_only=forward_only, loss_scale=self.optimizer.loss_scale, on_forward=on_forward,
                             per_token_loss=self.config.model.calculate_per_token_loss, loss_divisor=loss_divisor)
 
-    def _count_samples(self, num_microbatches: int, same_on_every_site: bool) -> Optional[int]:
-        """This site's position advances by its own micro-batches; the job's total is that
-        times the number of sites when every site computed as many, else the sum of every
-        site's own position, taken (_sum_site_samples) where the loop logs or saves.
-        Returns the step's global batch when known (None: sites differed)."""
-        site_samples = num_microbatches * self.config.training.micro_batch_size * self.config.dims.dp_intra
-        self.site_consumed_samples += site_samples
-        if not self.lockstep:  # the job's total is agreed at meetings only (the loop sets it there)
-            return site_samples * self.config.dims.sites
-        if same_on_every_site and not self._job_samples_stale:
-            self.consumed_samples += site_samples * self.config.dims.sites
-            return site_samples * self.config.dims.sites
-        self._job_samples_stale = True
-        return None
-
-    def _sum_site_samples(self) -> None:
-        """consumed_samples = the sum over sites of each site's own consumed samples (exact);
-        a few bytes across sites, only after steps whose counts differed (collective)."""
-        if not self._job_samples_stale:
-            return
-        total = torch.tensor([self.site_consumed_samples], dtype=torch.int64, device=self.device)
-        if self.config.dims.sites > 1:
-            dist.all_reduce(total, group=self.pgs.dp_inter)
-        self.consumed_samples = int(total.item())
-        self._job_samples_stale = False
-
     def _reduce_site_losses(self, losses: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Mean over micro-batches and over the site's data-parallel ranks (last stage)."""
         if not self.pgs.is_last_stage or not losses:
@@ -288,7 +211,8 @@ class Trainer:
             out[key] = value
         return out
 
-    def _mean_across_sites(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    def mean_across_sites(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """Every site's values averaged over sites (collective over dp_inter: every site calls it)."""
         if self.config.dims.sites > 1 and values:
             stacked = torch.cat(list(values.values())) / self.config.dims.sites
             dist.all_reduce(stacked, group=self.pgs.dp_inter)  # a few bytes, at log intervals only
@@ -331,7 +255,7 @@ class Trainer:
         self.consumed_valid_samples += self.eval_batches * t.global_batch_size
         self.model.train()
         self.compat.around_eval()
-        reduced = self._mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
+        reduced = self.mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
         loss = reduced.get("lm loss")
         if loss is not None and self.pgs.rank == self.log_rank:
             ppl = math.exp(min(20.0, loss))
@@ -340,128 +264,20 @@ class Trainer:
             self.tb.scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.iteration)
         return loss
 
-    # ---- the loop ----------------------------------------------------------------------------
-    def _log_interval(self, acc: "_Interval", result: TrainingResult) -> None:
-        """One log line (and tensorboard scalars and a JSON record) for the interval just ended.
-        Lockstep: the job's line, losses averaged over sites. Non-lockstep: this site's own."""
-        t = self.config.training
-        elapsed = self.clock.now() - acc.start
-        if self.lockstep:
-            self._sum_site_samples()  # exact job total (collective only when sites' counts differed)
-            samples = self.consumed_samples - acc.consumed_before  # the job's
-        else:
-            samples = self.site_consumed_samples - acc.site_consumed_before  # this site's
-        gbs = acc.gbs if acc.gbs is not None else round(samples / acc.iters)  # of the last step, or the mean
-        tokens = samples * self.config.model.seq_length
-        if self.lockstep:
-            means = self._mean_across_sites({k: v / acc.iters for k, v in acc.sums.items()}) \
-                if self.pgs.is_last_stage else {}
-        else:  # no cross-site collective: sites are at different steps
-            means = {k: float((v / acc.iters).item()) for k, v in acc.sums.items()} if self.pgs.is_last_stage else {}
-        if "lm loss" in means:
-            result.logged_losses.append(means["lm loss"])
-        comm_now = self.comm.snapshot()
-        moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
-                    - acc.comm["bytes_sent"] - acc.comm["bytes_received"]) / 2**20
-        exposed_ms = 1e3 * (comm_now["exposed_seconds"] - acc.comm["exposed_seconds"]) / acc.iters
-        tokens_per_s = tokens / elapsed
-        result.tokens_per_second = tokens_per_s
-        if self.pgs.rank == self.line_rank:
-            norm = acc.norm_sum / acc.norm_count if acc.norm_count else None
-            extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
-                     "exposed comm ms": f"{exposed_ms:.1f}"}
-            if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
-                ranks = self.config.dims.world_size // (1 if self.lockstep else self.config.dims.sites)
-                tflops = self.flops_per_sample * samples / elapsed / ranks / 1e12
-                extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
-            consumed, of_iters = self.consumed_samples, t.train_iters
-            record = {}
-            if not self.lockstep:  # this site's steps (at most all of the budget) and the job's agreed progress
-                consumed, of_iters = self.site_consumed_samples, self.max_site_iters
-                extra = {"site": str(self.pgs.site_rank), "job iteration": f"{self.agreed_iteration}/{t.train_iters}",
-                         **extra}
-                record["site"] = self.pgs.site_rank
-                if self.last_meeting is not None:
-                    extra["site steps at last meeting"] = "/".join(map(str, self.last_meeting.site_iterations))
-            extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
-            print(training_log_line(self.iteration, of_iters, consumed, 1e3 * elapsed / acc.iters,
-                                    self.scheduler.current_lr, gbs, means, self.optimizer.loss_scale, norm,
-                                    acc.skipped, acc.nans, extra), flush=True)
-            self.tb.scalars({**{k: v for k, v in means.items()},
-                             "learning-rate": self.scheduler.current_lr, "grad-norm": norm,
-                             "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
-                             "iteration-time": elapsed / acc.iters, "tokens-per-sec": tokens_per_s,
-                             "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
-                             **self.synchronizer.stats()}, self.iteration)
-            self.json_log.write({"iteration": self.iteration, "interval_iters": acc.iters,
-                                 "elapsed_s": elapsed, "wall_s": self.clock.now() - acc.run_start,
-                                 "tokens": tokens, "tokens_per_s": tokens_per_s,
-                                 "losses": means, "inter_site_bytes": moved_mb * 2**20,
-                                 "exposed_comm_s": exposed_ms * acc.iters / 1e3,
-                                 "sync_stats": self.synchronizer.stats(), **record})
-        acc.reset(comm_now, self.consumed_samples, self.site_consumed_samples, self.clock.now())
-
-    @staticmethod
-    def _crossed(before: int, now: int, interval: Optional[int]) -> bool:
-        """A multiple of `interval` lies in (before, now]."""
-        return bool(interval) and now // interval > before // interval
-
+    # ---- what both loops share: the run, a step, a log line, acting on decisions, the end -----
     def train(self) -> TrainingResult:
-        run = _Run(result=TrainingResult(model=self.model.module, config=self.config),
-                   acc=_Interval(comm=self.comm.snapshot(), start=self.clock.now(),
-                                 consumed_before=self.consumed_samples,
-                                 site_consumed_before=self.site_consumed_samples),
-                   start_iter=self.iteration, start_agreed=self.agreed_iteration)  # a resumed run counts its own
+        """Run the loop the synchronizer's `lockstep` calls for (lockstep_loop.py or
+        meeting_loop.py), then finish: the last save, the summary and the result."""
+        run = Run(result=TrainingResult(model=self.model.module, config=self.config),
+                  acc=Interval(comm=self.comm.snapshot(), start=self.clock.now(),
+                               consumed_before=self.consumed_samples,
+                               site_consumed_before=self.site_consumed_samples),
+                  start_iter=self.iteration, start_checkpoint_iteration=self.checkpoint_iteration)
         run.start = run.acc.run_start
-        if self.lockstep:
-            self._train_in_lockstep(run)
-        else:
-            self._train_at_own_pace(run)
+        self.loop.run(run)
         return self._finish(run)
 
-    def _train_in_lockstep(self, run: "_Run") -> None:
-        """Every site takes the same steps: log, evaluate, save and stop by iteration."""
-        t = self.config.training
-        while self.iteration < t.train_iters:
-            self._step(run)
-            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
-                self._log_interval(run.acc, run.result)
-            stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
-            eval_due = self.iteration % t.eval_interval == 0
-            save_due = bool(self.config.checkpoint.save_interval) and \
-                self.iteration % self.config.checkpoint.save_interval == 0
-            if self._act(run, stop, eval_due, save_due):
-                return
-
-    def _train_at_own_pace(self, run: "_Run") -> None:
-        """Sites take their own numbers of steps (a-edit): the job's progress is agreed at the
-        synchronizer's meetings, and only there does the run evaluate, save and stop."""
-        t = self.config.training
-        while not self.ended:
-            self._step(run)
-            stop = self.termination.after_step(self.iteration, self.site_consumed_samples)
-            meeting = self.synchronizer.meeting()
-            before = self.agreed_iteration
-            if meeting is not None:  # agreed on every rank
-                self.last_meeting = meeting
-                self.consumed_samples = meeting.samples
-                self.agreed_iteration = meeting.samples // t.global_batch_size
-                if meeting.synced:  # not at a pause's extra meeting: a resumed run stays exact
-                    self._follow_job_schedule(meeting)
-                if stop is None and self._crossed(before, self.agreed_iteration, t.exit_interval):
-                    stop = Stop(False, f"--exit-interval {t.exit_interval}")
-            if self.iteration % t.log_interval == 0 or stop is not None:
-                self._log_interval(run.acc, run.result)
-            eval_due = meeting is not None and self._crossed(before, self.agreed_iteration, t.eval_interval)
-            save_due = meeting is not None and self._crossed(before, self.agreed_iteration,
-                                                             self.config.checkpoint.save_interval)
-            if self._act(run, stop, eval_due, save_due):
-                return
-            if self.iteration >= self.max_site_iters:
-                raise RuntimeError(f"--lsgd-algorithm {self.config.lsgd.algorithm}: site {self.pgs.site_rank} took "
-                                   f"{self.iteration} steps, all its data, without the sites agreeing to stop")
-
-    def _step(self, run: "_Run") -> None:
+    def step(self, run: Run) -> None:
         """One training step and what the log line accumulates from it."""
         t, acc = self.config.training, run.acc
         self.inner_step.iteration = self.iteration
@@ -471,7 +287,10 @@ class Trainer:
         step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
         losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
         self.iteration += 1
-        acc.gbs = self._count_samples(step.num_microbatches, step.same_count_on_every_site)
+        # This site's position advances by its own micro-batches; the loop counts the job's.
+        site_samples = step.num_microbatches * t.micro_batch_size * self.config.dims.dp_intra
+        self.site_consumed_samples += site_samples
+        acc.gbs = self.loop.count_job_samples(site_samples, step.same_count_on_every_site)
         acc.iters += 1
         self.compat.after_step(self.iteration)
         if not ok:
@@ -487,7 +306,50 @@ class Trainer:
         for k, v in site_losses.items():
             acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
 
-    def _act(self, run: "_Run", stop: Optional[Stop], eval_due: bool, save_due: bool) -> bool:
+    def log_interval(self, run: Run) -> None:
+        """One log line (and tensorboard scalars and a JSON record) for the interval just
+        ended, printed by the loop's line rank; whose samples and losses it reports (the
+        job's or this site's) is the loop's part (`interval_line`)."""
+        acc, result = run.acc, run.result
+        elapsed = self.clock.now() - acc.start
+        line = self.loop.interval_line(acc)
+        gbs = acc.gbs if acc.gbs is not None else round(line.samples / acc.iters)  # of the last step, or the mean
+        tokens = line.samples * self.config.model.seq_length
+        if "lm loss" in line.means:
+            result.logged_losses.append(line.means["lm loss"])
+        comm_now = self.comm.snapshot()
+        moved_mb = (comm_now["bytes_sent"] + comm_now["bytes_received"]
+                    - acc.comm["bytes_sent"] - acc.comm["bytes_received"]) / 2**20
+        exposed_ms = 1e3 * (comm_now["exposed_seconds"] - acc.comm["exposed_seconds"]) / acc.iters
+        tokens_per_s = tokens / elapsed
+        result.tokens_per_second = tokens_per_s
+        if self.pgs.rank == self.loop.line_rank:
+            norm = acc.norm_sum / acc.norm_count if acc.norm_count else None
+            extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
+                     "exposed comm ms": f"{exposed_ms:.1f}"}
+            if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
+                tflops = self.flops_per_sample * line.samples / elapsed / line.ranks / 1e12
+                extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
+            extra = {**line.lead, **extra, **line.tail}
+            extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
+            print(training_log_line(self.iteration, line.of_iters, line.consumed, 1e3 * elapsed / acc.iters,
+                                    self.scheduler.current_lr, gbs, line.means, self.optimizer.loss_scale, norm,
+                                    acc.skipped, acc.nans, extra), flush=True)
+            self.tb.scalars({**{k: v for k, v in line.means.items()},
+                             "learning-rate": self.scheduler.current_lr, "grad-norm": norm,
+                             "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
+                             "iteration-time": elapsed / acc.iters, "tokens-per-sec": tokens_per_s,
+                             "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
+                             **self.synchronizer.stats()}, self.iteration)
+            self.json_log.write({"iteration": self.iteration, "interval_iters": acc.iters,
+                                 "elapsed_s": elapsed, "wall_s": self.clock.now() - acc.run_start,
+                                 "tokens": tokens, "tokens_per_s": tokens_per_s,
+                                 "losses": line.means, "inter_site_bytes": moved_mb * 2**20,
+                                 "exposed_comm_s": exposed_ms * acc.iters / 1e3,
+                                 "sync_stats": self.synchronizer.stats(), **self.loop.tags})
+        acc.reset(comm_now, self.consumed_samples, self.site_consumed_samples, self.clock.now())
+
+    def act_on(self, run: Run, stop: Optional[Stop], eval_due: bool, save_due: bool) -> bool:
         """After a step's decisions: close training, evaluate, save; True when the loop stops."""
         if stop is not None and stop.ends_training:  # before the final evaluation and save
             self.synchronizer.finish_training(self.iteration)
@@ -506,19 +368,15 @@ class Trainer:
         if stop is None:
             return False
         if not stop.ends_training:
-            print_rank(f"exiting at iteration {self.iteration} ({stop.reason})", self.pgs.rank, self.line_rank)
-        elif not self.lockstep:
-            print_rank(f"training ends at iteration {self.iteration} of site {self.pgs.site_rank} "
-                       f"({stop.reason})", self.pgs.rank, self.line_rank)
+            print_rank(f"exiting at iteration {self.iteration} ({stop.reason})", self.pgs.rank, self.loop.line_rank)
         return True
 
-    def _finish(self, run: "_Run") -> TrainingResult:
+    def _finish(self, run: Run) -> TrainingResult:
         """Quiesce, the last save, the run's summary and its log lines."""
-        result, run_start, start_iter, start_agreed = run.result, run.start, run.start_iter, run.start_agreed
-        total_skipped, lockstep = run.skipped, self.lockstep
+        result, run_start, total_skipped = run.result, run.start, run.skipped
         self.synchronizer.quiesce()
         self.termination.close()
-        self._sum_site_samples()
+        self.loop.settle_job_samples()
         result.iteration = self.iteration
         result.skipped_iterations = total_skipped
         result.consumed_samples, result.site_consumed_samples = self.consumed_samples, self.site_consumed_samples
@@ -529,22 +387,21 @@ class Trainer:
         result.clock_seconds = self.clock.now() - run_start
         result.synchronizer = self.synchronizer
         if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync (each rank's own steps)
-            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - start_iter,
+            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - run.start_iter,
                                                 self.device)
-        if self.pgs.rank == self.line_rank:
+        if self.pgs.rank == self.loop.line_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            where = "" if lockstep else f" on site {self.pgs.site_rank}"
             clock = " on the simulated clock" if self.clock.simulated else ""
-            print(f" done: {self.iteration} iterations{where} in {self.clock.now() - run_start:.1f} s{clock} | "
-                  f"skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
-            record = {} if lockstep else {"site": self.pgs.site_rank}
+            print(f" done: {self.iteration} iterations{self.loop.where} in {self.clock.now() - run_start:.1f} s"
+                  f"{clock} | skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
+            record = dict(self.loop.tags)
             cuda_memory = peak_cuda_memory_mb(self.device)
             if cuda_memory:
                 print(f" peak CUDA memory (MB): {cuda_memory['peak_cuda_allocated_mb']:.0f} allocated, "
                       f"{cuda_memory['peak_cuda_reserved_mb']:.0f} reserved", flush=True)
                 record.update(cuda_memory)
             if result.traffic and self.pgs.rank == self.log_rank:
-                steps = self.iteration - start_iter if lockstep else self.checkpoint_iteration - start_agreed
+                steps = self.checkpoint_iteration - run.start_checkpoint_iteration  # the job's, in global batches
                 print(summary_line(self.config.lsgd.algorithm, steps, result.traffic), flush=True)
             self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
                                  "wall_s": self.clock.now() - run_start,
@@ -553,45 +410,6 @@ class Trainer:
         self.tb.close()
         self.compat.close()
         return result
-
-
-@dataclass
-class _Run:
-    """One call of Trainer.train: its result so far and where it started."""
-
-    result: TrainingResult
-    acc: "_Interval"
-    start_iter: int
-    start_agreed: int
-    start: float = 0.0  # the run clock's time at the start
-    skipped: int = 0  # skipped iterations (fp16 overflow)
-
-
-@dataclass
-class _Interval:
-    """What the loop accumulates between two log lines."""
-
-    comm: Dict[str, float]
-    start: float  # the run clock's time when the interval began
-    consumed_before: int = 0  # the job's consumed samples when the interval began (lockstep)
-    site_consumed_before: int = 0  # this site's (non-lockstep)
-    sums: Dict[str, torch.Tensor] = field(default_factory=dict)
-    iters: int = 0
-    gbs: Optional[int] = 0  # the global batch of the last step (None: sites computed different counts)
-    skipped: int = 0
-    nans: int = 0
-    norm_sum: float = 0.0
-    norm_count: int = 0
-    run_start: float = 0.0
-
-    def __post_init__(self):
-        self.run_start = self.start
-
-    def reset(self, comm: Dict[str, float], consumed: int, site_consumed: int, now: float) -> None:
-        self.sums, self.iters, self.skipped, self.nans = {}, 0, 0, 0
-        self.norm_sum, self.norm_count = 0.0, 0
-        self.comm, self.consumed_before, self.site_consumed_before = comm, consumed, site_consumed
-        self.start = now
 
 
 def _exit_on_bad_input(err: Exception, prefix: str = "") -> NoReturn:

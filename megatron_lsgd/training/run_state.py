@@ -1,0 +1,90 @@
+"""What one call of Trainer.train keeps while it runs, and what it leaves behind; shared by
+the two training loops (lockstep_loop.py, meeting_loop.py) and the Trainer's common parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_lsgd.training.arguments import RunConfig
+
+
+@dataclass
+class TrainingResult:
+    """What a run leaves behind (used by tests and benchmarks)."""
+
+    iteration: int = 0
+    logged_losses: List[float] = field(default_factory=list)  # mean over sites, one per log interval
+    validation_losses: List[float] = field(default_factory=list)
+    # When each was taken: the run clock's time from the start, less the time spent evaluating
+    # before it (as Megatron's iteration timers, evaluation is not training time).
+    validation_seconds: List[float] = field(default_factory=list)
+    validation_iterations: List[int] = field(default_factory=list)
+    clock_seconds: float = 0.0  # the run's length on its clock (simulated under --simulate-clock)
+    evaluation_seconds: float = 0.0  # of clock_seconds, spent evaluating (quiescing included)
+    skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients
+    tokens_per_second: float = 0.0
+    consumed_samples: int = 0  # the whole job's, all sites
+    site_consumed_samples: int = 0  # this rank's site's own
+    comm: Dict[str, float] = field(default_factory=dict)  # this rank's inter-site totals (InterSiteComm)
+    sync_stats: Dict[str, float] = field(default_factory=dict)  # synchronizer.stats() at the end
+    synchronizer: Optional[object] = None  # for tests and tools that inspect its state
+    traffic: Dict[str, float] = field(default_factory=dict)  # all ranks' cross-site bytes vs per-step sync
+    model: Optional[torch.nn.Module] = None
+    config: Optional[RunConfig] = None
+
+
+@dataclass
+class Interval:
+    """What the loop accumulates between two log lines."""
+
+    comm: Dict[str, float]
+    start: float  # the run clock's time when the interval began
+    consumed_before: int = 0  # the job's consumed samples when the interval began (lockstep)
+    site_consumed_before: int = 0  # this site's (non-lockstep)
+    sums: Dict[str, torch.Tensor] = field(default_factory=dict)
+    iters: int = 0
+    gbs: Optional[int] = 0  # the global batch of the last step (None: sites computed different counts)
+    skipped: int = 0
+    nans: int = 0
+    norm_sum: float = 0.0
+    norm_count: int = 0
+    run_start: float = 0.0
+
+    def __post_init__(self):
+        self.run_start = self.start
+
+    def reset(self, comm: Dict[str, float], consumed: int, site_consumed: int, now: float) -> None:
+        self.sums, self.iters, self.skipped, self.nans = {}, 0, 0, 0
+        self.norm_sum, self.norm_count = 0.0, 0
+        self.comm, self.consumed_before, self.site_consumed_before = comm, consumed, site_consumed
+        self.start = now
+
+
+@dataclass
+class Run:
+    """One call of Trainer.train: its result so far and where it started."""
+
+    result: TrainingResult
+    acc: Interval
+    start_iter: int  # this site's steps when it started (a resumed run counts its own)
+    start_checkpoint_iteration: int  # the job's agreed progress when it started
+    start: float = 0.0  # the run clock's time at the start
+    skipped: int = 0  # skipped iterations (fp16 overflow)
+
+
+@dataclass
+class IntervalLine:
+    """The part of an interval's log line that depends on whose progress it reports: the
+    job's (lockstep: one line, losses averaged over sites) or one site's (non-lockstep:
+    every site's own line)."""
+
+    samples: int  # consumed during the interval
+    means: Dict[str, float]  # the interval's mean losses (on the last pipeline stage; else empty)
+    consumed: int  # consumed so far
+    of_iters: int  # what the iteration count is shown against
+    ranks: int  # the ranks that did the interval's work (--log-throughput is per rank)
+    lead: Dict[str, str] = field(default_factory=dict)  # fields before the interval's throughput and traffic
+    tail: Dict[str, str] = field(default_factory=dict)  # fields after them (before the synchronizer's stats)
