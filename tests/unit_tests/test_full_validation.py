@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 
+import pytest
+
 from tests.unit_tests.checkpointing.launch import ROOT
 from tests.unit_tests.checkpointing.single import run_single
 
@@ -58,3 +60,30 @@ def test_full_validation_refuses_what_has_no_split(monkeypatch, capsys):
     code = run_single(["--train-iters", "2", "--full-validation"], monkeypatch)  # the tests' mock-data run
     err = capsys.readouterr().err
     assert code == 2 and "error: --full-validation needs a validation split" in err and "--mock-data" in err
+
+
+def test_validation_times_are_training_time(monkeypatch):
+    """On the simulated clock, evaluating more batches lengthens the run but moves no
+    validation time: the time spent evaluating is summed apart (TrainingResult)."""
+    import pretrain_gpt
+    import torch.distributed as dist
+
+    from tests.unit_tests.harness import free_port
+
+    def run(eval_iters):
+        for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(free_port())).items():
+            monkeypatch.setenv(k, v)
+        try:
+            return pretrain_gpt.main(CORPUS + ["--distributed-backend", "gloo", "--train-iters", "4", "--lr", "1e-3",
+                                               "--eval-interval", "2", "--eval-iters", str(eval_iters), "--split",
+                                               "989,10,1", "--simulate-clock"])
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    one, four = run(1), run(4)
+    assert one.validation_iterations == four.validation_iterations == [2, 4]
+    assert one.validation_seconds == four.validation_seconds and one.validation_seconds[0] > 0
+    assert four.evaluation_seconds > one.evaluation_seconds > 0
+    assert four.clock_seconds - four.evaluation_seconds == pytest.approx(one.clock_seconds - one.evaluation_seconds)
