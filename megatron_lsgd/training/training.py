@@ -89,7 +89,8 @@ class Trainer:
                  signals: Optional[RunSignals] = None):
         self.config = config
         self.device = device
-        self.clock = clock or Clock()  # every time the run reads (core/clock.py)
+        # every time the run reads (core/clock.py), on the run's device: device-synchronised on a GPU
+        self.clock = (clock or Clock()).for_device(device)
         self.forward_step_func = forward_step_func
         self.pgs, self.rng_tracker = initialize(config, device)
         pgs = self.pgs
@@ -174,7 +175,7 @@ class Trainer:
     def _simulated_clock(self, model) -> Clock:
         params = trained_parameters(model, self.pgs)  # collective: the replica's ranks
         clock = build_simulated_clock(self.config.simulation, self.config.lsgd.link, self.config.dims,
-                                      self.pgs.site_rank, params)
+                                      self.pgs.site_rank, params, self.clock.streams)
         if self.pgs.rank == 0 or (self.pgs.rank % (self.config.dims.world_size // self.config.dims.sites) == 0):
             for line in describe(clock, self.config.simulation.scenario, params):
                 print(line if self.pgs.site_rank == 0 else f"{line} [site {self.pgs.site_rank}]", flush=True)
