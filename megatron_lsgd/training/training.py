@@ -118,6 +118,7 @@ class Trainer:
         link = config.lsgd.link
         devices = InterSiteDevices(group=backend_device(pgs.inter_site_backend, device), run=device,
                                    host_payloads=config.lsgd.outer.offload)
+        self.inter_site_devices = devices  # the loop's own inter-site collectives are checked too
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                              config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
                              devices=devices, clock=self.clock)
@@ -259,7 +260,7 @@ class Trainer:
             return
         total = torch.tensor([self.site_consumed_samples], dtype=torch.int64, device=self.device)
         if self.config.dims.sites > 1:
-            dist.all_reduce(total, group=self.pgs.dp_inter)
+            self.inter_site_devices.all_reduce("the job's consumed samples", total, self.pgs.dp_inter)
         self.consumed_samples = int(total.item())
         self._job_samples_stale = False
 
@@ -286,7 +287,8 @@ class Trainer:
     def _mean_across_sites(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
         if self.config.dims.sites > 1 and values:
             stacked = torch.cat(list(values.values())) / self.config.dims.sites
-            dist.all_reduce(stacked, group=self.pgs.dp_inter)  # a few bytes, at log intervals only
+            self.inter_site_devices.all_reduce("the log line's means", stacked,
+                                               self.pgs.dp_inter)  # a few bytes, at log intervals only
             values = dict(zip(values.keys(), stacked.split(1)))
         return {k: float(v.item()) for k, v in values.items()}
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 
 class WrongDevice(RuntimeError):
@@ -87,6 +88,19 @@ class InterSiteDevices:
 
     def needs_staging(self, tensor: torch.Tensor) -> bool:
         return not _same(tensor.device, self.group)
+
+    def all_reduce(self, what: str, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+        """A blocking all-reduce of a few control values (the training loop's log-line means
+        and sample sums) on an inter-site group: checked like every inter-site collective,
+        and copied through the group's device when the tensor lives elsewhere (a few bytes:
+        a plain copy, no staging pool)."""
+        self.check(what, tensor)
+        if not self.needs_staging(tensor):
+            dist.all_reduce(tensor, op=op, group=group)
+            return
+        staged = tensor.to(self.group)
+        dist.all_reduce(staged, op=op, group=group)
+        tensor.copy_(staged)
 
 
 def _same(a: torch.device, b: torch.device) -> bool:
