@@ -87,3 +87,23 @@ def test_sampler_resumes_from_its_site_position():
         SiteSampler(4, 8, 1, 0, 1, 0, 1)
     with pytest.raises(ValueError, match="not a multiple"):
         SiteSampler(16, 3, 2, 0, 1, 0, 1)
+
+
+def test_sum_of_squares_reads_back_once_with_the_per_span_arithmetic(monkeypatch):
+    import torch
+
+    from megatron_lsgd.core.optimizer.shard_views import sum_of_squares
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(1000, generator=gen) * 10 ** k for k in range(-3, 3)]
+    spans = [(r, lo, lo + 37 * (r + 1)) for r in range(len(tensors)) for lo in (0, 200, 551)]
+    expected = 0.0  # the per-span version: one read back (a device sync on a GPU) per span
+    for r, lo, hi in spans:
+        expected += float(torch.linalg.vector_norm(tensors[r][lo:hi], dtype=torch.float64)) ** 2
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda self: pytest.fail("a per-span read back"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a per-span read back"))
+    assert sum_of_squares(tensors, spans) == expected and len(reads) == 1  # bit for bit
+    assert sum_of_squares(tensors, []) == 0.0
