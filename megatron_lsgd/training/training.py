@@ -53,6 +53,7 @@ from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_memory_mb, print_rank, training_log_line
+from megatron_lsgd.training.model_build import build_model
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, trained_parameters
 from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
@@ -102,10 +103,7 @@ class Trainer:
         config.model.padded_vocab_size = padded_vocab_size(
             self.tokenizer.vocab_size, config.tokenizer.make_vocab_size_divisible_by, config.dims.tp)
 
-        model = model_provider(config, pgs, self.rng_tracker, pre_process=pgs.is_first_stage,
-                               post_process=pgs.is_last_stage)
-        model.to(device)
-        model.initialize(config.training.seed)
+        model = build_model(model_provider, config, pgs, self.rng_tracker, device)  # per shard on a GPU
         self.model = DistributedDataParallel(model, pgs, config.ddp)
         if config.simulation.active:  # virtual time from here on (--exit-duration-in-mins counts it from 0)
             self.clock = self._simulated_clock(model)
