@@ -77,7 +77,7 @@ class _QueuedDouble(RecordingStreams):
 
     def marks_complete(self, marks, block):
         self.note("marks_complete", block)
-        return True
+        return block  # just queued: complete only once waited for
 
 
 def test_marks_on_a_queued_device_are_events_read_without_waiting():
@@ -91,3 +91,20 @@ def test_marks_on_a_queued_device_are_events_read_without_waiting():
     host = Clock()
     m = host.mark()
     assert isinstance(m, float) and host.seconds(m, m + 1.5) == 1.5 and host.marks_complete([m], block=False)
+
+
+def test_exposed_time_between_marks_is_read_without_a_device_sync_and_settled_at_the_snapshot():
+    from megatron_lsgd.core.lsgd.comm import InterSiteComm
+
+    streams = _QueuedDouble()
+    comm = InterSiteComm(None, 2, clock=Clock(streams))
+    a = comm.clock.mark()
+    b = a + 0.25  # (the double's marks are host times)
+    streams.log.clear()
+    comm.record_exposed_between(a, b)
+    assert comm.exposed_seconds == 0.0 and (ME, "synchronize", None) not in streams.log
+    assert comm.snapshot()["exposed_seconds"] == 0.25 and comm.snapshot()["exposed_seconds"] == 0.25
+    assert (ME, "marks_complete", True) in streams.log
+    host = InterSiteComm(None, 2)  # on the host a mark is the present: counted at once
+    host.record_exposed_between(1.0, 1.5)
+    assert host.exposed_seconds == 0.5

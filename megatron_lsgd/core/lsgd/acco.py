@@ -385,11 +385,13 @@ class OverlappedGradientSync(Synchronizer):
         """Wait for the job in flight (time counted as exposed communication)."""
         if self._job is None:
             return
-        start = self.clock.now()
+        # Marks, not readings: on a GPU they time the compute stream's wait for the job's end
+        # where it happens, and the host does not wait for the stream here (core/clock.py).
+        start = self.clock.mark()
         result: _JobResult = self._job.result()
         self.streams.wait(result.done)  # what the compute stream queues next sees the job's results
         self.clock.join(self._job_clock)
-        self.comm.record_exposed(self.clock.now() - start)
+        self.comm.record_exposed_between(start, self.clock.mark())
         self.comm.settle(result.tally)
         self._job = None
         self._round_counts = [a + b for a, b in zip(self._round_counts, result.counts)]
