@@ -107,3 +107,27 @@ def test_sum_of_squares_reads_back_once_with_the_per_span_arithmetic(monkeypatch
     monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a per-span read back"))
     assert sum_of_squares(tensors, spans) == expected and len(reads) == 1  # bit for bit
     assert sum_of_squares(tensors, []) == 0.0
+
+
+def test_a_trial_restores_the_optimizer_state_into_the_tensors_it_had():
+    """ACCO's trial step runs on the worker's CUDA stream: restoring the state must not drop
+    tensors another stream allocated (a checkpoint load), only write into them."""
+    import types
+
+    import torch
+
+    from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer
+
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.AdamW([a], lr=0.1)
+    a.grad = torch.full_like(a, 0.5)
+    adam.step()  # a has state (loaded from a checkpoint, say); b has none yet
+    adam.add_param_group({"params": [b]})
+    before = {k: v for k, v in adam.state[a].items()}
+    saved = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in adam.state.items()}
+    b.grad = torch.full_like(b, 0.25)
+    adam.step()  # the trial: moves a's state, creates b's
+    ShardedOptimizer._restore_state(types.SimpleNamespace(optimizer=adam), saved)
+    assert b not in adam.state and set(adam.state[a]) == set(before)
+    for k, v in adam.state[a].items():
+        assert v is before[k] and torch.equal(v, saved[a][k]), k  # the same tensors, the saved values
