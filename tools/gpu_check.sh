@@ -5,6 +5,8 @@
 #      PyTorch loop of the same model (one GPU),
 #   3. every synchronizer for a few steps as 2 sites x 1 rank on one GPU, gloo between the
 #      sites (--device cuda --distributed-backend gloo --inter-site-backend gloo),
+#   4. on 2+ GPUs: acco and dpu with NCCL inside the sites (a hang = the deadlock their
+#      worker's gloo groups rule out),
 # then prints a table and writes docs/performance.md's GPU section (between its markers).
 #
 #   tools/gpu_check.sh                 # everything
@@ -60,10 +62,32 @@ for algo in $ALGOS; do
     ALGO_ROWS+="| $algo | $status | ${loss:--} | ${mem:--} |"$'\n'
 done
 
+# 4. acco and dpu with NCCL inside the sites (2+ GPUs, one rank per GPU; 4+ GPUs: TP 2 per site,
+#    so the compute thread's NCCL all-reduces run while the worker thread communicates). The
+#    worker's groups are gloo, so only the compute thread launches NCCL kernels: a hang here
+#    (exit 124) is the cross-communicator deadlock that rules out (docs/algorithms/acco.md).
+NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+NCCL_ROWS=""
+if [ "$NGPU" -ge 2 ]; then
+    if [ "$NGPU" -ge 4 ]; then WORLD=4; LAYOUT=(--tensor-model-parallel-size 2); else WORLD=2; LAYOUT=(); fi
+    for algo in acco dpu; do
+        log="$OUT/nccl_$algo.log"
+        timeout 300 python -m torch.distributed.run --nproc-per-node "$WORLD" \
+            --master-port $((30500 + RANDOM % 1000)) pretrain_gpt.py --num-layers 2 --hidden-size 256 \
+            --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 --global-batch-size 16 --train-iters 30 \
+            --lr 1e-3 --mock-data --vocab-size 512 --log-interval 5 --eval-iters 0 --num-sites 2 --bf16 \
+            --device cuda --distributed-backend nccl "${LAYOUT[@]}" --lsgd-algorithm "$algo" >"$log" 2>&1
+        rc=$?
+        loss=$(grep -o "lm loss: [0-9.E+-]*" "$log" | tail -n 1 | cut -d' ' -f3)
+        status=$([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc, $log)")
+        NCCL_ROWS+="| $algo | $WORLD GPUs${LAYOUT[*]:+, TP 2} | $status | ${loss:--} |"$'\n'
+    done
+fi
+
 # the table, printed and written into docs/performance.md
-SECTION=$(python - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" <<'EOF'
+SECTION=$(python - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" <<'EOF'
 import json, sys
-mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows = sys.argv[1:]
+mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows = sys.argv[1:]
 lines = [f"Measured {date} on {device} by `tools/gpu_check.sh` (one run; figures are that run's).", ""]
 lines.append(f"- CUDA-marked tests: {'passed' if tests_rc == '0' else 'FAILED'} ({tests_line.strip()})")
 if mfu_rc == "0":
@@ -80,6 +104,11 @@ else:
     lines.append(f"- tools/benchmarks/mfu.py FAILED (exit {mfu_rc}); see its log")
 lines += ["", "- Every synchronizer, 2 sites x 1 rank on one GPU, gloo between sites, bf16, 8 steps:", "",
           "| algorithm | run | last loss | peak CUDA MB |", "|---|---|---|---|", algo_rows.rstrip()]
+if nccl_rows.strip():
+    lines += ["", "- acco and dpu with NCCL inside the sites (the worker thread on gloo groups), 2 sites, 30 steps:", "",
+              "| algorithm | layout | run | last loss |", "|---|---|---|---|", nccl_rows.rstrip()]
+else:
+    lines += ["", "- acco and dpu with NCCL inside the sites: not run (needs 2 or more GPUs)"]
 print("\n".join(lines))
 EOF
 )
@@ -94,4 +123,4 @@ _, tail = rest.split(end, 1)
 open(path, "w").write(f"{head}{start}\n{section}\n{end}{tail}")
 EOF
 echo "wrote the GPU section of docs/performance.md; logs in $OUT"
-[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS"
+[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS"

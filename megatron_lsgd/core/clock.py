@@ -7,7 +7,14 @@ times, acco/dpu's accumulate-while-waiting, dreamddp's profile), stragglers and 
 
 - `Clock` (the default) is real time: `now()` is `time.perf_counter()`, `sleep()` sleeps,
   and the compute charges (`compute`, `optimizer_step`, `intra_site`) cost nothing extra,
-  because the work itself took the time.
+  because the work itself took the time. On a GPU (`for_device`), `now()` first waits
+  until the calling thread's current stream has run what was queued on it: kernels run
+  asynchronously, and a host reading alone would time their launches (exposed
+  communication near 0, straggler sleeps scaled by launch time, a profile of launches).
+  With that wait every reading means what it means on the host, in one place; on the host
+  the wait is a no-op (core/streams.py) and the readings are unchanged. `mark()` and
+  `seconds(a, b)` time work inside a step without waiting: on a GPU with events queued on
+  the current stream, on the host with the present.
 - `SimulatedClock` (core/simulation.py, `--simulate-clock`) keeps virtual time: compute is
   charged from a cost model, inter-site transfers from a link model, and nothing sleeps.
 
@@ -21,9 +28,14 @@ questions about the thread.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from megatron_lsgd.core.streams import HOST, streams_for
 
 
 class Job:
@@ -59,11 +71,19 @@ class Clock:
 
     simulated = False
 
-    def __init__(self):
+    def __init__(self, streams=None):
+        self.streams = streams or HOST  # the run device's (core/streams.py); the host's until for_device
         self.start = self.now()
+
+    def for_device(self, device: Optional[torch.device]) -> "Clock":
+        """This clock (same start) reading time on the run's device: see the module docstring."""
+        clock = copy.copy(self)
+        clock.streams = streams_for(device)
+        return clock
 
     # ---- reading and spending time --------------------------------------------------------------
     def now(self) -> float:
+        self.streams.synchronize()  # a GPU's queued work first (a no-op on the host)
         return time.perf_counter()
 
     def elapsed(self) -> float:
@@ -79,6 +99,20 @@ class Clock:
         waited = t - self.now()
         self.sleep(waited)
         return max(waited, 0.0)
+
+    # ---- moments inside a step (dreamddp's profile) ----------------------------------------------
+    def mark(self):
+        """A moment in this thread's work, compared later by `seconds`. On a GPU an event
+        queued on the current stream: it times kernels where they run and waits for nothing."""
+        return self.streams.timing_mark() if self.streams.queued else self.now()
+
+    def seconds(self, a, b) -> float:
+        """Seconds from mark a to mark b (both complete: see `marks_complete`)."""
+        return self.streams.elapsed(a, b) if self.streams.queued else b - a
+
+    def marks_complete(self, marks: Iterable, block: bool) -> bool:
+        """Whether the marks can be read (block: wait until they can)."""
+        return self.streams.marks_complete(marks, block) if self.streams.queued else True
 
     # ---- compute charges: the real clock's work took its own time ----------------------------
     def compute(self, microbatches: int, forward_only: bool = False) -> None:
@@ -109,7 +143,7 @@ class Clock:
 
     # ---- work on other threads --------------------------------------------------------------------
     def start_job(self) -> Job:
-        return Job(self.now())
+        return Job(time.perf_counter())  # the real clock never reads a job's time: no need to wait for the device
 
     @contextlib.contextmanager
     def bound(self, job: Job) -> Iterator[None]:

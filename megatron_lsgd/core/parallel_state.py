@@ -205,15 +205,18 @@ def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: O
     return pgs
 
 
-def clone_groups(pgs: ProcessGroups, kinds: Sequence[str], timeout=None) -> ProcessGroups:
+def clone_groups(pgs: ProcessGroups, kinds: Sequence[str], timeout=None, backend: Optional[str] = None
+                 ) -> ProcessGroups:
     """A copy of `pgs` in which the groups of the given kinds are fresh process groups with
     the same members (collective: every rank calls it with the same kinds, in the same
     order). For a thread that issues collectives beside the main thread: each process group
     needs one order of collectives on all its members, which two threads sharing a group
-    could not guarantee."""
+    could not guarantee. `backend`: the fresh groups' (default: the world's)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before building process groups")
     kwargs = {"timeout": timeout} if timeout is not None else {}
+    if backend is not None:
+        kwargs["backend"] = backend
     fresh = {}
     all_groups = enumerate_group_ranks(pgs.dims)
     for kind in kinds:

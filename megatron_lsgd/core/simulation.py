@@ -158,13 +158,13 @@ class SimulatedClock(Clock):
 
     simulated = True
 
-    def __init__(self, costs: CostModel, link: LinkModel):
+    def __init__(self, costs: CostModel, link: LinkModel, streams=None):
         self.costs = costs
         self.link = link
         self._main = Job(0.0)
         self._pass: Optional[_Pass] = None
         self._bound = threading.local()
-        super().__init__()
+        super().__init__(streams)  # the device's streams order work; they never enter virtual time
 
     def _timeline(self) -> Job:
         return getattr(self._bound, "job", None) or self._main
@@ -184,6 +184,16 @@ class SimulatedClock(Clock):
         waited = max(t - self.now(), 0.0)
         self._timeline().advance_to(t)
         return waited
+
+    # moments inside a step are virtual too, on every device
+    def mark(self) -> float:
+        return self.now()
+
+    def seconds(self, a, b) -> float:
+        return b - a
+
+    def marks_complete(self, marks, block: bool) -> bool:
+        return True
 
     # ---- compute ------------------------------------------------------------------------------------
     def compute(self, microbatches: int, forward_only: bool = False) -> None:

@@ -135,7 +135,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                         "per GPU, e.g. two one-rank sites on one GPU)")
     g.add_argument("--inter-site-backend", choices=["nccl", "gloo"], default=None,
                    help="backend of the groups that cross sites (dp_inter); with gloo on GPUs, payloads go "
-                        "through pinned host buffers. Default: nccl when the run uses CUDA, gloo otherwise")
+                        "through pinned host buffers. Default: nccl when the run uses CUDA, gloo otherwise and "
+                        "under --lsgd-algorithm acco/dpu (whose worker thread communicates on gloo groups)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 

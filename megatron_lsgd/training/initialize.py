@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.devices import choose_inter_site_backend
 from megatron_lsgd.core.parallel_state import ProcessGroups, build_process_groups
 from megatron_lsgd.core.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seeds
@@ -88,7 +89,9 @@ def shutdown_distributed() -> None:
 
 def initialize(config: RunConfig, device: torch.device) -> tuple[ProcessGroups, RNGStatesTracker]:
     timeout = timedelta(minutes=config.training.distributed_timeout_minutes)
-    inter_site_backend = choose_inter_site_backend(config.training.inter_site_backend, device)
+    algorithm = config.lsgd.algorithm
+    inter_site_backend = choose_inter_site_backend(config.training.inter_site_backend, device, algorithm,
+                                                   synchronizer_class(algorithm).communicates_from_a_thread)
     pgs = build_process_groups(config.dims, timeout=timeout, inter_site_backend=inter_site_backend)
     default_seed, tp_seed = model_parallel_seeds(config.training.seed, pgs.tp_rank, pgs.pp_rank)
     random.seed(default_seed)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_lsgd.training.run_state import Interval, IntervalLine, Run
 
@@ -70,7 +69,7 @@ class LockstepLoop:
         tr = self.trainer
         total = torch.tensor([tr.site_consumed_samples], dtype=torch.int64, device=tr.device)
         if tr.config.dims.sites > 1:
-            dist.all_reduce(total, group=tr.pgs.dp_inter)
+            tr.inter_site_devices.all_reduce("the job's consumed samples", total, tr.pgs.dp_inter)
         tr.consumed_samples = int(total.item())
         self._job_samples_stale = False
 

@@ -96,8 +96,9 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("Megatron run-time options")
     g.add_argument("--overlap-param-gather", action="store_true",
-                   help="accepted with --use-distributed-optimizer: the ZeRO-1 all-gather runs right after the "
-                        "optimizer step here, not overlapped with the next forward (same results)")
+                   help="accepted with --use-distributed-optimizer, with a note: the ZeRO-1 all-gather runs right "
+                        "after the optimizer step here, not overlapped with the next forward (same results; "
+                        "docs/megatron_compat.md says why)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="refused: gradients are accumulated and reduced in fp32 here")
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch",
@@ -190,7 +191,8 @@ def _notes(args: argparse.Namespace) -> List[str]:
     if args.cross_entropy_loss_fusion:
         notes.append("--cross-entropy-loss-fusion (a kernel fusion; same loss)")
     if args.overlap_param_gather:
-        notes.append("--overlap-param-gather (the ZeRO-1 all-gather follows the optimizer step; same results)")
+        notes.append("--overlap-param-gather (not overlapped here: the ZeRO-1 all-gather runs right after the "
+                     "optimizer step; same results, slower on GPUs only)")
     if args.use_pytorch_profiler:
         notes.append("--use-pytorch-profiler (--profile always uses the torch profiler)")
     fp8_tuning = [f for f, on in (("--fp8-margin", args.fp8_margin != 0),

@@ -207,8 +207,9 @@ def trained_parameters(model: torch.nn.Module, pgs) -> int:
 
 
 def build_simulated_clock(options: SimulationOptions, link_flags, dims, site: int,
-                          trained_params: int) -> SimulatedClock:
-    """This rank's simulated clock: scenario, then flags, then defaults."""
+                          trained_params: int, streams=None) -> SimulatedClock:
+    """This rank's simulated clock: scenario, then flags, then defaults (`streams`: the run
+    device's, core/streams.py)."""
     scenario = load_scenario(options.scenario) if options.scenario else None  # its sites were checked in build_config
 
     def pick(flag_value, scenario_value, default):
@@ -231,7 +232,7 @@ def build_simulated_clock(options: SimulationOptions, link_flags, dims, site: in
         (scenario.bytes_scale_for(trained_params) if scenario is not None else 1.0)
     link = LinkModel(rate_mbit=rate, latency_ms=latency, bytes_scale=scale,
                      ranks_sharing=dims.world_size // dims.sites)
-    return SimulatedClock(costs, link)
+    return SimulatedClock(costs, link, streams)
 
 
 def describe(clock: SimulatedClock, scenario_path: Optional[str], trained_params: int) -> List[str]:

@@ -48,6 +48,7 @@ from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.lockstep_loop import LockstepLoop
 from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_memory_mb, print_rank, training_log_line
 from megatron_lsgd.training.meeting_loop import MeetingLoop
+from megatron_lsgd.training.model_build import build_model
 from megatron_lsgd.training.run_state import Interval, Run, TrainingResult
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, trained_parameters
 from megatron_lsgd.training.signals import Interrupted, RunSignals
@@ -63,7 +64,8 @@ class Trainer:
                  signals: Optional[RunSignals] = None):
         self.config = config
         self.device = device
-        self.clock = clock or Clock()  # every time the run reads (core/clock.py)
+        # every time the run reads (core/clock.py), on the run's device: device-synchronised on a GPU
+        self.clock = (clock or Clock()).for_device(device)
         self.forward_step_func = forward_step_func
         self.pgs, self.rng_tracker = initialize(config, device)
         pgs = self.pgs
@@ -73,10 +75,7 @@ class Trainer:
         config.model.padded_vocab_size = padded_vocab_size(
             self.tokenizer.vocab_size, config.tokenizer.make_vocab_size_divisible_by, config.dims.tp)
 
-        model = model_provider(config, pgs, self.rng_tracker, pre_process=pgs.is_first_stage,
-                               post_process=pgs.is_last_stage)
-        model.to(device)
-        model.initialize(config.training.seed)
+        model = build_model(model_provider, config, pgs, self.rng_tracker, device)  # per shard on a GPU
         self.model = DistributedDataParallel(model, pgs, config.ddp)
         if config.simulation.active:  # virtual time from here on (--exit-duration-in-mins counts it from 0)
             self.clock = self._simulated_clock(model)
@@ -89,6 +88,7 @@ class Trainer:
         link = config.lsgd.link
         devices = InterSiteDevices(group=backend_device(pgs.inter_site_backend, device), run=device,
                                    host_payloads=config.lsgd.outer.offload)
+        self.inter_site_devices = devices  # the loop's own inter-site collectives are checked too
         comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                              config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
                              devices=devices, clock=self.clock)
@@ -145,7 +145,7 @@ class Trainer:
     def _simulated_clock(self, model) -> Clock:
         params = trained_parameters(model, self.pgs)  # collective: the replica's ranks
         clock = build_simulated_clock(self.config.simulation, self.config.lsgd.link, self.config.dims,
-                                      self.pgs.site_rank, params)
+                                      self.pgs.site_rank, params, self.clock.streams)
         if self.pgs.rank == 0 or (self.pgs.rank % (self.config.dims.world_size // self.config.dims.sites) == 0):
             for line in describe(clock, self.config.simulation.scenario, params):
                 print(line if self.pgs.site_rank == 0 else f"{line} [site {self.pgs.site_rank}]", flush=True)
@@ -215,7 +215,8 @@ class Trainer:
         """Every site's values averaged over sites (collective over dp_inter: every site calls it)."""
         if self.config.dims.sites > 1 and values:
             stacked = torch.cat(list(values.values())) / self.config.dims.sites
-            dist.all_reduce(stacked, group=self.pgs.dp_inter)  # a few bytes, at log intervals only
+            self.inter_site_devices.all_reduce("the log line's means", stacked,
+                                               self.pgs.dp_inter)  # a few bytes, at log intervals only
             values = dict(zip(values.keys(), stacked.split(1)))
         return {k: float(v.item()) for k, v in values.items()}
 

@@ -1,7 +1,8 @@
 """What only a GPU can show (marked `cuda`: skipped with the reason on CPU machines; run by
 tools/gpu_check.sh). Each test is the GPU side of a CPU-tested property: staged inter-site
 payloads, host-side outer state, device-side searchsorted, bf16 cross-entropy, GQA through
-SDPA's kernels, recomputation and the peak-memory figures."""
+SDPA's kernels, recomputation, the peak-memory figures, acco/dpu's worker stream and its
+two events, the device-synchronised clock and per-shard initialisation on the device."""
 
 from __future__ import annotations
 
@@ -114,8 +115,67 @@ def test_peak_cuda_memory_is_reported():
     assert peak["peak_cuda_allocated_mb"] >= 64 and peak["peak_cuda_reserved_mb"] >= 64
 
 
-def test_the_acco_worker_thread_computes_on_the_ranks_gpu():
+def test_the_acco_worker_thread_computes_on_the_ranks_gpu_on_a_stream_of_its_own():
     from megatron_lsgd.core.lsgd.acco import _Worker
+    from megatron_lsgd.core.streams import streams_for
 
     last = torch.device("cuda", torch.cuda.device_count() - 1)  # not the thread default (0) on multi-GPU hosts
-    assert _Worker("test", last).submit(torch.cuda.current_device).result() == last.index
+    worker = _Worker("test", last, streams_for(last))
+    device, stream = worker.submit(lambda: (torch.cuda.current_device(), torch.cuda.current_stream())).result()
+    assert device == last.index
+    assert stream != torch.cuda.default_stream(last) and stream != torch.cuda.current_stream(last)
+
+
+def test_two_events_order_a_hand_over_between_the_compute_and_the_worker_stream():
+    from megatron_lsgd.core.lsgd.acco import _Worker
+    from megatron_lsgd.core.streams import streams_for
+
+    streams = streams_for(GPU)
+    worker = _Worker("test", GPU, streams)
+    x = torch.zeros(1 << 24, device=GPU)
+    torch.cuda._sleep(int(5e8))  # a slow producer on the compute stream: without the wait the worker reads zeros
+    x.add_(1)
+    handed_over = streams.record()
+
+    def job():
+        streams.wait(handed_over)
+        y = x * 2
+        torch.cuda._sleep(int(5e8))  # a slow job: without the wait the compute stream reads a half-written z
+        z = y + 1
+        return z, streams.record()
+
+    z, done = worker.submit(job).result()
+    streams.wait(done)
+    assert torch.equal(z, torch.full_like(x, 3))
+
+
+def test_the_real_clock_on_a_gpu_waits_for_queued_kernels():
+    import time
+
+    from megatron_lsgd.core.clock import Clock
+
+    clock = Clock().for_device(GPU)
+    torch.cuda.synchronize()
+    t0 = clock.now()
+    torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU time, launched in microseconds
+    launched = time.perf_counter()
+    t1 = clock.now()
+    assert t1 - t0 > 0.1 and launched - t0 < (t1 - t0) / 4
+
+
+def test_per_shard_initialisation_on_the_gpu_equals_the_host_path():
+    import pretrain_gpt
+    from megatron_lsgd.core.tensor_parallel.random import RNGStatesTracker
+    from megatron_lsgd.training.arguments import build_config, parse_args
+    from megatron_lsgd.training.model_build import build_model
+    from tests.unit_tests.test_init_per_shard import LLAMA, MODEL, _pgs
+
+    config = build_config(parse_args(MODEL + LLAMA + ["--tensor-model-parallel-size", "2", "--bf16"]), 2)
+    config.model.padded_vocab_size = 104
+    for rank in range(2):
+        pgs = _pgs(config, rank)
+        host = build_model(pretrain_gpt.model_provider, config, pgs, RNGStatesTracker(torch.device("cpu")),
+                           torch.device("cpu"))
+        gpu = build_model(pretrain_gpt.model_provider, config, pgs, RNGStatesTracker(GPU), GPU)  # meta, per shard
+        for (name, a), (_, b) in zip(host.named_parameters(), gpu.named_parameters()):
+            assert b.device.type == "cuda" and torch.equal(a, b.cpu()), name

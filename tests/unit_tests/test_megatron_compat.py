@@ -159,6 +159,8 @@ def test_no_effect_flags_are_said_once(capsys):
     err = capsys.readouterr().err
     assert err.count("note: accepted for Megatron compatibility, no effect here:") == 1
     assert "--use-mcore-models" in err and "--cross-entropy-loss-fusion" in err and "--fp8-margin" in err
+    build_config(parse_args(BASE + ["--use-distributed-optimizer", "--overlap-param-gather"]), 1)
+    assert "--overlap-param-gather (not overlapped here" in capsys.readouterr().err
 
 
 # ---- sample-based schedules ---------------------------------------------------------------------

@@ -87,3 +87,47 @@ def test_sampler_resumes_from_its_site_position():
         SiteSampler(4, 8, 1, 0, 1, 0, 1)
     with pytest.raises(ValueError, match="not a multiple"):
         SiteSampler(16, 3, 2, 0, 1, 0, 1)
+
+
+def test_sum_of_squares_reads_back_once_with_the_per_span_arithmetic(monkeypatch):
+    import torch
+
+    from megatron_lsgd.core.optimizer.shard_views import sum_of_squares
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(1000, generator=gen) * 10 ** k for k in range(-3, 3)]
+    spans = [(r, lo, lo + 37 * (r + 1)) for r in range(len(tensors)) for lo in (0, 200, 551)]
+    expected = 0.0  # the per-span version: one read back (a device sync on a GPU) per span
+    for r, lo, hi in spans:
+        expected += float(torch.linalg.vector_norm(tensors[r][lo:hi], dtype=torch.float64)) ** 2
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda self: pytest.fail("a per-span read back"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a per-span read back"))
+    assert sum_of_squares(tensors, spans) == expected and len(reads) == 1  # bit for bit
+    assert sum_of_squares(tensors, []) == 0.0
+
+
+def test_a_trial_restores_the_optimizer_state_into_the_tensors_it_had():
+    """ACCO's trial step runs on the worker's CUDA stream: restoring the state must not drop
+    tensors another stream allocated (a checkpoint load), only write into them."""
+    import types
+
+    import torch
+
+    from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer
+
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.AdamW([a], lr=0.1)
+    a.grad = torch.full_like(a, 0.5)
+    adam.step()  # a has state (loaded from a checkpoint, say); b has none yet
+    adam.add_param_group({"params": [b]})
+    before = {k: v for k, v in adam.state[a].items()}
+    saved = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in adam.state.items()}
+    b.grad = torch.full_like(b, 0.25)
+    adam.step()  # the trial: moves a's state, creates b's
+    ShardedOptimizer._restore_state(types.SimpleNamespace(optimizer=adam), saved)
+    assert b not in adam.state and set(adam.state[a]) == set(before)
+    for k, v in adam.state[a].items():
+        assert v is before[k] and torch.equal(v, saved[a][k]), k  # the same tensors, the saved values

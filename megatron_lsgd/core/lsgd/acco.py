@@ -72,10 +72,31 @@ model (what evaluation and the checkpoint's model files see), keeping the parame
 next compute must use (θ_{k-1} for dpu, θ~_k for acco) as this rank's shard in the
 synchronizer state; the next step restores them. Nothing else is in flight between steps.
 
-On GPU the worker thread would run its collectives and optimizer math on a CUDA side stream
-(with events recorded on the compute stream when a gradient storage is handed over and
-waited on before the model reads new parameters); that path is not written or measured
-here, since no GPU was available.
+On a GPU (core/streams.py; the same calls are no-ops on the host, and a CPU test checks
+their order with a recording double):
+- streams: the worker runs on a CUDA stream of its own, so the compute stream never queues
+  behind its mean or optimizer step (and a `.item()` on the compute thread never waits for
+  them). Two events order the handover, nothing else waits: the compute stream records one
+  after the intra-site reduce that wrote the gradient storage (and after its last read of
+  the main parameters the job will write); the worker's stream waits for it before the
+  job. The job records one when its work is queued; the compute stream waits for it
+  before the model takes the job's parameters (and so before it next writes the storage
+  that job read, a stage later). Long-lived buffers (the two gradient storages, the
+  main shards, θ~ and ḡ~) are never freed while a job runs; the trial step restores the
+  optimizer state in place rather than dropping tensors another stream allocated.
+- collectives: NCCL kernels launched from two threads on different communicators may be
+  launched in a different order on different ranks, depending on timing; a kernel that
+  cannot start behind another that waits for a peer (or a device-wide synchronisation
+  between them) can then deadlock. So, by construction, only the compute thread launches
+  NCCL kernels: on a GPU the worker's groups (its dp_inter, dp_intra, model_parallel, site
+  and Muon's tp) are gloo groups (`devices.worker_group_backend`), and acco/dpu's
+  inter-site backend is gloo (`--inter-site-backend nccl` is refused). The worker's inter-
+  site payloads are staged through pinned host memory (devices.Staging); its intra-site
+  collectives are the gradient norm's few bytes (plus, without ZeRO-1 and with DP_intra > 1,
+  the all-gather of the site's split, and Muon's matrices: those cross the host, on the
+  worker, hidden behind compute as long as they fit in it). The NCCL communicators are then
+  used by one thread each, in program order, identical on every rank; gloo's collectives
+  block only the threads that issue them, so the no-cycle argument above applies as is.
 """
 
 from __future__ import annotations
@@ -94,6 +115,7 @@ from megatron_lsgd.core.clock import Job
 from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.comm import Tally
 from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
+from megatron_lsgd.core.lsgd.devices import worker_group_backend
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
@@ -204,11 +226,13 @@ class AccoOptions(OverlapOptions):
 
 class _Worker:
     """One daemon thread running submitted jobs one at a time, in order (a daemon, so a run
-    that fails elsewhere is not kept alive by a job stuck in a collective)."""
+    that fails elsewhere is not kept alive by a job stuck in a collective), with the run's
+    device set and a stream of its own as its current stream (core/streams.py)."""
 
-    def __init__(self, name: str, device: torch.device):
+    def __init__(self, name: str, device: torch.device, streams):
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._device = device
+        self._streams = streams
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -220,14 +244,15 @@ class _Worker:
     def _run(self) -> None:
         if self._device.type == "cuda":  # the current GPU is per thread: a new one starts on cuda:0
             torch.cuda.set_device(self._device)
-        while True:
-            future, fn, args = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as err:  # handed to the compute thread by future.result()
-                future.set_exception(err)
+        with self._streams.running_on(self._streams.side_stream()):  # never the compute stream
+            while True:
+                future, fn, args = self._jobs.get()
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # handed to the compute thread by future.result()
+                    future.set_exception(err)
 
 
 @dataclass
@@ -236,6 +261,7 @@ class _JobResult:
     counts: List[int]  # every site's micro-batches in this stage (per data-parallel rank)
     grad_norm: Optional[float]
     tally: Tally  # the job's inter-site bytes and rounds, settled when the compute thread has waited for it
+    done: object  # event after the job's last work on the worker's stream (core/streams.py)
 
 
 class OverlappedGradientSync(Synchronizer):
@@ -244,6 +270,7 @@ class OverlappedGradientSync(Synchronizer):
     Options = OverlapOptions
     uses = frozenset({"compression"})
     overlaps_optimizer_step = True
+    communicates_from_a_thread = True
     stage_kinds: ClassVar[Tuple[str, ...]] = ()  # per stage: "estimate" (acco's trial step) or "commit"
 
     def __init__(self, ctx: SyncContext):
@@ -259,11 +286,12 @@ class OverlappedGradientSync(Synchronizer):
         self.sites = ctx.comm.num_sites
         minutes = ctx.comm.timeout_minutes
         timeout = timedelta(minutes=minutes) if minutes else None
-        # Groups of the worker thread's own (see the module docstring's ordering rule).
+        # Groups of the worker thread's own, gloo on GPUs (see the module docstring's ordering rule).
         ctx.comm.use_dedicated_group(ctx.pgs.dims, timeout)
         # --optimizer muon assembles its matrices over tp too, inside the worker's step
         kinds = ("dp_intra", "model_parallel", "site") + (("tp",) if getattr(ctx.optimizer, "muon", None) else ())
-        self.worker_groups = clone_groups(ctx.pgs, kinds, timeout) if dist.is_initialized() else ctx.pgs
+        self.worker_groups = clone_groups(ctx.pgs, kinds, timeout, worker_group_backend(ctx.device)) \
+            if dist.is_initialized() else ctx.pgs
         self.storages = (self.model.buffer.active_grad_storage, self.model.add_grad_storage())
         self.computing = 0  # index into self.storages: where compute accumulates
         self.views = ctx.optimizer.views()  # the whole model: one fragment
@@ -279,8 +307,9 @@ class OverlappedGradientSync(Synchronizer):
             self._theta_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
             self._g_est = [torch.zeros_like(m) for m in ctx.optimizer.main_param_shards()]
             self._n_est = 0
-        self._worker = _Worker(f"lsgd-{self.name}", device)
         self.clock = ctx.clock
+        self.streams = ctx.clock.streams  # the run device's (core/streams.py): no-ops on the host
+        self._worker = _Worker(f"lsgd-{self.name}", device, self.streams)
         self._job: Optional[Future] = None
         self._job_clock: Optional[Job] = None  # the job's timeline on the run's clock
         self._load_after_compute: Optional[str] = None  # "main" or "estimate": what the model takes next
@@ -320,9 +349,12 @@ class OverlappedGradientSync(Synchronizer):
         self._finish_job()
         self._load_model()
         step.reduce_in_site()
+        # The job may start once the compute stream has written the storage (the reduce) and
+        # read the main parameters the job will write (the load): the worker's stream waits here.
+        handed_over = self.streams.record()
         storage = self.storages[self.computing]
         self._job_clock = self.clock.start_job()  # the worker's timeline forks from this moment
-        self._job = self._worker.submit(self._timed_job, self._job_clock, kind, stage, storage, n, step)
+        self._job = self._worker.submit(self._timed_job, self._job_clock, handed_over, kind, stage, storage, n, step)
         self._load_after_compute = "main" if kind == "commit" else "estimate"
         self.computing ^= 1
         self.model.use_grad_storage(self.storages[self.computing])
@@ -353,10 +385,13 @@ class OverlappedGradientSync(Synchronizer):
         """Wait for the job in flight (time counted as exposed communication)."""
         if self._job is None:
             return
-        start = self.clock.now()
+        # Marks, not readings: on a GPU they time the compute stream's wait for the job's end
+        # where it happens, and the host does not wait for the stream here (core/clock.py).
+        start = self.clock.mark()
         result: _JobResult = self._job.result()
+        self.streams.wait(result.done)  # what the compute stream queues next sees the job's results
         self.clock.join(self._job_clock)
-        self.comm.record_exposed(self.clock.now() - start)
+        self.comm.record_exposed_between(start, self.clock.mark())
         self.comm.settle(result.tally)
         self._job = None
         self._round_counts = [a + b for a, b in zip(self._round_counts, result.counts)]
@@ -381,7 +416,8 @@ class OverlappedGradientSync(Synchronizer):
         self._load_after_compute = "main"  # after the next compute the model takes θ again
 
     # ---- the worker thread ---------------------------------------------------------------------
-    def _timed_job(self, job: Job, *args) -> _JobResult:
+    def _timed_job(self, job: Job, handed_over, *args) -> _JobResult:
+        self.streams.wait(handed_over)  # the compute stream's reduce into the storage, and its reads of θ
         with self.clock.bound(job):
             return self._job_fn(*args)
 
@@ -411,7 +447,7 @@ class OverlappedGradientSync(Synchronizer):
                     samples += self._n_est
                 _, norm = step.apply(grads=grads, groups=self.worker_groups, copy_to_model=False,
                                      samples=samples * per_mb)
-        return _JobResult(kind, counts, norm, tally)
+        return _JobResult(kind, counts, norm, tally, self.streams.record())
 
     def _exchange_counts(self, count: int, stage: int) -> List[int]:
         if self.sites == 1:

@@ -270,20 +270,21 @@ class CoCoDC(StreamingDiLoCo):
             if seconds is not None and not self.views[p].empty:
                 values[2], values[3] = seconds, 1.0
             if rec.side is not None and rec.side.mean is not None:
-                values[4], values[5] = float(rec.side.mean[0]), float(rec.side.mean[1])
+                values[4], values[5] = rec.side.mean[:2].tolist()  # one read back, not one per value
         # on the training device: the site group is NCCL on GPUs
         agreed = torch.tensor(values, dtype=torch.float64, device=self.ctx.optimizer.main_param_shards()[0].device)
         n = agree_in_site(agreed, self.ctx.pgs)
-        self.ratios[p] = math.sqrt(float(agreed[0])) / max(1, rec.started - self.last_land[p])
+        agreed = agreed.tolist()  # one device sync for the six values
+        self.ratios[p] = math.sqrt(agreed[0]) / max(1, rec.started - self.last_land[p])
         if not self.measuring:
             return
         self.step_seconds_sum, self.step_count = 0.0, 0
-        self.site_step_seconds = float(agreed[1]) / n
-        if float(agreed[3]) > 0:
-            self.site_sync_seconds = float(agreed[2]) / float(agreed[3])
+        self.site_step_seconds = agreed[1] / n
+        if agreed[3] > 0:
+            self.site_sync_seconds = agreed[2] / agreed[3]
         # online moving averages of the job's times (identical inputs everywhere, so identical results)
-        self.job_step_seconds = _moving_average(self.job_step_seconds, float(agreed[4]) / n)
-        self.job_sync_seconds = _moving_average(self.job_sync_seconds, float(agreed[5]) / n)
+        self.job_step_seconds = _moving_average(self.job_step_seconds, agreed[4] / n)
+        self.job_sync_seconds = _moving_average(self.job_sync_seconds, agreed[5] / n)
         self.num_syncs = syncs_per_round(self.num_fragments, self.interval, self.ctx.config.algo.gamma,
                                          self.job_step_seconds, self.job_sync_seconds)
         self.slot = max(1, self.interval // self.num_syncs)

@@ -19,7 +19,7 @@ time (core/simulation.py) and nothing sleeps.
 A synchronizer that communicates on a thread of its own (ACCO/DPU) wraps that thread's work
 in `overlapped()`: waits on that thread then do not count as exposed (nothing waits for
 them but the thread itself); the synchronizer adds the time its compute thread spends
-waiting for the other thread with `record_exposed`. The bytes and rounds of that work go
+waiting for the other thread with `record_exposed_between`. The bytes and rounds of that work go
 to the `Tally` it yields and join the totals when the compute thread `settle`s it (after
 waiting for the job), so the totals a log line reads do not depend on how far the other
 thread happened to be.
@@ -128,6 +128,7 @@ class InterSiteComm:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.exposed_seconds = 0.0
+        self._exposed_marks = []  # (a, b) clock marks not read yet (record_exposed_between)
         self.rounds = 0
         self._link_free_at = 0.0
         self._transfers = self.clock.transfer_log()
@@ -163,9 +164,22 @@ class InterSiteComm:
         else:
             self.rounds += 1
 
-    def record_exposed(self, seconds: float) -> None:
-        """Time the compute thread spent waiting for communication running elsewhere."""
-        self.exposed_seconds += seconds
+    def record_exposed_between(self, a, b) -> None:
+        """The compute thread waited for communication running elsewhere from clock mark a
+        to mark b. On a GPU the marks are events on the compute stream (what it waited for
+        is the stream waiting on another stream's event), read once they have completed:
+        here if they have, else at the next `snapshot`, so counting costs no device sync."""
+        if self.clock.marks_complete([a, b], block=False):
+            self.exposed_seconds += self.clock.seconds(a, b)
+        else:
+            self._exposed_marks.append((a, b))
+
+    def _settle_exposed_marks(self) -> None:
+        if self._exposed_marks:
+            self.clock.marks_complete([m for pair in self._exposed_marks for m in pair], block=True)
+            for a, b in self._exposed_marks:
+                self.exposed_seconds += self.clock.seconds(a, b)
+            self._exposed_marks = []
 
     def _issue(self, work, sent: int, received: int) -> InterSiteWork:
         counts = getattr(self._thread, "tally", None) or self
@@ -270,5 +284,6 @@ class InterSiteComm:
                 self.group = group
 
     def snapshot(self) -> Dict[str, float]:
+        self._settle_exposed_marks()
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "exposed_seconds": self.exposed_seconds, "rounds": self.rounds}

@@ -28,21 +28,37 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 
 class WrongDevice(RuntimeError):
     """A synchronizer handed an inter-site collective a tensor on a device its group cannot take."""
 
 
-def choose_inter_site_backend(requested: Optional[str], run_device: torch.device) -> str:
-    """--inter-site-backend: default nccl on a GPU run, gloo on the host. NCCL needs GPUs."""
+def choose_inter_site_backend(requested: Optional[str], run_device: torch.device, algorithm: Optional[str] = None,
+                              threaded: bool = False) -> str:
+    """--inter-site-backend: default nccl on a GPU run, gloo on the host. NCCL needs GPUs.
+    `threaded`: the algorithm communicates from a thread of its own (acco/dpu), whose
+    groups are gloo so that only the compute thread launches NCCL kernels (their order is
+    then fixed by construction, docs/algorithms/acco.md); its inter-site traffic is gloo."""
     if requested is None:
-        return "nccl" if run_device.type == "cuda" else "gloo"
+        return "nccl" if run_device.type == "cuda" and not threaded else "gloo"
     if requested not in ("nccl", "gloo"):
         raise ValueError(f"--inter-site-backend {requested!r}: choose nccl or gloo")
     if requested == "nccl" and run_device.type != "cuda":
         raise ValueError(f"--inter-site-backend nccl needs CUDA (this run computes on {run_device}); use gloo")
+    if requested == "nccl" and threaded:
+        raise ValueError(f"--inter-site-backend nccl: --lsgd-algorithm {algorithm} communicates from a worker "
+                         f"thread whose collectives run on gloo groups, so that only the compute thread launches "
+                         f"NCCL kernels (docs/algorithms/acco.md); use gloo or drop the flag")
     return requested
+
+
+def worker_group_backend(run_device: torch.device) -> Optional[str]:
+    """The backend of the process groups a worker thread communicates on (acco/dpu): gloo on
+    a GPU run (NCCL kernels launched from two threads could wait for each other in an order
+    that depends on timing), the world's own on the host (gloo already)."""
+    return "gloo" if run_device.type == "cuda" else None
 
 
 def backend_device(backend: str, run_device: torch.device) -> torch.device:
@@ -72,6 +88,19 @@ class InterSiteDevices:
 
     def needs_staging(self, tensor: torch.Tensor) -> bool:
         return not _same(tensor.device, self.group)
+
+    def all_reduce(self, what: str, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+        """A blocking all-reduce of a few control values (the training loop's log-line means
+        and sample sums) on an inter-site group: checked like every inter-site collective,
+        and copied through the group's device when the tensor lives elsewhere (a few bytes:
+        a plain copy, no staging pool)."""
+        self.check(what, tensor)
+        if not self.needs_staging(tensor):
+            dist.all_reduce(tensor, op=op, group=group)
+            return
+        staged = tensor.to(self.group)
+        dist.all_reduce(staged, op=op, group=group)
+        tensor.copy_(staged)
 
 
 def _same(a: torch.device, b: torch.device) -> bool:

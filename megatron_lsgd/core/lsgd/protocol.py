@@ -225,6 +225,10 @@ class Synchronizer:
     # then gives the optimizer fp32 main parameters apart from the model's even for fp32
     # models, so a step never writes into parameters a forward pass is reading.
     overlaps_optimizer_step: ClassVar[bool] = False
+    # True when it issues collectives from a thread of its own (ACCO/DPU): its inter-site
+    # backend is then gloo (devices.choose_inter_site_backend), so that on GPUs only the
+    # compute thread launches NCCL kernels.
+    communicates_from_a_thread: ClassVar[bool] = False
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx

@@ -167,8 +167,11 @@ def build_views(key: str, unit_names: Tuple[str, ...], param_ids: set, main_shar
 
 def sum_of_squares(tensors: Sequence[torch.Tensor], spans: Iterable[Tuple[int, int, int]]) -> float:
     """The sum of squares of tensors[range][lo:hi] over `spans` (an optimizer's `counted_spans`
-    of the views the tensors are laid out like), accumulated in float64."""
+    of the views the tensors are laid out like), accumulated in float64. The norms are read
+    back to the host once for all spans (one device sync, not one per span); squaring and
+    summing them there keeps the arithmetic of the per-span version bit for bit."""
+    norms = [torch.linalg.vector_norm(tensors[r][lo:hi], dtype=torch.float64) for r, lo, hi in spans]
     total = 0.0
-    for r, lo, hi in spans:
-        total += float(torch.linalg.vector_norm(tensors[r][lo:hi], dtype=torch.float64)) ** 2
+    for norm in torch.stack(norms).tolist() if norms else []:
+        total += norm ** 2
     return total

@@ -24,7 +24,6 @@ reading; `trial_step` computes what a step would give without committing anythin
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -269,12 +268,33 @@ class ShardedOptimizer:
         finally:
             for (_, main, _), saved in zip(self.main_shards, saved_main):
                 main.copy_(saved)
-            self.optimizer.state = defaultdict(dict, saved_state)
+            self._restore_state(saved_state)
             if saved_scaler is not None:
                 self.grad_scaler.load_state_dict(saved_scaler)
             if saved_muon is not None:
                 self.muon.load_state_dict(saved_muon)
         return ok, norm
+
+    def _restore_state(self, saved: Dict) -> None:
+        """Put the optimizer state back to `saved` (per parameter, clones), writing into the
+        tensors that existed before instead of replacing them: ACCO/DPU's worker runs this on
+        a CUDA stream of its own, and dropping a tensor allocated on another stream (a
+        checkpoint load on the compute stream) would hand its memory back to that stream
+        while the worker's queued kernels still use it. State the step created is dropped."""
+        state = self.optimizer.state
+        for p in list(state):
+            if p not in saved:
+                del state[p]
+        for p, before in saved.items():
+            now = state[p]
+            for k in [k for k in now if k not in before]:
+                del now[k]
+            for k, v in before.items():
+                if torch.is_tensor(v) and torch.is_tensor(now.get(k)) and now[k].shape == v.shape \
+                        and now[k].dtype == v.dtype and now[k].device == v.device:
+                    now[k].copy_(v)
+                else:
+                    now[k] = v
 
     @torch.no_grad()
     def copy_main_to_model_params(self, views: Optional[ShardViews] = None, *,

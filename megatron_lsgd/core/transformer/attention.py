@@ -33,7 +33,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, base: float):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        # computed on the host whatever the default device (a model built on meta or on a GPU
+        # gets the same bits, moved with the module)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor):

@@ -5,7 +5,9 @@ with exactly the values an unstaged collective gives (two spawned gloo 'sites').
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import tempfile
 
 import pytest
@@ -36,6 +38,19 @@ def test_a_planted_host_tensor_is_refused_before_the_backend_sees_it():
         with pytest.raises(WrongDevice, match=f"^{what}: a tensor on cpu for an inter-site group on cuda:0"):
             call()
     assert comm.bytes_sent == 0  # nothing was counted as sent either
+
+
+def test_the_loops_own_inter_site_all_reduces_are_checked():
+    nccl = InterSiteDevices(group=GPU, run=GPU)
+    with pytest.raises(WrongDevice, match="^the log line's means: a tensor on cpu for an inter-site group on cuda:0"):
+        nccl.all_reduce("the log line's means", torch.ones(2), None)  # None: the check runs before any backend
+    # the training loops reach dp_inter only through that checked path
+    import megatron_lsgd.training.lockstep_loop as lockstep
+    import megatron_lsgd.training.meeting_loop as meeting
+    import megatron_lsgd.training.training as trainer
+    source = "".join(inspect.getsource(m) for m in (trainer, lockstep, meeting))
+    assert source.count("inter_site_devices.all_reduce(") == 2
+    assert not re.search(r"dist\.\w+\((?:[^()]|\([^()]*\))*dp_inter", source)
 
 
 def test_which_devices_an_inter_site_group_accepts():
@@ -106,6 +121,9 @@ def _staging_job(rank, port, out_dir):
             comm.all_reduce_max(m)
             out[f"max{round_}"] = m
             out[f"q{round_}"] = run_blocking(quantized_mean(comm, x.reshape(-1), 8, 32, "alltoall"))[0]
+            control = torch.tensor([float(rank + 1), 2.0 * round_])  # the loop's own few values
+            comm.devices.all_reduce("control", control, pgs.dp_inter)
+            out[f"control{round_}"] = control
             if name == "staged" and round_ == 0:
                 record["allocated_after_one_round"] = comm.staging.allocated
         results[name] = out

@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, port: int, layout_args, out_dir: str) -> None
     torch.set_num_threads(1)
     import pretrain_gpt
     from megatron_lsgd.core.lsgd.dreamddp.plan import build_plan
-    from megatron_lsgd.core.lsgd.dreamddp.profile import StepClock
+    from megatron_lsgd.core.clock import Clock
 
     _register_reference()
     out = {"h1": _record(pretrain_gpt.main(COMMON + layout_args + H1)),
@@ -100,8 +100,8 @@ def _worker(rank: int, world: int, port: int, layout_args, out_dir: str) -> None
         out["h1_split"] = _record(pretrain_gpt.main(COMMON + plain + H1))
         out["reference_split"] = _record(pretrain_gpt.main(COMMON + plain + REFERENCE))
     site = rank // (world // 2)
-    if site == 1:  # this site's profiler measures every time 3x longer than it is
-        StepClock.now = lambda self: 3.0 * time.perf_counter()
+    if site == 1:  # this site's clock (its profiler's readings) measures every time 3x longer than it is
+        Clock.now = lambda self: 3.0 * time.perf_counter()
     result = pretrain_gpt.main(COMMON + layout_args + SCHEDULED)
     sync = result.synchronizer
     out["scheduled"] = _record(result, {

@@ -5,8 +5,8 @@
   to the previous unit in backward order. The first unit's backward starts when the
   gradient of its output arrives, caught by a tensor hook on that output while profiling.
   `tail` is the time from the last unit's completion to the wait before the optimizer
-  step (the intra-site reduce). On CUDA the moments are CUDA events (read after the step),
-  on CPU the run's clock (core/clock.py).
+  step (the intra-site reduce). The moments are the run clock's marks (core/clock.py):
+  events queued on the current stream on a GPU (read after the step), the present on CPU.
 - Averaging times come from a fit c(bytes) = latency + bytes x seconds_per_byte of timed
   blocking all-reduces ("probes") over this rank's dp_inter group, through the inter-site
   comm (so a simulated link is measured like a real one). A unit issues one all-reduce
@@ -137,39 +137,6 @@ def read_profile_file(path: str) -> Dict:
 
 
 # ---- timing inside steps ----------------------------------------------------------------------
-class StepClock:
-    """Moments inside a step: the run's clock on CPU, CUDA events on the current stream on
-    GPU (so asynchronous kernels are timed where they run). The CUDA branch has not been run:
-    no GPU was available to this project's tests (docs/algorithms/dreamddp.md)."""
-
-    def __init__(self, device: torch.device, clock):
-        self.cuda = device.type == "cuda" and not clock.simulated
-        self._clock = clock
-
-    def now(self) -> float:
-        """The run clock's seconds (the link probes; CPU marks)."""
-        return self._clock.now()
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return self.now()
-
-    def seconds(self, a, b) -> float:
-        if self.cuda:
-            return a.elapsed_time(b) / 1e3
-        return b - a
-
-    def ready(self, marks) -> bool:
-        return not self.cuda or all(m.query() for m in marks)
-
-    def synchronize(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
 START, WAIT = "<backward start>", "<wait>"
 
 
@@ -177,7 +144,7 @@ class BackwardRecorder:
     """Records when each unit's backward completes (and, while `armed`, when the first
     unit's backward starts) during one step; `sample()` turns the marks into times."""
 
-    def __init__(self, backward_names: Sequence[str], clock: StepClock, first_module: Optional[torch.nn.Module]):
+    def __init__(self, backward_names: Sequence[str], clock, first_module: Optional[torch.nn.Module]):
         self.names = list(backward_names)
         self.clock = clock
         self.first_module = first_module
@@ -218,9 +185,7 @@ class BackwardRecorder:
         marks = dict(self.marks)
         if any(n not in marks for n in self.names) or WAIT not in marks:
             return None
-        if block:
-            self.clock.synchronize()
-        elif not self.clock.ready(marks.values()):
+        if not self.clock.marks_complete(marks.values(), block):
             return None
         backward: Dict[str, float] = {}
         previous = marks.get(START)
@@ -258,15 +223,13 @@ def probe_link(comm, max_bytes: int, device: torch.device, repeats: int = 2) -> 
     Collective: every rank of the dp_inter group calls it with the same `max_bytes`."""
     sizes = probe_sizes(max_bytes)
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
-    clock = StepClock(device, comm.clock)
+    clock = comm.clock  # device-synchronised readings (core/clock.py)
     comm.all_reduce_mean(buf[:1])  # connection set-up is not the link
     best = {n: math.inf for n in sizes}
     for _ in range(repeats):
         for n in sizes:
-            clock.synchronize()
             t0 = clock.now()
             comm.all_reduce_mean(buf[:n // 4])
-            clock.synchronize()
             best[n] = min(best[n], clock.now() - t0)
     return [(n, best[n]) for n in sizes]
 

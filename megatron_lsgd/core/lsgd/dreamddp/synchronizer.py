@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.dreamddp.deadlines import Deadlines
 from megatron_lsgd.core.lsgd.dreamddp.plan import Plan, StagePlan, build_plan, format_plan
-from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile, StepClock,
+from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile,
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
                                                       fastest_sample, probe_link, read_profile_file, stage_of)
 from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
@@ -153,7 +153,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         self.tied = self.num_stages > 1 and any(getattr(p, "shared_embedding", False)
                                                 for u in trainable for p in u.parameters())
         first_module = self.units[self.names[0]].modules[-1] if self.names else None
-        self.recorder = BackwardRecorder(self.names, StepClock(self.device, ctx.clock), first_module)
+        self.recorder = BackwardRecorder(self.names, ctx.clock, first_module)
         if self.active:  # averages are issued from the backward: keep them off the shared dp_inter group
             minutes = ctx.comm.timeout_minutes
             ctx.comm.use_dedicated_group(pgs.dims, timedelta(minutes=minutes) if minutes else None)

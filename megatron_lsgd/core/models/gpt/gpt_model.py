@@ -123,8 +123,11 @@ class GPTModel(nn.Module):
         for name, p in self.named_parameters():
             yield self.global_param_name(name), p
 
-    def initialize(self, seed: int) -> None:
-        initialize_parameters(self.global_named_parameters(), seed, self.pgs.dims.tp, self.pgs.tp_rank)
+    def initialize(self, seed: int, max_host_elements: Optional[int] = None) -> None:
+        """Every parameter from the run seed and its global name (tensor_parallel/initialize.py);
+        `max_host_elements`: per shard, in host pieces of at most that many values."""
+        initialize_parameters(self.global_named_parameters(), seed, self.pgs.dims.tp, self.pgs.tp_rank,
+                              max_host_elements)
 
     def sync_units(self) -> List[SyncUnit]:
         units = []
