@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 import torch
 
@@ -135,6 +135,44 @@ class TorchftMembership(SiteMembership):
         self._failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160] if cause is not None \
             else "a peer site did not commit"
         return None
+
+    def mean_over_sites(self, tensor: torch.Tensor) -> None:
+        self._over_sites(tensor, mean=True)
+
+    def sum_over_sites(self, tensor: torch.Tensor) -> None:
+        self._over_sites(tensor, mean=False)
+
+    def _over_sites(self, tensor: torch.Tensor, mean: bool) -> None:
+        """Over the sites of the quorum; a site's own value when the quorum's group is broken
+        or breaks here (reported: a round in flight then does not commit, as its mean would fail)."""
+        n = self.manager.num_participants()
+        if n <= 1 or self.manager.errored() is not None:
+            return
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        work = tensor / n if mean else tensor.clone()  # a failed collective may leave part of a sum behind
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        try:
+            self.pg.allreduce([work], opts).wait()
+        except Exception as err:  # as in reduce: a peer died or timed out
+            self.manager.report_error(err)
+            return
+        tensor.copy_(work)
+
+    def state_dict(self) -> Dict:
+        return {"torchft": self.manager.state_dict()}  # committed rounds: who heals whom after a restart
+
+    def load_state_dict(self, state: Dict) -> None:
+        """From a checkpoint: the site counts itself one committed round behind what it saved,
+        so live sites (which have committed at least as many) heal it to their state. Its
+        checkpoint may lag them even at an equal count: a round they rolled back after it
+        saved still moved their data position on. After a restart of the whole job every
+        site is one behind, and the sites that saved last heal the others."""
+        if "torchft" in state:
+            saved = dict(state["torchft"])
+            saved["step"] = max(0, int(saved["step"]) - 1)
+            self.manager.load_state_dict(saved)
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
