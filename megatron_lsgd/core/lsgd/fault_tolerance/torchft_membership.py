@@ -18,9 +18,11 @@ Per outer round (torchft's DiLoCo protocol, with the quorum moved to the round's
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+import warnings
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
@@ -31,6 +33,12 @@ from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOption
 from megatron_lsgd.core.lsgd.membership import SiteMembership
 
 T = TypeVar("T")
+
+
+def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
+    """torchft warns at every reconfiguration where NCCL's flight recorder is missing (every
+    CPU run): noise in a site's log, unlike its other warnings."""
+    return "flight recorder" not in record.getMessage()
 
 
 def _sites(sites: Sequence[int]) -> str:
@@ -50,6 +58,9 @@ class TorchftMembership(SiteMembership):
             raise ValueError("--lsgd-fault-tolerance torchft needs a lighthouse: --lsgd-lighthouse http://HOST:PORT "
                              "or $TORCHFT_LIGHTHOUSE (docs/fault_tolerance.md)")
         self.comm, self.options, self.site, self.device = comm, options, site, device
+        logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_note)
+        # torch says so of every state received by torchft's HTTP transport (read-only buffers it copies from)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
         self.log_every, self.poll_s = log_every, poll_s
         timeout = timedelta(seconds=options.timeout_s)
@@ -83,19 +94,27 @@ class TorchftMembership(SiteMembership):
 
     # ---- SiteMembership -----------------------------------------------------------------------------
     def round_started(self) -> None:
-        waited_since = last_line = time.monotonic()  # waiting for real peers: real time, whatever the run's clock
-        self._quorum()
+        self._form_quorum()
+        waited_since = last_line = None  # waiting for real peers: real time, whatever the run's clock
         while self.manager.num_participants() < self.options.min_sites:
             now = time.monotonic()
-            if now - waited_since > self.options.max_wait_s:
+            if waited_since is None:
+                waited_since = now
+            elif now - waited_since > self.options.max_wait_s:
                 raise RuntimeError(f"site {self.site}: fewer than --lsgd-min-sites {self.options.min_sites} sites for "
                                    f"--lsgd-ft-max-wait {self.options.max_wait_s:g} s")
-            if now - last_line >= self.log_every or last_line == waited_since:
-                self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum")
+            if last_line is None or now - last_line >= self.log_every:
+                missing = sorted(set(range(self.comm.configured_sites)) - set(self.present))
+                self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum: "
+                                            f"{_sites(self.present)}); missing: {_sites(missing)}")
                 last_line = now
             time.sleep(self.poll_s)
-            self._quorum()
+            self._form_quorum()
+
+    def _form_quorum(self) -> None:
+        """A quorum, who is in it, and a line for what changed since the last one."""
         before = self.present
+        self._quorum()
         present = self._gather_present()
         if present is None:  # a site died right after the quorum: this round will not commit
             present = list(before)
@@ -108,9 +127,9 @@ class TorchftMembership(SiteMembership):
                      f"a live peer; sites now {_sites(self.present)}")
         if self._failed is not None:
             lost = sorted(set(self._failed) - set(self.present))
-            self.log(f"site {self.site}: round {self.rounds_attempted} was not committed (lost site "
-                     f"{_sites(lost) if lost else 'none'}: {self._failure}); restarted from the anchor; "
-                     f"sites now {_sites(self.present)}")
+            who = f"lost site {_sites(lost)}" if lost else "a site failed and is back"
+            self.log(f"site {self.site}: round {self.rounds_attempted} was not committed ({who}: {self._failure}); "
+                     f"restarted from the anchor; sites now {_sites(self.present)}")
             self._failed = None
         elif before and before != self.present:
             self.log(f"site {self.site}: sites now {_sites(self.present)} (were {_sites(before)})")
@@ -132,6 +151,8 @@ class TorchftMembership(SiteMembership):
         self._failed = list(self.present)
         err = self.manager.errored()
         cause = getattr(err, "original_exception", err)
+        while cause is not None and cause.__cause__ is not None:  # the transport's own words, not a wrapper's
+            cause = cause.__cause__
         self._failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160] if cause is not None \
             else "a peer site did not commit"
         return None
@@ -185,7 +206,9 @@ class TorchftMembership(SiteMembership):
 
         def watch() -> None:
             while not done.wait(self.log_every):
-                self._waiting(started, "no quorum yet")
+                failed = f"; round {self.rounds_attempted} failed ({self._failure})" \
+                    if self._failed is not None else ""
+                self._waiting(started, f"no quorum yet); sites of the last round: {_sites(self.present)}{failed}")
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -196,10 +219,8 @@ class TorchftMembership(SiteMembership):
             watcher.join()
 
     def _waiting(self, since: float, what: str) -> None:
-        missing = sorted(set(range(self.comm.configured_sites)) - set(self.present or [self.site]))
         self.log(f"site {self.site} waits for --lsgd-min-sites {self.options.min_sites} sites "
-                 f"({time.monotonic() - since:.0f} s, {what}); sites of the last round: "
-                 f"{_sites(self.present or [self.site])}; not seen: {_sites(missing)}")
+                 f"({time.monotonic() - since:.0f} s, {what}")
 
     def _gather_present(self) -> Optional[List[int]]:
         """Which sites the new quorum holds: each contributes its index (a few bytes)."""
