@@ -31,15 +31,15 @@ from megatron_lsgd.training.checkpointing.rng import capture_rng_state, restore_
 from megatron_lsgd.training.data_samplers import build_data_iterator
 
 
-def _site_store():
+def _site_store(host: str):
     """(address, port) of a TCP store for the site's torchft Managers, hosted by the site's
-    rank 0 (collective over the site). A fresh store per start of the job: torchrun's own
-    store outlives a restart and would hand the ranks the dead manager's address."""
+    rank 0 at `host` (collective over the site). A fresh store per start of the job:
+    torchrun's own store outlives a restart and would hand the ranks the dead manager's
+    address. Other sites' ranks meet there too when this site leads a quorum."""
     from torch.distributed import TCPStore
 
     store, where = None, [None]
     if dist.get_rank() == 0:
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # torchrun runs the site's rank 0 there
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         where = [(host, store.port)]
     dist.broadcast_object_list(where, src=0)
@@ -48,14 +48,16 @@ def _site_store():
 
 def elastic_site(config, pgs, device: torch.device, clock, devices):
     """(ElasticComm, TorchftMembership) for this rank: its torchft group is its dp_inter."""
-    store, (host, port) = _site_store()
+    ft = config.fault_tolerance
+    host = ft.host or os.environ.get("MASTER_ADDR", "127.0.0.1")  # torchrun runs the site's rank 0 there
+    store, (host, port) = _site_store(host)
     link = config.lsgd.link
     comm = ElasticComm(config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                        config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
                        devices=devices, clock=clock)
     membership = TorchftMembership(comm, config.fault_tolerance, site=pgs.site_rank, group_rank=dist.get_rank(),
                                    group_world_size=dist.get_world_size(), store_addr=host, store_port=port,
-                                   device=device, log=lambda line: print(line, flush=True))
+                                   device=device, log=lambda line: print(line, flush=True), hostname=host)
     membership.store = store  # the site's rank 0 keeps the store alive as long as the managers
     return comm, membership
 

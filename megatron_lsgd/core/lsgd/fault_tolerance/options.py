@@ -26,6 +26,9 @@ class FaultToleranceOptions(OptionGroup):
                               "seconds a cross-site collective or a heal may take before the round is given up")
     max_wait_s: float = option("--lsgd-ft-max-wait", 3600.0,
                                "seconds a site waits for --lsgd-min-sites sites before it gives up")
+    host: str = option("--lsgd-ft-host", "",
+                       "address at which the other sites reach this site's rank 0 (its torchft manager and store); "
+                       "default: $MASTER_ADDR")
     site: int = option("--lsgd-site", -1,
                        "which site this torchrun job is (0 .. --num-sites - 1): under fault tolerance each site is "
                        "its own job and torch.distributed world (tools/wan/launch.py sets it)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import warnings
@@ -48,9 +49,11 @@ def _sites(sites: Sequence[int]) -> str:
 class TorchftMembership(SiteMembership):
     def __init__(self, comm: ElasticComm, options: FaultToleranceOptions, *, site: int, group_rank: int,
                  group_world_size: int, store_addr: str, store_port: int, device: torch.device,
-                 log: Callable[[str], None] = print, log_every: float = 10.0, poll_s: float = 0.5):
+                 log: Callable[[str], None] = print, log_every: float = 10.0, poll_s: float = 0.5,
+                 hostname: Optional[str] = None):
         require_torchft(options.mode)
         from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         lighthouse = options.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
@@ -59,17 +62,21 @@ class TorchftMembership(SiteMembership):
                              "or $TORCHFT_LIGHTHOUSE (docs/fault_tolerance.md)")
         self.comm, self.options, self.site, self.device = comm, options, site, device
         logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_note)
-        # torch says so of every state received by torchft's HTTP transport (read-only buffers it copies from)
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        # Said of torchft 0.2.0's own code on torch 2.13 (a deprecated pytree check in PGTransport).
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
         self.log_every, self.poll_s = log_every, poll_s
         timeout = timedelta(seconds=options.timeout_s)
         self.pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        # Healing state travels over the quorum's own group (reachable by construction, no
+        # HTTP server per rank advertised under a host name other sites may not resolve).
+        transport = PGTransport(self.pg, timeout=timeout, device=device)
         self.manager = Manager(pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_sites,
                                use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(seconds=options.max_wait_s), rank=group_rank,
                                world_size=group_world_size, store_addr=store_addr, store_port=store_port,
-                               lighthouse_addr=lighthouse, replica_id=f"site{site}", init_sync=False)
+                               lighthouse_addr=lighthouse, replica_id=f"site{site}", init_sync=False,
+                               hostname=hostname or socket.gethostname(), checkpoint_transport=transport)
         self.present: List[int] = []  # sites of the current round
         self.rounds_attempted = self.rounds_committed = 0
         self.healed_rounds: List[int] = []  # committed-round counts at which this site received a peer's state
