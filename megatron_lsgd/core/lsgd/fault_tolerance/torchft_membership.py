@@ -62,8 +62,10 @@ class TorchftMembership(SiteMembership):
                              "or $TORCHFT_LIGHTHOUSE (docs/fault_tolerance.md)")
         self.comm, self.options, self.site, self.device = comm, options, site, device
         logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_note)
-        # Said of torchft 0.2.0's own code on torch 2.13 (a deprecated pytree check in PGTransport).
+        # Said of torchft 0.2.0's own code on torch 2.13 (PGTransport: a deprecated pytree check,
+        # and a tensor over the read-only bytes of the pickled metadata, which it only sends).
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
         self.log_every, self.poll_s = log_every, poll_s
         timeout = timedelta(seconds=options.timeout_s)
@@ -83,6 +85,8 @@ class TorchftMembership(SiteMembership):
         self._failed: Optional[List[int]] = None  # the sites of a round that was not committed
         self._failure = ""  # why, in a few words
         self._healing = False
+        # A healed site numbers rounds as the peer that healed it does (its log lines name rounds).
+        self.manager.register_state_dict_fn("membership", self._load_counts, self._counts)
 
     # ---- state a healing site receives -------------------------------------------------------------
     def register_state(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]
@@ -93,6 +97,13 @@ class TorchftMembership(SiteMembership):
             load_state_dict(state)
 
         self.manager.register_state_dict_fn(key, load, state_dict)
+
+    def _counts(self) -> Dict:
+        return {"rounds_attempted": self.rounds_attempted, "rounds_committed": self.rounds_committed}
+
+    def _load_counts(self, counts: Dict) -> None:
+        self.rounds_attempted = int(counts["rounds_attempted"])
+        self.rounds_committed = int(counts["rounds_committed"])
 
     @property
     def committed_rounds(self) -> int:
@@ -189,7 +200,8 @@ class TorchftMembership(SiteMembership):
         tensor.copy_(work)
 
     def state_dict(self) -> Dict:
-        return {"torchft": self.manager.state_dict()}  # committed rounds: who heals whom after a restart
+        # torchft's committed rounds decide who heals whom after a restart
+        return {"torchft": self.manager.state_dict(), **self._counts()}
 
     def load_state_dict(self, state: Dict) -> None:
         """From a checkpoint: the site counts itself one committed round behind what it saved,
@@ -201,6 +213,8 @@ class TorchftMembership(SiteMembership):
             saved = dict(state["torchft"])
             saved["step"] = max(0, int(saved["step"]) - 1)
             self.manager.load_state_dict(saved)
+        if "rounds_attempted" in state:
+            self._load_counts(state)
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
