@@ -16,8 +16,8 @@ INSTALL_HINT = 'pip install -e ".[ft]" (torchft==0.2.0)'
 class FaultToleranceOptions(OptionGroup):
     title = "fault tolerance: elastic sites (docs/fault_tolerance.md)"
     mode: str = option("--lsgd-fault-tolerance", "none",
-                       "torchft: each site is a torchft replica group; a site may fail and rejoin while the "
-                       "others keep training", choices=MODES)
+                       "torchft: each site is a torchft replica group and a torchrun job of its own (--lsgd-site); "
+                       "a site may fail and rejoin while the others keep training (diloco)", choices=MODES)
     min_sites: int = option("--lsgd-min-sites", 1,
                             "fewest sites a round may commit with; below it training waits for sites to return")
     lighthouse: str = option("--lsgd-lighthouse", "",
