@@ -91,11 +91,14 @@ def _saved_iterations(save: str, site: int) -> list:
 
 
 @pytest.mark.slow
-def test_without_faults_every_number_equals_the_plain_run(tmp_path):
-    # 2 sites x 2 pipeline stages (p2p inside a site maps global ranks to the site's world),
-    # int8 compression (error feedback). Every checkpointed tensor of both sites and every
-    # logged loss must equal the run without fault tolerance.
-    extra = ["--pipeline-model-parallel-size", "2", "--lsgd-compression", "int8", "--train-iters", "6"]
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2", "--lsgd-compression", "int8"],  # p2p inside a site; error feedback
+    ["--tensor-model-parallel-size", "2"],
+], ids=["pp2-int8", "tp2"])
+def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout):
+    # 2 sites of 2 ranks each. Every checkpointed tensor of both sites and every logged loss
+    # must equal the run without fault tolerance.
+    extra = layout + ["--train-iters", "6"]
     plain = run(_job(2, extra=extra + ["--save", str(tmp_path / "plain")]), 4, str(tmp_path / "plain.log"))
     lighthouse = start_lighthouse(2, join_timeout_ms=60_000)  # every round waits for both sites
     try:
