@@ -4,7 +4,7 @@ Per outer round (torchft's DiLoCo protocol, with the quorum moved to the round's
 - `round_started`: a blocking quorum on the torchft Manager (use_async_quorum=False).
   torchft reconfigures the cross-site process group for the sites present, and a site
   whose committed-round count is behind the quorum's (restarted, or new) receives a live
-  peer's state through torchft's checkpoint transport before its first inner step. A
+  peer's state over the quorum's group (torchft's PGTransport) before its first inner step. A
   fresh site is never the source: torchft heals towards the highest committed step, and
   `init_sync=False` because every site starts from the same seeded weights. Below
   `--lsgd-min-sites` the site waits (a line every `log_every` seconds) and re-forms the
