@@ -4,6 +4,13 @@
 # second half site 1. Run once per node:
 #   NODES_PER_SITE=2 SITE=<0|1> LOCAL_NODE=<0..> MASTER_ADDR=<site 0, node 0> \
 #       bash examples/pretrain_gpt_two_sites.sh <data> <tok.model> [--lsgd-algorithm ...]
+#
+# Elastic sites (docs/fault_tolerance.md): with LIGHTHOUSE=http://<host>:<port> (a
+# `torchft_lighthouse --min_replicas 1` running where every site's node 0 reaches it) each
+# site is a job of its own that survives the other's failures and rejoins after its own:
+# MASTER_ADDR is then the site's own node 0, which the other site must reach too. E.g.
+#   LIGHTHOUSE=http://lh:29510 SITE=1 LOCAL_NODE=0 MASTER_ADDR=<site 1, node 0> \
+#       bash examples/pretrain_gpt_two_sites.sh <data> <tok.model> --lsgd-algorithm diloco
 set -euo pipefail
 
 DATA_PATH=${1:?data prefix}
@@ -16,10 +23,18 @@ LOCAL_NODE=${LOCAL_NODE:-0}
 MASTER_ADDR=${MASTER_ADDR:?address of site 0 node 0}
 NNODES=$((2 * NODES_PER_SITE))
 NODE_RANK=$((SITE * NODES_PER_SITE + LOCAL_NODE))
+ELASTIC=()
+if [ -n "${LIGHTHOUSE:-}" ]; then  # one job per site, restarted by torchrun when it fails
+    NNODES=$NODES_PER_SITE
+    NODE_RANK=$LOCAL_NODE
+    ELASTIC=(--lsgd-fault-tolerance torchft --lsgd-lighthouse "$LIGHTHOUSE" --lsgd-site "$SITE"
+             --lsgd-ft-host "$MASTER_ADDR")
+    RESTARTS=(--max-restarts "${MAX_RESTARTS:-3}")
+fi
 
 torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-    --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-6000}" \
-    pretrain_gpt.py \
+    --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-6000}" ${RESTARTS[@]+"${RESTARTS[@]}"} \
+    pretrain_gpt.py ${ELASTIC[@]+"${ELASTIC[@]}"} \
     --num-sites 2 --lsgd-algorithm sync \
     --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
     --normalization RMSNorm --position-embedding-type rope --swiglu --disable-bias-linear \

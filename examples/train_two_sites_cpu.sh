@@ -6,6 +6,11 @@
 # while they keep computing. The run ends with a line comparing the bytes that crossed
 # sites with what per-step synchronization (--lsgd-algorithm sync) would have sent.
 # Any flag given to this script is passed on to pretrain_gpt.py (later flags win).
+#
+# Elastic sites (docs/fault_tolerance.md): ELASTIC=1 runs each site as a torchrun job of
+# its own (restarted up to 3 times when it fails) beside a torchft lighthouse, with diloco
+# instead of dilocox: kill one site's process and watch the other go on, and the killed
+# one rejoin (each site logs the job's lines).  ELASTIC=1 bash examples/train_two_sites_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,11 +39,40 @@ SITE_ARGS=(
     --lsgd-algorithm dilocox --lsgd-interval 50 --lsgd-compression int4 --lsgd-dilocox-apply-step 5
     --lsgd-outer-lr 1.0 --lsgd-outer-momentum 0.0
 )
+if [ -n "${ELASTIC:-}" ]; then  # diloco: the same rounds, its mean applied at once
+    SITE_ARGS=(
+        --num-sites "$NUM_SITES" --use-distributed-optimizer
+        --lsgd-algorithm diloco --lsgd-interval 50 --lsgd-compression int4
+        --lsgd-outer-lr 1.0 --lsgd-outer-momentum 0.0
+    )
+fi
 LOGGING_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 5 --tensorboard-dir runs/two_sites_cpu)
 
 # Said at once: loading torch in every process takes several seconds before the run's own first line.
-echo "starting $NUM_SITES sites x $RANKS_PER_SITE rank(s), dilocox, 200 steps on $DATA (CPU): a line every 10 steps"
+echo "starting $NUM_SITES sites x $RANKS_PER_SITE rank(s), ${ELASTIC:+elastic }${SITE_ARGS[4]}, 200 steps on $DATA (CPU):" \
+     "a line every 10 steps"
 
-OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone \
-    --nproc-per-node $((RANKS_PER_SITE * NUM_SITES)) pretrain_gpt.py \
-    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${SITE_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"
+if [ -z "${ELASTIC:-}" ]; then
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone \
+        --nproc-per-node $((RANKS_PER_SITE * NUM_SITES)) pretrain_gpt.py \
+        "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${SITE_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"
+    exit
+fi
+
+# Elastic: a lighthouse, then one job per site; a site's failure does not stop the others.
+LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
+torchft_lighthouse --min_replicas 1 --bind "[::]:$LIGHTHOUSE_PORT" --join_timeout_ms 10000 &
+LIGHTHOUSE_PID=$!
+SITE_PIDS=()
+trap 'kill "${SITE_PIDS[@]}" "$LIGHTHOUSE_PID" 2>/dev/null || true' EXIT
+for ((site = 0; site < NUM_SITES; site++)); do
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nnodes 1 --nproc-per-node "$RANKS_PER_SITE" \
+        --master-addr 127.0.0.1 --master-port $((29600 + site)) --max-restarts 3 pretrain_gpt.py \
+        "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${SITE_ARGS[@]}" "${LOGGING_ARGS[@]}" \
+        --lsgd-fault-tolerance torchft --lsgd-lighthouse "http://127.0.0.1:$LIGHTHOUSE_PORT" --lsgd-site "$site" \
+        "$@" &
+    SITE_PIDS+=($!)
+done
+status=0
+for pid in "${SITE_PIDS[@]}"; do wait "$pid" || status=$?; done
+exit $status

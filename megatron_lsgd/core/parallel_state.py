@@ -134,6 +134,14 @@ class ProcessGroups:
     site: Optional[dist.ProcessGroup] = None
     group_ranks: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     inter_site_backend: Optional[str] = None  # dp_inter's backend when it differs from the world's
+    # The global rank of the torch.distributed world's rank 0: 0, or the site's first rank when
+    # each site is a world of its own (fault tolerance: no group crosses sites, dp and
+    # dp_inter are None and cross-site traffic goes through the torchft group).
+    world_offset: int = 0
+
+    def world_rank(self, rank: int) -> int:
+        """A global rank as a rank of the torch.distributed world (point-to-point peers)."""
+        return rank - self.world_offset
 
     @property
     def tp_rank(self) -> int:
@@ -179,17 +187,23 @@ class ProcessGroups:
         return self.is_first_stage or self.is_last_stage
 
 
-def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: Optional[str] = None) -> ProcessGroups:
+def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: Optional[str] = None,
+                         only_site: Optional[int] = None) -> ProcessGroups:
     """Create every group (collectively: all ranks call new_group for all groups in the
     same order) and keep the ones this rank belongs to. `inter_site_backend` (e.g. gloo
-    between sites while NCCL runs inside them) applies to dp_inter only."""
+    between sites while NCCL runs inside them) applies to dp_inter only. `only_site`: the
+    world is that site alone (fault tolerance): its groups only, ranks stay global."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before building process groups")
     world = dist.get_world_size()
-    if world != dims.world_size:
-        raise ValueError(f"parallel layout {dims} needs {dims.world_size} ranks but the world has {world}")
-    rank = dist.get_rank()
-    pgs = ProcessGroups(dims=dims, rank=rank, coords=dims.coords(rank), inter_site_backend=inter_site_backend)
+    expected = dims.world_size if only_site is None else dims.world_size // dims.sites
+    if world != expected:
+        raise ValueError(f"parallel layout {dims} needs {expected} ranks {'per site ' if only_site is not None else ''}"
+                         f"but the world has {world}")
+    offset = 0 if only_site is None else only_site * expected
+    rank = dist.get_rank() + offset
+    pgs = ProcessGroups(dims=dims, rank=rank, coords=dims.coords(rank), inter_site_backend=inter_site_backend,
+                        world_offset=offset)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     for kind, all_ranks in enumerate_group_ranks(dims).items():
         seen = set()
@@ -198,6 +212,14 @@ def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: O
             if ranks in seen:  # pp == 1: embedding group {0} == {pp-1}; create each once
                 continue
             seen.add(ranks)
+            if only_site is not None:
+                if not all(offset <= r < offset + world for r in ranks):
+                    continue  # crosses sites, or another site's: not in this world
+                group = dist.new_group([r - offset for r in ranks], **kwargs)
+                if rank in ranks:
+                    setattr(pgs, kind, group)
+                    pgs.group_ranks[kind] = ranks
+                continue
             group = dist.new_group(list(ranks), **kwargs, **backend)
             if rank in ranks:
                 setattr(pgs, kind, group)

@@ -7,6 +7,7 @@ them once against the world size; every error names the flag to change.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -17,6 +18,7 @@ from megatron_lsgd.core.datasets.config import DataConfig
 from megatron_lsgd.core.distributed.data_parallel import DDPConfig
 from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.config import LsgdConfig, RunFacts
+from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions
 from megatron_lsgd.core.lsgd.options import finite_float
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
@@ -72,6 +74,7 @@ class RunConfig:
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     simulation: SimulationOptions = field(default_factory=SimulationOptions)  # --simulate-clock
     compat: CompatConfig = field(default_factory=CompatConfig)  # Megatron run-time options (megatron_compat.py)
+    fault_tolerance: FaultToleranceOptions = field(default_factory=FaultToleranceOptions)  # elastic sites
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -254,7 +257,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=cli.HelpFormatter)
     for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, catalog.add_arguments,
-                _checkpoint_args, _emulation_args, SimulationOptions.add_arguments, add_megatron_compat_args):
+                FaultToleranceOptions.add_arguments, _checkpoint_args, _emulation_args, SimulationOptions.add_arguments, add_megatron_compat_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -285,8 +288,29 @@ def _training_length(args: argparse.Namespace, global_batch: int):
     return samples // global_batch, samples
 
 
+def _check_fault_tolerance(ft: FaultToleranceOptions, args: argparse.Namespace, lsgd: LsgdConfig,
+                           simulation: SimulationOptions, checkpoint: CheckpointConfig, dims: ParallelDims) -> None:
+    """--lsgd-fault-tolerance against the rest of the run; under it a site is the unit that
+    fails, so it saves and loads checkpoints of its own: <dir>/site<k> under --save/--load."""
+    refused = [(flag, why) for flag, why, given in (
+        ("--lsgd-warmup-iters", "a synchronous warm-up averages gradients across sites every step, outside any "
+                                "quorum", lsgd.rounds.warmup_iters > 0),
+        ("--simulate-clock", "the simulated clock models a fixed set of sites", simulation.active),
+        ("--inter-site-backend", "torchft's process group is NCCL on CUDA and gloo on CPU",
+         args.inter_site_backend is not None)) if given]
+    ft.validate(algorithm=lsgd.algorithm, num_sites=dims.sites, refused=refused, need_site=True)
+    if ft.enabled:
+        site_dir = f"site{ft.site}"
+        checkpoint.save = os.path.join(checkpoint.save, site_dir) if checkpoint.save else checkpoint.save
+        checkpoint.load = os.path.join(checkpoint.load, site_dir) if checkpoint.load else checkpoint.load
+
+
 def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
-    """Validate everything once; raise ValueError with a message naming the flag."""
+    """Validate everything once; raise ValueError with a message naming the flag.
+    `world_size`: the torch.distributed world's, i.e. one site's under fault tolerance."""
+    fault_tolerance = FaultToleranceOptions.from_args(args)
+    if fault_tolerance.enabled:  # each site is a world of its own
+        world_size *= args.num_sites
     dims = ParallelDims.from_world(world_size, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size, args.num_sites)
     normalize_megatron_args(args, dims)
@@ -388,6 +412,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     stragglers.validate(world_size)
     simulation = SimulationOptions.from_args(args)
     simulation.validate()  # reads and checks the scenario file
+    _check_fault_tolerance(fault_tolerance, args, lsgd, simulation, checkpoint, dims)
     scenario_sites = load_scenario(simulation.scenario).sites if simulation.scenario is not None else dims.sites
     if scenario_sites != dims.sites:
         raise ValueError(f"--simulate-scenario {simulation.scenario}: it describes {scenario_sites} sites, "
@@ -396,7 +421,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
                     use_distributed_optimizer=args.use_distributed_optimizer)
     run = RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
-                    checkpoint=checkpoint, stragglers=stragglers, simulation=simulation)
+                    checkpoint=checkpoint, stragglers=stragglers, simulation=simulation,
+                    fault_tolerance=fault_tolerance)
     apply_megatron_compat_args(args, run)
     startup_checks(args, run)
     return run

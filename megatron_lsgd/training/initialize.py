@@ -92,7 +92,9 @@ def initialize(config: RunConfig, device: torch.device) -> tuple[ProcessGroups, 
     algorithm = config.lsgd.algorithm
     inter_site_backend = choose_inter_site_backend(config.training.inter_site_backend, device, algorithm,
                                                    synchronizer_class(algorithm).communicates_from_a_thread)
-    pgs = build_process_groups(config.dims, timeout=timeout, inter_site_backend=inter_site_backend)
+    ft = config.fault_tolerance
+    pgs = build_process_groups(config.dims, timeout=timeout, inter_site_backend=inter_site_backend,
+                               only_site=ft.site if ft.enabled else None)  # elastic sites: a world each
     default_seed, tp_seed = model_parallel_seeds(config.training.seed, pgs.tp_rank, pgs.pp_rank)
     random.seed(default_seed)
     np.random.seed(default_seed)

@@ -68,8 +68,7 @@ class LockstepLoop:
             return
         tr = self.trainer
         total = torch.tensor([tr.site_consumed_samples], dtype=torch.int64, device=tr.device)
-        if tr.config.dims.sites > 1:
-            tr.inter_site_devices.all_reduce("the job's consumed samples", total, tr.pgs.dp_inter)
+        tr.membership.sum_over_sites(total)
         tr.consumed_samples = int(total.item())
         self._job_samples_stale = False
 

@@ -10,10 +10,13 @@ Conditions, checked after every inner step:
   (Megatron's meaning: leave in time before a job's time limit, with a checkpoint).
 
 Iteration counts agree on every rank of a lockstep run by construction. Clocks do not, so
-each rank's elapsed time (the run's clock, core/clock.py) is all-reduced (MAX) over all
-ranks on a small gloo group of its own, asynchronously and one step late: the 8-byte
+each rank's elapsed time (the run's clock, core/clock.py) is all-reduced (MAX) over the
+world's ranks on a small gloo group of its own, asynchronously and one step late: the 8-byte
 collective's latency (a WAN round trip) hides behind a step, and every rank reads the same
-elapsed time, so the same verdict and message, at the same iteration. Under
+elapsed time, so the same verdict and message, at the same iteration. Under fault
+tolerance (--lsgd-fault-tolerance) the world is one site: its ranks agree, and a site that
+pauses for time or a signal leaves the others as a failed site would (they go on, or wait
+at --lsgd-min-sites); no vote crosses sites, so a dead site cannot stall it. Under
 --simulate-clock the elapsed times are virtual and the stop is exactly reproducible.
 Algorithms whose sites take different numbers of steps (`Synchronizer.lockstep = False`)
 decide in `Synchronizer.agree_to_stop`, at the points where their sites meet, by the shared

@@ -22,7 +22,7 @@ def sync_bytes_per_step(comm, grad_shards) -> int:
 
 
 def cross_site_traffic(comm, grad_shards, steps: int, device: torch.device) -> Dict[str, float]:
-    """Collective over all ranks: {"bytes": moved by the run, "sync_bytes": per-step sync}.
+    """Collective over the world's ranks: {"bytes": moved by the run, "sync_bytes": per-step sync}.
     `device`: the run's device (the world group is NCCL on GPUs, which takes no host tensor)."""
     snap = comm.snapshot()
     mine = torch.tensor([snap["bytes_sent"] + snap["bytes_received"],
@@ -32,10 +32,11 @@ def cross_site_traffic(comm, grad_shards, steps: int, device: torch.device) -> D
     return {"bytes": float(mine[0]), "sync_bytes": float(mine[1])}
 
 
-def summary_line(algorithm: str, steps: int, traffic: Dict[str, float]) -> str:
+def summary_line(algorithm: str, steps: int, traffic: Dict[str, float], ranks: str = "all ranks") -> str:
+    """`ranks`: whose traffic cross_site_traffic summed (its world's: one site's under fault tolerance)."""
     moved, sync = traffic["bytes"], traffic["sync_bytes"]
     ratio = _ratio(algorithm, moved, sync)
-    return (f" cross-site traffic: {algorithm} moved {moved / 2**20:.2f} MB (sent + received, all ranks) in {steps} "
+    return (f" cross-site traffic: {algorithm} moved {moved / 2**20:.2f} MB (sent + received, {ranks}) in {steps} "
             f"steps; per-step sync would have moved {sync / 2**20:.2f} MB ({ratio})")
 
 

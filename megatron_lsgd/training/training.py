@@ -29,6 +29,7 @@ from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
 from megatron_lsgd.core.lsgd.devices import InterSiteDevices, backend_device
+from megatron_lsgd.core.lsgd.membership import AllSites
 from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
@@ -39,6 +40,7 @@ from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, s
 from megatron_lsgd.training.compat_runtime import CompatRuntime, check_attention_backend
 from megatron_lsgd.training.compat_runtime import flops_per_sample as compat_flops_per_sample
 from megatron_lsgd.training.data_samplers import build_data_iterator
+from megatron_lsgd.training.elastic import elastic_site, register_healing_state
 from megatron_lsgd.training.guard import (RUN_ERRORS, STARTUP_ERRORS, NonFiniteError, check_finite_loss,
                                           exit_with_error, first_to_report, is_out_of_memory,
                                           out_of_memory_message, take_save_lock)
@@ -69,7 +71,8 @@ class Trainer:
         self.forward_step_func = forward_step_func
         self.pgs, self.rng_tracker = initialize(config, device)
         pgs = self.pgs
-        self.log_rank = dist.get_world_size() - 1  # last stage of the last site holds the loss
+        # Last stage of the world's last site holds the loss (under fault tolerance a world is one site).
+        self.log_rank = pgs.world_offset + dist.get_world_size() - 1
 
         self.tokenizer = build_tokenizer(config.tokenizer)
         config.model.padded_vocab_size = padded_vocab_size(
@@ -89,12 +92,17 @@ class Trainer:
         devices = InterSiteDevices(group=backend_device(pgs.inter_site_backend, device), run=device,
                                    host_payloads=config.lsgd.outer.offload)
         self.inter_site_devices = devices  # the loop's own inter-site collectives are checked too
-        comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
-                             config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
-                             devices=devices, clock=self.clock)
+        if config.fault_tolerance.enabled:  # elastic sites: torchft's group, quorum per round (elastic.py)
+            comm, self.membership = elastic_site(config, pgs, device, self.clock, devices)
+        else:
+            comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
+                                 config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
+                                 devices=devices, clock=self.clock)
+            self.membership = AllSites(pgs.dp_inter, config.dims.sites, devices)
         units = model.sync_units()
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
-                                                 optimizer=self.optimizer, comm=comm, units=units))
+                                                 optimizer=self.optimizer, comm=comm, units=units,
+                                                 membership=self.membership))
         self.comm = comm
         self.phase = UnitHookPhase()
         self._wire_unit_hooks(units)
@@ -120,6 +128,7 @@ class Trainer:
         self.valid_ds = valid_ds
         self.consumed_valid_samples = 0  # the whole job's validation samples, restored on resume
         self.train_iterator = build_data_iterator(train_ds, 0, t.micro_batch_size, pgs, config.data.num_workers)
+        self.train_data = _CurrentIterator(self)  # what a step reads: train_iterator, even if replaced mid-step
         self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
                                                   cyclic=True)
         self.forward_backward = get_forward_backward_func(config.dims.pp)
@@ -132,7 +141,7 @@ class Trainer:
                                     empty_unused_memory_level=config.compat.empty_unused_memory_level)
         self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
         self.flops_per_sample = compat_flops_per_sample(config.model, config.model.padded_vocab_size)
-        self.termination = Termination(t, self.synchronizer, self.clock, range(config.dims.world_size), signals)
+        self.termination = Termination(t, self.synchronizer, self.clock, range(dist.get_world_size()), signals)
         self.iteration = 0  # this site's steps
         self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
         self.ended = False  # training has ended (finish_training ran); a resumed non-lockstep run stops at once
@@ -141,6 +150,8 @@ class Trainer:
         self.last_saved_iteration = None
         if config.checkpoint.load and load_checkpoint(self, config.checkpoint):
             self.last_saved_iteration = self.checkpoint_iteration  # nothing new to save until the next step
+        if config.fault_tolerance.enabled:
+            register_healing_state(self, self.membership)
 
     def _simulated_clock(self, model) -> Clock:
         params = trained_parameters(model, self.pgs)  # collective: the replica's ranks
@@ -214,9 +225,8 @@ class Trainer:
     def mean_across_sites(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
         """Every site's values averaged over sites (collective over dp_inter: every site calls it)."""
         if self.config.dims.sites > 1 and values:
-            stacked = torch.cat(list(values.values())) / self.config.dims.sites
-            self.inter_site_devices.all_reduce("the log line's means", stacked,
-                                               self.pgs.dp_inter)  # a few bytes, at log intervals only
+            stacked = torch.cat(list(values.values()))
+            self.membership.mean_over_sites(stacked)  # a few bytes, at log intervals only
             values = dict(zip(values.keys(), stacked.split(1)))
         return {k: float(v.item()) for k, v in values.items()}
 
@@ -285,7 +295,7 @@ class Trainer:
         batch_schedule = self.config.compat.batch_schedule
         if batch_schedule is not None:
             self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
-        step = self.synchronizer.train_step(self.inner_step, self.train_iterator, self.iteration)
+        step = self.synchronizer.train_step(self.inner_step, self.train_data, self.iteration)
         losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
         self.iteration += 1
         # This site's position advances by its own micro-batches; the loop counts the job's.
@@ -403,14 +413,31 @@ class Trainer:
                 record.update(cuda_memory)
             if result.traffic and self.pgs.rank == self.log_rank:
                 steps = self.checkpoint_iteration - run.start_checkpoint_iteration  # the job's, in global batches
-                print(summary_line(self.config.lsgd.algorithm, steps, result.traffic), flush=True)
+                ranks = f"site {self.pgs.site_rank}'s ranks" if self.config.fault_tolerance.enabled else "all ranks"
+                print(summary_line(self.config.lsgd.algorithm, steps, result.traffic, ranks), flush=True)
             self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
                                  "wall_s": self.clock.now() - run_start,
                                  "straggler_sleep_s": self.straggler.slept_seconds, **record})
         self.json_log.close()
         self.tb.close()
         self.compat.close()
+        self.membership.close()
         return result
+
+
+class _CurrentIterator:
+    """The trainer's train_iterator of the moment: a site healed at a round's start gets a
+    live peer's data position in the middle of train_step (elastic.py), whose reads must
+    come from the new stream."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.trainer.train_iterator)
 
 
 def _exit_on_bad_input(err: Exception, prefix: str = "") -> NoReturn:

@@ -8,12 +8,19 @@ with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = wan0, so node-major placement mak
 site a contiguous rank block (what --num-sites expects; it is appended when missing).
 If one site fails, the others are stopped; on exit, Ctrl-C or SIGTERM every process
 started here is stopped and the namespaces are deleted.
+
+With `--lsgd-fault-tolerance torchft` among the script's flags (docs/fault_tolerance.md)
+each site is a job of its own instead: site i runs `torchrun --nnodes 1 --max-restarts N
+--master-addr <site i>` with `--lsgd-site i`, a torchft lighthouse runs in site 0's
+namespace (unless the script names one with --lsgd-lighthouse), and a site that fails does
+not stop the others: torchrun restarts it (--max-restarts) and it rejoins.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +36,10 @@ from megatron_lsgd import cli  # noqa: E402
 from tools.wan.netns import WanError  # noqa: E402
 from tools.wan.preflight import BACKENDS  # noqa: E402
 from tools.wan.topology import IFNAME, REPO_ROOT, WanTopology  # noqa: E402
+
+
+class JobError(RuntimeError):
+    """A job this launcher depends on stopped (the lighthouse)."""
 
 
 @dataclass
@@ -47,10 +58,42 @@ def site_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 def torchrun_cmd(nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int,
-                 script_argv: Sequence[str]) -> List[str]:
+                 script_argv: Sequence[str], max_restarts: int = 0) -> List[str]:
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(nproc), "--master-addr", master_addr, "--master-port", str(master_port),
-            *script_argv]
+            *restarts, *script_argv]
+
+
+def script_flag(script: Sequence[str], flag: str) -> Optional[str]:
+    """The value the script's last `flag` (or `flag=value`) gives, None when absent."""
+    value = None
+    for i, arg in enumerate(script):
+        if arg == flag and i + 1 < len(script):
+            value = script[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def lighthouse_cmd(min_sites: int, port: int, join_timeout_ms: int) -> List[str]:
+    """torchft's lighthouse (installed with torchft): forms each round's quorum of sites."""
+    exe = shutil.which("torchft_lighthouse")
+    if exe is None:
+        raise ValueError('--lsgd-fault-tolerance torchft needs torchft\'s torchft_lighthouse, which is not installed; '
+                         'install it with pip install -e ".[ft]"')
+    return [exe, "--min_replicas", str(min_sites), "--bind", f"[::]:{port}", "--join_timeout_ms",
+            str(join_timeout_ms), "--quorum_tick_ms", "100"]
+
+
+def elastic_site_jobs(wan: WanTopology, ranks_per_site: int, script_argv: Sequence[str], port: int, log_dir: str,
+                      name: str, lighthouse: str, max_restarts: int) -> List[SiteJob]:
+    """One job per site (fault tolerance): its own rendezvous on its own host, its --lsgd-site,
+    the address the other sites reach it at (--lsgd-ft-host)."""
+    return [SiteJob(i, torchrun_cmd(1, 0, ranks_per_site, wan.site_ip(i), port,
+                                    [*script_argv, "--lsgd-site", str(i), "--lsgd-lighthouse", lighthouse,
+                                     "--lsgd-ft-host", wan.site_ip(i)], max_restarts),
+                    os.path.join(log_dir, f"{name}.site{i}.log")) for i in range(wan.sites)]
 
 
 def multi_site_jobs(wan: WanTopology, ranks_per_site: int, script_argv: Sequence[str], port: int,
@@ -75,12 +118,22 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 def run_jobs(wan: WanTopology, jobs: Sequence[SiteJob], timeout_s: float,
-             env: Optional[Dict[str, str]] = None) -> List[int]:
-    """Start every job in its site's namespace, wait for all; the first failure or the timeout
-    stops the rest. Returns exit codes (None-free)."""
+             env: Optional[Dict[str, str]] = None, stop_on_failure: bool = True,
+             services: Sequence[SiteJob] = ()) -> List[int]:
+    """Start every job in its site's namespace, wait for all; the first failure (unless not
+    `stop_on_failure`: elastic sites outlive each other) or the timeout stops the rest.
+    `services` (a lighthouse) start first and are stopped at the end. Returns the jobs' exit
+    codes (None-free)."""
     procs: List[subprocess.Popen] = []
+    running: List[subprocess.Popen] = []
     logs = []
     try:
+        for job in services:
+            os.makedirs(os.path.dirname(os.path.abspath(job.log_path)), exist_ok=True)
+            log = open(job.log_path, "w")
+            logs.append(log)
+            running.append(subprocess.Popen(wan.in_site(job.site, job.cmd), cwd=REPO_ROOT, env=site_env(env),
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         for job in jobs:
             os.makedirs(os.path.dirname(os.path.abspath(job.log_path)), exist_ok=True)
             log = open(job.log_path, "w")
@@ -90,14 +143,16 @@ def run_jobs(wan: WanTopology, jobs: Sequence[SiteJob], timeout_s: float,
         deadline = time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
+            if (stop_on_failure and any(c not in (None, 0) for c in codes)) or all(c is not None for c in codes):
                 break
+            if any(s.poll() is not None for s in running):
+                raise JobError("the lighthouse stopped; its log: " + ", ".join(j.log_path for j in services))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"jobs still running after {timeout_s:.0f} s; logs: "
                                    + ", ".join(j.log_path for j in jobs))
             time.sleep(0.2)
     finally:
-        for p in procs:
+        for p in procs + running:
             stop(p)
         for log in logs:
             log.close()
@@ -130,6 +185,20 @@ def topology_from_args(a: argparse.Namespace) -> WanTopology:
                        backend=a.link_backend, subnet=a.subnet)
 
 
+def _run_elastic(wan: WanTopology, a: argparse.Namespace, script: List[str]) -> List[int]:
+    """One job per site, restarted by torchrun, and a lighthouse in site 0 unless the script names one."""
+    lighthouse, services = script_flag(script, "--lsgd-lighthouse"), []
+    if lighthouse is None:
+        min_sites = int(script_flag(script, "--lsgd-min-sites") or 1)
+        services = [SiteJob(0, lighthouse_cmd(min_sites, a.lighthouse_port, a.lighthouse_join_timeout_ms),
+                            os.path.join(a.log_dir, "lighthouse.log"))]
+        lighthouse = f"http://{wan.site_ip(0)}:{a.lighthouse_port}"
+        print(f"lighthouse: {lighthouse} (in site 0)", flush=True)
+    jobs = elastic_site_jobs(wan, a.ranks_per_site, script, a.master_port, a.log_dir, "run", lighthouse,
+                             a.max_restarts)
+    return run_jobs(wan, jobs, a.timeout, stop_on_failure=False, services=services)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_link_args(p)
@@ -137,6 +206,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--log-dir", default="runs/wan_launch")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before every site is stopped")
+    g = p.add_argument_group("elastic sites (with --lsgd-fault-tolerance torchft in the script's flags)")
+    g.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts of a failed site")
+    g.add_argument("--lighthouse-port", type=int, default=29510, help="port of the lighthouse started in site 0")
+    g.add_argument("--lighthouse-join-timeout-ms", type=int, default=10000,
+                   help="how long a quorum waits for a live site that is late to a round's end")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py and its flags")
     a = p.parse_args(argv)
     script = a.script[1:] if a.script[:1] == ["--"] else a.script
@@ -144,16 +218,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("give the training script after --, e.g. -- pretrain_gpt.py --num-layers 2 ...")
     if a.ranks_per_site < 1 or not a.timeout > 0:
         p.error("--ranks-per-site must be >= 1 and --timeout > 0")
+    if a.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
     if "--num-sites" not in script:
         script += ["--num-sites", str(a.sites)]
+    elastic = script_flag(script, "--lsgd-fault-tolerance") not in (None, "none")
     raise_on_termination()
     try:
         with topology_from_args(a) as wan:
             print(f"wan: {a.sites} sites, backend {wan.backend}, {a.rate_mbit} Mbit/s, {a.delay_ms} ms one-way; "
                   f"logs in {a.log_dir}", flush=True)
-            codes = run_jobs(wan, multi_site_jobs(wan, a.ranks_per_site, script, a.master_port, a.log_dir, "run"),
-                             a.timeout)
-    except (WanError, TimeoutError, ValueError) as err:  # ValueError: link or topology flags
+            if elastic:
+                codes = _run_elastic(wan, a, script)
+            else:
+                codes = run_jobs(wan, multi_site_jobs(wan, a.ranks_per_site, script, a.master_port, a.log_dir,
+                                                      "run"), a.timeout)
+    except (WanError, TimeoutError, ValueError, JobError) as err:  # ValueError: link or topology flags
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

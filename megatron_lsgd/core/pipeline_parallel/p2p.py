@@ -28,16 +28,18 @@ class PipelineP2P:
              recv_prev: bool, recv_next: bool):
         ops = []
         from_prev = from_next = None
+        prev = None if self.pgs.prev_stage_rank is None else self.pgs.world_rank(self.pgs.prev_stage_rank)
+        nxt = None if self.pgs.next_stage_rank is None else self.pgs.world_rank(self.pgs.next_stage_rank)
         if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, send_prev.detach().contiguous(), self.pgs.prev_stage_rank))
+            ops.append(dist.P2POp(dist.isend, send_prev.detach().contiguous(), prev))
         if recv_prev:
             from_prev = self._empty()
-            ops.append(dist.P2POp(dist.irecv, from_prev.data, self.pgs.prev_stage_rank))
+            ops.append(dist.P2POp(dist.irecv, from_prev.data, prev))
         if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), self.pgs.next_stage_rank))
+            ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), nxt))
         if recv_next:
             from_next = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, from_next, self.pgs.next_stage_rank))
+            ops.append(dist.P2POp(dist.irecv, from_next, nxt))
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()

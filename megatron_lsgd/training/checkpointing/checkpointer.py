@@ -9,6 +9,13 @@ Each site's position is kept per site: its iteration, its LR schedule and its co
 samples (`site_iterations`, `site_schedulers`, `site_consumed_samples`). In a lockstep run
 they are equal; a non-lockstep run's sites differ, its checkpoint is named by the job's
 agreed progress (`trainer.checkpoint_iteration`) and `ended` says its training is over.
+
+"Rank 0" and every collective here are the torch.distributed world's. Under fault
+tolerance each site is a world of its own: it writes a checkpoint of its own (in
+<save>/site<k>, arguments.py), committed by its own first rank, and no collective of a
+save crosses sites (a dead site cannot stall the others' saves). The rank files then also
+keep the torchft committed-round count, so that after a restart of the whole job the
+sites that are behind heal from the one that saved last.
 """
 
 from __future__ import annotations
@@ -87,6 +94,9 @@ def _save_rank_files(trainer, cfg: CheckpointConfig, partial: str) -> Dict[str, 
     if not cfg.no_save_optim:
         rank_state["optimizer"] = trainer.optimizer.state_dict()
         rank_state["synchronizer"] = trainer.synchronizer.state_dict()
+        membership = getattr(trainer, "membership", None)
+        if membership is not None and membership.state_dict():  # elastic sites: the committed rounds
+            rank_state["membership"] = membership.state_dict()
     rel = _rank_relpath(pgs, layout.rank_file_name(pgs.site_rank, pgs.dp_intra_rank))
     records[rel] = save_file(rank_state, os.path.join(partial, rel), f"{rel} (synchronizer/optimizer/RNG state)")
     return records
@@ -118,7 +128,7 @@ def save_checkpoint(trainer, cfg: CheckpointConfig) -> None:
     try:
         _save(trainer, cfg, partial)
     except KeyboardInterrupt:  # the other ranks are interrupted too: no barrier, rank 0 cleans up
-        if trainer.pgs.rank == 0:
+        if dist.get_rank() == 0:
             remove_path(partial)
         raise
 
@@ -129,7 +139,7 @@ def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
     final = os.path.join(cfg.save, layout.iteration_dir_name(iteration))
     start = time.perf_counter()
     error = None
-    if pgs.rank == 0:
+    if dist.get_rank() == 0:
         try:
             os.makedirs(cfg.save, exist_ok=True)
             if os.path.exists(partial):  # left by a save that was killed
@@ -160,7 +170,7 @@ def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
                                       "iteration": trainer.iteration,
                                       "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict()})
     error = None
-    if pgs.rank == 0:
+    if dist.get_rank() == 0:
         try:
             _commit(trainer, cfg, partial, final, iteration, gathered, start)
         except (CheckpointError, OSError) as err:
@@ -173,7 +183,7 @@ def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
 
 
 def _remove_partial(pgs, partial: str) -> None:
-    if pgs.rank == 0:
+    if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
 
@@ -287,7 +297,7 @@ def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -
 
 
 @torch.no_grad()
-def _refresh_main_params(optimizer) -> None:
+def refresh_main_params(optimizer) -> None:
     """bf16/fp16 models keep a separate fp32 main copy: re-derive it from the loaded weights
     (the optimizer state, when loaded afterwards, overwrites it with the saved fp32 values)."""
     for bucket, main, _ in optimizer.main_shards:
@@ -322,7 +332,7 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
             state = "does not exist" if not os.path.exists(cfg.load) else f"holds no checkpoint ({layout.TRACKER})"
             raise CheckpointError(f"--load {cfg.load} {state}. Point --load at a checkpoint directory, or give "
                                   f"the same directory as --save to resume-or-start")
-        if trainer.pgs.rank == 0:
+        if dist.get_rank() == 0:
             print(f" no checkpoint in {cfg.load}: starting from scratch", flush=True)
         return False
     meta = read_metadata(iter_dir)
@@ -335,7 +345,7 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
     rel = _rank_relpath(pgs, layout.model_file_name(site))
     load_model_state(unwrap(trainer.model), load_file(os.path.join(iter_dir, rel), files.get(rel), digests.get(rel)),
                      os.path.join(iter_dir, rel))
-    _refresh_main_params(trainer.optimizer)
+    refresh_main_params(trainer.optimizer)
 
     rank_state = None
     if cfg.load_optim or cfg.load_rng:
@@ -351,6 +361,8 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
             trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
         except ValueError as err:  # a synchronizer's saved state that does not fit this run's flags
             raise CheckpointError(f"synchronizer state in {iter_dir} does not fit this run: {err}") from err
+        if "membership" in rank_state and getattr(trainer, "membership", None) is not None:
+            trainer.membership.load_state_dict(rank_state["membership"])
         site_schedulers = meta.get("site_schedulers") if same_dp else None  # absent in older checkpoints
         try:
             trainer.scheduler.load_state_dict(site_schedulers[pgs.site_rank] if site_schedulers else meta["scheduler"])
@@ -378,7 +390,7 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
                                                      cyclic=True)
     if cfg.load_rng:  # last: building the data iterator above draws from the torch generator
         restore_rng_state(rank_state["rng"], trainer.rng_tracker)
-    if pgs.rank == 0:
+    if dist.get_rank() == 0:
         print(f" loaded checkpoint {iter_dir} (iteration {meta['iteration']}, consumed samples "
               f"{meta['consumed_samples']}; optimizer {'yes' if cfg.load_optim else 'no'}, "
               f"RNG {'yes' if cfg.load_rng else 'no'}{', finetune: iteration reset to 0' if cfg.finetune else ''})",

@@ -18,6 +18,7 @@ from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.devices import (InterSiteDevices, WrongDevice, backend_device,
                                              choose_inter_site_backend)
 from megatron_lsgd.core.lsgd.means import quantized_mean
+from megatron_lsgd.core.lsgd.membership import AllSites
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.parallel_state import ParallelDims, build_process_groups
 from tests.unit_tests.harness import free_port, spawn
@@ -44,13 +45,20 @@ def test_the_loops_own_inter_site_all_reduces_are_checked():
     nccl = InterSiteDevices(group=GPU, run=GPU)
     with pytest.raises(WrongDevice, match="^the log line's means: a tensor on cpu for an inter-site group on cuda:0"):
         nccl.all_reduce("the log line's means", torch.ones(2), None)  # None: the check runs before any backend
-    # the training loops reach dp_inter only through that checked path
+    # the training loops reach dp_inter only through the membership, whose plain form
+    # (AllSites) reduces through that checked path
+    members = AllSites(None, num_sites=2, devices=nccl)
+    with pytest.raises(WrongDevice, match="^the loop's mean over sites: a tensor on cpu"):
+        members.mean_over_sites(torch.ones(2))
+    with pytest.raises(WrongDevice, match="^the loop's sum over sites: a tensor on cpu"):
+        members.sum_over_sites(torch.ones(1, dtype=torch.int64))
     import megatron_lsgd.training.lockstep_loop as lockstep
     import megatron_lsgd.training.meeting_loop as meeting
     import megatron_lsgd.training.training as trainer
     source = "".join(inspect.getsource(m) for m in (trainer, lockstep, meeting))
-    assert source.count("inter_site_devices.all_reduce(") == 2
+    assert "AllSites(pgs.dp_inter, config.dims.sites, devices)" in source
     assert not re.search(r"dist\.\w+\((?:[^()]|\([^()]*\))*dp_inter", source)
+    assert not re.search(r"\.all_reduce\((?:[^()]|\([^()]*\))*dp_inter", source)
 
 
 def test_which_devices_an_inter_site_group_accepts():

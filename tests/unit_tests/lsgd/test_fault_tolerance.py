@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -206,6 +207,40 @@ def test_fault_tolerance_flags_are_checked():
         FaultToleranceOptions(min_sites=2).validate(algorithm="diloco", num_sites=2)
     if importlib.util.find_spec("torchft") is not None:  # else the install message (next test) is the answer
         FaultToleranceOptions(mode="torchft", min_sites=2).validate(algorithm="diloco", num_sites=2)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "each site is its own torchrun job; give its --lsgd-site in [0, --num-sites 2) (got -1)"),
+    (["--lsgd-site", "2"], "--lsgd-site in [0, --num-sites 2) (got 2)"),
+    (["--lsgd-site", "0", "--lsgd-warmup-iters", "4"], "--lsgd-warmup-iters does not work with --lsgd-fault-tolerance"),
+    (["--lsgd-site", "0", "--simulate-clock"], "--simulate-clock does not work with --lsgd-fault-tolerance"),
+    (["--lsgd-site", "0", "--inter-site-backend", "gloo"], "--inter-site-backend does not work with"),
+])
+def test_the_run_checks_fault_tolerance_against_its_other_flags(extra, message):
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "128",
+            "--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-fault-tolerance", "torchft"]
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_config(parse_args(base + extra), 1)
+
+
+def test_each_site_is_a_world_of_its_own_with_its_own_checkpoints():
+    """The world torchrun gives is one site (TP x PP x DP_intra); --save/--load gain site<k>."""
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed")
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "128",
+            "--num-sites", "3", "--lsgd-algorithm", "diloco", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "1",
+            "--pipeline-model-parallel-size", "2", "--save", "/ckpt", "--load", "/ckpt"]
+    config = build_config(parse_args(args), 4)
+    assert (config.dims.pp, config.dims.dp_intra, config.dims.sites) == (2, 2, 3)
+    assert config.checkpoint.save == config.checkpoint.load == os.path.join("/ckpt", "site1")
 
 
 def test_without_torchft_the_flag_says_how_to_install_it(monkeypatch):

@@ -20,10 +20,11 @@ from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteWork, Simulated
 
 class ElasticComm(InterSiteComm):
     def __init__(self, configured_sites: int, link: Optional[SimulatedLink] = None,
-                 timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None):
+                 timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None,
+                 devices=None, clock=None):
         # Until the first quorum the synchronizers see the configured sites (they decide
         # from num_sites > 1 whether there is anything to average).
-        super().__init__(None, configured_sites, link, timeout_minutes, rank, site)
+        super().__init__(None, configured_sites, link, timeout_minutes, rank, site, devices=devices, clock=clock)
         self.configured_sites = configured_sites
 
     def set_sites(self, group, present: int) -> None:

@@ -16,8 +16,8 @@ INSTALL_HINT = 'pip install -e ".[ft]" (torchft==0.2.0)'
 class FaultToleranceOptions(OptionGroup):
     title = "fault tolerance: elastic sites (docs/fault_tolerance.md)"
     mode: str = option("--lsgd-fault-tolerance", "none",
-                       "torchft: each site is a torchft replica group; a site may fail and rejoin while the "
-                       "others keep training", choices=MODES)
+                       "torchft: each site is a torchft replica group and a torchrun job of its own (--lsgd-site); "
+                       "a site may fail and rejoin while the others keep training (diloco)", choices=MODES)
     min_sites: int = option("--lsgd-min-sites", 1,
                             "fewest sites a round may commit with; below it training waits for sites to return")
     lighthouse: str = option("--lsgd-lighthouse", "",
@@ -26,12 +26,21 @@ class FaultToleranceOptions(OptionGroup):
                               "seconds a cross-site collective or a heal may take before the round is given up")
     max_wait_s: float = option("--lsgd-ft-max-wait", 3600.0,
                                "seconds a site waits for --lsgd-min-sites sites before it gives up")
+    host: str = option("--lsgd-ft-host", "",
+                       "address at which the other sites reach this site's rank 0 (its torchft manager and store); "
+                       "default: $MASTER_ADDR")
+    site: int = option("--lsgd-site", -1,
+                       "which site this torchrun job is (0 .. --num-sites - 1): under fault tolerance each site is "
+                       "its own job and torch.distributed world (tools/wan/launch.py sets it)")
 
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
 
-    def validate(self, algorithm: str = "", num_sites: int = 2, **_) -> None:
+    def validate(self, algorithm: str = "", num_sites: int = 2, refused=(), need_site: bool = False, **_) -> None:
+        """`refused`: flags the run set that fault tolerance cannot honour (the caller knows
+        them: a synchronous warm-up, a simulated clock, ...), each refused by name;
+        `need_site`: a training run, whose --lsgd-site says which site it is."""
         if not self.enabled:
             changed = [f for f in self.changed_flags() if f != "--lsgd-fault-tolerance"]
             if changed:
@@ -40,8 +49,15 @@ class FaultToleranceOptions(OptionGroup):
         if algorithm not in SUPPORTED_ALGORITHMS:
             raise ValueError(f"--lsgd-fault-tolerance {self.mode} does not support --lsgd-algorithm {algorithm} "
                              f"(supported: {', '.join(SUPPORTED_ALGORITHMS)})")
+        if num_sites < 2:
+            raise ValueError(f"--lsgd-fault-tolerance {self.mode} needs --num-sites >= 2 (got {num_sites})")
         if not 1 <= self.min_sites <= num_sites:
             raise ValueError(f"--lsgd-min-sites must be in [1, --num-sites {num_sites}] (got {self.min_sites})")
+        if need_site and not 0 <= self.site < num_sites:
+            raise ValueError(f"--lsgd-fault-tolerance {self.mode}: each site is its own torchrun job; give its "
+                             f"--lsgd-site in [0, --num-sites {num_sites}) (got {self.site})")
+        for flag, why in refused:
+            raise ValueError(f"{flag} does not work with --lsgd-fault-tolerance {self.mode}: {why}")
         if self.timeout_s <= 0 or self.max_wait_s <= 0:
             raise ValueError("--lsgd-ft-timeout and --lsgd-ft-max-wait must be > 0")
         require_torchft(self.mode)

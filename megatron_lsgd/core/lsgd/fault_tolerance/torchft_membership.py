@@ -4,7 +4,7 @@ Per outer round (torchft's DiLoCo protocol, with the quorum moved to the round's
 - `round_started`: a blocking quorum on the torchft Manager (use_async_quorum=False).
   torchft reconfigures the cross-site process group for the sites present, and a site
   whose committed-round count is behind the quorum's (restarted, or new) receives a live
-  peer's state through torchft's checkpoint transport before its first inner step. A
+  peer's state over the quorum's group (torchft's PGTransport) before its first inner step. A
   fresh site is never the source: torchft heals towards the highest committed step, and
   `init_sync=False` because every site starts from the same seeded weights. Below
   `--lsgd-min-sites` the site waits (a line every `log_every` seconds) and re-forms the
@@ -18,11 +18,14 @@ Per outer round (torchft's DiLoCo protocol, with the quorum moved to the round's
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import threading
 import time
+import warnings
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 import torch
 
@@ -33,6 +36,12 @@ from megatron_lsgd.core.lsgd.membership import SiteMembership
 T = TypeVar("T")
 
 
+def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
+    """torchft warns at every reconfiguration where NCCL's flight recorder is missing (every
+    CPU run): noise in a site's log, unlike its other warnings."""
+    return "flight recorder" not in record.getMessage()
+
+
 def _sites(sites: Sequence[int]) -> str:
     return ",".join(map(str, sorted(sites))) or "none"
 
@@ -40,9 +49,11 @@ def _sites(sites: Sequence[int]) -> str:
 class TorchftMembership(SiteMembership):
     def __init__(self, comm: ElasticComm, options: FaultToleranceOptions, *, site: int, group_rank: int,
                  group_world_size: int, store_addr: str, store_port: int, device: torch.device,
-                 log: Callable[[str], None] = print, log_every: float = 10.0, poll_s: float = 0.5):
+                 log: Callable[[str], None] = print, log_every: float = 10.0, poll_s: float = 0.5,
+                 hostname: Optional[str] = None):
         require_torchft(options.mode)
         from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         lighthouse = options.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
@@ -50,21 +61,32 @@ class TorchftMembership(SiteMembership):
             raise ValueError("--lsgd-fault-tolerance torchft needs a lighthouse: --lsgd-lighthouse http://HOST:PORT "
                              "or $TORCHFT_LIGHTHOUSE (docs/fault_tolerance.md)")
         self.comm, self.options, self.site, self.device = comm, options, site, device
+        logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_note)
+        # Said of torchft 0.2.0's own code on torch 2.13 (PGTransport: a deprecated pytree check,
+        # and a tensor over the read-only bytes of the pickled metadata, which it only sends).
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
         self.log_every, self.poll_s = log_every, poll_s
         timeout = timedelta(seconds=options.timeout_s)
         self.pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        # Healing state travels over the quorum's own group (reachable by construction, no
+        # HTTP server per rank advertised under a host name other sites may not resolve).
+        transport = PGTransport(self.pg, timeout=timeout, device=device)
         self.manager = Manager(pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_sites,
                                use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(seconds=options.max_wait_s), rank=group_rank,
                                world_size=group_world_size, store_addr=store_addr, store_port=store_port,
-                               lighthouse_addr=lighthouse, replica_id=f"site{site}", init_sync=False)
+                               lighthouse_addr=lighthouse, replica_id=f"site{site}", init_sync=False,
+                               hostname=hostname or socket.gethostname(), checkpoint_transport=transport)
         self.present: List[int] = []  # sites of the current round
         self.rounds_attempted = self.rounds_committed = 0
         self.healed_rounds: List[int] = []  # committed-round counts at which this site received a peer's state
         self._failed: Optional[List[int]] = None  # the sites of a round that was not committed
         self._failure = ""  # why, in a few words
         self._healing = False
+        # A healed site numbers rounds as the peer that healed it does (its log lines name rounds).
+        self.manager.register_state_dict_fn("membership", self._load_counts, self._counts)
 
     # ---- state a healing site receives -------------------------------------------------------------
     def register_state(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]
@@ -76,6 +98,13 @@ class TorchftMembership(SiteMembership):
 
         self.manager.register_state_dict_fn(key, load, state_dict)
 
+    def _counts(self) -> Dict:
+        return {"rounds_attempted": self.rounds_attempted, "rounds_committed": self.rounds_committed}
+
+    def _load_counts(self, counts: Dict) -> None:
+        self.rounds_attempted = int(counts["rounds_attempted"])
+        self.rounds_committed = int(counts["rounds_committed"])
+
     @property
     def committed_rounds(self) -> int:
         """Rounds the job has committed (torchft's step; a healed site takes its peer's)."""
@@ -83,19 +112,27 @@ class TorchftMembership(SiteMembership):
 
     # ---- SiteMembership -----------------------------------------------------------------------------
     def round_started(self) -> None:
-        waited_since = last_line = time.monotonic()  # waiting for real peers: real time, whatever the run's clock
-        self._quorum()
+        self._form_quorum()
+        waited_since = last_line = None  # waiting for real peers: real time, whatever the run's clock
         while self.manager.num_participants() < self.options.min_sites:
             now = time.monotonic()
-            if now - waited_since > self.options.max_wait_s:
+            if waited_since is None:
+                waited_since = now
+            elif now - waited_since > self.options.max_wait_s:
                 raise RuntimeError(f"site {self.site}: fewer than --lsgd-min-sites {self.options.min_sites} sites for "
                                    f"--lsgd-ft-max-wait {self.options.max_wait_s:g} s")
-            if now - last_line >= self.log_every or last_line == waited_since:
-                self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum")
+            if last_line is None or now - last_line >= self.log_every:
+                missing = sorted(set(range(self.comm.configured_sites)) - set(self.present))
+                self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum: "
+                                            f"{_sites(self.present)}); missing: {_sites(missing)}")
                 last_line = now
             time.sleep(self.poll_s)
-            self._quorum()
+            self._form_quorum()
+
+    def _form_quorum(self) -> None:
+        """A quorum, who is in it, and a line for what changed since the last one."""
         before = self.present
+        self._quorum()
         present = self._gather_present()
         if present is None:  # a site died right after the quorum: this round will not commit
             present = list(before)
@@ -108,9 +145,9 @@ class TorchftMembership(SiteMembership):
                      f"a live peer; sites now {_sites(self.present)}")
         if self._failed is not None:
             lost = sorted(set(self._failed) - set(self.present))
-            self.log(f"site {self.site}: round {self.rounds_attempted} was not committed (lost site "
-                     f"{_sites(lost) if lost else 'none'}: {self._failure}); restarted from the anchor; "
-                     f"sites now {_sites(self.present)}")
+            who = f"lost site {_sites(lost)}" if lost else "a site failed and is back"
+            self.log(f"site {self.site}: round {self.rounds_attempted} was not committed ({who}: {self._failure}); "
+                     f"restarted from the anchor; sites now {_sites(self.present)}")
             self._failed = None
         elif before and before != self.present:
             self.log(f"site {self.site}: sites now {_sites(self.present)} (were {_sites(before)})")
@@ -132,9 +169,52 @@ class TorchftMembership(SiteMembership):
         self._failed = list(self.present)
         err = self.manager.errored()
         cause = getattr(err, "original_exception", err)
+        while cause is not None and cause.__cause__ is not None:  # the transport's own words, not a wrapper's
+            cause = cause.__cause__
         self._failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160] if cause is not None \
             else "a peer site did not commit"
         return None
+
+    def mean_over_sites(self, tensor: torch.Tensor) -> None:
+        self._over_sites(tensor, mean=True)
+
+    def sum_over_sites(self, tensor: torch.Tensor) -> None:
+        self._over_sites(tensor, mean=False)
+
+    def _over_sites(self, tensor: torch.Tensor, mean: bool) -> None:
+        """Over the sites of the quorum; a site's own value when the quorum's group is broken
+        or breaks here (reported: a round in flight then does not commit, as its mean would fail)."""
+        n = self.manager.num_participants()
+        if n <= 1 or self.manager.errored() is not None:
+            return
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        work = tensor / n if mean else tensor.clone()  # a failed collective may leave part of a sum behind
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        try:
+            self.pg.allreduce([work], opts).wait()
+        except Exception as err:  # as in reduce: a peer died or timed out
+            self.manager.report_error(err)
+            return
+        tensor.copy_(work)
+
+    def state_dict(self) -> Dict:
+        # torchft's committed rounds decide who heals whom after a restart
+        return {"torchft": self.manager.state_dict(), **self._counts()}
+
+    def load_state_dict(self, state: Dict) -> None:
+        """From a checkpoint: the site counts itself one committed round behind what it saved,
+        so live sites (which have committed at least as many) heal it to their state. Its
+        checkpoint may lag them even at an equal count: a round they rolled back after it
+        saved still moved their data position on. After a restart of the whole job every
+        site is one behind, and the sites that saved last heal the others."""
+        if "torchft" in state:
+            saved = dict(state["torchft"])
+            saved["step"] = max(0, int(saved["step"]) - 1)
+            self.manager.load_state_dict(saved)
+        if "rounds_attempted" in state:
+            self._load_counts(state)
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -147,7 +227,9 @@ class TorchftMembership(SiteMembership):
 
         def watch() -> None:
             while not done.wait(self.log_every):
-                self._waiting(started, "no quorum yet")
+                failed = f"; round {self.rounds_attempted} failed ({self._failure})" \
+                    if self._failed is not None else ""
+                self._waiting(started, f"no quorum yet); sites of the last round: {_sites(self.present)}{failed}")
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -158,10 +240,8 @@ class TorchftMembership(SiteMembership):
             watcher.join()
 
     def _waiting(self, since: float, what: str) -> None:
-        missing = sorted(set(range(self.comm.configured_sites)) - set(self.present or [self.site]))
         self.log(f"site {self.site} waits for --lsgd-min-sites {self.options.min_sites} sites "
-                 f"({time.monotonic() - since:.0f} s, {what}); sites of the last round: "
-                 f"{_sites(self.present or [self.site])}; not seen: {_sites(missing)}")
+                 f"({time.monotonic() - since:.0f} s, {what}")
 
     def _gather_present(self) -> Optional[List[int]]:
         """Which sites the new quorum holds: each contributes its index (a few bytes)."""

@@ -1,0 +1,99 @@
+"""Elastic sites in the training loop (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md).
+
+Each site is a torchrun job and a torch.distributed world of its own, so a dead site
+takes no other site's process groups with it. Its cross-site traffic goes through the
+torchft group of `TorchftMembership` (core/lsgd/fault_tolerance): the synchronizer's means
+through `ElasticComm`, the loop's own few numbers through `membership.mean_over_sites`.
+
+`elastic_site` builds the two; `register_healing_state` gives torchft what a site that
+comes back needs to train on as if it had never stopped: this rank's model slice,
+optimizer shard, synchronizer state (anchor, outer momentum, error feedback, round
+position), LR schedule, RNG streams, and the loop's position (iteration, consumed
+samples, hence the data stream). Every rank serves and receives its own shard: TP, PP and
+ZeRO-1 need nothing more, since a rank's torchft group rank is its place in the site.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from megatron_lsgd.core.distributed.data_parallel import unwrap
+from megatron_lsgd.core.lsgd.comm import SimulatedLink
+from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
+from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
+from megatron_lsgd.training.checkpointing.checkpointer import refresh_main_params
+from megatron_lsgd.training.checkpointing.model_io import load_model_state, model_state
+from megatron_lsgd.training.checkpointing.rng import capture_rng_state, restore_rng_state
+from megatron_lsgd.training.data_samplers import build_data_iterator
+
+
+def _site_store(host: str):
+    """(address, port) of a TCP store for the site's torchft Managers, hosted by the site's
+    rank 0 at `host` (collective over the site). A fresh store per start of the job:
+    torchrun's own store outlives a restart and would hand the ranks the dead manager's
+    address. Other sites' ranks meet there too when this site leads a quorum."""
+    from torch.distributed import TCPStore
+
+    store, where = None, [None]
+    if dist.get_rank() == 0:
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        where = [(host, store.port)]
+    dist.broadcast_object_list(where, src=0)
+    return store, where[0]
+
+
+def elastic_site(config, pgs, device: torch.device, clock, devices):
+    """(ElasticComm, TorchftMembership) for this rank: its torchft group is its dp_inter."""
+    ft = config.fault_tolerance
+    host = ft.host or os.environ.get("MASTER_ADDR", "127.0.0.1")  # torchrun runs the site's rank 0 there
+    store, (host, port) = _site_store(host)
+    link = config.lsgd.link
+    comm = ElasticComm(config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
+                       config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
+                       devices=devices, clock=clock)
+    membership = TorchftMembership(comm, config.fault_tolerance, site=pgs.site_rank, group_rank=dist.get_rank(),
+                                   group_world_size=dist.get_world_size(), store_addr=host, store_port=port,
+                                   device=device, log=lambda line: print(line, flush=True), hostname=host)
+    membership.store = store  # the site's rank 0 keeps the store alive as long as the managers
+    return comm, membership
+
+
+def _copy(state):
+    """A snapshot: torchft serves it while training goes on (views would drag their buffers along)."""
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
+
+
+def register_healing_state(trainer, membership: TorchftMembership) -> None:
+    """What a healing rank receives from the same rank of a live site (both at a round's start)."""
+    def snapshot():
+        return _copy({"model": model_state(unwrap(trainer.model)), "optimizer": trainer.optimizer.state_dict(),
+                      "synchronizer": trainer.synchronizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
+                      "rng": capture_rng_state(trainer.rng_tracker),
+                      "position": {"iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
+                                   "site_consumed_samples": trainer.site_consumed_samples,
+                                   "consumed_valid_samples": trainer.consumed_valid_samples}})
+
+    def restore(state) -> None:  # the order of a checkpoint load (checkpointer._load_local)
+        load_model_state(unwrap(trainer.model), state["model"], "the state received from a live site")
+        refresh_main_params(trainer.optimizer)
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.synchronizer.load_state_dict(state["synchronizer"])
+        trainer.scheduler.load_state_dict(state["scheduler"])
+        position = state["position"]
+        trainer.iteration = trainer.agreed_iteration = int(position["iteration"])
+        trainer.consumed_samples = int(position["consumed_samples"])
+        trainer.site_consumed_samples = int(position["site_consumed_samples"])
+        trainer.consumed_valid_samples = int(position["consumed_valid_samples"])
+        t, pgs = trainer.config.training, trainer.pgs
+        trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
+                                                     t.micro_batch_size, pgs, trainer.config.data.num_workers)
+        trainer.valid_iterator = build_data_iterator(trainer.valid_ds, trainer.consumed_valid_samples // pgs.dims.sites,
+                                                     t.micro_batch_size, pgs, trainer.config.data.num_workers,
+                                                     cyclic=True)
+        restore_rng_state(state["rng"], trainer.rng_tracker)  # last: building iterators draws from torch's
+
+    membership.register_state("trainer", snapshot, restore)

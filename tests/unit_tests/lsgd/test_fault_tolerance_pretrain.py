@@ -1,0 +1,219 @@
+"""pretrain_gpt.py with --lsgd-fault-tolerance torchft (docs/fault_tolerance.md).
+
+Each site is its own job (its own torch.distributed world, `--lsgd-site k`), a torchft
+lighthouse runs in the test process. What the runs leave is read from their per-site
+checkpoints (<save>/site<k>/iter_*: model, optimizer shard, synchronizer state, RNG) and
+their log lines. Sites are SIGKILLed whole (every rank and the launcher) mid-round and
+restarted as torchrun --max-restarts would (from their checkpoint) or fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+
+import pytest
+
+from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, losses, read, run, start
+
+torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install -e \".[ft]\")")
+os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) logs every quorum at info
+
+from tools.benchmarks.ft_site import start_lighthouse  # noqa: E402
+
+H = 2
+BOOKKEEPING = "membership"  # the torchft committed-round count: a plain run has none
+
+
+def _job(sites: int, lighthouse: str = "", min_sites: int = 1, extra=()) -> list:
+    args = TINY + ["--num-sites", str(sites), "--lsgd-algorithm", "diloco", "--lsgd-interval", str(H),
+                   "--save-interval", str(H), *extra]
+    if lighthouse:
+        args += ["--lsgd-fault-tolerance", "torchft", "--lsgd-lighthouse", lighthouse, "--lsgd-min-sites",
+                 str(min_sites), "--lsgd-ft-timeout", "20", "--lsgd-ft-max-wait", "120"]
+    return args
+
+
+def _site(args: list, site: int) -> list:
+    return args + ["--lsgd-site", str(site)]
+
+
+def _iteration(log: str) -> int:
+    found = re.findall(r"iteration\s+(\d+)/", read(log)) if os.path.exists(log) else []
+    return int(found[-1]) if found else 0
+
+
+def _until(condition, what: str, procs=(), timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for p in procs:
+            assert p.poll() in (None, 0), f"a site ended with {p.returncode} before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _checkpoint(save: str, site: int, iteration: int) -> dict:
+    """A site's files at an iteration, its torchft bookkeeping left out."""
+    tree = load_tree(os.path.join(save, f"site{site}", f"iter_{iteration:07d}"))
+    for content in tree.values():
+        content.pop(BOOKKEEPING, None)
+    return tree
+
+
+def _round_state(tree: dict) -> dict:
+    """What every site holds after a round, by file name without the site: the model and the
+    synchronizer's anchor, outer momentum and error feedback (the inner optimizer's moments
+    and the RNG streams are each site's own)."""
+    out = {}
+    for name, content in tree.items():
+        key = re.sub(r"site_\d{3}", "site_k", name)
+        if "params" in content:
+            out[key] = content["params"]
+        elif "synchronizer" in content:
+            out[key] = {k: content["synchronizer"][k] for k in ("outer", "reducer")}
+    return out
+
+
+def _position(save: str, site: int, iteration: int):
+    """(job samples, this site's samples, its LR schedule) from the site's metadata.json."""
+    with open(os.path.join(save, f"site{site}", f"iter_{iteration:07d}", "metadata.json")) as f:
+        meta = json.load(f)
+    return meta["consumed_samples"], meta["site_consumed_samples"][site], meta["site_schedulers"][site]
+
+
+def _saved_iterations(save: str, site: int) -> list:
+    names = os.listdir(os.path.join(save, f"site{site}")) if os.path.isdir(os.path.join(save, f"site{site}")) else []
+    return sorted(int(n[len("iter_"):]) for n in names if n.startswith("iter_"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2", "--lsgd-compression", "int8"],  # p2p inside a site; error feedback
+    ["--tensor-model-parallel-size", "2"],
+], ids=["pp2-int8", "tp2"])
+def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout):
+    # 2 sites of 2 ranks each. Every checkpointed tensor of both sites and every logged loss
+    # must equal the run without fault tolerance.
+    extra = layout + ["--train-iters", "6"]
+    plain = run(_job(2, extra=extra + ["--save", str(tmp_path / "plain")]), 4, str(tmp_path / "plain.log"))
+    lighthouse = start_lighthouse(2, join_timeout_ms=60_000)  # every round waits for both sites
+    try:
+        args = _job(2, lighthouse.address(), 2, extra + ["--save", str(tmp_path / "ft")])
+        failures = []
+
+        def one_site(site):
+            try:
+                run(_site(args, site), 2, str(tmp_path / f"ft{site}.log"))
+            except BaseException as err:  # noqa: BLE001 (reported below, in the test's thread)
+                failures.append(err)
+
+        threads = [threading.Thread(target=one_site, args=(s,)) for s in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures, failures
+    finally:
+        lighthouse.shutdown()
+    reference = load_tree(str(tmp_path / "plain" / "iter_0000006"))
+    elastic = {}
+    for site in range(2):
+        elastic.update(_checkpoint(str(tmp_path / "ft"), site, 6))
+    assert sorted(elastic) == sorted(reference)
+    assert_same(elastic, reference)
+    for site in range(2):
+        assert losses(read(str(tmp_path / f"ft{site}.log"))) == losses(plain)
+    assert len(losses(plain)) == 6
+
+
+@pytest.mark.slow
+def test_a_killed_site_is_rolled_back_waited_for_and_healed(tmp_path):
+    # 3 sites of 2 ZeRO-1 ranks each, H = 2, --lsgd-min-sites 2; every site saves every round.
+    # 1. site 2 is SIGKILLed mid-round: sites 0 and 1 roll the round back and go on alone;
+    # 2. then site 1 is killed: site 0 is below the floor and waits, training nothing;
+    # 3. site 1 restarts from its checkpoint, site 2 fresh: both are healed from site 0.
+    # The lighthouse would accept one site: the floor is the sites' own.
+    save = str(tmp_path / "ckpt")
+    lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
+    logs = {s: str(tmp_path / f"site{s}.log") for s in range(3)}
+    procs = {}
+    extra = ["--use-distributed-optimizer", "--train-iters", "24", "--save", save, "--load", save,
+             "--simulate-slow-ranks", "0,1,2,3,4,5", "--slow-factor", "20"]  # paced: rounds of a second or so
+    args = _job(3, lighthouse.address(), 2, extra)
+    try:
+        procs = {s: start(_site(args, s), 2, logs[s]) for s in range(3)}
+        # A site that starts late joins by healing: first, every site has saved a round and is past it.
+        def together():
+            saved = set.intersection(*(set(_saved_iterations(save, s)) for s in range(3)))
+            return saved and all(_iteration(logs[s]) > min(saved) for s in range(3))
+
+        _until(together, "every site to save a round and go on", procs.values())
+        kill(procs.pop(2))
+        failed = re.compile(r"site 0: round (\d+) was not committed \(lost site 2")
+        _until(lambda: failed.search(read(logs[0])), "site 0 to roll back the round", procs.values())
+        lost = int(failed.search(read(logs[0])).group(1))  # rounds attempted, i.e. the round's index
+        _until(lambda: _iteration(logs[0]) > (lost + 1) * H and _iteration(logs[1]) > (lost + 1) * H,
+               "sites 0 and 1 past the next round", procs.values())
+        kill(procs.pop(1))
+        _until(lambda: "site 0 waits for --lsgd-min-sites 2" in read(logs[0]), "site 0 to wait", procs.values())
+        # The site's last rank prints the step lines: the round's last may come after the wait line.
+        _until(lambda: _iteration(logs[0]) % H == 0, "site 0's last line before the wait", procs.values())
+        waiting_at = _iteration(logs[0])
+        time.sleep(3.0)  # it stays there, at a round's start: nothing trained alone
+        assert _iteration(logs[0]) == waiting_at
+        procs[1] = start(_site(args, 1), 2, logs[1] + ".restart")
+        fresh = args[:args.index("--load")] + args[args.index("--load") + 2:]
+        procs[2] = start(_site(fresh, 2), 2, logs[2] + ".restart")
+        _until(lambda: all(p.poll() is not None for p in procs.values()), "the job's end", timeout=600)
+        assert {s: p.returncode for s, p in procs.items()} == {0: 0, 1: 0, 2: 0}
+    finally:
+        for p in procs.values():
+            kill(p)
+        lighthouse.shutdown()
+    text = {s: read(logs[s]) for s in range(3)}
+
+    # 1. The lost round left the survivors' anchor, outer momentum and model as they were.
+    for s in (0, 1):
+        assert len(re.findall(r"was not committed \(lost site 2", text[s])) == 1, text[s]
+        before, after = _checkpoint(save, s, (lost - 1) * H), _checkpoint(save, s, lost * H)
+        assert_same(_round_state(after), _round_state(before), f"site {s}")
+    # ... and the next round went on from there exactly as a job that starts from that state
+    # (sites 0 and 1 alone, nothing lost) does: a reference resumed from their checkpoints.
+    ref = str(tmp_path / "reference")
+    for s in (0, 1):
+        os.makedirs(os.path.join(ref, f"site{s}"))
+        shutil.copytree(os.path.join(save, f"site{s}", f"iter_{lost * H:07d}"),
+                        os.path.join(ref, f"site{s}", f"iter_{lost * H:07d}"))
+        with open(os.path.join(ref, f"site{s}", "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(lost * H))
+    lighthouse = start_lighthouse(2, join_timeout_ms=60_000)
+    try:
+        ref_args = _job(3, lighthouse.address(), 2, [a if a != save else ref for a in extra] + ["--exit-interval",
+                                                                                               str(H)])
+        ref_procs = [start(_site(ref_args, s), 2, str(tmp_path / f"ref{s}.log")) for s in (0, 1)]
+        for p in ref_procs:
+            p.wait(timeout=300)
+        assert [p.returncode for p in ref_procs] == [0, 0]
+    finally:
+        lighthouse.shutdown()
+    for s in (0, 1):
+        assert_same(_checkpoint(ref, s, (lost + 1) * H), _checkpoint(save, s, (lost + 1) * H), f"site {s}")
+
+    # 2. The floor: site 0 waited alone, naming who is missing (and trained nothing meanwhile, above).
+    assert re.search(r"site 0 waits for --lsgd-min-sites 2 sites .*in the quorum: 0\); missing: 1,2", text[0]), text[0]
+
+    # 3. Both returning sites were healed from site 0 and agree with it at every later round.
+    restarted = {s: read(logs[s] + ".restart") for s in (1, 2)}
+    for s in (1, 2):
+        assert "rejoined at committed round" in restarted[s], restarted[s]
+        later = [i for i in _saved_iterations(save, s) if i > waiting_at]
+        assert later and later[-1] == 24
+        for i in later:
+            assert_same(_round_state(_checkpoint(save, s, i)), _round_state(_checkpoint(save, 0, i)),
+                        f"site {s} at iteration {i}")
+            # ... at the data position and schedule an uninterrupted site would have
+            assert _position(save, s, i) == _position(save, 0, i)
