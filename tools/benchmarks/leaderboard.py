@@ -406,10 +406,14 @@ def plot(name: str, cells: Dict[str, List[Dict]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    if cells.get("sync"):
+        ax.axhline(cells["sync"][0]["valid"][-1], color="grey", linestyle="--", linewidth=0.8,
+                   label="target: sync's final loss")
     for algo, runs in cells.items():
         c = runs[0]
         ax.plot(c["valid_seconds"], c["valid"], marker=".", label=algo)
-    ax.set_xlabel("simulated wall-clock (s)")
+    ax.set_xscale("log")  # the algorithms' times to a loss differ by 10x and more
+    ax.set_xlabel("simulated training time (s, log scale)")
     ax.set_ylabel("validation loss")
     ax.set_title(f"{name} (seed 1)")
     ax.legend(fontsize=7)
