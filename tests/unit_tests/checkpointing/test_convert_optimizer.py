@@ -103,13 +103,16 @@ def test_tp1_to_tp2_to_tp1_resumes_like_the_tp1_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_diloco_anchors_and_outer_momentum_are_resharded(tmp_path):
-    """H = 3: the checkpoint of iteration 4 is one step into the second round, so the anchor
-    (the first outer step's result) and the outer momentum are not the model. Saved by
+@pytest.mark.parametrize("algorithm", [["diloco", "--lsgd-interval", "3"],
+                                       ["streaming-diloco", "--lsgd-interval", "4", "--lsgd-fragments", "2"]],
+                         ids=["diloco", "streaming-diloco"])
+def test_local_sgd_anchors_and_outer_momentum_are_resharded(tmp_path, algorithm):
+    """The checkpoint of iteration 4 is inside a round (diloco, H = 3) or between fragment
+    syncs (streaming), so the anchors and the outer momentum are not the model. Saved by
     DP_intra ranks without ZeRO-1, which each own a part of them; through TP2 and back,
     loaded at the same layout (exact) and under ZeRO-1 (1e-6). Each site reads its share of
     a global batch by DP_intra, so a local-SGD run is compared at equal DP_intra."""
-    sites = ["--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-interval", "3"]
+    sites = ["--num-sites", "2", "--lsgd-algorithm"] + algorithm
     ck = {k: str(tmp_path / k) for k in ("a", "tp2", "tp1")}
     plan = [
         ("train", "saved", COMMON + sites + ["--train-iters", "4", "--save", ck["a"]]),  # 2 sites x DP_intra 2
