@@ -11,8 +11,16 @@ A loader plugin (`loader_<name>.py` beside this file) builds a layout-free FullM
 (megatron_lsgd/training/checkpointing/full_model.py); a saver plugin writes it. Megatron
 streams tensors through a queue between two processes; this tool holds the full model in
 CPU memory once, which is simpler and fine up to a few tens of billions of parameters.
-Model weights only: optimizer state is not resharded (resume with --no-load-optim
---no-load-rng). See docs/checkpointing.md.
+
+lsgd -> lsgd also reshards the optimizer state (Adam moments and step counts, the fp32
+main weights of bf16/fp16 models, ZeRO-1 shards, Muon momentum, the loss scaler), the LR
+schedule and data positions, and the synchronizer's per-parameter state (local-SGD
+anchors and outer momentum), for every site: the result resumes with --no-load-rng at any
+DP_intra, with or without --use-distributed-optimizer (RNG states are not converted). A
+synchronizer state that cannot be mapped to parameters (error feedback, values in
+flight) is refused naming the algorithm; --model-only converts the weights alone (resume
+with --no-load-optim --no-load-rng). The full state is held in CPU memory, about 4-6x the
+fp32 model per site. See docs/checkpointing.md.
 
 The source is never written: --save-dir may not be --load-dir, lie inside it or contain it,
 and must be empty or new unless --overwrite is given.
@@ -41,14 +49,24 @@ def _plugin(kind: str, name: str):
     return importlib.import_module(f"{kind}_{name}")
 
 
+EPILOG = ("lsgd -> lsgd converts every site's model with its optimizer state (ZeRO-1 shards, Adam moments, fp32 main "
+          "weights, loss scale), the LR schedule, the data positions and the synchronizer's per-parameter state "
+          "(local-SGD anchors, outer momentum); resume the result with --no-load-rng at any data-parallel size. "
+          "Synchronizer state that cannot be resharded is refused naming the algorithm. See docs/checkpointing.md.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EPILOG, allow_abbrev=False,
                                 formatter_class=cli.HelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"])
     p.add_argument("--loader", required=True, choices=PLUGINS, help="format of --load-dir")
     p.add_argument("--saver", required=True, choices=PLUGINS, help="format of --save-dir")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True, help="a new or empty directory (see --overwrite)")
+    p.add_argument("--model-only", action="store_true",
+                   help="lsgd -> lsgd: convert the model weights alone (site 0's), without the optimizer, "
+                        "synchronizer and schedule state (resume with --no-load-optim --no-load-rng); needed for "
+                        "a source saved with --no-save-optim")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --save-dir: an lsgd saver adds (or replaces) the iteration and "
                         "moves the tracker to it; the hf saver replaces the directory's contents")
@@ -78,11 +96,23 @@ def check_paths(load_dir: str, save_dir: str, overwrite: bool) -> None:
 
 
 DROPPED_STATE_NOTE = (
-    "note: model weights only. The source's optimizer state (Adam moments, fp32 main weights, loss scale), its "
-    "synchronizer state (anchors, outer momentum, error feedback) and RNG states are not converted. Resume with "
-    "--no-load-optim --no-load-rng: the iteration, consumed samples (data position) and the LR schedule continue; "
-    "Adam restarts from zero moments with its bias correction, local-SGD rounds restart from the loaded weights, "
-    "and dropout draws differ. A short re-warmup (--lr-warmup-iters) avoids a loss spike from the fresh moments.")
+    "note: model weights only (--model-only). The source's optimizer state (Adam moments, fp32 main weights, loss "
+    "scale), its synchronizer state (anchors, outer momentum, error feedback) and RNG states are not converted. "
+    "Resume with --no-load-optim --no-load-rng: the iteration, consumed samples (data position) and the LR schedule "
+    "continue; Adam restarts from zero moments with its bias correction, local-SGD rounds restart from the loaded "
+    "weights, and dropout draws differ. A short re-warmup (--lr-warmup-iters) avoids a loss spike from the fresh "
+    "moments.")
+RESHARDED_NOTE = (
+    "note: the optimizer state (Adam moments, step counts, fp32 main weights, loss scale), the LR schedule, the data "
+    "positions and the synchronizer's per-parameter state were resharded for {sites} site(s); the checkpoint loads "
+    "at any data-parallel size per site. RNG states are not converted: resume with --no-load-rng (dropout draws "
+    "differ from an uninterrupted run).")
+
+
+def check_flags(args) -> None:
+    if args.model_only and not (args.loader == "lsgd" and args.saver == "lsgd"):
+        raise ValueError("--model-only applies to --loader lsgd --saver lsgd only (a Hugging Face checkpoint holds "
+                         "model weights alone)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -96,8 +126,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_lsgd.training.checkpointing.errors import CheckpointError
     from megatron_lsgd.training.checkpointing.lock import SaveLock
 
+    # What the lsgd loader reads: the optimizer state too when an lsgd checkpoint is the target.
+    args.with_optimizer = args.loader == "lsgd" and args.saver == "lsgd" and not args.model_only
     lock = None
     try:
+        check_flags(args)
         check_paths(args.load_dir, args.save_dir, args.overwrite)
         model = loader.load_checkpoint(args)
         if os.path.isdir(args.save_dir):  # a training run saving there holds this lock
@@ -112,7 +145,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             lock.release()
     n = sum(t.numel() for t in model.params.values())
     print(f"converted {args.loader}:{args.load_dir} -> {args.saver}:{where} ({n:,} parameters)")
-    if args.saver == "lsgd" and getattr(model, "source_has_optimizer", False):
+    if getattr(model, "resume", None) is not None:
+        print(RESHARDED_NOTE.format(sites=len(model.resume.sites)))
+    elif args.saver == "lsgd" and getattr(model, "source_has_optimizer", False):
         print(DROPPED_STATE_NOTE)
     return 0
 

@@ -1,4 +1,5 @@
-"""convert.py saver: a model-only megatron_lsgd checkpoint for a target TP x PP."""
+"""convert.py saver: a megatron_lsgd checkpoint for a target TP x PP (with the optimizer state
+when the loader read it, else model weights only)."""
 
 from __future__ import annotations
 

@@ -320,7 +320,9 @@ class CompressorBank:
         return comp
 
     def state_dict(self) -> Dict:
-        return {key: comp.state_dict() for key, comp in sorted(self.compressors.items())}
+        # The exact mean (`none`) keeps nothing between rounds; leaving it out keeps the state
+        # free of its key, which names a rank's part of a fragment (a layout detail).
+        return {key: comp.state_dict() for key, comp in sorted(self.compressors.items()) if comp.kind != "none"}
 
     def load_state_dict(self, state: Dict, views_by_key: Dict[str, object], device: torch.device) -> None:
         for key, saved in state.items():

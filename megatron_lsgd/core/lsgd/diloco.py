@@ -14,7 +14,7 @@ nothing to average and the synchronizer does nothing, so S = 1 is plain Megatron
 from __future__ import annotations
 
 import abc
-from typing import Dict
+from typing import Dict, List
 
 from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.outer_state import OuterState
@@ -85,6 +85,10 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
     @abc.abstractmethod
     def end_round(self) -> None:
         """Called after the H-th inner step of a round: exchange and apply the outer step."""
+
+    def per_parameter_state(self) -> Dict[str, List[object]]:
+        # The anchor and outer momentum are this rank's on the part it sends across sites.
+        return {"outer/anchors": [self.views], "outer/momentum": [self.views]} if self.outer else {}
 
     def _base_state(self) -> Dict:
         return {"steps_in_round": self.steps_in_round, "outer_rounds": self.outer_rounds,

@@ -21,6 +21,7 @@ warm-up and decay schedules; constant by default).
 
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional, Set
 
 import torch
@@ -40,8 +41,10 @@ class OuterState:
         for a, s in zip(self.anchors, shards):
             a.copy_(s)
         self.momenta = [torch.zeros_like(a) for a in self.anchors] if self.momentum > 0 else []
-        self._started: Set[str] = set()  # fragments (views keys) whose momentum holds a first step
-        self.steps: Dict[str, int] = {}  # outer steps taken per fragment (views key), for the schedules
+        # Keyed by fragment (ShardViews.fragment), not by a rank's part of it, so the state
+        # means the same at another DP_intra (tools/checkpoint/convert.py carries it).
+        self._started: Set[str] = set()  # fragments whose momentum holds a first step
+        self.steps: Dict[str, int] = {}  # outer steps taken per fragment, for the schedules
 
     def _alloc(self, shard: torch.Tensor, pin: bool) -> torch.Tensor:
         t = torch.empty(shard.shape, dtype=torch.float32, device=self.device)
@@ -69,8 +72,8 @@ class OuterState:
     def step(self, views, mean_grads: List[torch.Tensor]) -> None:
         params = self.anchor(views)
         grads = [g.to(self.device) for g in mean_grads]
-        started = views.key in self._started
-        self.steps[views.key] = k = self.steps.get(views.key, 0) + 1
+        started = views.fragment in self._started
+        self.steps[views.fragment] = k = self.steps.get(views.fragment, 0) + 1
         lr, momentum = self.options.at(k)
         buffers: List[Optional[torch.Tensor]] = views.select(self.momenta) if started else [None] * len(params)
         sgd(params, grads, buffers, weight_decay=0.0, momentum=momentum, lr=lr, dampening=0.0,
@@ -78,7 +81,7 @@ class OuterState:
         if momentum > 0 and not started:  # torch created each buffer as a copy of the first grad
             for dst, buf in zip(views.select(self.momenta), buffers):
                 dst.copy_(buf)
-            self._started.add(views.key)
+            self._started.add(views.fragment)
 
     @torch.no_grad()
     def load_into(self, views) -> None:
@@ -105,10 +108,19 @@ class OuterState:
             started = ["all"] if state["has_momentum"] else []
         else:
             started = list(state["momentum_started"])
-        self._started = set(started)
+        self._started = {_fragment(key) for key in started}
         # absent in checkpoints that predate the schedules: they ran constant ones, so only a
         # run that adds a schedule on resume sees its count start again
-        self.steps = {str(key): int(n) for key, n in state.get("outer_steps", {}).items()}
+        self.steps = {_fragment(str(key)): int(n) for key, n in state.get("outer_steps", {}).items()}
         if self.momentum > 0 and started:
             for m, saved in zip(self.momenta, state["momentum"]):
                 m.copy_(saved)
+
+
+_PART = re.compile(r"/part\d+of\d+$")
+
+
+def _fragment(key: str) -> str:
+    """Checkpoints written before the state was keyed by fragment name a rank's part of it
+    ("all/part0of2" for a DP_intra rank without ZeRO-1): the fragment is the key without it."""
+    return _PART.sub("", key)

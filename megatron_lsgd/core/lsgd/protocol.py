@@ -229,6 +229,9 @@ class Synchronizer:
     # backend is then gloo (devices.choose_inter_site_backend), so that on GPUs only the
     # compute thread launches NCCL kernels.
     communicates_from_a_thread: ClassVar[bool] = False
+    # True when its state is organised by pipeline stage (fragments or schedules made of a
+    # stage's units): tools/checkpoint/convert.py then keeps the pipeline-parallel size.
+    state_follows_pipeline: ClassVar[bool] = False
 
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
@@ -295,6 +298,16 @@ class Synchronizer:
     def state_dict(self) -> Dict:
         """Everything kept between steps. It only reads: the caller has quiesced (the
         checkpoint does), so nothing is in flight; `require_quiesced` says so loudly."""
+        return {}
+
+    def per_parameter_state(self) -> Dict[str, List[object]]:
+        """The entries of state_dict() that hold per-parameter values, for tools/checkpoint/
+        convert.py to reshard with the optimizer state: path (keys joined by '/') -> the
+        ShardViews on which this rank's values are its own. Each such entry is a list of
+        tensors laid out like the optimizer's main shards (one per main shard), or an empty
+        list. convert.py carries everything else as it is, so it must not depend on the
+        layout; it refuses to reshard the algorithm's state when the rest differs between
+        the ranks of a site or holds a tensor with values (error feedback, values in flight)."""
         return {}
 
     def require_quiesced(self, in_flight: bool) -> None:

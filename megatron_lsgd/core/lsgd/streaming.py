@@ -143,6 +143,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     name = "streaming-diloco"
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
+    state_follows_pipeline = True  # a fragment is the stage's units of it (its key names them)
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)
@@ -330,6 +331,10 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         algo = self.ctx.config.algo
         return {"interval": self.interval, "fragments": self.num_fragments, "partition": algo.partition,
                 "sync_delay": self.tau}
+
+    def per_parameter_state(self) -> Dict[str, List[object]]:
+        # The anchor and outer momentum are this rank's on the fragments' parts it sends.
+        return {"outer/anchors": list(self.views), "outer/momentum": list(self.views)} if self.outer else {}
 
     def state_dict(self) -> Dict:
         # quiesce() finished the reductions in flight, and with them their error-feedback updates.

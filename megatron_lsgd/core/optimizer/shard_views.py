@@ -17,7 +17,7 @@ heard of units.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,8 +59,12 @@ class ShardViews:
     """This rank's share of a set of sync units (see the module docstring)."""
 
     def __init__(self, key: str, units: Tuple[str, ...], ranges: List[ShardRange], pieces: List[PieceView],
-                 main: List[torch.Tensor], grad: List[torch.Tensor], extents: List[BucketExtent], whole: bool):
+                 main: List[torch.Tensor], grad: List[torch.Tensor], extents: List[BucketExtent], whole: bool,
+                 fragment: Optional[str] = None):
         self.key = key
+        # The fragment these views are (a part of): the same key on every rank and in every
+        # layout, for bookkeeping that must survive a change of DP_intra (outer step counts).
+        self.fragment = key if fragment is None else fragment
         self.units = units
         self.ranges = ranges
         self.pieces = pieces
@@ -110,7 +114,8 @@ class ShardViews:
             a, b = max(p.lo, lo), min(p.hi, hi)
             if a < b:
                 pieces.append(PieceView(p.name, p.shape, p.p_lo + a - p.lo, p.p_lo + b - p.lo, k, a - lo, b - lo))
-        return ShardViews(f"{self.key}/part{index}of{parts}", self.units, ranges, pieces, main, grad, [], False)
+        return ShardViews(f"{self.key}/part{index}of{parts}", self.units, ranges, pieces, main, grad, [], False,
+                          fragment=self.fragment)
 
     def select(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """The ranges of per-shard tensors shaped like the main shards (anchors, momenta)."""

@@ -395,7 +395,7 @@ class ShardedOptimizer:
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "layout": self.parameter_layout()}
         if any(m.data_ptr() != b.param_shard(self.shard_index).data_ptr() for b, m, _ in self.main_shards):
             state["main_shards"] = [m.clone() for _, m, _ in self.main_shards]
         if self.grad_scaler is not None:
@@ -403,6 +403,76 @@ class ShardedOptimizer:
         if self.muon is not None:
             state["muon"] = self.muon.state_dict()
         return state
+
+    def parameter_layout(self) -> dict:
+        """Which parameter values each saved tensor holds, so tools/checkpoint/convert.py can
+        reshard this rank's state without rebuilding its buckets: `main[i]` lists
+        [name, p_lo, p_hi, s_lo, s_hi] for every piece of main shard i (flattened local-slice
+        coordinates [p_lo, p_hi) of parameter `name` at [s_lo, s_hi) of the shard, so also of
+        any tensor laid out like the main shards); `torch[k]` is [name, p_lo, p_hi] of the
+        torch optimizer's parameter k (None: the placeholder of a rank holding only padding);
+        `muon[j]` the same for Muon momentum buffer j."""
+        main = [[] for _ in self.main_shards]
+        by_tensor = {}
+        for pc in self.pieces:
+            entry = [self._param_names[id(pc.param)], pc.p_lo, pc.p_hi]
+            main[pc.shard].append(entry + [pc.lo, pc.hi])
+            by_tensor[id(pc.main)] = entry
+        torch_params = [by_tensor.get(id(t)) for g in self.optimizer.param_groups for t in g["params"]]
+        muon = [by_tensor[id(pc.main)] for pc in self.muon.pieces] if self.muon is not None else []
+        return {"main": main, "main_numel": [m.numel() for _, m, _ in self.main_shards], "torch": torch_params,
+                "muon": muon, "sharded": self.sharded}
+
+    @torch.no_grad()
+    def tensors_like_main(self, by_name: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+        """fp32 tensors laid out like the main shards, holding `by_name`'s values (each a
+        parameter's local TP slice); padding is zero."""
+        out = [torch.zeros_like(main) for _, main, _ in self.main_shards]
+        for pc in self.pieces:
+            out[pc.shard][pc.lo:pc.hi] = _piece_of(by_name, self._param_names[id(pc.param)], pc.p_lo, pc.p_hi)
+        return out
+
+    @torch.no_grad()
+    def load_parameter_state(self, record: dict) -> None:
+        """Load the layout-free form convert.py writes (training/checkpointing/
+        parameter_state.py): record["tensors"][key][name] holds a parameter's local TP slice
+        of an optimizer tensor ("torch/exp_avg", "main", "muon", ...); record["values"] the
+        rest (per-parameter step counts and hyperparameters, the loss scaler). This rank
+        takes its pieces, whatever its DP_intra, ZeRO-1 or bucket layout."""
+        tensors, values = record["tensors"], record["values"]
+        torch_keys = sorted(k[len("torch/"):] for k in tensors if k.startswith("torch/"))
+        scalars, hparams = values["torch_scalars"], values["hparams"]
+        layout = self.parameter_layout()["torch"]
+        own = self.optimizer.state_dict()
+        state, groups = {}, []
+        for group in own["param_groups"]:
+            first = next((layout[i][0] for i in group["params"] if layout[i] is not None), None)
+            saved = hparams.get(first, {}) if first is not None else {}
+            groups.append({**group, **saved, "params": group["params"]})
+        for index, entry in enumerate(layout):
+            if entry is None:
+                continue
+            name, lo, hi = entry
+            if not any(name in tensors[f"torch/{k}"] for k in torch_keys) and \
+                    not any(name in by_name for by_name in scalars.values()):
+                continue  # never stepped in the source: torch starts its state at the first step
+            piece = {k: _piece_of(tensors[f"torch/{k}"], name, lo, hi).clone() for k in torch_keys}
+            piece.update({k: by_name[name] for k, by_name in scalars.items() if name in by_name})
+            state[index] = piece
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if "main" in tensors:  # a bf16/fp16 source's fp32 copy; an fp32 model is its own (loaded) main copy
+            separate = [main.data_ptr() != bucket.param_shard(self.shard_index).data_ptr()
+                        for bucket, main, _ in self.main_shards]
+            for pc in self.pieces:
+                if separate[pc.shard]:
+                    pc.main.copy_(_piece_of(tensors["main"], self._param_names[id(pc.param)], pc.p_lo, pc.p_hi))
+        if self.grad_scaler is not None and values.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(values["grad_scaler"])
+        if self.muon is not None:
+            if "muon" not in tensors:
+                raise ValueError("the checkpoint holds no Muon state (it was saved with another --optimizer)")
+            for pc, buf in zip(self.muon.pieces, self.muon.buffers):
+                buf.copy_(_piece_of(tensors["muon"], self._param_names[id(pc.param)], pc.p_lo, pc.p_hi))
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -413,6 +483,17 @@ class ShardedOptimizer:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if self.muon is not None:
             self.muon.load_state_dict(state.get("muon"))
+
+
+def _piece_of(by_name: Dict[str, torch.Tensor], name: str, lo: int, hi: int) -> torch.Tensor:
+    """Values [lo, hi) of parameter `name`'s flattened local slice in a by-name record."""
+    if name not in by_name:
+        raise ValueError(f"the checkpoint holds no optimizer state for parameter {name}")
+    flat = by_name[name].reshape(-1)
+    if flat.numel() < hi:
+        raise ValueError(f"the checkpoint's optimizer state for {name} has {flat.numel()} values, this rank needs "
+                         f"[{lo}, {hi})")
+    return flat[lo:hi]
 
 
 def build_grad_scaler(config: OptimizerConfig, fp16: bool):

@@ -37,6 +37,8 @@ from megatron_lsgd.training.checkpointing.compat import check_layout, check_mode
 from megatron_lsgd.training.checkpointing.config import CheckpointConfig
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 from megatron_lsgd.training.checkpointing.model_io import load_model_state, model_state
+from megatron_lsgd.training.checkpointing.parameter_state import load_synchronizer_state, synchronizer_layout
+from megatron_lsgd.training.checkpointing.resume_state import BY_PARAMETER
 from megatron_lsgd.training.checkpointing.rng import capture_rng_state, restore_rng_state
 from megatron_lsgd.training.checkpointing.safe_io import load_file, save_file
 from megatron_lsgd.training.data_samplers import build_data_iterator
@@ -97,6 +99,7 @@ def _save_rank_files(trainer, cfg: CheckpointConfig, partial: str) -> Dict[str, 
         membership = getattr(trainer, "membership", None)
         if membership is not None and membership.state_dict():  # elastic sites: the committed rounds
             rank_state["membership"] = membership.state_dict()
+        rank_state["synchronizer_layout"] = synchronizer_layout(trainer.synchronizer)  # for convert.py
     rel = _rank_relpath(pgs, layout.rank_file_name(pgs.site_rank, pgs.dp_intra_rank))
     records[rel] = save_file(rank_state, os.path.join(partial, rel), f"{rel} (synchronizer/optimizer/RNG state)")
     return records
@@ -267,24 +270,33 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
 
 
 def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -> bool:
-    """Raise on anything that would make the load partial or wrong; return whether the
-    data-parallel layout (hence the per-rank optimizer/RNG files) matches."""
+    """Raise on anything that would make the load partial or wrong; return whether each site
+    loads its own model, schedule and position (the data-parallel layout matches, or a
+    converted checkpoint's sites do and its optimizer state is loaded)."""
     d = trainer.pgs.dims
     saved = meta["layout"]
     check_layout(saved, d.tp, d.pp, source)
     check_model_config(meta["model_config"], trainer.config.model, source)
     same_dp = saved["dp_intra"] == d.dp_intra and saved["sites"] == d.sites
+    by_parameter = meta.get("optimizer_layout") == BY_PARAMETER
     if cfg.load_optim and not meta["has_optimizer"]:
         raise CheckpointError(f"checkpoint {source} holds no optimizer state (saved with --no-save-optim or "
-                              f"written by convert.py): pass --no-load-optim (and --no-load-rng) or --finetune")
+                              f"converted with --model-only): pass --no-load-optim (and --no-load-rng) or --finetune")
     if cfg.load_rng and not meta["has_rng"]:
-        raise CheckpointError(f"checkpoint {source} holds no RNG state: pass --no-load-rng or --finetune")
+        why = " (convert.py does not convert RNG states; dropout draws differ)" if by_parameter else ""
+        raise CheckpointError(f"checkpoint {source} holds no RNG state{why}: pass --no-load-rng or --finetune")
+    if by_parameter:  # converted: the state is by parameter, any DP_intra loads it; sites stay
+        if cfg.load_optim and saved["sites"] != d.sites:
+            raise CheckpointError(f"checkpoint {source} holds the optimizer state of {saved['sites']} sites, this "
+                                  f"run has --num-sites {d.sites}: each site's state is its own; pass "
+                                  f"--no-load-optim to load the model only")
+        return cfg.load_optim
     if (cfg.load_optim or cfg.load_rng) and not same_dp:
         raise CheckpointError(
             f"checkpoint {source} was saved with {saved['dp_intra']} data-parallel ranks per site x "
             f"{saved['sites']} sites, this run has {d.dp_intra} x {d.sites}: optimizer shards and RNG states are "
-            f"per rank and cannot be reused; pass --no-load-optim --no-load-rng (or --finetune) to load the "
-            f"model only")
+            f"per rank: convert it for this layout first (tools/checkpoint/convert.py reshards the optimizer "
+            f"state), or pass --no-load-optim --no-load-rng (or --finetune) to load the model only")
     if cfg.load_optim and meta["use_distributed_optimizer"] != trainer.config.ddp.use_distributed_optimizer:
         raise CheckpointError(f"checkpoint {source} was saved with use_distributed_optimizer="
                               f"{meta['use_distributed_optimizer']}, this run uses "
@@ -304,6 +316,21 @@ def refresh_main_params(optimizer) -> None:
         shard = bucket.param_shard(optimizer.shard_index)
         if main.data_ptr() != shard.data_ptr():
             main.copy_(shard)
+
+
+def _load_by_parameter(trainer, iter_dir: str, rel: str, files: Dict, digests: Dict) -> None:
+    """A converted checkpoint's optimizer and synchronizer state: this rank takes its pieces."""
+    record = load_file(os.path.join(iter_dir, rel), files.get(rel), digests.get(rel))
+    try:
+        trainer.optimizer.load_parameter_state(record)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"optimizer state in {os.path.join(iter_dir, rel)} does not fit this run: "
+                              f"{err}") from err
+    try:
+        load_synchronizer_state(trainer.synchronizer, trainer.optimizer, record)
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"synchronizer state in {os.path.join(iter_dir, rel)} does not fit this run: "
+                              f"{err}") from err
 
 
 def load_checkpoint(trainer, cfg: CheckpointConfig) -> bool:
@@ -337,21 +364,25 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         return False
     meta = read_metadata(iter_dir)
     pgs = trainer.pgs
-    same_dp = _check_compatible(meta, trainer, cfg, iter_dir)
+    per_site = _check_compatible(meta, trainer, cfg, iter_dir)  # each site its own model and position
+    by_parameter = meta.get("optimizer_layout") == BY_PARAMETER
     files = meta["files"]
     digests = meta.get("sha256", {}) if cfg.verify_checksums else {}
 
-    site = pgs.site_rank if same_dp else 0
+    site = pgs.site_rank if per_site else 0
     rel = _rank_relpath(pgs, layout.model_file_name(site))
     load_model_state(unwrap(trainer.model), load_file(os.path.join(iter_dir, rel), files.get(rel), digests.get(rel)),
                      os.path.join(iter_dir, rel))
     refresh_main_params(trainer.optimizer)
 
     rank_state = None
-    if cfg.load_optim or cfg.load_rng:
+    if (cfg.load_optim and not by_parameter) or cfg.load_rng:
         rel = _rank_relpath(pgs, layout.rank_file_name(pgs.site_rank, pgs.dp_intra_rank))
         rank_state = load_file(os.path.join(iter_dir, rel), files.get(rel), digests.get(rel))
-    if cfg.load_optim:
+    if cfg.load_optim and by_parameter:
+        _load_by_parameter(trainer, iter_dir, _rank_relpath(pgs, layout.optimizer_file_name(pgs.site_rank)), files,
+                           digests)
+    elif cfg.load_optim:
         try:
             trainer.optimizer.load_state_dict(rank_state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as err:
@@ -363,20 +394,21 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
             raise CheckpointError(f"synchronizer state in {iter_dir} does not fit this run: {err}") from err
         if "membership" in rank_state and getattr(trainer, "membership", None) is not None:
             trainer.membership.load_state_dict(rank_state["membership"])
-        site_schedulers = meta.get("site_schedulers") if same_dp else None  # absent in older checkpoints
+    if cfg.load_optim:
+        site_schedulers = meta.get("site_schedulers") if per_site else None  # absent in older checkpoints
         try:
             trainer.scheduler.load_state_dict(site_schedulers[pgs.site_rank] if site_schedulers else meta["scheduler"])
         except ValueError as err:
             raise CheckpointError(f"checkpoint {iter_dir}: {err}") from err
     if not cfg.finetune:
-        site_iterations = meta.get("site_iterations") if same_dp else None
+        site_iterations = meta.get("site_iterations") if per_site else None
         trainer.iteration = int(site_iterations[pgs.site_rank]) if site_iterations else int(meta["iteration"])
         trainer.agreed_iteration = int(meta["iteration"])
         if not getattr(trainer, "lockstep", True):
             trainer.ended = bool(meta.get("ended", False))
         trainer.consumed_samples = int(meta["consumed_samples"])
-        per_site = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
-        trainer.site_consumed_samples = int(per_site[pgs.site_rank]) if per_site and same_dp \
+        site_samples = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
+        trainer.site_consumed_samples = int(site_samples[pgs.site_rank]) if site_samples and per_site \
             else trainer.consumed_samples // pgs.dims.sites
         if not cfg.load_optim:  # the schedule continues at the loaded position
             trainer.scheduler.num_steps = trainer.consumed_samples if trainer.scheduler.by_samples \

@@ -2,8 +2,9 @@
 
 This is what tools/checkpoint/convert.py passes from a loader to a saver. `read_lsgd`
 merges the TP slices and pipeline stages of a checkpoint (site 0, the model replica
-every site starts from after a sync); `write_lsgd` splits for a target TP x PP layout
-and commits a model-only checkpoint atomically.
+every site starts from after a sync), and with `with_optimizer` every site's model and
+optimizer/synchronizer state (resume_state.py); `write_lsgd` splits for a target TP x PP
+layout and commits the checkpoint atomically.
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from megatron_lsgd.core.models.gpt.gpt_model import SHARED_EMBEDDING_NAME, GPTModel
 from megatron_lsgd.core.parallel_state import ParallelDims, ProcessGroups, RankCoords
-from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices, take_tp_slice
 from megatron_lsgd.core.tensor_parallel.random import RNGStatesTracker
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.core.output_files import written_or_removed
@@ -27,7 +27,11 @@ from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree, 
 from megatron_lsgd.training.checkpointing.compat import config_from_dict, model_config_dict
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 from megatron_lsgd.training.checkpointing.model_io import partition_info
-from megatron_lsgd.training.checkpointing.safe_io import load_file, save_file
+from megatron_lsgd.training.checkpointing.resume_state import (BY_PARAMETER, ResumeState, check_target_layout,
+                                                               pad_rows, read_resume_state, read_site_models,
+                                                               split_site)
+from megatron_lsgd.training.checkpointing.safe_io import save_file
+from megatron_lsgd.training.checkpointing.stage_split import merge_layout, split_layout
 
 VOCAB_PARAMS = (SHARED_EMBEDDING_NAME, "output_layer.weight")
 
@@ -42,7 +46,10 @@ class FullModel:
     tokenizer_files: List[str] = field(default_factory=list)  # paths to carry along
     # The run's tokenizer as recorded at save time: {"vocab_size" (unpadded), "eod", "bos"}.
     tokenizer: Dict = field(default_factory=dict)
-    source_has_optimizer: bool = False  # the source held optimizer state (dropped by conversion)
+    source_has_optimizer: bool = False  # the source held optimizer state
+    # Every site's model and optimizer/synchronizer state, when converted with them
+    # (None: model weights only; `params` is then site 0's model).
+    resume: Optional[ResumeState] = None
 
 
 def _single_rank_pgs() -> ProcessGroups:
@@ -80,35 +87,28 @@ def check_complete(full: FullModel, source: str) -> None:
                                   f"implies {shape}")
 
 
-def read_lsgd(load_dir: str) -> FullModel:
+def read_lsgd(load_dir: str, with_optimizer: bool = False) -> FullModel:
+    """Site 0's model; with `with_optimizer` also every site's model and optimizer and
+    synchronizer state (an error if the checkpoint holds none)."""
     from megatron_lsgd.training.checkpointing.checkpointer import find_checkpoint, read_metadata
 
     iter_dir = find_checkpoint(load_dir)
     if iter_dir is None:
         raise CheckpointError(f"{os.path.join(load_dir, layout.TRACKER)} is missing: no checkpoint in {load_dir}")
     meta = read_metadata(iter_dir)
-    tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
-    slices: Dict[str, Dict[int, torch.Tensor]] = {}
-    partition: Dict[str, list] = {}
-    for p in range(pp):
-        seen_on_stage = set()
-        for t in range(tp):
-            rel = os.path.join(layout.mp_rank_dir_name(t, p, pp), layout.model_file_name(0))
-            state = load_file(os.path.join(iter_dir, rel), meta["files"].get(rel), meta.get("sha256", {}).get(rel))
-            for name, value in state["params"].items():
-                if name in partition and name not in seen_on_stage:
-                    continue  # the last stage's copy of the tied embedding: stage 0 holds it
-                seen_on_stage.add(name)
-                partition[name] = state["partition"][name]
-                slices.setdefault(name, {})[t] = value
-    params = {}
-    for name, by_rank in slices.items():
-        is_tp, dim, stride = partition[name]
-        ordered = [by_rank[t] for t in sorted(by_rank)]
-        params[name] = merge_tp_slices(ordered, dim, stride) if is_tp and len(ordered) > 1 else ordered[0]
+    has_optimizer = bool(meta.get("has_optimizer"))
+    if with_optimizer and not has_optimizer:
+        raise CheckpointError(f"--load-dir {load_dir} holds no optimizer state (saved with --no-save-optim, or "
+                              f"converted with --model-only): pass --model-only to convert the model weights alone")
+    resume = read_resume_state(iter_dir, meta) if with_optimizer else None
+    if resume is not None:
+        params = resume.sites[0].params
+    else:
+        models, partition = read_site_models(iter_dir, meta, 0)
+        params = merge_layout(models, partition, meta["layout"]["tp"], meta["layout"]["pp"])
     full = FullModel(config_from_dict(meta["model_config"]), params, meta.get("args", {}), meta["iteration"],
                      meta["consumed_samples"], tokenizer=dict(meta.get("tokenizer") or {}),
-                     source_has_optimizer=bool(meta.get("has_optimizer")))
+                     source_has_optimizer=has_optimizer, resume=resume)
     check_complete(full, iter_dir)
     return full
 
@@ -122,46 +122,59 @@ def _pad_vocab(full: FullModel, multiple: int) -> None:
         if name in full.params:
             t = full.params[name]
             full.params[name] = torch.cat([t, t.new_zeros(padded - vocab, *t.shape[1:])])
+    if full.resume is not None:
+        pad_rows(full.resume, VOCAB_PARAMS, padded)
     full.config.padded_vocab_size = padded
 
 
-def _stage_of(name: str, per_stage: int, pp: int) -> List[int]:
-    if name.startswith("layers."):
-        return [int(name.split(".")[1]) // per_stage]
-    if name.startswith("embedding."):
-        return [0]
-    return [pp - 1]  # final norm, output layer
+def _model_files(params: Dict[str, torch.Tensor], specs, tp: int, pp: int, config: TransformerConfig) -> Dict:
+    """(tp_rank, pp_rank) -> model file content (global names, local slices)."""
+    partition = {name: info for name, (_, info) in specs.items()}
+    ordered = {name: params[name] for name in specs}
+    split = split_layout(ordered, partition, tp, pp, config.num_layers,
+                         not config.untie_embeddings_and_output_weights)
+    return {slot: {"params": local, "partition": {name: partition[name] for name in local}}
+            for slot, local in split.items()}
 
 
 def split_for_layout(full: FullModel, tp: int, pp: int) -> Dict[Tuple[int, int], Dict]:
-    """(tp_rank, pp_rank) -> model file content (global names, local slices)."""
+    """(tp_rank, pp_rank) -> model file content (global names, local slices) of site 0."""
     full.config.validate(tp, pp)
     _pad_vocab(full, tp)
+    return _model_files(full.params, param_specs(full.config), tp, pp, full.config)
+
+
+def _target_files(full: FullModel, pieces: Dict, tp: int, pp: int) -> Iterator[Tuple[str, Dict]]:
+    """(relative path, content) of every model (and optimizer) file of the target layout,
+    one site at a time (the split copies of one site are held at once, not of all);
+    `pieces`: site 0's model files (split_for_layout)."""
+    if full.resume is None:
+        for (t, p), state in pieces.items():
+            yield os.path.join(layout.mp_rank_dir_name(t, p, pp), layout.model_file_name(0)), state
+        return
     specs = param_specs(full.config)
+    partition = {name: info for name, (_, info) in specs.items()}
     tied = not full.config.untie_embeddings_and_output_weights
-    per_stage = full.config.num_layers // pp
-    out = {(t, p): {"params": {}, "partition": {}} for t in range(tp) for p in range(pp)}
-    for name, (_, info) in specs.items():
-        stages = _stage_of(name, per_stage, pp)
-        if tied and pp > 1 and name == SHARED_EMBEDDING_NAME:
-            stages.append(pp - 1)  # the last stage keeps its own copy of the tied output weight
-        is_tp, dim, stride = info
-        for t in range(tp):
-            value = full.params[name]
-            value = take_tp_slice(value, dim, stride, tp, t) if is_tp else value
-            for p in stages:
-                out[(t, p)]["params"][name] = value.clone().contiguous()
-                out[(t, p)]["partition"][name] = info
-    return out
+    for s, site in enumerate(full.resume.sites):
+        models = pieces if s == 0 else _model_files(site.params, specs, tp, pp, full.config)
+        optimizers = split_site(site, partition, tp, pp, full.config.num_layers, tied)
+        for (t, p), state in models.items():
+            mp_dir = layout.mp_rank_dir_name(t, p, pp)
+            yield os.path.join(mp_dir, layout.model_file_name(s)), state
+            yield os.path.join(mp_dir, layout.optimizer_file_name(s)), optimizers[(t, p)]
 
 
 def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
-    """A model-only checkpoint for TP x PP (one site, one data-parallel rank); returns its
-    iteration directory. Load it with --no-load-optim --no-load-rng (or --finetune)."""
+    """A checkpoint for TP x PP; returns its iteration directory. Model weights only (one
+    site; load it with --no-load-optim --no-load-rng, or --finetune), or, when `full.resume`
+    is set, every site's model with its optimizer and synchronizer state (load it with
+    --no-load-rng, at any DP_intra)."""
     from megatron_lsgd.training.checkpointing.checkpointer import FORMAT, FORMAT_VERSION
 
     check_complete(full, "the converted model")
-    pieces = split_for_layout(full, tp, pp)
+    if full.resume is not None:
+        check_target_layout(full.resume, pp)
+    contents = _target_files(full, split_for_layout(full, tp, pp), tp, pp)  # (the layout is checked here)
     os.makedirs(save_dir, exist_ok=True)
     partial = os.path.join(save_dir, layout.partial_dir_name(full.iteration))
     final = os.path.join(save_dir, layout.iteration_dir_name(full.iteration))
@@ -169,8 +182,7 @@ def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
         shutil.rmtree(partial)
     with written_or_removed(partial, report_as=f"the converted checkpoint {partial}"):
         files, digests = {}, {}
-        for (t, p), state in pieces.items():
-            rel = os.path.join(layout.mp_rank_dir_name(t, p, pp), layout.model_file_name(0))
+        for rel, state in contents:
             os.makedirs(os.path.join(partial, os.path.dirname(rel)), exist_ok=True)
             files[rel], digests[rel] = save_file(state, os.path.join(partial, rel), rel)
         args = dict(full.args)
@@ -184,6 +196,10 @@ def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
             "has_optimizer": False, "has_rng": False, "scheduler": None,
             "model_config": model_config_dict(full.config), "tokenizer": full.tokenizer, "args": args,
             "files": files, "sha256": digests}
+        if full.resume is not None:  # any DP_intra, with or without ZeRO-1, loads the state by parameter
+            metadata.update(full.resume.metadata)
+            metadata.update(layout={"tp": tp, "pp": pp, "dp_intra": None, "sites": len(full.resume.sites)},
+                            use_distributed_optimizer=None, has_optimizer=True, optimizer_layout=BY_PARAMETER)
         with open(os.path.join(partial, layout.METADATA), "w") as f:
             json.dump(metadata, f, indent=1, sort_keys=True)
         if full.tokenizer_files:

@@ -4,6 +4,7 @@
     <dir>/iter_0000100/metadata.json             layout, model config, args, file sizes
     <dir>/iter_0000100/mp_rank_TT[_PPP]/model_site_SSS.pt        model of stage (TT, PPP), site SSS
     <dir>/iter_0000100/mp_rank_TT[_PPP]/rank_site_SSS_dp_DDD.pt  ZeRO shard, RNG, synchronizer state
+    <dir>/iter_0000100/mp_rank_TT[_PPP]/optimizer_site_SSS.pt    converted: the same by parameter
     <dir>/.iter_0000100.partial/                 a save in progress (never read)
 
 The `_PPP` suffix appears only with pipeline parallelism, as in Megatron.
@@ -39,6 +40,12 @@ def model_file_name(site: int) -> str:
 
 def rank_file_name(site: int, dp_intra: int) -> str:
     return f"rank_site_{site:03d}_dp_{dp_intra:03d}.pt"
+
+
+def optimizer_file_name(site: int) -> str:
+    """A converted checkpoint's optimizer/synchronizer state of stage (TT, PPP), site SSS, by
+    parameter (any DP_intra loads it)."""
+    return f"optimizer_site_{site:03d}.pt"
 
 
 def read_tracker(load_dir: str) -> str:

@@ -98,7 +98,7 @@ def test_model_only_checkpoint_needs_explicit_flags(ckpt, monkeypatch, capsys, t
 
     out = str(tmp_path / "converted")
     assert convert(["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", ckpt,
-                    "--save-dir", out]) == 0
+                    "--save-dir", out, "--model-only"]) == 0
     code, err = _load(out, monkeypatch, capsys)
     assert code == 2 and "holds no optimizer state" in err and "--no-load-optim" in err
     code, _ = _load(out, monkeypatch, capsys, "--no-load-optim", "--no-load-rng")

@@ -99,10 +99,14 @@ def test_missing_source_is_a_message(tmp_path, capsys):
     assert code == 2 and "no checkpoint in" in err and str(tmp_path / "nope") in err
 
 
-def test_conversion_says_what_is_dropped(ckpt, tmp_path, capsys):
-    code, out, _ = _convert(capsys, *_lsgd(ckpt, str(tmp_path / "out")))
+def test_conversion_says_what_is_converted_and_what_is_dropped(ckpt, tmp_path, capsys):
+    code, out, _ = _convert(capsys, *_lsgd(ckpt, str(tmp_path / "full")))
     assert code == 0
-    assert "optimizer state (Adam moments, fp32 main weights, loss scale)" in out
+    assert "the optimizer state (Adam moments, step counts, fp32 main weights, loss scale), the LR schedule" in out
+    assert "RNG states are not converted: resume with --no-load-rng" in out
+    code, out, _ = _convert(capsys, *_lsgd(ckpt, str(tmp_path / "weights"), "--model-only"))
+    assert code == 0
+    assert "optimizer state (Adam moments, fp32 main weights, loss scale)" in out and "not converted" in out
     assert "--no-load-optim --no-load-rng" in out
 
 

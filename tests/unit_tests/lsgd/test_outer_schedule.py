@@ -37,7 +37,8 @@ class OneFragment:
     """The whole of a one-value shard, as ShardViews presents it to OuterState."""
 
     def __init__(self, main):
-        self.key, self.main = "all", [main]
+        self.key = self.fragment = "all"
+        self.main = [main]
 
     def select(self, tensors):
         return [tensors[0]]

@@ -126,6 +126,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
     """Average each layer across sites right after its backward, in iterations a profiled schedule picks"""
 
     name = "dreamddp"
+    state_follows_pipeline = True  # the plan schedules each stage's units
     Options = DreamDDPOptions
     uses = frozenset({"rounds"})
     inert_with_one_site = True

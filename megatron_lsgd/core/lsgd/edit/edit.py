@@ -448,6 +448,13 @@ class EDiT(SynchronousWarmup, Synchronizer):
             self._sync_now()
 
     # ---- state and stats -------------------------------------------------------------------------
+    def per_parameter_state(self) -> Dict[str, List[object]]:
+        # The anchor and outer momentum are this rank's on the unit parts it sends across sites.
+        if not self.active:
+            return {}
+        owned = [g.views for p in self.plans for g in p.groups]
+        return {"outer/anchors": owned, "outer/momentum": owned}
+
     def state_dict(self) -> Dict:
         if not self.active:
             return {}
