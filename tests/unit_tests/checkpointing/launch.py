@@ -91,11 +91,21 @@ def _descendants(pid: int) -> List[int]:
 
 
 def _alive(pid: int) -> bool:
+    """True while any thread of `pid` has not exited. A killed process's main thread turns
+    zombie before its other threads (gloo's, say) are gone, and the open files, its save
+    lock among them, are released only with the last thread."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except OSError:
+            continue  # that thread is gone
+    return False
 
 
 def kill(proc: subprocess.Popen) -> None:
