@@ -95,13 +95,15 @@ def data_args() -> List[str]:
 
 
 def recommended_interval(scenario) -> int:
-    """H such that one full-model exchange costs at most a tenth of H steps' compute."""
+    """H such that one full-model exchange costs at most a tenth of H steps' compute, rounded
+    up to a multiple of the streaming family's fragments (a round is cut into equal slots)."""
     step = scenario.microbatch_seconds * max(scenario.site_factors) + scenario.optimizer_step_seconds
     scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
     nbytes = 4 * TRAINED_PARAMS_GUESS * scale * 2 * (scenario.sites - 1) / scenario.sites
     rate = min(scenario.rate_mbit) * 1e6
     exchange = (nbytes * 8 / rate if rate > 0 else 0.0) + max(scenario.latency_ms) / 1e3
-    return int(min(100, max(5, math.ceil(10 * exchange / step))))
+    h = int(min(100, max(5, math.ceil(10 * exchange / step))))
+    return -(-h // LAYERS) * LAYERS
 
 
 def recommended(algorithm: str, scenario) -> List[str]:
@@ -539,7 +541,11 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
     if args.cached_only:
         return None
     print(f"> {name} / {label} / seed {seed} / {steps} steps{'' if eval_interval else ' (pilot)'}", flush=True)
-    cell = run_cell(argv, sites)
+    try:
+        cell = run_cell(argv, sites)
+    except Exception as err:  # a rank failed: its error line is above; the other cells go on
+        print(f"error: cell {name} / {label} / seed {seed} failed ({err}); it is listed as not run", flush=True)
+        return None
     cell["argv"], cell["steps"] = argv, steps
     with open(cache + ".tmp", "w") as f:
         json.dump(cell, f)

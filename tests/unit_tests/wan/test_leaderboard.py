@@ -15,7 +15,10 @@ EMULATED = os.path.join(lb.SCENARIO_DIR, "emulated-default.toml")
 def test_recommended_interval_hides_an_exchange_in_a_tenth_of_h_steps():
     s = load_scenario(EMULATED)  # 0.041 + 0.017 s per step, 100 Mbit/s, 20 ms, bytes x 1
     exchange = 4 * lb.TRAINED_PARAMS_GUESS * 2 * (2 - 1) / 2 * 8 / 100e6 + 0.020
-    assert lb.recommended_interval(s) == int(-(-10 * exchange // 0.058))
+    h = int(-(-10 * exchange // 0.058))
+    assert lb.recommended_interval(s) == -(-h // lb.LAYERS) * lb.LAYERS  # whole fragments
+    odd = load_scenario(os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml"))
+    assert lb.recommended_interval(odd) % lb.LAYERS == 0
     fast = load_scenario(os.path.join(lb.SCENARIO_DIR, "2x8gpu-1gbit-1b.toml"))
     assert lb.recommended_interval(fast) == 100  # a 1B model over 1 Gbit/s: capped
 
