@@ -130,7 +130,9 @@ def kill(proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def wait_for(predicate, proc: subprocess.Popen, log_path: str, timeout: float = 120.0) -> None:
+def wait_for(predicate, proc: subprocess.Popen, log_path: str, timeout: float = 300.0) -> None:
+    """Poll until `predicate` holds; the job ending first, or `timeout` passing, fails the test
+    (a tiny job's first steps take seconds on an idle machine and minutes at load average 40)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc.poll() is not None:
