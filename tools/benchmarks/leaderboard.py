@@ -34,11 +34,11 @@ scenario file, and reused; delete a file to re-run it.
 
 Recommended settings: the outer interval H of the DiLoCo family is chosen per scenario so
 that one full-model exchange costs at most a tenth of H steps of compute,
-H = clamp(ceil(10 x exchange / step), 5, 100), from the scenario's own cost and link model
-(printed with the table); dilocox uses int4, streaming-diloco/cocodc one fragment per
-layer with tau = min(5, H / 8), acco/dpu their adaptive accumulation (acco from two
-micro-batches per site per step, one per stage: it cannot take one), a-edit an interval of
-H steps' time.
+H = clamp(ceil(10 x exchange / step), 5, 100), from the scenario's own cost and link model,
+rounded up to whole fragments (printed with the table); dilocox uses int4,
+streaming-diloco/cocodc one fragment per layer with tau = min(5, H / 8), acco/dpu their
+adaptive accumulation, at most MAX_MICROBATCHES per stage (acco from two micro-batches per
+site per step, one per stage: it cannot take one), a-edit an interval of H steps' time.
 """
 
 from __future__ import annotations
