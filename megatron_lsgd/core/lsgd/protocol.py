@@ -230,6 +230,12 @@ class Synchronizer:
     # compute thread launches NCCL kernels.
     communicates_from_a_thread: ClassVar[bool] = False
 
+    @classmethod
+    def refused_with_fault_tolerance(cls, config: LsgdConfig) -> List[Tuple[str, str]]:
+        """(flag, why) for each of the run's settings that this algorithm's elastic rounds
+        (--lsgd-fault-tolerance torchft) cannot honour; each becomes an error naming its flag."""
+        return []
+
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
         # Whether there is anyone to synchronize with (more than one site); single-site

@@ -8,7 +8,7 @@ from megatron_lsgd.core.lsgd.options import OptionGroup, option
 
 MODES = ("none", "torchft")
 # Algorithms whose outer round runs through SiteMembership (quorum, commit or roll back).
-SUPPORTED_ALGORITHMS = ("diloco",)
+SUPPORTED_ALGORITHMS = ("diloco", "dilocox", "streaming-diloco", "cocodc")
 INSTALL_HINT = 'pip install -e ".[ft]" (torchft==0.2.0)'
 
 
@@ -17,7 +17,8 @@ class FaultToleranceOptions(OptionGroup):
     title = "fault tolerance: elastic sites (docs/fault_tolerance.md)"
     mode: str = option("--lsgd-fault-tolerance", "none",
                        "torchft: each site is a torchft replica group and a torchrun job of its own (--lsgd-site); "
-                       "a site may fail and rejoin while the others keep training (diloco)", choices=MODES)
+                       "a site may fail and rejoin while the others keep training (diloco, dilocox, "
+                       "streaming-diloco, cocodc)", choices=MODES)
     min_sites: int = option("--lsgd-min-sites", 1,
                             "fewest sites a round may commit with; below it training waits for sites to return")
     lighthouse: str = option("--lsgd-lighthouse", "",
@@ -29,6 +30,10 @@ class FaultToleranceOptions(OptionGroup):
     host: str = option("--lsgd-ft-host", "",
                        "address at which the other sites reach this site's rank 0 (its torchft manager and store); "
                        "default: $MASTER_ADDR")
+    digests: str = option("--lsgd-ft-digests", "",
+                          "directory: at each quorum every rank appends the SHA-256 of its anchor and outer momentum "
+                          "as of the last committed round to DIR/site<k>_rank<r>.jsonl (tools/benchmarks/chaos.py "
+                          "checks that every site agrees at every round)", metavar="DIR")
     site: int = option("--lsgd-site", -1,
                        "which site this torchrun job is (0 .. --num-sites - 1): under fault tolerance each site is "
                        "its own job and torch.distributed world (tools/wan/launch.py sets it)")
