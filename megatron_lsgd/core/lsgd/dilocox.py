@@ -54,7 +54,7 @@ import torch.distributed as dist
 from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
 from megatron_lsgd.core.lsgd.compressors import compression_error
 from megatron_lsgd.core.lsgd.diloco import LocalSGDBase
-from megatron_lsgd.core.lsgd.membership import JobFinished
+from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
@@ -167,6 +167,7 @@ class DiLoCoX(LocalSGDBase):
         self.outgoing: Optional[List[torch.Tensor]] = None
         self.sent: Optional[List[torch.Tensor]] = None
         self.carry: Optional[List[torch.Tensor]] = None
+        self.pending_empty = False  # the pending round has no mean (an elastic round 1: its decision alone)
         self.finishing = False
         self.pending_round = -1  # which round's mean is in flight
         self.applied_rounds: List[int] = []  # round whose mean each outer step applied (-1: none)
@@ -193,15 +194,20 @@ class DiLoCoX(LocalSGDBase):
         if self.finishing:
             self._final_exchanges(quorum_taken=True)
             raise JobFinished("healed during the job's final exchanges, which are now done")
-        if self.outgoing is not None:
-            deltas, self.outgoing = self.outgoing, None
-            self._issue(deltas)
+        deltas, self.outgoing = self.outgoing, None
+        self._issue(deltas)  # round 1 has nothing to send: its round is the decision alone
 
-    def _issue(self, deltas: List[torch.Tensor]) -> None:
-        """Start the compressed mean of Δ (error feedback is restored if it does not commit)."""
+    def _issue(self, deltas: Optional[List[torch.Tensor]]) -> None:
+        """Start the compressed mean of Δ (error feedback is restored if it does not commit).
+        Elastic sites with no Δ (round 1) still decide the round, so that the committed-round
+        count moves with the rounds (a site that missed round 1 is behind, and healed)."""
         self._comm_issued = self.ctx.clock.now()
-        self.pending = self.ctx.membership.start(lambda: PendingReduce(self.compressor.reduce(deltas)),
-                                                 undo=[self.compressor])
+        self.pending_empty = deltas is None
+        if deltas is None:
+            self.pending = self.ctx.membership.start(lambda: Finished([]))
+        else:
+            self.pending = self.ctx.membership.start(lambda: PendingReduce(self.compressor.reduce(deltas)),
+                                                     undo=[self.compressor])
         self.pending_round = self.outer_rounds if not self.ctx.membership.elastic else self.outer_rounds - 1
         if self.ctx.membership.elastic:
             self.sent = deltas  # the compressors read Δ, they do not write it
@@ -224,13 +230,17 @@ class DiLoCoX(LocalSGDBase):
             self._comm_seconds = self.ctx.clock.now() - self._comm_issued
         mean = self.ctx.membership.finish(self.pending)
         applied = mean is not None
-        if applied:
+        if applied and self.pending_empty:  # round 1's decision: nothing to apply
+            if not self.applied_rounds:
+                self.applied_rounds.append(-1)
+            applied = False
+        elif applied:
             self.outer.step(self.views, mean)
             self.applied_rounds.append(self.pending_round)
             self.start_offsets = None
         else:
             self.carry = self.sent
-        self.pending, self.pending_round, self.sent = None, -1, None
+        self.pending, self.pending_round, self.sent, self.pending_empty = None, -1, None, False
         return applied
 
     def _apply_mean_mid_round(self) -> None:
@@ -289,6 +299,7 @@ class DiLoCoX(LocalSGDBase):
         if self.ctx.membership.elastic and self.pending is not None:
             if self.ctx.membership.finish(self.pending) is None:
                 self.carry, self.pending, self.pending_round, self.sent = self.sent, None, -1, None
+                self.pending_empty = False
 
     def finish_training(self, iteration: int) -> None:
         super().finish_training(iteration)
@@ -362,8 +373,8 @@ class DiLoCoX(LocalSGDBase):
         state = self._base_state()
         state.update(rank_window=list(self.rank_window),
                      pending_round=self.pending_round, applied_rounds=list(self.applied_rounds),
-                     pending_mean=[m.clone() for m in self.pending.result] if self.pending is not None else [],
-                     has_pending=int(self.pending is not None), comm_seconds=self._comm_seconds,
+                     pending_mean=[m.clone() for m in self.pending.result] if self._has_mean() else [],
+                     has_pending=int(self._has_mean()), comm_seconds=self._comm_seconds,
                      start_offsets=[o.clone() for o in self.start_offsets] if self.start_offsets else [])
         for key in ("outgoing", "carry"):  # elastic sites only (a plain run's state has neither)
             value = getattr(self, key)
@@ -372,6 +383,10 @@ class DiLoCoX(LocalSGDBase):
         if self.finishing:
             state["finishing"] = 1
         return state
+
+    def _has_mean(self) -> bool:
+        """A mean in flight (not an elastic round 1's decision, which a checkpoint does not keep)."""
+        return self.pending is not None and not self.pending_empty
 
     def load_state_dict(self, state: Dict) -> None:
         self._load_base_state(state)
@@ -386,7 +401,7 @@ class DiLoCoX(LocalSGDBase):
         for key in ("outgoing", "carry"):
             value = state.get(key)
             setattr(self, key, [t.to(self.compressor.device).clone() for t in value] if value is not None else None)
-        self.sent = None
+        self.sent, self.pending_empty = None, False
         self.finishing = bool(state.get("finishing", 0))
 
     def stats(self) -> Dict[str, float]:

@@ -268,7 +268,9 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
             if self.finishing:
                 self._finish_elastic(quorum_taken=True)
                 raise JobFinished("healed during the job's final fragment syncs, which are now done")
-            if not self.due:
+            if not self.due:  # a process's first quorum: a round of its own, decided at once, so that
+                # the committed-round count moves (a site that missed it is behind, and healed)
+                self.ctx.membership.finish(self.ctx.membership.start(lambda: Finished([])))
                 return
             self.start_sync(self.due.pop(0), self.local_step)
             if not self.due:

@@ -110,14 +110,15 @@ def _steps(sync, drifts, first=0, before_each=None):
 @pytest.mark.parametrize("restart", ["eager", "anchor"])
 def test_dilocox_a_mean_that_does_not_commit_is_sent_again_with_the_next(restart):
     # One site, outer lr 1, no momentum, exact values: an applied mean moves the anchor by the
-    # whole pseudo-gradient. The mean of round 1 (issued after round 2's quorum, decided at
-    # round 2's end: decision 0) fails; round 3 sends rounds 1 and 2's progress together.
-    m = scripted_membership(fail={0})
+    # whole pseudo-gradient. Round 1 is a decision alone (nothing to send: decision 0); the
+    # mean of round 1 (issued after round 2's quorum, decided at round 2's end: decision 1)
+    # fails; round 3 sends rounds 1 and 2's progress together.
+    m = scripted_membership(fail={1})
     sync = _dilocox(membership=m, numel=4, outer_lr=1.0, outer_momentum=0.0, restart=restart)
     anchors = _steps(sync, [1.0] * 8)
     assert [float(a[0]) for a in anchors] == [0, 0, 0, 0, 0, -4, 0 - 4, -6]  # round 1's mean never lands
     assert sync.applied_rounds == [-1, 1, 2]
-    assert m.manager.quorums == 4 and m.lines and "round 1 was not committed" in m.lines[0]
+    assert m.manager.quorums == 4 and m.lines and "round 2 was not committed" in m.lines[0]
     sync.finish_training(8)  # the last round's mean, in a round of its own
     assert torch.equal(sync.outer.anchors[0], torch.full((4,), -8.0))  # nothing lost, nothing twice
     assert torch.equal(sync.ctx.optimizer.shards[0], sync.outer.anchors[0]) and not sync.finishing
@@ -141,10 +142,10 @@ def test_dilocox_elastic_rounds_without_failures_equal_the_plain_run(compression
 @pytest.mark.parametrize("compression,extra", COMPRESSIONS, ids=lambda v: str(v))
 @pytest.mark.parametrize("apply_step", [0, 1])
 def test_dilocox_rollback_puts_back_the_error_feedback_and_resumes_exactly(compression, extra, apply_step):
-    # Decision 1 (round 2's mean, issued at round 3's first step) fails.
+    # Decision 2 (round 2's mean, issued at round 3's first step) fails.
     g = torch.Generator().manual_seed(2)
     drifts = [torch.randn(48, generator=g) * 0.1 for _ in range(10)]
-    m = scripted_membership(fail={1})
+    m = scripted_membership(fail={2})
     sync = _dilocox(compression, m, apply_step=apply_step, **extra)
     seen = {}
 
@@ -154,7 +155,7 @@ def test_dilocox_rollback_puts_back_the_error_feedback_and_resumes_exactly(compr
             seen["outer"] = _roundtrip(sync.outer.state_dict())
 
     _steps(sync, drifts[:6], before_each=before)  # rounds 1-3: round 2's mean failed
-    assert m.manager.decisions == 2 and m.rounds_committed == 1
+    assert m.manager.decisions == 3 and m.rounds_committed == 2
     assert_same(sync.outer.state_dict(), seen["outer"])  # no outer step, no momentum change
     assert_same(sync.compressor.state_dict(), seen["compressor"])  # error feedback as at the issue
     assert sync.outgoing is not None and sync.carry is None  # round 2's Δ goes again with round 3's
@@ -171,12 +172,13 @@ def test_dilocox_rollback_puts_back_the_error_feedback_and_resumes_exactly(compr
 
 
 def test_dilocox_final_exchange_is_retried_until_it_commits():
-    # H = 2, 4 steps: decisions 0 (round 1's mean) commits, 1 (round 2's, at the end) fails once.
-    m = scripted_membership(fail={1})
+    # H = 2, 4 steps: decisions 0 (round 1) and 1 (round 1's mean) commit, 2 (round 2's
+    # mean, at the end) fails once.
+    m = scripted_membership(fail={2})
     sync = _dilocox(membership=m, numel=4, outer_lr=1.0, outer_momentum=0.0)
     _steps(sync, [1.0] * 4)
     sync.finish_training(4)
-    assert torch.equal(sync.outer.anchors[0], torch.full((4,), -4.0)) and m.manager.decisions == 3
+    assert torch.equal(sync.outer.anchors[0], torch.full((4,), -4.0)) and m.manager.decisions == 4
 
 
 def test_dilocox_a_site_healed_into_the_final_exchanges_finishes_them_and_stops():
@@ -258,7 +260,7 @@ def test_streaming_elastic_syncs_without_failures_equal_the_plain_run(cls, algo,
 def test_a_fragment_sync_that_does_not_commit_is_rolled_back_and_retried(cls, algo, compression, extra):
     g = torch.Generator().manual_seed(4)
     moves = [torch.randn(48, generator=g) * 0.1 for _ in range(22)]
-    m = scripted_membership(fail={1})  # the second fragment sync does not commit
+    m = scripted_membership(fail={2})  # decision 0: the first quorum; 2: the second fragment sync
     sync = _streaming(cls, compression, m, **algo, **extra)
     seen, issue = {}, sync.start_sync
 
@@ -280,13 +282,13 @@ def test_a_fragment_sync_that_does_not_commit_is_rolled_back_and_retried(cls, al
 
     sync.start_sync, sync._roll_back = start_sync, rolled_back
     i = 0
-    while m.manager.decisions < 2:  # up to the step where the failed sync is decided (and rolled back)
+    while m.manager.decisions < 3:  # up to the step where the failed sync is decided (and rolled back)
         _fragment_steps(sync, moves[i:i + 1], first=i)
         i += 1
     sync.start_sync = issue
     p = seen["fragment"]
     views = sync.views[p]
-    assert m.rounds_committed == 1 and not any(r.fragment == p for r in sync.in_flight)
+    assert m.rounds_committed == 2 and not any(r.fragment == p for r in sync.in_flight)
     # the fragment's anchor and outer momentum did not move, its error feedback is as at the issue
     assert all(torch.equal(a, b) for a, b in zip(sync.outer.anchor(views), seen["anchor"]))
     assert seen["momentum"] and all(torch.equal(a, b) for a, b in zip(views.select(sync.outer.momenta),
