@@ -231,7 +231,7 @@ class PretrainSite:
         self.proc: Optional[subprocess.Popen] = None
         self.offset = 0
         self.starts = 0
-        self.trained = self.rejoined = False  # since the current start (the log read so far)
+        self.trained = self.rejoined = self.finished = False  # since the current start (the log read so far)
         self._read = 0
 
     def restarted(self, note: str) -> None:
@@ -239,7 +239,7 @@ class PretrainSite:
         with open(self.log_path, "a") as log:
             self.offset = self._read = log.tell()
             log.write(f"[chaos] {note} of site {self.site} at {time.time():.3f}\n")
-        self.trained = self.rejoined = False
+        self.trained = self.rejoined = self.finished = False
         self.starts += 1
 
     def poll_log(self) -> None:
@@ -252,6 +252,7 @@ class PretrainSite:
         text = data[:end].decode(errors="replace")
         self.trained = self.trained or bool(STEP_LINE.search(text))
         self.rejoined = self.rejoined or "rejoined at committed round" in text
+        self.finished = self.finished or " done: " in text  # trained its budget: leaving
 
     def start(self, resume: bool) -> None:
         self.restarted(f"start {self.starts}")
@@ -272,8 +273,8 @@ class PretrainSite:
             return f.read()
 
     def training(self) -> bool:
-        """It logged a step or was healed since its last start."""
-        return self.trained or self.rejoined
+        """It logged a step or was healed since its last start, and has not finished."""
+        return (self.trained or self.rejoined) and not self.finished
 
     def kill_site(self) -> None:
         pids = [self.proc.pid] + _descendants(self.proc.pid)
@@ -373,7 +374,11 @@ def run_pretrain_job(args, job: List[str], out_dir: str, faults: bool, log=print
                 site = sites[kill["site"]]
                 if kill.get("rejoined_s") is None and site.starts == kill["start"] + 1 and site.rejoined:
                     kill["rejoined_s"] = now - kill["t"]
+            if ended_at is None and any(site.finished for site in sites.values()):
+                ended_at = now  # a site trained the job's budget: no more faults; the wall time ends here
             up = [k for k, site in sites.items() if site.proc.poll() is None and site.training()]
+            if any(site.finished for site in sites.values()):
+                ended_at = ended_at or now  # the job's budget is reached: no more faults
             if faults and ended_at is None and now >= next_fault and args.sites - len(up) < args.max_down:
                 victim = rng.choice(up)
                 site = sites[victim]

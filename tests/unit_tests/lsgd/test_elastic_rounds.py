@@ -22,7 +22,9 @@ import torch
 from megatron_lsgd.core.lsgd.cocodc import CoCoDC
 from megatron_lsgd.core.lsgd.dilocox import DiLoCoX
 from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
-from megatron_lsgd.core.lsgd.membership import JobFinished
+import json
+
+from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
 from megatron_lsgd.core.lsgd.streaming import StreamingDiLoCo
 from tests.unit_tests.checkpointing.launch import assert_same
 from tests.unit_tests.lsgd.fakes import active, lsgd_config, make_context
@@ -60,6 +62,9 @@ class ScriptedManager:
 
     def current_step(self):
         return self.step
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
 
 
 def scripted_membership(fail=()) -> TorchftMembership:
@@ -325,3 +330,25 @@ def test_the_membership_opens_one_reduction_per_quorum_and_a_final_state_stops_t
     with pytest.raises(JobFinished):
         m.round_started()
     assert "the job had finished" in m.lines[-1]
+
+
+def test_a_digest_per_committed_round_none_for_a_state_loaded_from_a_checkpoint(tmp_path):
+    def records(path):
+        return [(r["round"], r.get("final", False)) for r in map(json.loads, open(path))]
+
+    m, anchor, path = scripted_membership(), torch.zeros(3), str(tmp_path / "d" / "site0_rank0.jsonl")
+    m.record_digests(path, lambda: [anchor])
+    m.round_started()  # the initial state, committed round 0
+    m.finish(m.start(lambda: Finished([])))
+    anchor += 1
+    m.round_started()
+    m.round_started()  # nothing committed since: no second record of round 1
+    m.job_finished()
+    assert records(path) == [(0, False), (1, False), (1, True)]
+    restarted, path = scripted_membership(), str(tmp_path / "d" / "site1_rank0.jsonl")
+    restarted.record_digests(path, lambda: [anchor])
+    restarted.load_state_dict({"torchft": {"step": 5, "batches_committed": 5}})  # counts itself at 4
+    restarted.round_started()  # it holds round 5's checkpoint, not round 4's state: no record
+    restarted.finish(restarted.start(lambda: Finished([])))
+    restarted.round_started()
+    assert records(path) == [(5, False)]

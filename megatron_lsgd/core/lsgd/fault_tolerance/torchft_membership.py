@@ -237,7 +237,7 @@ class TorchftMembership(SiteMembership):
             lost = sorted(set(self._failed) - set(self.present))
             who = f"lost site {_sites(lost)}" if lost else "a site failed and is back"
             self.log(f"site {self.site}: round {self.rounds_attempted} was not committed ({who}: {self._failure}); "
-                     f"restarted from the anchor; sites now {_sites(self.present)}")
+                     f"rolled back; sites now {_sites(self.present)}")
             self._failed = None
         elif before and before != self.present:
             self.log(f"site {self.site}: sites now {_sites(self.present)} (were {_sites(before)})")
@@ -337,6 +337,7 @@ class TorchftMembership(SiteMembership):
             saved = dict(state["torchft"])
             saved["step"] = max(0, int(saved["step"]) - 1)
             self.manager.load_state_dict(saved)
+            self._digested = self.committed_rounds  # the state held is not that round's: no digest for it
         if "rounds_attempted" in state:
             self._load_counts(state)
 
