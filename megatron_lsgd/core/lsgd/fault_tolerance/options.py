@@ -26,7 +26,8 @@ class FaultToleranceOptions(OptionGroup):
     timeout_s: float = option("--lsgd-ft-timeout", 60.0,
                               "seconds a cross-site collective or a heal may take before the round is given up")
     max_wait_s: float = option("--lsgd-ft-max-wait", 3600.0,
-                               "seconds a site waits for --lsgd-min-sites sites before it gives up")
+                               "seconds a site waits for --lsgd-min-sites sites before it gives up (a site waiting "
+                               "when the others reach the job's end takes their final state and stops at once)")
     host: str = option("--lsgd-ft-host", "",
                        "address at which the other sites reach this site's rank 0 (its torchft manager and store); "
                        "default: $MASTER_ADDR")
