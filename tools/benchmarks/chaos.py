@@ -466,7 +466,8 @@ def summarize_pretrain(args, base: Dict, chaos: Dict) -> Dict:
     base_loss, loss = final_validation(base["texts"]), final_validation(chaos["texts"])
     return {
         "target": "pretrain", "sites": args.sites, "min_sites": args.min_sites, "kill": args.kill,
-        "fault_every_s": args.fault_every, "wall_s": round(chaos["wall_s"], 1), "baseline_wall_s": round(base["wall_s"], 1),
+        "fault_every_s": args.fault_every, "wall_s": round(chaos["wall_s"], 1),
+        "baseline_wall_s": round(base["wall_s"], 1),
         "faults_injected": len(chaos["kills"]), "faults_survived": len(chaos["kills"]) if job_ok else 0,
         "killed_sites_rejoined": len(rejoin), "sites_restarted_after_the_end": chaos["late"],
         "sites_finished": finished, "job_finished": job_ok,
