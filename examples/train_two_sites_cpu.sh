@@ -8,9 +8,9 @@
 # Any flag given to this script is passed on to pretrain_gpt.py (later flags win).
 #
 # Elastic sites (docs/fault_tolerance.md): ELASTIC=1 runs each site as a torchrun job of
-# its own (restarted up to 3 times when it fails) beside a torchft lighthouse, with diloco
-# instead of dilocox: kill one site's process and watch the other go on, and the killed
-# one rejoin (each site logs the job's lines).  ELASTIC=1 bash examples/train_two_sites_cpu.sh
+# its own (restarted up to 3 times when it fails) beside a torchft lighthouse: kill one
+# site's process and watch the other go on, and the killed one rejoin (each site logs the
+# job's lines).  ELASTIC=1 bash examples/train_two_sites_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,13 +39,6 @@ SITE_ARGS=(
     --lsgd-algorithm dilocox --lsgd-interval 50 --lsgd-compression int4 --lsgd-dilocox-apply-step 5
     --lsgd-outer-lr 1.0 --lsgd-outer-momentum 0.0
 )
-if [ -n "${ELASTIC:-}" ]; then  # diloco: the same rounds, its mean applied at once
-    SITE_ARGS=(
-        --num-sites "$NUM_SITES" --use-distributed-optimizer
-        --lsgd-algorithm diloco --lsgd-interval 50 --lsgd-compression int4
-        --lsgd-outer-lr 1.0 --lsgd-outer-momentum 0.0
-    )
-fi
 LOGGING_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 5 --tensorboard-dir runs/two_sites_cpu)
 
 # Said at once: loading torch in every process takes several seconds before the run's own first line.

@@ -68,7 +68,8 @@ def _copy(state):
 
 
 def register_healing_state(trainer, membership: TorchftMembership) -> None:
-    """What a healing rank receives from the same rank of a live site (both at a round's start)."""
+    """What a healing rank receives from the same rank of a live site (both at a quorum, at
+    a step's start or at the job's end); with --lsgd-ft-digests, the anchor digests too."""
     def snapshot():
         return _copy({"model": model_state(unwrap(trainer.model)), "optimizer": trainer.optimizer.state_dict(),
                       "synchronizer": trainer.synchronizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
@@ -78,6 +79,9 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
                                    "consumed_valid_samples": trainer.consumed_valid_samples}})
 
     def restore(state) -> None:  # the order of a checkpoint load (checkpointer._load_local)
+        # where the site stood (the trainer counts its log line and run from the new position)
+        trainer.heal = {"iteration": trainer.iteration, "checkpoint_iteration": trainer.checkpoint_iteration,
+                        "comm": trainer.comm.snapshot(), "time": trainer.clock.now()}
         load_model_state(unwrap(trainer.model), state["model"], "the state received from a live site")
         refresh_main_params(trainer.optimizer)
         trainer.optimizer.load_state_dict(state["optimizer"])
@@ -95,5 +99,11 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers,
                                                      cyclic=True)
         restore_rng_state(state["rng"], trainer.rng_tracker)  # last: building iterators draws from torch's
+        trainer.heal["time"] = trainer.clock.now()  # the next log line's time starts after the transfer
 
     membership.register_state("trainer", snapshot, restore)
+    digests = trainer.config.fault_tolerance.digests
+    outer = getattr(trainer.synchronizer, "outer", None)
+    if digests and outer is not None:  # --lsgd-ft-digests: what chaos.py compares across sites
+        membership.record_digests(os.path.join(digests, f"site{trainer.pgs.site_rank}_rank{dist.get_rank()}.jsonl"),
+                                  lambda: list(outer.anchors) + list(outer.momenta))

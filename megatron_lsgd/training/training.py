@@ -29,7 +29,7 @@ from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
 from megatron_lsgd.core.lsgd.devices import InterSiteDevices, backend_device
-from megatron_lsgd.core.lsgd.membership import AllSites
+from megatron_lsgd.core.lsgd.membership import AllSites, JobFinished
 from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
@@ -145,6 +145,7 @@ class Trainer:
         self.iteration = 0  # this site's steps
         self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
         self.ended = False  # training has ended (finish_training ran); a resumed non-lockstep run stops at once
+        self.heal = None  # elastic sites: where this site stood when it took a live peer's state (elastic.py)
         self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.loop.line_rank)
         self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.loop.line_rank)
         self.last_saved_iteration = None
@@ -285,8 +286,22 @@ class Trainer:
                                site_consumed_before=self.site_consumed_samples),
                   start_iter=self.iteration, start_checkpoint_iteration=self.checkpoint_iteration)
         run.start = run.acc.run_start
-        self.loop.run(run)
+        try:
+            self.loop.run(run)
+        except JobFinished:  # elastic sites: this site received the job's final state from a peer
+            self.ended = True
+            self._count_from_heal(run)
         return self._finish(run)
+
+    def _count_from_heal(self, run: Run) -> None:
+        """After a heal (elastic.py) the site's position jumped to a live peer's: the log line
+        under way and the run's step counts (traffic summary) start again from there."""
+        if self.heal is None:
+            return
+        heal, self.heal = self.heal, None
+        run.start_iter += self.iteration - heal["iteration"]
+        run.start_checkpoint_iteration += self.checkpoint_iteration - heal["checkpoint_iteration"]
+        run.acc.reset(heal["comm"], self.consumed_samples, self.site_consumed_samples, heal["time"])
 
     def step(self, run: Run) -> None:
         """One training step and what the log line accumulates from it."""
@@ -296,6 +311,7 @@ class Trainer:
         if batch_schedule is not None:
             self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
         step = self.synchronizer.train_step(self.inner_step, self.train_data, self.iteration)
+        self._count_from_heal(run)  # (before this step's counts: a heal happens at a step's start)
         losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
         self.iteration += 1
         # This site's position advances by its own micro-batches; the loop counts the job's.
@@ -386,6 +402,9 @@ class Trainer:
         """Quiesce, the last save, the run's summary and its log lines."""
         result, run_start, total_skipped = run.result, run.start, run.skipped
         self.synchronizer.quiesce()
+        if self.ended:  # the budget is reached: a site that missed the end may take this state now
+            self.membership.job_finished()
+            self._count_from_heal(run)
         self.termination.close()
         self.loop.settle_job_samples()
         result.iteration = self.iteration

@@ -1,25 +1,31 @@
 """Chaos run for elastic sites (--lsgd-fault-tolerance torchft): kill a random site every N
-seconds, restart it at once (as torchrun --max-restarts would), and report what survived.
+seconds, restart it at once, and report what survived. The same job runs first without
+faults (the baseline for goodput and for the final validation loss).
 
-    python tools/benchmarks/chaos.py --sites 3 --min-sites 2 --fault-every 10 --steps 400
+    # pretrain_gpt.py sites (the default): each site a torchrun job of its own, a lighthouse
+    # in this process; pretrain_gpt.py's flags after `--` (default: a small mock-data job)
+    python tools/benchmarks/chaos.py --sites 3 --min-sites 2 --fault-every 120 --max-minutes 150 -- \\
+        --num-layers 4 ... --train-iters 20000 --lsgd-algorithm diloco --lsgd-interval 50
+    # the toy site (tools/benchmarks/ft_site.py: the real diloco synchronizer, a toy inner step)
+    python tools/benchmarks/chaos.py --target toy --sites 3 --min-sites 2 --steps 400 --fault-every 10
 
-Each site is tools/benchmarks/ft_site.py (the real diloco synchronizer, TorchftMembership,
-torchft's Manager, lighthouse and checkpoint transport on loopback; a toy inner step), one
-process per site, killed with SIGKILL. The same job runs first without faults (the
-baseline for goodput). Reported (and written to --out-dir/chaos.json):
-- faults injected (only a site whose process is training is killed, at most --max-down sites
-  down at once; none after the first site finished), and survived (the job reached its
-  budget with at least --min-sites sites, every one of them exiting 0), how many killed
-  sites rejoined (healed from a peer), and which were still restarting when the job ended
-  (stopped after --timeout + 10 s: they wait for a quorum that cannot come);
-- rounds committed vs attempted (the survivors' counts);
-- goodput: useful inner steps (committed rounds x H) / the inner steps the fault-free run
-  takes in the same wall time;
-- time to rejoin: from the kill to the restarted site's "rejoined" line;
-- digests: SHA-256 of anchor + outer momentum of every site at every committed round; all
-  sites must agree at every round.
-The toy model has no validation loss; the final anchor is compared with the fault-free
-run's instead (they differ by design: lost rounds and healed sites change the numbers).
+A fault is a SIGKILL of every process of a random site (`--kill site`: its torchrun and
+ranks; the tool starts the site again at once, from its checkpoint when the job saves, else
+fresh) or of one rank (`--kill rank`: torchrun's --max-restarts restarts the site's ranks).
+Only a site that is training (it logged a step or was healed since it last started) is
+killed, at most --max-down sites at once (default: --sites minus --min-sites, so the floor
+is never hit), none after the first site finished. Reported (and written to
+--out-dir/chaos.json):
+- faults injected, and survived (the job reached its budget with at least --min-sites
+  sites, none of them exiting with an error, and every site's digests agree);
+- killed sites that rejoined (healed from a peer), and the time from the kill to the
+  restarted site's `rejoined` line;
+- rounds committed vs attempted (torchft rounds: an outer round, or a fragment sync);
+- goodput: (rounds committed / rounds attempted) x (the fault-free run's wall time / this
+  run's): the share of the fault-free pace that became kept progress;
+- the final validation loss against the fault-free run's (pretrain);
+- digests: SHA-256 of every rank's anchor and outer momentum at every committed round
+  (--lsgd-ft-digests), compared across sites rank by rank; all must agree.
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ import argparse
 import json
 import os
 import random
+import re
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
@@ -42,6 +52,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 from tools.benchmarks.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
 
 
+# ---- the toy site (ft_site.py) -------------------------------------------------------------------
 def training(records: List[Dict], earlier: int) -> bool:
     """Whether the site's current process (after `earlier` earlier ones) has joined the job:
     it committed a round or was healed. Only such a site is killed, so each fault hits a
@@ -52,7 +63,7 @@ def training(records: List[Dict], earlier: int) -> bool:
     return any("round" in r or "rejoined" in r.get("log", "") for r in records[begun[earlier]:])
 
 
-def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
+def run_toy_job(args, out_dir: str, faults: bool, log=print) -> Dict:
     os.makedirs(out_dir, exist_ok=True)
     lh = start_lighthouse(args.min_sites)
     go = os.path.join(out_dir, "go")
@@ -110,7 +121,7 @@ def run_job(args, out_dir: str, faults: bool, log=print) -> Dict:
     return {"wall_s": wall, "codes": codes, "kills": kills, "records": records, "late": late}
 
 
-def summarize(args, base: Dict, chaos: Dict) -> Dict:
+def summarize_toy(args, base: Dict, chaos: Dict) -> Dict:
     records = chaos["records"]
     # digests: every site's record of every committed round (a restarted site's killed process included)
     by_round: Dict[int, set] = {}
@@ -159,21 +170,350 @@ def summarize(args, base: Dict, chaos: Dict) -> Dict:
     }
 
 
+# ---- pretrain_gpt.py sites ------------------------------------------------------------------------
+DEFAULT_JOB = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+               "--micro-batch-size", "2", "--lr", "1e-3", "--lr-warmup-iters", "10", "--lr-decay-style", "cosine",
+               "--min-lr", "1e-4", "--mock-data", "--vocab-size", "512", "--train-iters", "400", "--log-interval", "4",
+               "--eval-iters", "4", "--seed", "7", "--distributed-backend", "gloo", "--lsgd-algorithm", "diloco",
+               "--lsgd-interval", "4"]
+VALIDATION = re.compile(r"validation loss at iteration\s+(\d+) \| lm loss value: ([0-9.E+-]+)")
+STEP_LINE = re.compile(r"iteration\s+\d+/")
+
+
+def _flag(argv: List[str], name: str) -> Optional[str]:
+    """The last value given to `name` in a command line, or None."""
+    value = None
+    for i, a in enumerate(argv[:-1]):
+        if a == name:
+            value = argv[i + 1]
+    return value
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _descendants(pid: int) -> List[int]:
+    """Every live process below `pid` (torchrun starts its ranks in sessions of their own)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _sigkill(pids: List[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class PretrainSite:
+    """One site: a torchrun job of --ranks-per-site pretrain_gpt.py ranks, its log appended
+    across restarts (`offset`: where the current start's lines begin)."""
+
+    def __init__(self, site: int, argv: List[str], args, log_path: str):
+        self.site, self.argv, self.args, self.log_path = site, argv, args, log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self.offset = 0
+        self.starts = 0
+        self.trained = self.rejoined = self.finished = False  # since the current start (the log read so far)
+        self._read = 0
+
+    def restarted(self, note: str) -> None:
+        """The lines from here on are a new start's."""
+        with open(self.log_path, "a") as log:
+            self.offset = self._read = log.tell()
+            log.write(f"[chaos] {note} of site {self.site} at {time.time():.3f}\n")
+        self.trained = self.rejoined = self.finished = False
+        self.starts += 1
+
+    def poll_log(self) -> None:
+        """Read the new lines: has the current start trained a step, or been healed?"""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._read)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # whole lines only
+        self._read += end
+        text = data[:end].decode(errors="replace")
+        self.trained = self.trained or bool(STEP_LINE.search(text))
+        self.rejoined = self.rejoined or "rejoined at committed round" in text
+        self.finished = self.finished or " done: " in text  # trained its budget: leaving
+
+    def start(self, resume: bool) -> None:
+        self.restarted(f"start {self.starts}")
+        argv = list(self.argv)
+        if not resume and "--load" in argv:  # the first start of a job is fresh
+            i = argv.index("--load")
+            del argv[i:i + 2]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+               str(self.args.ranks_per_site), "--master-port", str(_free_port()), "--max-restarts",
+               str(self.args.max_restarts), "pretrain_gpt.py"] + argv + ["--lsgd-site", str(self.site)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MASTER_ADDR="127.0.0.1")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def text(self, since_start: bool = True) -> str:
+        with open(self.log_path, errors="replace") as f:
+            f.seek(self.offset if since_start else 0)
+            return f.read()
+
+    def training(self) -> bool:
+        """It logged a step or was healed since its last start, and has not finished."""
+        return (self.trained or self.rejoined) and not self.finished
+
+    def kill_site(self) -> None:
+        pids = [self.proc.pid] + _descendants(self.proc.pid)
+        _sigkill(pids)
+        self.proc.wait()
+        deadline = time.monotonic() + 60
+        while any(os.path.exists(f"/proc/{pid}") and _zombie_or_alive(pid) for pid in pids):
+            if time.monotonic() > deadline:
+                break
+            _sigkill(pids)
+            time.sleep(0.05)
+
+    def kill_rank(self, rng: random.Random) -> Optional[int]:
+        """SIGKILL one of its rank processes (torchrun's workers); None when none is up."""
+        ranks = [pid for pid in _descendants(self.proc.pid) if _is_rank(pid)]
+        if not ranks:
+            return None
+        victim = rng.choice(ranks)
+        _sigkill([victim])
+        return victim
+
+
+def _zombie_or_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _is_rank(pid: int) -> bool:
+    """A pretrain_gpt.py worker (not torchrun itself, nor a data-loader child: their
+    command line is the worker's, but their parent is a worker)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            parent = f.read()
+    except (OSError, IndexError, ValueError):
+        return False
+    return b"pretrain_gpt.py" in cmd and b"torch.distributed.run" not in cmd and b"torch.distributed.run" in parent
+
+
+def site_argv(args, job: List[str], out_dir: str, lighthouse: str) -> List[str]:
+    """The job's flags for every site: the fault tolerance, per-run checkpoints and digests,
+    and a validation at the end (for the final loss) when the job has none."""
+    argv = list(job) + ["--num-sites", str(args.sites), "--lsgd-fault-tolerance", "torchft", "--lsgd-lighthouse",
+                        lighthouse, "--lsgd-min-sites", str(args.min_sites), "--lsgd-ft-timeout", str(args.timeout),
+                        "--lsgd-ft-digests", os.path.join(out_dir, "digests")]
+    iters = _flag(argv, "--train-iters")
+    if iters is None:
+        raise ValueError("the job needs --train-iters (its budget: the same in both runs)")
+    if int(_flag(argv, "--eval-iters") or 0) == 0:
+        argv += ["--eval-iters", "4"]
+    if _flag(argv, "--eval-interval") is None:
+        argv += ["--eval-interval", iters]
+    if _flag(argv, "--save-interval") is not None:  # a restarted site resumes from its own checkpoint
+        argv += ["--save", os.path.join(out_dir, "ckpt"), "--load", os.path.join(out_dir, "ckpt")]
+    return argv
+
+
+def run_pretrain_job(args, job: List[str], out_dir: str, faults: bool, log=print) -> Dict:
+    from tools.benchmarks.ft_site import start_lighthouse
+
+    os.makedirs(out_dir, exist_ok=True)
+    lh = start_lighthouse(args.min_sites, heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=args.join_ms)
+    rng = random.Random(args.seed)
+    argv = site_argv(args, job, out_dir, lh.address())
+    sites = {k: PretrainSite(k, argv, args, os.path.join(out_dir, f"site{k}.log")) for k in range(args.sites)}
+    kills: List[Dict] = []
+    late: List[int] = []
+    t0 = time.time()
+    try:
+        for site in sites.values():
+            site.start(resume=False)
+        next_fault = t0 + args.fault_every
+        ended_at = None
+        while any(site.proc.poll() is None for site in sites.values()):
+            now = time.time()
+            codes = [site.proc.returncode for site in sites.values()]
+            if ended_at is None and 0 in codes:
+                ended_at = now
+            if ended_at is not None and now - ended_at > args.timeout + 60:
+                # restarted too late for the job's last quorum and its closing one: nobody left to heal it
+                for k, site in sites.items():
+                    if site.proc.poll() is None:
+                        site.kill_site()
+                        late.append(k)
+                break
+            if now - t0 > args.max_minutes * 60:
+                raise RuntimeError(f"the job did not end in --max-minutes {args.max_minutes} ({out_dir})")
+            for site in sites.values():
+                site.poll_log()
+            for kill in kills:  # a restarted site's first `rejoined` line
+                site = sites[kill["site"]]
+                if kill.get("rejoined_s") is None and site.starts == kill["start"] + 1 and site.rejoined:
+                    kill["rejoined_s"] = now - kill["t"]
+            if ended_at is None and any(site.finished for site in sites.values()):
+                ended_at = now  # a site trained the job's budget: no more faults; the wall time ends here
+            up = [k for k, site in sites.items() if site.proc.poll() is None and site.training()]
+            if any(site.finished for site in sites.values()):
+                ended_at = ended_at or now  # the job's budget is reached: no more faults
+            if faults and ended_at is None and now >= next_fault and args.sites - len(up) < args.max_down:
+                victim = rng.choice(up)
+                site = sites[victim]
+                kill = {"site": victim, "t": now, "start": site.starts, "kind": args.kill}
+                if args.kill == "site":
+                    site.kill_site()
+                    site.start(resume=True)  # as a launcher with restarts would
+                else:
+                    kill["pid"] = site.kill_rank(rng)
+                    site.restarted("a rank killed: torchrun restarts the ranks")
+                kills.append(kill)
+                log(f"[chaos] {now - t0:7.1f} s: killed {'site' if args.kill == 'site' else 'a rank of site'} "
+                    f"{victim}, restarted it")
+                next_fault = now + args.fault_every
+            time.sleep(0.1)
+        wall = (ended_at or time.time()) - t0
+        codes = {k: site.proc.returncode for k, site in sites.items()}
+    finally:
+        for site in sites.values():
+            if site.proc is not None and site.proc.poll() is None:
+                site.kill_site()
+        lh.shutdown()
+    texts = {k: site.text(since_start=False) for k, site in sites.items()}
+    return {"wall_s": wall, "codes": codes, "kills": kills, "late": late, "texts": texts,
+            "digests": read_digests(os.path.join(out_dir, "digests"))}
+
+
+def read_digests(directory: str) -> Dict[str, List[Dict]]:
+    """rank file (site<k>_rank<r>.jsonl) -> its records (a killed rank's last line may be cut)."""
+    out: Dict[str, List[Dict]] = {}
+    if not os.path.isdir(directory):
+        return out
+    for name in sorted(os.listdir(directory)):
+        records = []
+        with open(os.path.join(directory, name)) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+        out[name] = records
+    return out
+
+
+def check_digests(digests: Dict[str, List[Dict]]) -> Dict:
+    """Every site's digest of the same rank position at the same committed round must agree."""
+    by_key: Dict[tuple, List[str]] = {}
+    for name, records in digests.items():
+        rank = name.split("_", 1)[1]
+        for r in records:  # the state at the job's end is compared with the others' at the end
+            by_key.setdefault((rank, r["round"], bool(r.get("final"))), []).append(r["digest"])
+    compared = {key: d for key, d in by_key.items() if len(d) > 1}  # held by two sites or more
+    disagree = sorted(f"{rank} round {n}{' (final)' if final else ''}" for (rank, n, final), d in compared.items()
+                      if len(set(d)) > 1)
+    return {"rounds_checked": len({n for _, n, _ in compared}), "records_compared": sum(map(len, compared.values())),
+            "disagreements": disagree}
+
+
+def final_validation(texts: Dict[int, str]) -> Optional[float]:
+    """The last validation loss any site printed (the mean over the sites of that round)."""
+    best = None
+    for text in texts.values():
+        for it, loss in VALIDATION.findall(text):
+            if best is None or int(it) >= best[0]:
+                best = (int(it), float(loss))
+    return best[1] if best else None
+
+
+def summarize_pretrain(args, base: Dict, chaos: Dict) -> Dict:
+    finals = {}
+    for name, records in chaos["digests"].items():
+        closing = [r for r in records if r.get("final")]
+        if closing:
+            finals[name] = closing[-1]
+    committed = max((r["round"] for r in finals.values()), default=0)
+    attempted = max((r["attempted"] for r in finals.values() if r["round"] == committed), default=0)
+    base_finals = [r for recs in base["digests"].values() for r in recs if r.get("final")]
+    digests = check_digests(chaos["digests"])
+    killed = {k["site"] for k in chaos["kills"]}
+    finished = sorted(k for k, c in chaos["codes"].items() if c == 0)
+    job_ok = len(finished) >= args.min_sites and set(chaos["late"]) <= killed and \
+        all(c == 0 for k, c in chaos["codes"].items() if k not in chaos["late"]) and not digests["disagreements"]
+    rejoin = [k["rejoined_s"] for k in chaos["kills"] if k.get("rejoined_s") is not None]
+    goodput = (committed / attempted) * (base["wall_s"] / chaos["wall_s"]) if attempted else 0.0
+    base_loss, loss = final_validation(base["texts"]), final_validation(chaos["texts"])
+    return {
+        "target": "pretrain", "sites": args.sites, "min_sites": args.min_sites, "kill": args.kill,
+        "fault_every_s": args.fault_every, "wall_s": round(chaos["wall_s"], 1),
+        "baseline_wall_s": round(base["wall_s"], 1),
+        "faults_injected": len(chaos["kills"]), "faults_survived": len(chaos["kills"]) if job_ok else 0,
+        "killed_sites_rejoined": len(rejoin), "sites_restarted_after_the_end": chaos["late"],
+        "sites_finished": finished, "job_finished": job_ok,
+        "rounds_committed": committed, "rounds_attempted": attempted,
+        "baseline_rounds": max((r["round"] for r in base_finals), default=0),
+        "goodput": round(goodput, 3),
+        "rejoin_s": {"mean": round(sum(rejoin) / len(rejoin), 2), "max": round(max(rejoin), 2)} if rejoin else None,
+        "final_validation_loss": loss, "baseline_final_validation_loss": base_loss,
+        "digest_rounds_checked": digests["rounds_checked"], "digest_records_compared": digests["records_compared"],
+        "digest_disagreements": digests["disagreements"],
+    }
+
+
+# ---- command line ---------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    job: List[str] = []
+    if "--" in argv:
+        job = argv[argv.index("--") + 1:]
+        argv = argv[:argv.index("--")]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s [options] [-- pretrain_gpt.py flags]")
+    p.add_argument("--target", choices=("pretrain", "toy"), default="pretrain",
+                   help="pretrain: pretrain_gpt.py sites; toy: tools/benchmarks/ft_site.py sites")
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--min-sites", type=int, default=2)
-    p.add_argument("--interval", type=int, default=4, help="H")
-    p.add_argument("--steps", type=int, default=400, help="inner steps of the job (every site)")
-    p.add_argument("--step-seconds", type=float, default=0.05, help="sleep per toy inner step")
     p.add_argument("--fault-every", type=float, default=10.0, help="seconds between SIGKILLs")
     p.add_argument("--max-down", type=int, default=0,
                    help="most sites down at once (default: --sites minus --min-sites, so the floor is never hit)")
-    p.add_argument("--compression", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--timeout", type=float, default=5.0, help="--lsgd-ft-timeout of the sites")
-    p.add_argument("--max-minutes", type=float, default=5.0, help="give up (and fail) after this long")
+    p.add_argument("--max-minutes", type=float, default=5.0, help="give up (and fail) after this long, per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="")
+    pre = p.add_argument_group("pretrain target")
+    pre.add_argument("--ranks-per-site", type=int, default=1)
+    pre.add_argument("--kill", choices=("site", "rank"), default="site",
+                     help="site: SIGKILL the site's torchrun and every rank, then start it again; rank: SIGKILL one "
+                          "rank, torchrun (--max-restarts) restarts the site's ranks")
+    pre.add_argument("--max-restarts", type=int, default=100, help="torchrun's, for --kill rank")
+    pre.add_argument("--join-ms", type=int, default=5000, help="the lighthouse's join timeout (ms)")
+    pre.add_argument("--heartbeat-ms", type=int, default=2000, help="the lighthouse's heartbeat timeout (ms)")
+    toy = p.add_argument_group("toy target")
+    toy.add_argument("--interval", type=int, default=4, help="H")
+    toy.add_argument("--steps", type=int, default=400, help="inner steps of the job (every site)")
+    toy.add_argument("--step-seconds", type=float, default=0.05, help="sleep per toy inner step")
+    toy.add_argument("--compression", default="none", choices=("none", "int8", "int4"))
     args = p.parse_args(argv)
     if args.sites < 2 or not 1 <= args.min_sites <= args.sites:
         print("error: --sites must be >= 2 and --min-sites in [1, --sites]", file=sys.stderr)
@@ -181,19 +521,34 @@ def main(argv=None) -> int:
     if args.min_sites == args.sites:
         print("error: --min-sites equal to --sites leaves no site to lose: every fault pauses the job", file=sys.stderr)
         return 2
+    if job and args.target == "toy":
+        print("error: pretrain_gpt.py flags after -- need --target pretrain", file=sys.stderr)
+        return 2
     args.max_down = args.max_down or args.sites - args.min_sites
     out = args.out_dir or tempfile.mkdtemp(prefix="chaos-")
-    base = run_job(args, os.path.join(out, "baseline"), faults=False)
+    if args.target == "toy":
+        run, summarize = run_toy_job, summarize_toy
+    else:
+        job = job or DEFAULT_JOB
+        if _flag(job, "--train-iters") is None:
+            print("error: the job after -- needs --train-iters", file=sys.stderr)
+            return 2
+
+        def run(a, out_dir, faults):
+            return run_pretrain_job(a, job, out_dir, faults)
+        summarize = summarize_pretrain
+    base = run(args, os.path.join(out, "baseline"), faults=False)
     if set(base["codes"].values()) != {0}:
         print(f"error: the fault-free baseline failed (exit codes {base['codes']}; see {out}/baseline)", file=sys.stderr)
         return 1
-    print(f"[chaos] baseline: {args.steps} steps in {base['wall_s']:.1f} s")
-    chaos = run_job(args, os.path.join(out, "chaos"), faults=True)
+    print(f"[chaos] baseline: {base['wall_s']:.1f} s")
+    chaos = run(args, os.path.join(out, "chaos"), faults=True)
     summary = summarize(args, base, chaos)
     with open(os.path.join(out, "chaos.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for key, value in summary.items():
         print(f"{key}: {value}")
+    print(f"[chaos] logs, digests and chaos.json in {out}")
     ok = summary["job_finished"] and not summary["digest_disagreements"]
     return 0 if ok else 1
 

@@ -20,6 +20,16 @@ The anchor only ever takes averaged steps, so it is bit-identical on every site.
 Waiting before starting keeps a single reduction in flight, so every site issues its
 inter-site collectives in the same order.
 
+Elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md): a round's quorum
+is taken at its first step and the mean of the previous round's Δ is issued right after it
+(rather than at that round's end), so a quorum never rebuilds the group under a mean in
+flight and a returning site is healed at the start of a step. The mean is decided
+(committed or not) where it is applied. Not committed: the anchor stays, the error
+feedback is put back as it was when the mean was issued, and the failed Δ is sent again
+with the next round's (the round keeps its local progress: the next pseudo-gradient is the
+whole drift from the anchor). A site healed at a quorum sends, for that one mean, the Δ of
+the peer it was healed from (as in torchft's Streaming DiLoCo: that peer's data counts twice).
+
 Adaptive rules (`--lsgd-adaptive`, logged as `rank` and `H`):
   rank: window of effective ranks of the reduced P (smallest k holding `energy` of its
         spectral energy, max over this rank's matrices); next rank = clamp(ceil(mean)).
@@ -44,6 +54,7 @@ import torch.distributed as dist
 from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
 from megatron_lsgd.core.lsgd.compressors import compression_error
 from megatron_lsgd.core.lsgd.diloco import LocalSGDBase
+from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
@@ -126,6 +137,12 @@ class DiLoCoX(LocalSGDBase):
     Options = DiLoCoXOptions
     requires_multiple_sites = True
 
+    @classmethod
+    def refused_with_fault_tolerance(cls, config) -> List:
+        if config.algo.adaptive:
+            return [("--lsgd-adaptive", "its H is agreed across sites outside any quorum")]
+        return []
+
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx, energy=ctx.config.algo.adaptive_energy)
         cfg = ctx.config
@@ -142,8 +159,16 @@ class DiLoCoX(LocalSGDBase):
         if self.active:  # reductions advance between steps: keep them off the shared dp_inter group
             minutes = ctx.comm.timeout_minutes
             ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
-        self.pending: Optional[PendingReduce] = None
+        self.pending: Optional[PendingReduce] = None  # (a membership ticket under fault tolerance)
         self.start_offsets: Optional[List[torch.Tensor]] = None
+        # Elastic sites only: the round's Δ until the next quorum issues it, the Δ in flight
+        # (sent again if its mean is not committed), a failed Δ waiting for the round's end,
+        # and whether the final exchanges of finish_training are under way.
+        self.outgoing: Optional[List[torch.Tensor]] = None
+        self.sent: Optional[List[torch.Tensor]] = None
+        self.carry: Optional[List[torch.Tensor]] = None
+        self.pending_empty = False  # the pending round has no mean (an elastic round 1: its decision alone)
+        self.finishing = False
         self.pending_round = -1  # which round's mean is in flight
         self.applied_rounds: List[int] = []  # round whose mean each outer step applied (-1: none)
         self.rank_window: deque = deque(maxlen=xcfg.adaptive_window)
@@ -157,8 +182,35 @@ class DiLoCoX(LocalSGDBase):
     # ---- overlap ----------------------------------------------------------------------------
     def before_forward_backward(self, iteration: int) -> None:
         self._step_start = self.ctx.clock.now()
+        if self.ctx.membership.elastic and self.active and self.steps_in_round == 0:
+            self._round_start()
         if self.pending is not None and not self.pending.done and self.pending.poll():
             self._comm_seconds = self.ctx.clock.now() - self._comm_issued
+
+    def _round_start(self) -> None:
+        """Elastic sites: the round's quorum (a returning site is healed here), then the mean
+        of the last round's Δ. A site healed into a peer's final exchanges finishes them with it."""
+        self.ctx.membership.round_started()
+        if self.finishing:
+            self._final_exchanges(quorum_taken=True)
+            raise JobFinished("healed during the job's final exchanges, which are now done")
+        deltas, self.outgoing = self.outgoing, None
+        self._issue(deltas)  # round 1 has nothing to send: its round is the decision alone
+
+    def _issue(self, deltas: Optional[List[torch.Tensor]]) -> None:
+        """Start the compressed mean of Δ (error feedback is restored if it does not commit).
+        Elastic sites with no Δ (round 1) still decide the round, so that the committed-round
+        count moves with the rounds (a site that missed round 1 is behind, and healed)."""
+        self._comm_issued = self.ctx.clock.now()
+        self.pending_empty = deltas is None
+        if deltas is None:
+            self.pending = self.ctx.membership.start(lambda: Finished([]))
+        else:
+            self.pending = self.ctx.membership.start(lambda: PendingReduce(self.compressor.reduce(deltas)),
+                                                     undo=[self.compressor])
+        self.pending_round = self.outer_rounds if not self.ctx.membership.elastic else self.outer_rounds - 1
+        if self.ctx.membership.elastic:
+            self.sent = deltas  # the compressors read Δ, they do not write it
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if self._step_start is not None:
@@ -168,15 +220,28 @@ class DiLoCoX(LocalSGDBase):
         if self.pending is not None and 0 < self.steps_in_round == tau:  # (τ = H is handled by end_round)
             self._apply_mean_mid_round()
 
-    def _apply_pending_mean(self) -> None:
+    def _apply_pending_mean(self) -> bool:
         """Wait for the mean in flight (blocking time is exposed comm), take the outer step
-        with it and forget the round's start offsets (they were relative to the old anchor)."""
+        with it and forget the round's start offsets (they were relative to the old anchor).
+        Not committed (elastic sites): nothing moves, its Δ waits to be sent again. Returns
+        whether the outer step was taken."""
         if not self.pending.done:
             self.pending.wait()
             self._comm_seconds = self.ctx.clock.now() - self._comm_issued
-        self.outer.step(self.views, self.pending.result)
-        self.applied_rounds.append(self.pending_round)
-        self.pending, self.pending_round, self.start_offsets = None, -1, None
+        mean = self.ctx.membership.finish(self.pending)
+        applied = mean is not None
+        if applied and self.pending_empty:  # round 1's decision: nothing to apply
+            if not self.applied_rounds:
+                self.applied_rounds.append(-1)
+            applied = False
+        elif applied:
+            self.outer.step(self.views, mean)
+            self.applied_rounds.append(self.pending_round)
+            self.start_offsets = None
+        else:
+            self.carry = self.sent
+        self.pending, self.pending_round, self.sent, self.pending_empty = None, -1, None, False
+        return applied
 
     def _apply_mean_mid_round(self) -> None:
         """--lsgd-dilocox-apply-step τ < H: take the outer step with round t's mean now and move
@@ -186,7 +251,8 @@ class DiLoCoX(LocalSGDBase):
         offsets = self.start_offsets or [None] * len(shards)
         progress = [s.to(a.device) - (a if off is None else a - off)
                     for s, a, off in zip(shards, anchors, offsets)]
-        self._apply_pending_mean()
+        if not self._apply_pending_mean():  # not committed: the anchor did not move, nor does the replica
+            return
         for s, a, p in zip(shards, anchors, progress):
             s.copy_(a + p)
         self.publish()
@@ -200,13 +266,18 @@ class DiLoCoX(LocalSGDBase):
             self._apply_pending_mean()
         elif not self.applied_rounds:
             self.applied_rounds.append(-1)  # round 1 has nothing to apply
+        if self.carry is not None:  # a mean that did not commit: its Δ goes again with this round's
+            for d, c in zip(deltas, self.carry):
+                d.add_(c)
+            self.carry = None
         if self.ctx.config.algo.adaptive:
             # Before issuing the new reduction: the link is idle now, so the small H
             # agreement is not queued behind a bulk transfer on a bandwidth-limited link.
             self._adapt()
-        self._comm_issued = self.ctx.clock.now()
-        self.pending = PendingReduce(self.compressor.reduce(deltas))
-        self.pending_round = self.outer_rounds
+        if self.ctx.membership.elastic:
+            self.outgoing = deltas  # issued after the next round's quorum
+        else:
+            self._issue(deltas)
         if self.ctx.config.algo.restart == "eager":
             # Start the next round from θ_g − Δ_t (own, not yet averaged progress) instead of
             # θ_g, so a round does not redo the progress still in flight; the anchor itself
@@ -220,18 +291,48 @@ class DiLoCoX(LocalSGDBase):
         self._round_compute = 0.0
 
     def quiesce(self) -> None:
-        """Let the mean in flight land (it is applied at its usual step, not now)."""
+        """Let the mean in flight land (it is applied at its usual step, not now). Elastic
+        sites also decide it now, so a checkpoint holds a committed mean or none."""
         if self.pending is not None and not self.pending.done:
             self.pending.wait()
             self._comm_seconds = self.ctx.clock.now() - self._comm_issued
+        if self.ctx.membership.elastic and self.pending is not None:
+            if self.ctx.membership.finish(self.pending) is None:
+                self.carry, self.pending, self.pending_round, self.sent = self.sent, None, -1, None
+                self.pending_empty = False
 
     def finish_training(self, iteration: int) -> None:
         super().finish_training(iteration)
+        if self.ctx.membership.elastic:
+            if self.active and (self.outgoing is not None or self.pending is not None or self.carry is not None):
+                self._final_exchanges(quorum_taken=False)
+            return
         if self.pending is None:
             return
         # The last round's mean would otherwise never be applied: wait for it, take the outer
         # step and load the anchor, so every site ends with the same, fully averaged model.
         self._apply_pending_mean()
+        self.restart_from_anchor()
+
+    def _final_exchanges(self, quorum_taken: bool) -> None:
+        """Elastic sites, at the end: the last round's mean, each try a round of its own
+        (quorum, mean, decision) until one commits, then every site holds the anchor. A site
+        healed at one of these quorums joins in (`_round_start`)."""
+        self.finishing = True
+        if self.pending is not None:  # (a final round shorter than τ) its mean first
+            self._apply_pending_mean()
+        if self.carry is not None:
+            self.outgoing = self.carry if self.outgoing is None else [o + c for o, c in zip(self.outgoing, self.carry)]
+            self.carry = None
+        while self.outgoing is not None:
+            if not quorum_taken:
+                self.ctx.membership.round_started()
+            quorum_taken = False
+            deltas, self.outgoing = self.outgoing, None
+            self._issue(deltas)
+            if not self._apply_pending_mean():
+                self.outgoing, self.carry = self.carry, None
+        self.finishing = False
         self.restart_from_anchor()
 
     # ---- adaptive rank and H --------------------------------------------------------------------
@@ -272,10 +373,20 @@ class DiLoCoX(LocalSGDBase):
         state = self._base_state()
         state.update(rank_window=list(self.rank_window),
                      pending_round=self.pending_round, applied_rounds=list(self.applied_rounds),
-                     pending_mean=[m.clone() for m in self.pending.result] if self.pending is not None else [],
-                     has_pending=int(self.pending is not None), comm_seconds=self._comm_seconds,
+                     pending_mean=[m.clone() for m in self.pending.result] if self._has_mean() else [],
+                     has_pending=int(self._has_mean()), comm_seconds=self._comm_seconds,
                      start_offsets=[o.clone() for o in self.start_offsets] if self.start_offsets else [])
+        for key in ("outgoing", "carry"):  # elastic sites only (a plain run's state has neither)
+            value = getattr(self, key)
+            if value is not None:
+                state[key] = [t.clone() for t in value]
+        if self.finishing:
+            state["finishing"] = 1
         return state
+
+    def _has_mean(self) -> bool:
+        """A mean in flight (not an elastic round 1's decision, which a checkpoint does not keep)."""
+        return self.pending is not None and not self.pending_empty
 
     def load_state_dict(self, state: Dict) -> None:
         self._load_base_state(state)
@@ -287,6 +398,11 @@ class DiLoCoX(LocalSGDBase):
         self._comm_seconds = float(state["comm_seconds"])
         offsets = state.get("start_offsets", state.get("eager_offsets"))  # renamed; older checkpoints
         self.start_offsets = [o.to(self.compressor.device) for o in offsets] if offsets else None
+        for key in ("outgoing", "carry"):
+            value = state.get(key)
+            setattr(self, key, [t.to(self.compressor.device).clone() for t in value] if value is not None else None)
+        self.sent, self.pending_empty = None, False
+        self.finishing = bool(state.get("finishing", 0))
 
     def stats(self) -> Dict[str, float]:
         r = self.compressor

@@ -8,6 +8,14 @@ A local-SGD round is framed by two calls:
   its anchor as it was and restarts from it; `undo` (objects with state_dict /
   load_state_dict, e.g. the compressor's error feedback) is put back as it was before.
 
+A reduction that overlaps inner steps (dilocox's one-round-late mean, a streaming
+fragment) is split in two: `start(issue, undo)` issues it and returns a ticket (poll it
+between steps; `wait` lets it land without deciding), `finish(ticket)` waits and returns
+the mean, or None when the round is not committed. Under a fault-tolerant membership
+(`elastic`) a round is one quorum, at most one reduction and one decision: a synchronizer
+takes the quorum (`round_started`) at the start of a step, issues right after it, and
+finishes before its next quorum.
+
 The training loop's own few cross-site numbers (a log line's losses, sample counts) go
 through it too (`mean_over_sites`, `sum_over_sites`): over the sites of the round, and
 never raising for a site that is gone.
@@ -26,13 +34,36 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
+class JobFinished(Exception):
+    """Raised in a site that received the job's final state from a peer (it missed the job's
+    last rounds): training is over, the state it holds is the job's final one."""
+
+
 class SiteMembership:
+    # Rounds may fail and sites may join: a round's quorum is taken at the start of a step
+    # (where a returning site is healed), its reduction issued right after it.
+    elastic = False
+
     def round_started(self) -> None:
         """Before the first inner step of a round."""
 
     def reduce(self, mean: Callable[[], T], undo: Sequence[object] = ()) -> Optional[T]:
         """The round's cross-site mean if the round commits, else None (state in `undo` restored)."""
+        return self.finish(self.start(lambda: Finished(mean()), undo))
+
+    def start(self, issue: Callable[[], object], undo: Sequence[object] = ()):
+        """Issue the round's reduction: `issue()` returns work with `poll()`, `wait()`, `done`
+        and `result` (a PendingReduce); the returned ticket has the same four."""
         raise NotImplementedError
+
+    def finish(self, ticket) -> Optional[object]:
+        """Wait for the ticket's reduction and decide: its result if the round commits, else
+        None (the `undo` state put back as it was when it was issued)."""
+        raise NotImplementedError
+
+    def job_finished(self) -> None:
+        """The job reached its budget: a fault-tolerant membership takes a last quorum, in
+        which a site that missed the end receives the final state (and a site behind it)."""
 
     def mean_over_sites(self, tensor: torch.Tensor) -> None:
         """`tensor` (a few values of the loop's) becomes its mean over the round's sites, in place."""
@@ -65,6 +96,12 @@ class AllSites(SiteMembership):
     def reduce(self, mean: Callable[[], T], undo: Sequence[object] = ()) -> Optional[T]:
         return mean()
 
+    def start(self, issue: Callable[[], object], undo: Sequence[object] = ()):
+        return issue()  # the work itself: nothing to undo, every round commits
+
+    def finish(self, ticket) -> Optional[object]:
+        return ticket.wait()
+
     def mean_over_sites(self, tensor: torch.Tensor) -> None:
         if self.num_sites > 1:
             tensor.div_(self.num_sites)
@@ -79,3 +116,18 @@ class AllSites(SiteMembership):
             dist.all_reduce(tensor, group=self.group)
         else:
             self.devices.all_reduce(what, tensor, self.group)
+
+
+class Finished:
+    """Work that is already done (a blocking reduction's result, seen as a ticket's work)."""
+
+    done = True
+
+    def __init__(self, result):
+        self.result = result
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self):
+        return self.result

@@ -233,6 +233,12 @@ class Synchronizer:
     # stage's units): tools/checkpoint/convert.py then keeps the pipeline-parallel size.
     state_follows_pipeline: ClassVar[bool] = False
 
+    @classmethod
+    def refused_with_fault_tolerance(cls, config: LsgdConfig) -> List[Tuple[str, str]]:
+        """(flag, why) for each of the run's settings that this algorithm's elastic rounds
+        (--lsgd-fault-tolerance torchft) cannot honour; each becomes an error naming its flag."""
+        return []
+
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
         # Whether there is anyone to synchronize with (more than one site); single-site

@@ -161,6 +161,10 @@ class ReductionQueue:
             self._retire_finished_head()
         return item.result
 
+    def clear(self) -> None:
+        """Forget every reduction (one failed: the collectives behind it will not match)."""
+        self._items.clear()
+
     def drain(self) -> None:
         """Finish every reduction in flight."""
         if self._items:

@@ -33,6 +33,15 @@ fragment's reduction together.
 When --train-iters is reached, `finish_training` lands the fragments still in flight and
 then gives every fragment that holds unsynchronized progress one last blocking sync (as
 diloco closes a partial round), so every site ends with the same model.
+
+Elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md): a quorum per
+fragment sync, as torchft's Streaming DiLoCo takes. A sync taken after step t is issued at
+the start of step t+1, right after its quorum (where a returning site is healed; hence
+tau >= 1), and decided (committed or not) where it lands, or earlier when the next
+quorum comes first (only one reduction is ever open). Not committed: the fragment's
+anchor and outer momentum stay, its error feedback is put back, its local copy restarts
+from the anchor, and the next slot retries the same fragment (torchft's rule; CoCoDC's
+adaptive schedule picks it again by its staleness).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import torch
 from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.fragments import PARTITIONS, partition
 from megatron_lsgd.core.lsgd.means import SideValues, fp32_mean
+from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
@@ -133,6 +143,38 @@ class InFlight:
     ticket: QueuedReduce
     snapshot: List[torch.Tensor] = field(default_factory=list)  # cocodc: θ_local at the start
     side: Optional[SideValues] = None  # cocodc: measured times riding along
+    round: Optional[object] = None  # elastic sites: the membership's ticket (commit or not)
+    prev_start: int = 0  # the fragment's last start before this one (restored if it does not commit)
+
+
+class _Queued:
+    """A reduction of the queue, as the work of a membership ticket (elastic sites)."""
+
+    def __init__(self, queue: ReductionQueue, gen: Reduction):
+        self.queue = queue
+        try:
+            self.item = queue.submit(gen)
+        except Exception:
+            queue.clear()  # its first collective failed: nothing else is in flight
+            raise
+
+    @property
+    def done(self) -> bool:
+        return self.item.done
+
+    @property
+    def result(self):
+        return self.item.result
+
+    def poll(self) -> bool:
+        self.queue.poll()
+        return self.item.done
+
+    def wait(self):
+        return self.queue.wait(self.item)
+
+    def abandon(self) -> None:
+        self.queue.clear()
 
 
 # ---- the algorithm ------------------------------------------------------------------------------
@@ -144,6 +186,13 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
     state_follows_pipeline = True  # a fragment is the stage's units of it (its key names them)
+
+    @classmethod
+    def refused_with_fault_tolerance(cls, config) -> List:
+        if config.algo.sync_delay == 0:
+            return [("--lsgd-fragment-sync-delay 0", "a fragment's sync is issued after its quorum, at the start of "
+                                                     "the next step; give it at least 1")]
+        return []
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)
@@ -173,6 +222,14 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.last_land = [0] * self.num_fragments
         self.dirty = [False] * self.num_fragments  # local copy may differ from the anchor
         self.syncs = 0  # landed fragment syncs
+        # Elastic sites only: fragments whose sync was taken after the last step (issued after
+        # the next quorum), failed syncs so far (each shifts the fixed slots: the failed
+        # fragment goes again), the final syncs under way, and whether this process has met
+        # the others yet (a restarted site's first step is a quorum, to be healed there).
+        self.due: List[int] = []
+        self.retries = 0
+        self.finishing = False
+        self.joined = False
         # (fragment, start, land, bytes this rank sent) of this process's recent syncs, for tests and tools
         self.history: deque = deque(maxlen=10000)
         self._step_started: Optional[float] = None
@@ -183,13 +240,66 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         slot = self.interval // self.num_fragments
         if (t + self.tau) % slot:
             return []
-        return [((t + self.tau) // slot - 1) % self.num_fragments]
+        return [((t + self.tau) // slot - 1 - self.retries) % self.num_fragments]
 
     # ---- hooks ----------------------------------------------------------------------------------------
     def before_forward_backward(self, iteration: int) -> None:
         self._step_started = self.ctx.clock.now()
+        if self.active and self.ctx.membership.elastic and (self.due or not self.joined):
+            self._quorums()
         if self.active and len(self.queue):
+            self._poll()
+
+    def _poll(self) -> None:
+        if not self.ctx.membership.elastic:
             self.queue.poll()
+            return
+        for rec in self.in_flight:  # through the tickets: a failure is reported, not raised
+            if rec.round is not None and rec.round.decision is None:
+                rec.round.poll()
+
+    def _quorums(self) -> None:
+        """Elastic sites: a quorum for each sync due (and one at a process's first step, where
+        a restarted site is healed), each followed by its sync; a site healed into a peer's
+        final syncs finishes them with it."""
+        while True:
+            self._decide_open()  # one reduction per quorum: a quorum may rebuild the group
+            self.ctx.membership.round_started()
+            self.joined = True
+            if self.finishing:
+                self._finish_elastic(quorum_taken=True)
+                raise JobFinished("healed during the job's final fragment syncs, which are now done")
+            if not self.due:  # a process's first quorum: a round of its own, decided at once, so that
+                # the committed-round count moves (a site that missed it is behind, and healed)
+                self.ctx.membership.finish(self.ctx.membership.start(lambda: Finished([])))
+                return
+            self.start_sync(self.due.pop(0), self.local_step)
+            if not self.due:
+                return
+
+    def _decide_open(self) -> None:
+        for rec in list(self.in_flight):
+            if rec.round is not None and rec.round.decision is None:
+                self._decide(rec)
+
+    def _decide(self, rec: InFlight) -> Optional[List[torch.Tensor]]:
+        """The sync's mean if its round commits; else the fragment is rolled back (None)."""
+        mean = self.ctx.membership.finish(rec.round)
+        if mean is None and any(r is rec for r in self.in_flight):
+            self._roll_back(rec)
+        return mean
+
+    def _roll_back(self, rec: InFlight) -> None:
+        """A sync that did not commit: the anchor stays, the local copy restarts from it, and
+        the fragment is due again (its error feedback was put back by the membership)."""
+        p = rec.fragment
+        if not self.views[p].empty:
+            self.outer.load_into(self.views[p])
+        self.publish(p)  # a site collective even when this rank's views are empty
+        self.dirty[p] = False
+        self.in_flight.remove(rec)
+        self.last_start[p] = rec.prev_start
+        self.retries += 1
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if not self.active:
@@ -203,10 +313,13 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.local_step += 1
         t = self.local_step
         self.dirty = [True] * self.num_fragments
-        self.queue.poll()
+        self._poll()
         self._land_due(t)
         for p in self.starts_at(t):
-            self.start_sync(p, t)
+            if self.ctx.membership.elastic:
+                self.due.append(p)  # issued after the next step's quorum
+            else:
+                self.start_sync(p, t)
         self._land_due(t)  # τ = 0: the fragment lands in the step it started
 
     def record_step_time(self, seconds: float) -> None:
@@ -234,11 +347,24 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         side = self.side_values()
         snapshot = self.snapshot(p)
         gen = self._reduction(p, deltas, side)
-        ticket = self.queue.submit(gen) if gen is not None else QueuedReduce.finished([])
-        rec = InFlight(p, t, t + self.tau, ticket, snapshot, side)
+        round_ = None
+        if self.ctx.membership.elastic:
+            round_ = self._start_round(p, gen)
+            work = round_.work
+            ticket = work.item if isinstance(work, _Queued) else QueuedReduce.finished([])
+        else:
+            ticket = self.queue.submit(gen) if gen is not None else QueuedReduce.finished([])
+        rec = InFlight(p, t, t + self.tau, ticket, snapshot, side, round_, self.last_start[p])
         self.in_flight.append(rec)
         self.last_start[p] = t
         return rec
+
+    def _start_round(self, p: int, gen: Optional[Reduction]):
+        """Elastic sites: the sync as the round's reduction (its error feedback is undone if it
+        does not commit). Every rank of the site takes the round, even one with nothing to send."""
+        compressor = self.fragment_compressors[p]
+        return self.ctx.membership.start(lambda: _Queued(self.queue, gen) if gen is not None else Finished([]),
+                                         undo=[compressor] if compressor is not None else [])
 
     def snapshot(self, p: int) -> List[torch.Tensor]:
         """What the landing rule needs from the start (CoCoDC: θ_local)."""
@@ -249,8 +375,14 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
             self.land(rec, t)
 
     def land(self, rec: InFlight, t: int) -> None:
-        """Wait for the fragment's mean, take its outer step, merge, push it into the model."""
-        mean = rec.ticket.result if rec.ticket.done else self.queue.wait(rec.ticket)
+        """Wait for the fragment's mean, take its outer step, merge, push it into the model
+        (elastic sites: only if its round commits, else the fragment is rolled back)."""
+        if rec.round is not None:
+            mean = self._decide(rec)
+            if mean is None:
+                return
+        else:
+            mean = rec.ticket.result if rec.ticket.done else self.queue.wait(rec.ticket)
         self.dirty[rec.fragment] = self.merge(rec, mean, t)
         self.publish(rec.fragment)  # a site collective even when this rank's views are empty
         self.in_flight.remove(rec)
@@ -290,15 +422,26 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     # ---- end of training, quiesce, state ----------------------------------------------------------------
     def quiesce(self) -> None:
         """Let every reduction in flight finish (each is applied at its usual step). A
-        reduction finished here was waited for, not observed, so it carries no time."""
+        reduction finished here was waited for, not observed, so it carries no time. Elastic
+        sites also decide them now, so a checkpoint holds committed syncs only."""
         if len(self.queue):
             unfinished = [r.ticket for r in self.in_flight if not r.ticket.done]
-            self.queue.drain()
+            if self.ctx.membership.elastic:
+                for rec in self.in_flight:
+                    if rec.round is not None:
+                        rec.round.wait()
+            else:
+                self.queue.drain()
             for ticket in unfinished:
                 ticket.finished_at = None
+        if self.ctx.membership.elastic:
+            self._decide_open()
 
     def finish_training(self, iteration: int) -> None:
         if not self.active:
+            return
+        if self.ctx.membership.elastic:
+            self._finish_elastic(quorum_taken=False)
             return
         for rec in list(self.in_flight):
             self.land(rec, self.local_step)
@@ -306,12 +449,45 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
             if self.dirty[p]:
                 self._final_sync(p)
 
+    def _finish_elastic(self, quorum_taken: bool) -> None:
+        """Elastic sites, at the end, as finish_training does in a plain run: land what is in
+        flight, start and land the syncs due, then one last sync of every fragment with local
+        progress, each a round of its own. A site healed at one of these quorums holds the
+        peer's state (what is due, which fragments are dirty) and joins in from there."""
+        self.finishing = True
+        for rec in list(self.in_flight):
+            self.land(rec, self.local_step)
+        while self.due:
+            if not quorum_taken:
+                self.ctx.membership.round_started()
+            quorum_taken = False
+            rec = self.start_sync(self.due.pop(0), self.local_step)
+            self.land(rec, self.local_step)
+        for p in range(self.num_fragments):
+            if self.dirty[p]:
+                if not quorum_taken:
+                    self.ctx.membership.round_started()
+                quorum_taken = False
+                self._final_sync(p)
+        self.finishing = False
+
     def _final_sync(self, p: int) -> None:
-        """Blocking sync of one fragment, after which every site holds its anchor."""
+        """Blocking sync of one fragment, after which every site holds its anchor (elastic
+        sites: its anchor as it was, when the round does not commit)."""
         views = self.views[p]
         gen = self._reduction(p, self.outer.pseudo_gradient(views), None)
         sent = 0
-        if gen is not None:
+        if self.ctx.membership.elastic:
+            round_ = self._start_round(p, gen)
+            mean = self.ctx.membership.finish(round_)
+            if isinstance(round_.work, _Queued):
+                sent = round_.work.item.bytes_sent
+            if mean is not None and gen is not None:
+                self.outer.step(views, mean)
+                self.syncs += 1
+            if not views.empty:
+                self.outer.load_into(views)
+        elif gen is not None:
             ticket = self.queue.submit(gen)
             mean = self.queue.wait(ticket)
             sent = ticket.bytes_sent
@@ -346,10 +522,18 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
                             "snapshot": [s.clone() for s in rec.snapshot],
                             "has_side": int(rec.side is not None),
                             "side_mean": rec.side.mean.clone() if rec.side is not None else torch.empty(0)})
-        return {"settings": self._settings(), "local_step": self.local_step, "last_start": list(self.last_start),
-                "last_land": list(self.last_land), "dirty": [int(d) for d in self.dirty], "syncs": self.syncs,
-                "in_flight": flights, "outer": self.outer.state_dict() if self.outer else {},
-                "compressors": self.compressors.state_dict()}
+        state = {"settings": self._settings(), "local_step": self.local_step, "last_start": list(self.last_start),
+                 "last_land": list(self.last_land), "dirty": [int(d) for d in self.dirty], "syncs": self.syncs,
+                 "in_flight": flights, "outer": self.outer.state_dict() if self.outer else {},
+                 "compressors": self.compressors.state_dict()}
+        # elastic sites only (a plain run's state has none of them)
+        if self.due:
+            state["due"] = list(self.due)
+        if self.retries:
+            state["retries"] = self.retries
+        if self.finishing:
+            state["finishing"] = 1
+        return state
 
     def load_state_dict(self, state: Dict) -> None:
         saved, now = state["settings"], self._settings()
@@ -362,6 +546,9 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.last_land = [int(x) for x in state["last_land"]]
         self.dirty = [bool(x) for x in state["dirty"]]
         self.syncs = int(state["syncs"])
+        self.due = [int(p) for p in state.get("due", [])]
+        self.retries = int(state.get("retries", 0))
+        self.finishing = bool(state.get("finishing", 0))
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
         self.compressors.load_state_dict(state["compressors"], {v.key: v for v in self.views if not v.empty},

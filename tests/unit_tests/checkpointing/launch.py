@@ -26,9 +26,10 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--log-interval", "1", "--eval-iters", "0", "--seed", "7", "--distributed-backend", "gloo"]
 
 
-def start(args: List[str], nproc: int, log_path: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+def start(args: List[str], nproc: int, log_path: str, env: Optional[Dict[str, str]] = None,
+          script: str = "pretrain_gpt.py") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "pretrain_gpt.py"] + args
+           "--master-port", str(free_port()), script] + args
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
     log = open(log_path, "w")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env,

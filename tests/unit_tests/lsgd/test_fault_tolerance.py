@@ -199,8 +199,8 @@ def test_without_faults_torchft_gives_the_numbers_of_a_plain_run(tmp_path):
 
 
 def test_fault_tolerance_flags_are_checked():
-    with pytest.raises(ValueError, match="--lsgd-fault-tolerance torchft does not support --lsgd-algorithm dilocox"):
-        FaultToleranceOptions(mode="torchft").validate(algorithm="dilocox", num_sites=2)
+    with pytest.raises(ValueError, match="--lsgd-fault-tolerance torchft does not support --lsgd-algorithm acco"):
+        FaultToleranceOptions(mode="torchft").validate(algorithm="acco", num_sites=2)
     with pytest.raises(ValueError, match=r"--lsgd-min-sites must be in \[1, --num-sites 2\]"):
         FaultToleranceOptions(mode="torchft", min_sites=3).validate(algorithm="diloco", num_sites=2)
     with pytest.raises(ValueError, match="--lsgd-min-sites needs --lsgd-fault-tolerance torchft"):
@@ -215,6 +215,11 @@ def test_fault_tolerance_flags_are_checked():
     (["--lsgd-site", "0", "--lsgd-warmup-iters", "4"], "--lsgd-warmup-iters does not work with --lsgd-fault-tolerance"),
     (["--lsgd-site", "0", "--simulate-clock"], "--simulate-clock does not work with --lsgd-fault-tolerance"),
     (["--lsgd-site", "0", "--inter-site-backend", "gloo"], "--inter-site-backend does not work with"),
+    (["--lsgd-site", "0", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4", "--lsgd-rank", "2",
+      "--lsgd-adaptive"], "--lsgd-adaptive does not work with --lsgd-fault-tolerance torchft: its H is agreed"),
+    (["--lsgd-site", "0", "--lsgd-algorithm", "cocodc", "--lsgd-interval", "4", "--lsgd-fragment-sync-delay", "0"],
+     "--lsgd-fragment-sync-delay 0 does not work with --lsgd-fault-tolerance torchft"),
+    (["--lsgd-site", "0", "--lsgd-algorithm", "dreamddp"], "does not support --lsgd-algorithm dreamddp"),
 ])
 def test_the_run_checks_fault_tolerance_against_its_other_flags(extra, message):
     from megatron_lsgd.training.arguments import build_config, parse_args
@@ -280,7 +285,8 @@ def _membership(commit: bool):
     from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
 
     m = TorchftMembership.__new__(TorchftMembership)  # no torchft processes: the round logic alone
-    m.manager, m.present, m._failed = _FakeManager(commit), [0, 1], None
+    m.manager, m.present, m._failed, m._open = _FakeManager(commit), [0, 1], None, None
+    m._digests = None
     m.rounds_attempted = m.rounds_committed = 0
     return m
 

@@ -29,9 +29,10 @@ H = 2
 BOOKKEEPING = "membership"  # the torchft committed-round count: a plain run has none
 
 
-def _job(sites: int, lighthouse: str = "", min_sites: int = 1, extra=()) -> list:
-    args = TINY + ["--num-sites", str(sites), "--lsgd-algorithm", "diloco", "--lsgd-interval", str(H),
-                   "--save-interval", str(H), *extra]
+def _job(sites: int, lighthouse: str = "", min_sites: int = 1, extra=(), algorithm=("--lsgd-algorithm", "diloco"),
+         interval: int = H) -> list:
+    args = TINY + ["--num-sites", str(sites), *algorithm, "--lsgd-interval", str(interval),
+                   "--save-interval", str(interval), *extra]
     if lighthouse:
         args += ["--lsgd-fault-tolerance", "torchft", "--lsgd-lighthouse", lighthouse, "--lsgd-min-sites",
                  str(min_sites), "--lsgd-ft-timeout", "20", "--lsgd-ft-max-wait", "120"]
@@ -90,19 +91,30 @@ def _saved_iterations(save: str, site: int) -> list:
     return sorted(int(n[len("iter_"):]) for n in names if n.startswith("iter_"))
 
 
+DILOCOX = ("--lsgd-algorithm", "dilocox")
+COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-schedule", "round-robin")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["--pipeline-model-parallel-size", "2", "--lsgd-compression", "int8"],  # p2p inside a site; error feedback
-    ["--tensor-model-parallel-size", "2"],
-], ids=["pp2-int8", "tp2"])
-def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout):
+@pytest.mark.parametrize("layout,algorithm,interval", [
+    # p2p inside a site; error feedback
+    (["--pipeline-model-parallel-size", "2", "--lsgd-compression", "int8"], ("--lsgd-algorithm", "diloco"), H),
+    # the mean applied a round late, issued after the next round's quorum; sparse all-gather
+    (["--tensor-model-parallel-size", "2", "--lsgd-compression", "topk-2bit"], DILOCOX, H),
+    # a quorum per fragment sync; the all-to-all quantized mean
+    (["--pipeline-model-parallel-size", "2", "--lsgd-compression", "int4", "--lsgd-quantized-mean", "alltoall",
+      "--train-iters", "10"], COCODC, 4),
+], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4"])
+def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout, algorithm, interval):
     # 2 sites of 2 ranks each. Every checkpointed tensor of both sites and every logged loss
     # must equal the run without fault tolerance.
-    extra = layout + ["--train-iters", "6"]
-    plain = run(_job(2, extra=extra + ["--save", str(tmp_path / "plain")]), 4, str(tmp_path / "plain.log"))
+    extra = ["--train-iters", "6"] + layout
+    iters = int(extra[len(extra) - 1 - extra[::-1].index("--train-iters") + 1])
+    plain = run(_job(2, extra=extra + ["--save", str(tmp_path / "plain")], algorithm=algorithm, interval=interval), 4,
+                str(tmp_path / "plain.log"))
     lighthouse = start_lighthouse(2, join_timeout_ms=60_000)  # every round waits for both sites
     try:
-        args = _job(2, lighthouse.address(), 2, extra + ["--save", str(tmp_path / "ft")])
+        args = _job(2, lighthouse.address(), 2, extra + ["--save", str(tmp_path / "ft")], algorithm, interval)
         failures = []
 
         def one_site(site):
@@ -119,15 +131,15 @@ def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout):
         assert not failures, failures
     finally:
         lighthouse.shutdown()
-    reference = load_tree(str(tmp_path / "plain" / "iter_0000006"))
+    reference = load_tree(str(tmp_path / "plain" / f"iter_{iters:07d}"))
     elastic = {}
     for site in range(2):
-        elastic.update(_checkpoint(str(tmp_path / "ft"), site, 6))
+        elastic.update(_checkpoint(str(tmp_path / "ft"), site, iters))
     assert sorted(elastic) == sorted(reference)
     assert_same(elastic, reference)
     for site in range(2):
         assert losses(read(str(tmp_path / f"ft{site}.log"))) == losses(plain)
-    assert len(losses(plain)) == 6
+    assert len(losses(plain)) == iters
 
 
 @pytest.mark.slow
@@ -217,3 +229,136 @@ def test_a_killed_site_is_rolled_back_waited_for_and_healed(tmp_path):
                         f"site {s} at iteration {i}")
             # ... at the data position and schedule an uninterrupted site would have
             assert _position(save, s, i) == _position(save, 0, i)
+
+
+def _outer_state(tree: dict) -> dict:
+    """Each rank file's anchors and outer momenta by name without the site (what every site
+    holds alike under dilocox and the streaming family: each keeps its own local progress
+    and error feedback)."""
+    return {re.sub(r"site_\d{3}", "site_k", name): content["synchronizer"]["outer"]
+            for name, content in tree.items() if "synchronizer" in content}
+
+
+def _last_line_before(text: str, marker: str) -> int:
+    """The iteration of the last step line printed before `marker`."""
+    return _iteration_of(text[:text.index(marker)])
+
+
+def _iteration_of(text: str) -> int:
+    found = re.findall(r"iteration\s+(\d+)/", text)
+    return int(found[-1]) if found else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm,interval,extra,die_after", [
+    # the round-3 quorum: the mean of round 2's Δ, in flight for the whole round, is lost
+    (DILOCOX, H, ["--lsgd-compression", "int8"], 3),
+    # quorums: the process's first step, then one per fragment sync: the third sync is lost
+    (COCODC, 4, ["--lsgd-compression", "int4"], 4),
+], ids=["dilocox", "cocodc"])
+def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp_path, algorithm, interval, extra,
+                                                                             die_after):
+    # 2 sites of 1 rank, --lsgd-min-sites 1, every site saves every H steps. Site 1 dies
+    # (SIGKILL) right after a quorum, before that round's reduction: site 0 logs one `lost
+    # site 1` line and goes on alone exactly as a job resumed from its state after the
+    # rollback does. Site 1 comes back fresh (a process started with the others, held until
+    # site 0 has trained a round alone), is healed and holds site 0's anchors and outer
+    # momenta at every later checkpoint, and the job's final model.
+    save = str(tmp_path / "ckpt")
+    iters = 10 * interval
+    lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
+    logs = {s: str(tmp_path / f"site{s}.log") for s in range(2)}
+    base = extra + ["--train-iters", str(iters), "--save", save,
+                    "--simulate-slow-ranks", "0,1", "--slow-factor", "20"]  # paced: rounds of a second or so
+    args = _job(2, lighthouse.address(), 1, base, algorithm, interval)
+    release = str(tmp_path / "release")
+    hooks = "tests/unit_tests/lsgd/ft_pretrain_hooks.py"
+    procs, others = {}, []
+    marker, back = "was not committed (lost site 1", "site 0: sites now 0,1 (were 0)"
+    try:
+        # Site 1 never trains alone (its own floor); site 0 starts once site 1's torchft manager
+        # is up, so that the two meet at site 0's first quorum.
+        victim_args = [a if a != save else str(tmp_path / "victim") for a in args]  # (the held site's lock)
+        others.append(start(_site(victim_args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1], script=hooks,
+                            env={"LSGD_TEST_DIE_AFTER_QUORUM": str(die_after),
+                                 "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
+        procs[0] = start(_site(args, 0), 1, logs[0], script=hooks,
+                         env={"LSGD_TEST_HOLD_UNTIL": str(tmp_path / "victim.ready")})
+        others.append(start(_site(args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1] + ".restart",
+                            env={"LSGD_TEST_HOLD_UNTIL": release}, script=hooks))  # fresh, as a restarted process
+        _until(lambda: marker in read(logs[0]), "site 0 to roll back", procs.values())
+        assert others[0].wait(timeout=120) != 0
+        after = min(i for i in range(0, iters + 1, interval) if i >= _last_line_before(read(logs[0]), marker))
+        _until(lambda: _iteration(logs[0]) > after + interval, "site 0 a round past the rollback", procs.values())
+        open(release, "w").close()
+        procs[1] = others.pop()
+        _until(lambda: all(p.poll() is not None for p in procs.values()), "the job's end", timeout=600)
+        assert {s: p.returncode for s, p in procs.items()} == {0: 0, 1: 0}
+    finally:
+        for p in list(procs.values()) + others:
+            kill(p)
+        lighthouse.shutdown()
+    text0, restarted = read(logs[0]), read(logs[1] + ".restart")
+    assert text0.count(marker) == 1 and back in text0[text0.index(marker):], text0
+    # site 0's last checkpoint before site 1 came back
+    rolled_back = text0.index(marker)
+    joined = _iteration_of(text0[:text0.index(back, rolled_back)])  # (site 1 may also have come after site 0 began)
+    alone = joined // interval * interval
+    assert alone > after, f"site 1 came back too soon ({joined}) for a round alone after {after}"
+
+    # Alone after the rollback, site 0 went on as a job resumed from its state then does.
+    # That reference (site 0 alone to the job's end) also shows the job's end: a fresh site 1
+    # that comes when site 0 has trained its last round (held at its closing quorum) waits
+    # at its floor, takes the final state at site 0's closing quorum and stops at once.
+    ref = str(tmp_path / "reference")
+    os.makedirs(os.path.join(ref, "site0"))
+    shutil.copytree(os.path.join(save, "site0", f"iter_{after:07d}"), os.path.join(ref, "site0", f"iter_{after:07d}"))
+    with open(os.path.join(ref, "site0", "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(after))
+    closing, late_go = str(tmp_path / "closing"), str(tmp_path / "late")
+    ref_logs = [str(tmp_path / f"ref{s}.log") for s in range(2)]
+    lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
+    ref_procs = []
+    try:
+        ref_args = _job(2, lighthouse.address(), 1, [a if a != save else ref for a in extra + [
+            "--train-iters", str(iters), "--save", save]], algorithm, interval)
+        ref_procs.append(start(_site(ref_args + ["--load", ref], 0), 1, ref_logs[0], script=hooks,
+                               env={"LSGD_TEST_HOLD_CLOSING_UNTIL": closing}))
+        ref_procs.append(start(_site(ref_args, 1) + ["--lsgd-min-sites", "2"], 1, ref_logs[1], script=hooks,
+                               env={"LSGD_TEST_HOLD_UNTIL": late_go}))
+        _until(lambda: os.path.exists(closing + ".reached"), "site 0 at the job's end", ref_procs)
+        open(late_go, "w").close()
+        _until(lambda: "site 1 waits for --lsgd-min-sites 2" in read(ref_logs[1]), "site 1 to wait", ref_procs)
+        open(closing, "w").close()
+        for p in ref_procs:
+            p.wait(timeout=300)
+        assert [p.returncode for p in ref_procs] == [0, 0], read(ref_logs[1])[-3000:]
+    finally:
+        for p in ref_procs:
+            kill(p)
+        lighthouse.shutdown()
+    late = read(ref_logs[1])
+    assert "site 1: the job had finished at committed round" in late and _iteration_of(late) == 0, late[-2000:]
+    ends = [{re.sub(r"site_\d{3}", "site_k", k): v["params"] for k, v in _checkpoint(ref, s, iters).items()
+             if "params" in v} for s in range(2)]
+    assert ends[0]
+    assert_same(ends[1], ends[0], "the late site's final model")
+    assert_same(_checkpoint(ref, 0, alone), _checkpoint(save, 0, alone), "site 0")
+
+    # The restarted site was healed and holds site 0's anchors and momenta from then on.
+    assert "rejoined at committed round" in restarted, restarted
+    # Its log counts from the heal: its first step line's tokens are one step's (4 samples of
+    # 32 tokens), its traffic summary counts the steps it trained.
+    first = re.search(r"elapsed time per iteration \(ms\): ([0-9.]+) .*?tokens/s: ([0-9.]+)",
+                      restarted[restarted.index("rejoined at committed round"):])
+    assert abs(float(first.group(1)) / 1e3 * float(first.group(2)) - 128) < 6.4, first.group(0)
+    assert f"in {iters - joined} steps" in restarted, restarted[-600:]
+    later = [i for i in _saved_iterations(save, 1) if i > joined]
+    assert later and later[-1] == iters
+    for i in later:
+        assert_same(_outer_state(_checkpoint(save, 1, i)), _outer_state(_checkpoint(save, 0, i)), f"iteration {i}")
+        assert _position(save, 1, i) == _position(save, 0, i)
+    final = [{re.sub(r"site_\d{3}", "site_k", k): v["params"] for k, v in _checkpoint(save, s, iters).items()
+              if "params" in v} for s in range(2)]
+    assert final[0]
+    assert_same(final[1], final[0], "the final model")  # the job's final model on both sites

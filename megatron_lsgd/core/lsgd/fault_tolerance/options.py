@@ -8,7 +8,7 @@ from megatron_lsgd.core.lsgd.options import OptionGroup, option
 
 MODES = ("none", "torchft")
 # Algorithms whose outer round runs through SiteMembership (quorum, commit or roll back).
-SUPPORTED_ALGORITHMS = ("diloco",)
+SUPPORTED_ALGORITHMS = ("diloco", "dilocox", "streaming-diloco", "cocodc")
 INSTALL_HINT = 'pip install -e ".[ft]" (torchft==0.2.0)'
 
 
@@ -17,7 +17,8 @@ class FaultToleranceOptions(OptionGroup):
     title = "fault tolerance: elastic sites (docs/fault_tolerance.md)"
     mode: str = option("--lsgd-fault-tolerance", "none",
                        "torchft: each site is a torchft replica group and a torchrun job of its own (--lsgd-site); "
-                       "a site may fail and rejoin while the others keep training (diloco)", choices=MODES)
+                       "a site may fail and rejoin while the others keep training (diloco, dilocox, "
+                       "streaming-diloco, cocodc)", choices=MODES)
     min_sites: int = option("--lsgd-min-sites", 1,
                             "fewest sites a round may commit with; below it training waits for sites to return")
     lighthouse: str = option("--lsgd-lighthouse", "",
@@ -25,10 +26,15 @@ class FaultToleranceOptions(OptionGroup):
     timeout_s: float = option("--lsgd-ft-timeout", 60.0,
                               "seconds a cross-site collective or a heal may take before the round is given up")
     max_wait_s: float = option("--lsgd-ft-max-wait", 3600.0,
-                               "seconds a site waits for --lsgd-min-sites sites before it gives up")
+                               "seconds a site waits for --lsgd-min-sites sites before it gives up (a site waiting "
+                               "when the others reach the job's end takes their final state and stops at once)")
     host: str = option("--lsgd-ft-host", "",
                        "address at which the other sites reach this site's rank 0 (its torchft manager and store); "
                        "default: $MASTER_ADDR")
+    digests: str = option("--lsgd-ft-digests", "",
+                          "directory: at each quorum every rank appends the SHA-256 of its anchor and outer momentum "
+                          "as of the last committed round to DIR/site<k>_rank<r>.jsonl (tools/benchmarks/chaos.py "
+                          "checks that every site agrees at every round)", metavar="DIR")
     site: int = option("--lsgd-site", -1,
                        "which site this torchrun job is (0 .. --num-sites - 1): under fault tolerance each site is "
                        "its own job and torch.distributed world (tools/wan/launch.py sets it)")

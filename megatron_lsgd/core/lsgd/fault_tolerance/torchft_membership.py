@@ -1,23 +1,30 @@
 """Round membership on torchft: quorum, floor, commit or roll back, healing.
 
-Per outer round (torchft's DiLoCo protocol, with the quorum moved to the round's start):
-- `round_started`: a blocking quorum on the torchft Manager (use_async_quorum=False).
-  torchft reconfigures the cross-site process group for the sites present, and a site
-  whose committed-round count is behind the quorum's (restarted, or new) receives a live
-  peer's state over the quorum's group (torchft's PGTransport) before its first inner step. A
-  fresh site is never the source: torchft heals towards the highest committed step, and
-  `init_sync=False` because every site starts from the same seeded weights. Below
-  `--lsgd-min-sites` the site waits (a line every `log_every` seconds) and re-forms the
-  quorum; it never trains a round it could not commit.
-- `reduce`: the round's mean over the sites present. A collective that fails (a peer
-  died, a timeout) is reported to the Manager instead of raised; `should_commit` (agreed by
-  every rank of the site) then says whether the round is kept. Not kept: the state in
-  `undo` is put back and None is returned, so the synchronizer leaves its anchor as it
-  was and restarts from it; the next quorum names the site that was lost, in one line.
+Per outer round (torchft's DiLoCo protocol, with the quorum moved to the round's start;
+for the streaming family a round is one fragment's sync, as in torchft's Streaming DiLoCo):
+- `round_started`: a blocking quorum on the torchft Manager (use_async_quorum=False),
+  taken at the start of a step. torchft reconfigures the cross-site process group for the
+  sites present, and a site whose committed-round count is behind the quorum's
+  (restarted, or new) receives a live peer's state over the quorum's group (torchft's
+  PGTransport) before its step. A fresh site is never the source: torchft heals towards
+  the highest committed step, and `init_sync=False` because every site starts from the
+  same seeded weights. Below `--lsgd-min-sites` the site waits (a line every `log_every`
+  seconds) and re-forms the quorum; it never trains a round it could not commit.
+- `start` / `finish` (`reduce` is both at once): the round's one reduction over the sites
+  present, issued right after the quorum and finished before the next one (a quorum may
+  rebuild the group under it). A collective that fails (a peer died, a timeout) is
+  reported to the Manager instead of raised; `should_commit` (agreed by every rank of the
+  site) then says whether the round is kept. Not kept: the state in `undo` is put back as
+  it was when the reduction was issued and None is returned, so the synchronizer leaves
+  its anchor as it was; the next quorum names the site that was lost, in one line.
+- `job_finished`: when the job reaches its budget every site takes one last quorum, in
+  which a site that missed the job's last rounds (restarting, or left out) receives the
+  final state and stops (`JobFinished`) instead of waiting for peers that are gone.
 """
-
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -31,7 +38,7 @@ import torch
 
 from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
 from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions, require_torchft
-from megatron_lsgd.core.lsgd.membership import SiteMembership
+from megatron_lsgd.core.lsgd.membership import JobFinished, SiteMembership
 
 T = TypeVar("T")
 
@@ -46,7 +53,47 @@ def _sites(sites: Sequence[int]) -> str:
     return ",".join(map(str, sorted(sites))) or "none"
 
 
+class _RoundTicket:
+    """The reduction of an elastic round: the work's own poll/wait/done/result, except that a
+    failure is reported to the Manager (the round then does not commit), never raised."""
+
+    def __init__(self, manager, work, saved):
+        self.manager, self.work, self.saved = manager, work, saved
+        self.failed = work is None
+        self.decision: Optional[bool] = None  # set by finish: committed or not
+
+    @property
+    def done(self) -> bool:
+        return self.failed or self.work.done
+
+    @property
+    def result(self):
+        return None if self.failed else self.work.result
+
+    def poll(self) -> bool:
+        if not self.done:
+            self._guarded(self.work.poll)
+        return self.done
+
+    def wait(self):
+        if not self.done:
+            self._guarded(self.work.wait)
+        return self.result
+
+    def _guarded(self, call) -> None:
+        try:
+            call()
+        except Exception as err:  # a peer died or timed out (gloo/nccl, InterSiteTimeout, torchft's own)
+            self.failed = True
+            self.manager.report_error(err)
+            abandon = getattr(self.work, "abandon", None)  # e.g. a queue that must drop the broken reduction
+            if abandon is not None:
+                abandon()
+
+
 class TorchftMembership(SiteMembership):
+    elastic = True
+
     def __init__(self, comm: ElasticComm, options: FaultToleranceOptions, *, site: int, group_rank: int,
                  group_world_size: int, store_addr: str, store_port: int, device: torch.device,
                  log: Callable[[str], None] = print, log_every: float = 10.0, poll_s: float = 0.5,
@@ -85,8 +132,14 @@ class TorchftMembership(SiteMembership):
         self._failed: Optional[List[int]] = None  # the sites of a round that was not committed
         self._failure = ""  # why, in a few words
         self._healing = False
+        self._open: Optional[_RoundTicket] = None  # the round's reduction, until finished
+        self.finished = False  # this site reached the job's budget (told to a site it heals)
+        self.received_final = False  # this site was healed to a peer's final state
+        self._digests: Optional[tuple] = None  # (path, the tensors to hash): record_digests
+        self._digested = -1  # the committed-round count of the last digest written
         # A healed site numbers rounds as the peer that healed it does (its log lines name rounds).
-        self.manager.register_state_dict_fn("membership", self._load_counts, self._counts)
+        self.manager.register_state_dict_fn("membership", self._load_heal_counts,
+                                            lambda: {**self._counts(), "finished": self.finished})
 
     # ---- state a healing site receives -------------------------------------------------------------
     def register_state(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]
@@ -105,14 +158,44 @@ class TorchftMembership(SiteMembership):
         self.rounds_attempted = int(counts["rounds_attempted"])
         self.rounds_committed = int(counts["rounds_committed"])
 
+    def _load_heal_counts(self, counts: Dict) -> None:
+        self._load_counts(counts)
+        self.received_final = bool(counts.get("finished", False))  # never from a checkpoint
+
     @property
     def committed_rounds(self) -> int:
         """Rounds the job has committed (torchft's step; a healed site takes its peer's)."""
         return self.manager.current_step()
 
+    def record_digests(self, path: str, tensors: Callable[[], Sequence[torch.Tensor]]) -> None:
+        """At each quorum (and at the job's end), append to `path` the SHA-256 of `tensors()`
+        (this rank's anchor and outer momentum) as of the last committed round, once per
+        committed-round count: every site must write the same digest for the same round."""
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._digests = (path, tensors)
+
+    def _record_digest(self, final: bool = False) -> None:
+        if self._digests is None or (self.committed_rounds == self._digested and not final):
+            return
+        path, tensors = self._digests
+        h = hashlib.sha256()
+        for t in tensors():
+            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        self._digested = self.committed_rounds
+        record = {"round": self.committed_rounds, "attempted": self.rounds_attempted, "digest": h.hexdigest(),
+                  "site": self.site, "t": time.time()}
+        if final:
+            record["final"] = True
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     # ---- SiteMembership -----------------------------------------------------------------------------
     def round_started(self) -> None:
+        if self._open is not None:
+            raise RuntimeError("a round's reduction is still open: finish it before the next quorum")
+        self._record_digest()
         self._form_quorum()
+        self._stop_if_final()
         waited_since = last_line = None  # waiting for real peers: real time, whatever the run's clock
         while self.manager.num_participants() < self.options.min_sites:
             now = time.monotonic()
@@ -128,6 +211,13 @@ class TorchftMembership(SiteMembership):
                 last_line = now
             time.sleep(self.poll_s)
             self._form_quorum()
+            self._stop_if_final()
+
+    def _stop_if_final(self) -> None:
+        if self.received_final:
+            self.log(f"site {self.site}: the job had finished at committed round {self.committed_rounds}: "
+                     f"received its final state from a live peer; stopping")
+            raise JobFinished(f"site {self.site} received the job's final state")
 
     def _form_quorum(self) -> None:
         """A quorum, who is in it, and a line for what changed since the last one."""
@@ -147,25 +237,42 @@ class TorchftMembership(SiteMembership):
             lost = sorted(set(self._failed) - set(self.present))
             who = f"lost site {_sites(lost)}" if lost else "a site failed and is back"
             self.log(f"site {self.site}: round {self.rounds_attempted} was not committed ({who}: {self._failure}); "
-                     f"restarted from the anchor; sites now {_sites(self.present)}")
+                     f"rolled back; sites now {_sites(self.present)}")
             self._failed = None
         elif before and before != self.present:
             self.log(f"site {self.site}: sites now {_sites(self.present)} (were {_sites(before)})")
 
-    def reduce(self, mean: Callable[[], T], undo: Sequence[object] = ()) -> Optional[T]:
-        self.rounds_attempted += 1
-        saved = [u.state_dict() for u in undo]
-        result = None
+    def start(self, issue: Callable[[], object], undo: Sequence[object] = ()) -> _RoundTicket:
+        if self._open is not None:
+            raise RuntimeError("a round issues one reduction: finish the open one first")
+        saved = [(u, u.state_dict()) for u in undo]
+        work = None
         if self.manager.errored() is None:  # else the quorum's group is already broken: nothing to try
             try:
-                result = mean()
-            except Exception as err:  # a peer died or timed out (InterSiteTimeout, gloo/nccl, torchft's own)
+                work = issue()
+            except Exception as err:  # as in _RoundTicket: reported, the round will not commit
                 self.manager.report_error(err)
-        if self.manager.should_commit():
-            self.rounds_committed += 1
-            return result
-        for u, state in zip(undo, saved):
-            u.load_state_dict(state)
+        self._open = _RoundTicket(self.manager, work, saved)
+        return self._open
+
+    def finish(self, ticket: _RoundTicket) -> Optional[object]:
+        if not isinstance(ticket, _RoundTicket):  # restored from a checkpoint: decided before it was saved
+            return ticket.wait()
+        if ticket.decision is None:
+            ticket.wait()
+            self._open = None
+            self.rounds_attempted += 1
+            ticket.decision = bool(self.manager.should_commit())
+            if ticket.decision:
+                self.rounds_committed += 1
+            else:
+                for u, state in ticket.saved:
+                    u.load_state_dict(state)
+                self._note_failure()
+        return ticket.result if ticket.decision else None
+
+    def _note_failure(self) -> None:
+        """What the next quorum's line says of a round that was not committed."""
         self._failed = list(self.present)
         err = self.manager.errored()
         cause = getattr(err, "original_exception", err)
@@ -173,7 +280,24 @@ class TorchftMembership(SiteMembership):
             cause = cause.__cause__
         self._failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160] if cause is not None \
             else "a peer site did not commit"
-        return None
+
+    def job_finished(self) -> None:
+        if self.received_final:  # told by a peer: the others have left
+            self._record_digest(final=True)
+            return
+        self._record_digest()
+        self.finished = True
+        try:  # a last quorum: a site waiting for peers (or behind) is healed to this final state
+            self._quorum(timeout=timedelta(seconds=self.options.timeout_s))
+        except Exception as err:  # noqa: BLE001 (nobody to tell: the job is over all the same)
+            self.log(f"site {self.site}: no closing quorum ({type(err).__name__}); the job is over")
+            self._record_digest(final=True)
+            return
+        if self._healing:
+            self._healing = False
+            self.log(f"site {self.site}: took a peer's final state at the closing quorum (committed round "
+                     f"{self.committed_rounds})")
+        self._record_digest(final=True)
 
     def mean_over_sites(self, tensor: torch.Tensor) -> None:
         self._over_sites(tensor, mean=True)
@@ -213,6 +337,7 @@ class TorchftMembership(SiteMembership):
             saved = dict(state["torchft"])
             saved["step"] = max(0, int(saved["step"]) - 1)
             self.manager.load_state_dict(saved)
+            self._digested = self.committed_rounds  # the state held is not that round's: no digest for it
         if "rounds_attempted" in state:
             self._load_counts(state)
 
@@ -220,7 +345,7 @@ class TorchftMembership(SiteMembership):
         self.manager.shutdown(wait=False)
 
     # ---- helpers -----------------------------------------------------------------------------------
-    def _quorum(self) -> None:
+    def _quorum(self, timeout: Optional[timedelta] = None) -> None:
         """A blocking quorum, with a line every `log_every` seconds while it waits."""
         done = threading.Event()
         started = time.monotonic()
@@ -234,7 +359,7 @@ class TorchftMembership(SiteMembership):
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(timeout=timeout)
         finally:
             done.set()
             watcher.join()

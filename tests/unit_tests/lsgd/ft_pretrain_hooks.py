@@ -1,0 +1,64 @@
+"""pretrain_gpt.py for a site whose failure or return a test times (tests of elastic sites):
+- $LSGD_TEST_DIE_AFTER_QUORUM=N: the rank SIGKILLs itself right after its quorum number N
+  (from 1, in this process), before that round's reduction, so the peers of that quorum
+  lose the round whatever the timing (a site killed from outside may die between rounds);
+- $LSGD_TEST_HOLD_UNTIL=PATH: the site starts (imports, model, optimizer) but builds its
+  torchft manager only once PATH exists, so a test can bring a restarted site back at a
+  chosen moment without waiting for a process to start;
+- $LSGD_TEST_READY_FILE=PATH: the site writes PATH once its torchft manager is built (a
+  test then starts its peers, which meet it at their first quorum);
+- $LSGD_TEST_HOLD_CLOSING_UNTIL=PATH: at the job's end the site writes PATH.reached and
+  takes its closing quorum only once PATH exists (a test brings a late site in first)."""
+
+import os
+import signal
+import sys
+import time
+
+from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
+
+
+def main() -> None:
+    die_after = int(os.environ.get("LSGD_TEST_DIE_AFTER_QUORUM", "0"))
+    hold = os.environ.get("LSGD_TEST_HOLD_UNTIL", "")
+    hold_closing = os.environ.get("LSGD_TEST_HOLD_CLOSING_UNTIL", "")
+    ready = os.environ.get("LSGD_TEST_READY_FILE", "")
+    if die_after:
+        taken = [0]
+        quorum = TorchftMembership.round_started
+
+        def round_started(self) -> None:
+            quorum(self)
+            taken[0] += 1
+            if taken[0] == die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        TorchftMembership.round_started = round_started
+    if hold or ready:
+        build = TorchftMembership.__init__
+
+        def held(self, *args, **kwargs) -> None:
+            while hold and not os.path.exists(hold):
+                time.sleep(0.05)
+            build(self, *args, **kwargs)
+            if ready:
+                open(ready, "w").close()
+
+        TorchftMembership.__init__ = held
+    if hold_closing:
+        closing = TorchftMembership.job_finished
+
+        def held_closing(self) -> None:
+            open(hold_closing + ".reached", "w").close()
+            while not os.path.exists(hold_closing):
+                time.sleep(0.05)
+            closing(self)
+
+        TorchftMembership.job_finished = held_closing
+    import pretrain_gpt
+
+    pretrain_gpt.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Elastic rounds of dilocox, streaming-diloco and cocodc without processes: the real
+TorchftMembership round logic (start, finish, undo, the quorum guard) over a scripted
+torchft Manager whose `should_commit` says no at chosen decisions, on one-site fakes whose
+compressors still quantize, sparsify or factor (and so keep error feedback).
+
+What a multi-site job shows with real processes (test_fault_tolerance_pretrain.py) is
+shown here for every compressor: without failures the elastic rounds give the plain run's
+numbers bit for bit; a mean that does not commit moves no anchor, puts the error feedback
+back as it was when the mean was issued, loses no local progress (dilocox sends it again;
+a streaming fragment restarts from its anchor and is retried), and the state right after
+the rollback resumes exactly (what a checkpoint or a heal carries is complete).
+"""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_lsgd.core.lsgd.cocodc import CoCoDC
+from megatron_lsgd.core.lsgd.dilocox import DiLoCoX
+from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
+import json
+
+from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
+from megatron_lsgd.core.lsgd.streaming import StreamingDiLoCo
+from tests.unit_tests.checkpointing.launch import assert_same
+from tests.unit_tests.lsgd.fakes import active, lsgd_config, make_context
+from tests.unit_tests.lsgd.test_streaming import active as active_streaming
+from tests.unit_tests.lsgd.test_streaming import fragment_context
+
+COMPRESSIONS = [("int4", {}), ("int8", {}), ("lowrank-int4", {"rank": 2}), ("topk-2bit", {})]
+
+
+class ScriptedManager:
+    """The torchft Manager calls TorchftMembership makes, for one site alone: decision k
+    (counting from 0) does not commit when k is in `fail`."""
+
+    def __init__(self, fail=()):
+        self.fail, self.decisions, self.step, self.quorums, self.error = set(fail), 0, 0, 0, None
+
+    def start_quorum(self, timeout=None):
+        self.quorums += 1
+        self.error = None
+
+    def num_participants(self):
+        return 1
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, err):
+        self.error = err
+
+    def should_commit(self):
+        k, self.decisions = self.decisions, self.decisions + 1
+        ok = self.error is None and k not in self.fail
+        self.step += ok
+        return ok
+
+    def current_step(self):
+        return self.step
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+
+
+def scripted_membership(fail=()) -> TorchftMembership:
+    m = TorchftMembership.__new__(TorchftMembership)  # the round logic, no torchft processes
+    m.manager, m.lines = ScriptedManager(fail), []
+    m.options = SimpleNamespace(min_sites=1, max_wait_s=60.0, timeout_s=1.0)
+    m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=1)
+    m.site, m.present, m.pg, m.device, m.log, m.log_every, m.poll_s = 0, [], None, torch.device("cpu"), \
+        m.lines.append, 60.0, 0.0
+    m.rounds_attempted = m.rounds_committed = 0
+    m.healed_rounds, m._failed, m._failure, m._healing, m._open = [], None, "", False, None
+    m.finished = m.received_final = False
+    m._digests, m._digested = None, -1
+    return m
+
+
+def _roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+# ---- dilocox -------------------------------------------------------------------------------------
+def _dilocox(compression="none", membership=None, numel=48, **kw):
+    layout = [[((8, 6), 0, 48, 0, 48)]] if numel == 48 else None
+    block = {"quant_block": 16} if compression in ("int4", "int8", "lowrank-int4") else {}
+    cfg = lsgd_config("dilocox", interval=2, compression=compression, **block, **kw)
+    ctx = make_context(cfg, [torch.zeros(numel)], layout)
+    if membership is not None:
+        ctx.membership = membership
+    return active(DiLoCoX(ctx))
+
+
+def _steps(sync, drifts, first=0, before_each=None):
+    """One inner step per drift (the shard moves by -drift); returns the anchor after each step."""
+    shard, anchors = sync.ctx.optimizer.shards[0], []
+    for i, d in enumerate(drifts):
+        if before_each is not None:
+            before_each(first + i)
+        sync.before_forward_backward(first + i)
+        shard -= d
+        sync.after_optimizer_step(first + i, True)
+        anchors.append(sync.outer.anchors[0].clone())
+    return anchors
+
+
+@pytest.mark.parametrize("restart", ["eager", "anchor"])
+def test_dilocox_a_mean_that_does_not_commit_is_sent_again_with_the_next(restart):
+    # One site, outer lr 1, no momentum, exact values: an applied mean moves the anchor by the
+    # whole pseudo-gradient. Round 1 is a decision alone (nothing to send: decision 0); the
+    # mean of round 1 (issued after round 2's quorum, decided at round 2's end: decision 1)
+    # fails; round 3 sends rounds 1 and 2's progress together.
+    m = scripted_membership(fail={1})
+    sync = _dilocox(membership=m, numel=4, outer_lr=1.0, outer_momentum=0.0, restart=restart)
+    anchors = _steps(sync, [1.0] * 8)
+    assert [float(a[0]) for a in anchors] == [0, 0, 0, 0, 0, -4, 0 - 4, -6]  # round 1's mean never lands
+    assert sync.applied_rounds == [-1, 1, 2]
+    assert m.manager.quorums == 4 and m.lines and "round 2 was not committed" in m.lines[0]
+    sync.finish_training(8)  # the last round's mean, in a round of its own
+    assert torch.equal(sync.outer.anchors[0], torch.full((4,), -8.0))  # nothing lost, nothing twice
+    assert torch.equal(sync.ctx.optimizer.shards[0], sync.outer.anchors[0]) and not sync.finishing
+    assert m.manager.quorums == 5 and m._open is None
+
+
+@pytest.mark.parametrize("compression,extra", COMPRESSIONS + [("none", {})], ids=lambda v: str(v))
+def test_dilocox_elastic_rounds_without_failures_equal_the_plain_run(compression, extra):
+    g = torch.Generator().manual_seed(1)
+    drifts = [torch.randn(48, generator=g) * 0.1 for _ in range(9)]
+    plain, elastic = _dilocox(compression, **extra), _dilocox(compression, scripted_membership(), **extra)
+    for sync in (plain, elastic):
+        _steps(sync, drifts)
+        sync.finish_training(9)
+    assert torch.equal(plain.outer.anchors[0], elastic.outer.anchors[0])
+    assert torch.equal(plain.ctx.optimizer.shards[0], elastic.ctx.optimizer.shards[0])
+    assert_same(elastic.state_dict(), plain.state_dict())
+    assert plain.applied_rounds == elastic.applied_rounds
+
+
+@pytest.mark.parametrize("compression,extra", COMPRESSIONS, ids=lambda v: str(v))
+@pytest.mark.parametrize("apply_step", [0, 1])
+def test_dilocox_rollback_puts_back_the_error_feedback_and_resumes_exactly(compression, extra, apply_step):
+    # Decision 2 (round 2's mean, issued at round 3's first step) fails.
+    g = torch.Generator().manual_seed(2)
+    drifts = [torch.randn(48, generator=g) * 0.1 for _ in range(10)]
+    m = scripted_membership(fail={2})
+    sync = _dilocox(compression, m, apply_step=apply_step, **extra)
+    seen = {}
+
+    def before(i):
+        if i == 4:  # round 3's first step: the failing mean is issued after its quorum
+            seen["compressor"] = _roundtrip(sync.compressor.state_dict())
+            seen["outer"] = _roundtrip(sync.outer.state_dict())
+
+    _steps(sync, drifts[:6], before_each=before)  # rounds 1-3: round 2's mean failed
+    assert m.manager.decisions == 3 and m.rounds_committed == 2
+    assert_same(sync.outer.state_dict(), seen["outer"])  # no outer step, no momentum change
+    assert_same(sync.compressor.state_dict(), seen["compressor"])  # error feedback as at the issue
+    assert sync.outgoing is not None and sync.carry is None  # round 2's Δ goes again with round 3's
+    resumed = _dilocox(compression, scripted_membership(), apply_step=apply_step, **extra)
+    resumed.load_state_dict(_roundtrip(sync.state_dict()))
+    resumed.ctx.optimizer.shards[0].copy_(sync.ctx.optimizer.shards[0])
+    a = _steps(sync, drifts[6:], first=6)
+    b = _steps(resumed, drifts[6:], first=6)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for s in (sync, resumed):
+        s.finish_training(10)
+    assert_same(sync.state_dict(), resumed.state_dict())
+    assert torch.equal(sync.ctx.optimizer.shards[0], resumed.ctx.optimizer.shards[0])
+
+
+def test_dilocox_final_exchange_is_retried_until_it_commits():
+    # H = 2, 4 steps: decisions 0 (round 1) and 1 (round 1's mean) commit, 2 (round 2's
+    # mean, at the end) fails once.
+    m = scripted_membership(fail={2})
+    sync = _dilocox(membership=m, numel=4, outer_lr=1.0, outer_momentum=0.0)
+    _steps(sync, [1.0] * 4)
+    sync.finish_training(4)
+    assert torch.equal(sync.outer.anchors[0], torch.full((4,), -4.0)) and m.manager.decisions == 4
+
+
+def test_dilocox_a_site_healed_into_the_final_exchanges_finishes_them_and_stops():
+    # What a site receives at a quorum of a peer's final exchange (the peer's state, model
+    # included) makes it send the peer's last Δ with it, end with the peer's model, and stop.
+    peer = _dilocox(membership=scripted_membership(), numel=4, outer_lr=1.0, outer_momentum=0.0)
+    _steps(peer, [1.0] * 4)
+    served, peer_quorum = {}, peer.ctx.membership.round_started
+
+    def serve():  # the peer's quorum, where torchft serves its state to a healing site
+        peer_quorum()
+        served.update(sync=_roundtrip(peer.state_dict()), model=peer.ctx.optimizer.shards[0].clone())
+
+    peer.ctx.membership.round_started = serve
+    peer.finish_training(4)
+    healed = _dilocox(membership=scripted_membership(), numel=4, outer_lr=1.0, outer_momentum=0.0)
+    own_quorum = healed.ctx.membership.round_started
+
+    def heal():
+        own_quorum()
+        healed.load_state_dict(served["sync"])
+        healed.ctx.optimizer.shards[0].copy_(served["model"])
+
+    healed.ctx.membership.round_started = heal
+    with pytest.raises(JobFinished):
+        healed.before_forward_backward(0)  # its round's first step: the quorum
+    assert served["sync"]["finishing"] == 1 and "outgoing" in served["sync"]
+    assert torch.equal(healed.outer.anchors[0], peer.outer.anchors[0])
+    assert torch.equal(healed.ctx.optimizer.shards[0], torch.full((4,), -4.0)) and not healed.finishing
+
+
+# ---- streaming-diloco and cocodc ----------------------------------------------------------------
+def _streaming(cls, compression="none", membership=None, interval=4, sync_delay=1, **kw):
+    name = {StreamingDiLoCo: "streaming-diloco", CoCoDC: "cocodc"}[cls]
+    block = {"quant_block": 4} if compression in ("int4", "int8", "lowrank-int4") else {}
+    cfg = lsgd_config(name, interval=interval, fragments=2, sync_delay=sync_delay, compression=compression, **block,
+                      **kw)
+    ctx = fragment_context(cfg, width=8)
+    if membership is not None:
+        ctx.membership = membership
+    return active_streaming(cls(ctx))
+
+
+def _fragment_steps(sync, moves, first=0, before_each=None):
+    shard = sync.ctx.optimizer.shard
+    for i, move in enumerate(moves):
+        if before_each is not None:
+            before_each(first + i)
+        sync.before_forward_backward(first + i)
+        shard -= move
+        sync.after_optimizer_step(first + i, True)
+
+
+STREAMING = [(StreamingDiLoCo, {}), (CoCoDC, {"schedule": "round-robin"}),
+             # a sync every step, each in flight for 3: the next quorum comes before a sync lands
+             (CoCoDC, {"schedule": "adaptive", "syncs_per_round": 8, "interval": 8, "sync_delay": 3})]
+STREAMING_IDS = ["streaming", "cocodc-rr", "cocodc-dense"]
+# The fragment fake's pieces are 1-D, which low rank does not factor (dilocox's tests cover it).
+FRAGMENT_COMPRESSIONS = [c for c in COMPRESSIONS if c[0] != "lowrank-int4"]
+
+
+@pytest.mark.parametrize("cls,algo", STREAMING, ids=STREAMING_IDS)
+@pytest.mark.parametrize("compression,extra", [("none", {})] + FRAGMENT_COMPRESSIONS, ids=lambda v: str(v))
+def test_streaming_elastic_syncs_without_failures_equal_the_plain_run(cls, algo, compression, extra):
+    g = torch.Generator().manual_seed(3)
+    moves = [torch.randn(48, generator=g) * 0.1 for _ in range(19)]
+    plain, elastic = _streaming(cls, compression, **algo, **extra), \
+        _streaming(cls, compression, scripted_membership(), **algo, **extra)
+    for sync in (plain, elastic):
+        _fragment_steps(sync, moves)
+        sync.finish_training(19)
+    assert torch.equal(plain.ctx.optimizer.shard, elastic.ctx.optimizer.shard)
+    assert_same(elastic.state_dict(), plain.state_dict())
+    assert [h[:3] for h in plain.history] == [h[:3] for h in elastic.history]
+
+
+@pytest.mark.parametrize("cls,algo", STREAMING, ids=STREAMING_IDS)
+@pytest.mark.parametrize("compression,extra", FRAGMENT_COMPRESSIONS, ids=lambda v: str(v))
+def test_a_fragment_sync_that_does_not_commit_is_rolled_back_and_retried(cls, algo, compression, extra):
+    g = torch.Generator().manual_seed(4)
+    moves = [torch.randn(48, generator=g) * 0.1 for _ in range(22)]
+    m = scripted_membership(fail={2})  # decision 0: the first quorum; 2: the second fragment sync
+    sync = _streaming(cls, compression, m, **algo, **extra)
+    seen, issue = {}, sync.start_sync
+
+    def start_sync(p, t):  # right before the second sync is issued (after its quorum)
+        seen["issued"] = seen.get("issued", 0) + 1
+        if seen["issued"] == 2:
+            views = sync.views[p]
+            seen.update(fragment=p, compressor=_roundtrip(sync.fragment_compressors[p].state_dict()),
+                        anchor=[a.clone() for a in sync.outer.anchor(views)],
+                        momentum=[b.clone() for b in views.select(sync.outer.momenta)])
+        return issue(p, t)
+
+    roll_back = sync._roll_back
+
+    def rolled_back(rec):  # (in the dense schedule at the next quorum, before that step trains)
+        roll_back(rec)
+        v = sync.views[rec.fragment]
+        seen["restarted"] = all(torch.equal(mm, a) for mm, a in zip(v.main, sync.outer.anchor(v)))
+
+    sync.start_sync, sync._roll_back = start_sync, rolled_back
+    i = 0
+    while m.manager.decisions < 3:  # up to the step where the failed sync is decided (and rolled back)
+        _fragment_steps(sync, moves[i:i + 1], first=i)
+        i += 1
+    sync.start_sync = issue
+    p = seen["fragment"]
+    views = sync.views[p]
+    assert m.rounds_committed == 2 and not any(r.fragment == p for r in sync.in_flight)
+    # the fragment's anchor and outer momentum did not move, its error feedback is as at the issue
+    assert all(torch.equal(a, b) for a, b in zip(sync.outer.anchor(views), seen["anchor"]))
+    assert seen["momentum"] and all(torch.equal(a, b) for a, b in zip(views.select(sync.outer.momenta),
+                                                                      seen["momentum"]))
+    assert_same(sync.fragment_compressors[p].state_dict(), seen["compressor"])
+    assert seen["restarted"]  # its local copy restarted from the anchor
+    assert sync.retries == 1 and sync.last_start[p] == 0
+    resumed = _streaming(cls, compression, scripted_membership(), **algo, **extra)
+    resumed.load_state_dict(_roundtrip(sync.state_dict()))
+    resumed.ctx.optimizer.shard.copy_(sync.ctx.optimizer.shard)
+    landed = len(sync.history)
+    _fragment_steps(sync, moves[i:], first=i)
+    _fragment_steps(resumed, moves[i:], first=i)
+    again = [h[0] for h in sync.history][landed:]
+    assert p in again[:2]  # synced again soon (fixed slots: at the very next)
+    if algo.get("schedule") != "adaptive":
+        assert again[0] == p
+    for s in (sync, resumed):
+        s.finish_training(len(moves))
+    assert torch.equal(sync.ctx.optimizer.shard, resumed.ctx.optimizer.shard)
+    assert_same(sync.state_dict(), resumed.state_dict())
+
+
+def test_the_membership_opens_one_reduction_per_quorum_and_a_final_state_stops_the_site():
+    m = scripted_membership()
+    ticket = m.start(lambda: SimpleNamespace(done=True, result=[1], poll=lambda: True, wait=lambda: [1]))
+    with pytest.raises(RuntimeError, match="finish it before the next quorum"):
+        m.round_started()
+    with pytest.raises(RuntimeError, match="finish the open one first"):
+        m.start(lambda: None)
+    assert m.finish(ticket) == [1] and m.finish(ticket) == [1] and m.manager.decisions == 1  # decided once
+    m.round_started()
+    m.received_final = True  # what a heal at a peer's closing quorum brings
+    with pytest.raises(JobFinished):
+        m.round_started()
+    assert "the job had finished" in m.lines[-1]
+
+
+def test_a_digest_per_committed_round_none_for_a_state_loaded_from_a_checkpoint(tmp_path):
+    def records(path):
+        return [(r["round"], r.get("final", False)) for r in map(json.loads, open(path))]
+
+    m, anchor, path = scripted_membership(), torch.zeros(3), str(tmp_path / "d" / "site0_rank0.jsonl")
+    m.record_digests(path, lambda: [anchor])
+    m.round_started()  # the initial state, committed round 0
+    m.finish(m.start(lambda: Finished([])))
+    anchor += 1
+    m.round_started()
+    m.round_started()  # nothing committed since: no second record of round 1
+    m.job_finished()
+    assert records(path) == [(0, False), (1, False), (1, True)]
+    restarted, path = scripted_membership(), str(tmp_path / "d" / "site1_rank0.jsonl")
+    restarted.record_digests(path, lambda: [anchor])
+    restarted.load_state_dict({"torchft": {"step": 5, "batches_committed": 5}})  # counts itself at 4
+    restarted.round_started()  # it holds round 5's checkpoint, not round 4's state: no record
+    restarted.finish(restarted.start(lambda: Finished([])))
+    restarted.round_started()
+    assert records(path) == [(5, False)]

@@ -1,0 +1,75 @@
+"""tools/benchmarks/chaos.py without processes: the flags every site gets, the digest check
+(every site's digest of the same rank at the same round), the final validation loss and the
+report's arithmetic. Running it is a benchmark (docs/fault_tolerance.md), not a test."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tools.benchmarks.chaos import check_digests, final_validation, main, site_argv, summarize_pretrain
+
+ARGS = SimpleNamespace(sites=3, min_sites=2, timeout=20.0, kill="site", fault_every=120.0)
+
+
+def test_every_site_gets_fault_tolerance_digests_a_final_validation_and_resumable_checkpoints():
+    argv = site_argv(ARGS, ["--train-iters", "40", "--save-interval", "8"], "/out", "http://lh:1")
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert flags["--lsgd-fault-tolerance"] == "torchft" and flags["--lsgd-lighthouse"] == "http://lh:1"
+    assert flags["--num-sites"] == "3" and flags["--lsgd-min-sites"] == "2" and flags["--lsgd-ft-timeout"] == "20.0"
+    assert flags["--lsgd-ft-digests"] == "/out/digests"
+    assert flags["--eval-interval"] == "40" and flags["--eval-iters"] == "4"  # a validation at the end
+    assert flags["--save"] == flags["--load"] == "/out/ckpt"  # a restarted site resumes from its own
+    plain = site_argv(ARGS, ["--train-iters", "40", "--eval-iters", "2", "--eval-interval", "10"], "/out", "x")
+    assert "--save" not in plain and plain.count("--eval-iters") == 1  # the job's own validation is kept
+    with pytest.raises(ValueError, match="--train-iters"):
+        site_argv(ARGS, [], "/out", "x")
+
+
+def _records(*rounds):
+    return [{"round": r, "attempted": a, "digest": d, **({"final": True} if f else {})} for r, a, d, f in rounds]
+
+
+def test_digests_must_agree_rank_by_rank_at_every_round():
+    good = {"site0_rank0.jsonl": _records((1, 1, "a", 0), (2, 3, "b", 0), (2, 3, "e", 1)),
+            "site1_rank0.jsonl": _records((2, 3, "b", 0), (2, 3, "e", 1)),  # healed at round 2: nothing before
+            "site0_rank1.jsonl": _records((1, 1, "c", 0)), "site1_rank1.jsonl": _records((1, 1, "c", 0))}
+    # round 1 is held twice at rank 1, round 2 twice at rank 0, and both sites' ends
+    assert check_digests(good) == {"rounds_checked": 2, "records_compared": 6, "disagreements": []}
+    bad = dict(good, **{"site1_rank1.jsonl": _records((1, 1, "x", 0))})
+    assert check_digests(bad)["disagreements"] == ["rank1.jsonl round 1"]
+    end = dict(good, **{"site1_rank0.jsonl": _records((2, 3, "b", 0), (2, 3, "f", 1))})
+    assert check_digests(end)["disagreements"] == ["rank0.jsonl round 2 (final)"]
+
+
+def test_the_report():
+    base = {"wall_s": 100.0, "codes": {0: 0, 1: 0, 2: 0}, "kills": [], "late": [],
+            "texts": {0: " validation loss at iteration 40 | lm loss value: 5.000000E+00 |"},
+            "digests": {"site0_rank0.jsonl": _records((10, 10, "z", 1))}}
+    chaos = {"wall_s": 125.0, "codes": {0: 0, 1: 0, 2: -9}, "late": [2],
+             "kills": [{"site": 2, "t": 0.0, "rejoined_s": 30.0}, {"site": 1, "t": 50.0, "rejoined_s": 40.0},
+                       {"site": 2, "t": 90.0}],
+             "texts": {0: " validation loss at iteration 20 | lm loss value: 6.0E+00 |\n"
+                          " validation loss at iteration 40 | lm loss value: 5.25E+00 |"},
+             "digests": {"site0_rank0.jsonl": _records((7, 8, "q", 0), (9, 10, "w", 1)),
+                         "site1_rank0.jsonl": _records((9, 10, "w", 1))}}
+    report = summarize_pretrain(ARGS, base, chaos)
+    assert report["faults_injected"] == report["faults_survived"] == 3 and report["job_finished"]
+    assert (report["rounds_committed"], report["rounds_attempted"], report["baseline_rounds"]) == (9, 10, 10)
+    assert report["goodput"] == round(0.9 * 100 / 125, 3)
+    assert report["rejoin_s"] == {"mean": 35.0, "max": 40.0} and report["killed_sites_rejoined"] == 2
+    assert (report["final_validation_loss"], report["baseline_final_validation_loss"]) == (5.25, 5.0)
+    assert final_validation({0: "nothing"}) is None
+    # a site that ended with an error (not one stopped for restarting too late): nothing survived
+    failed = summarize_pretrain(ARGS, base, dict(chaos, codes={0: 0, 1: 0, 2: 1}, late=[]))
+    assert failed["job_finished"] is False and failed["faults_survived"] == 0
+    disagreeing = dict(chaos, digests=dict(chaos["digests"], **{"site1_rank0.jsonl": _records((9, 10, "v", 1))}))
+    assert summarize_pretrain(ARGS, base, disagreeing)["faults_survived"] == 0
+
+
+def test_bad_command_lines(capsys):
+    assert main(["--sites", "2", "--min-sites", "2"]) == 2
+    assert main(["--target", "toy", "--", "--train-iters", "4"]) == 2
+    assert main(["--", "--num-layers", "2"]) == 2
+    assert capsys.readouterr().err.count("error:") == 3
