@@ -153,3 +153,13 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
     assert [c["steps"] for c in cells["a-edit"]] == [300, 300] and \
         [c["steps"] for c in cells["a-edit (free link)"]] == [300, 300]  # 400 fit: capped
     assert ("diloco", 2, 300, lb.eval_interval_for(300)) in calls
+
+
+def test_the_board_lists_only_scenarios_with_cells_not_run(tmp_path):
+    import argparse
+    args = argparse.Namespace(out=str(tmp_path / "leaderboard.md"), steps=300, budget_cap=3, seeds=3,
+                              algorithms="sync,diloco")
+    text = lb.document(["emulated-default", "emulated-straggler2x"], [], args,
+                       {"emulated-default": [], "emulated-straggler2x": ["diloco seed 2"]})
+    assert "Cells not run in emulated-straggler2x: diloco seed 2." in text
+    assert "Cells not run in emulated-default" not in text
