@@ -13,7 +13,12 @@ the simulator's model of communication and overlap, not this CPU's speed: one st
 ceiling (median over repetitions) is two micro-batches plus one optimizer step, and the
 optimizer step is taken as 11.4 ns per parameter (a bare AdamW step over the leaderboard
 model on this machine: 0.017 s for 1.49M parameters, tools/benchmarks/scenarios/
-emulated-default.toml). The simulated runs are deterministic, so one suffices.
+emulated-default.toml). The simulated link's rate is what TCP delivers over the emulated
+link, measured by a bulk probe (`--probe-bytes` each way at once) just before the simulated
+run: the link model charges payload bytes, and TCP's headers, acknowledgements and
+congestion control keep the goodput below the line rate (`--simulated-rate line` charges
+the line rate instead, which shows how much that matters). The simulated runs are
+deterministic, so one suffices; `--real-from DIR` reuses an earlier validation's real runs.
 
 Run it on a quiet machine (real time is measured): other jobs beside it move the real
 figures. Writes docs/leaderboard/validation.md (which leaderboard.py includes in
@@ -27,6 +32,7 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 from typing import Dict, List
 
@@ -35,6 +41,8 @@ sys.path.insert(0, ROOT)
 
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms  # noqa: E402
 from tools.benchmarks import wan_bench, wan_report  # noqa: E402
+from tools.wan.link import LinkSpec  # noqa: E402
+from tools.wan.topology import REPO_ROOT, WanTopology  # noqa: E402
 
 PARAMS = 7_211_264  # wan_bench's model (docs/benchmarks.md; its log prints the count)
 OPTIMIZER_S_PER_PARAM = 0.017 / 1_491_584
@@ -48,10 +56,45 @@ def bench(out_dir: str, args, extra: str = "") -> Dict[str, dict]:
             "--out-dir", out_dir]
     if extra:
         argv += ["--extra-args", extra]
+    for item in args.algo_args:
+        argv += ["--algo-args", item]
     if wan_bench.main(argv) != 0:
         raise SystemExit(f"error: wan_bench failed; see {out_dir}/logs")
     with open(os.path.join(out_dir, "results.json")) as f:
         return {r["algorithm"]: r for r in json.load(f)["runs"]}
+
+
+def probe_goodput(rate_mbit: float, delay_ms: float, nbytes: int, repeats: int) -> float:
+    """What TCP delivers over the emulated link (Mbit/s, median of `repeats`): `nbytes` sent
+    from each site to the other at once, as a two-site ring all-reduce moves them, timed from
+    the first byte to the receiver's acknowledgement, less the two one-way delays of that
+    acknowledgement's round. The simulated link charges bytes at this rate."""
+    py = [sys.executable, "-m", "tools.wan.measure"]
+    rates = []
+    with WanTopology(2, LinkSpec(rate_mbit, delay_ms)) as wan:
+        for _ in range(repeats):
+            servers = [subprocess.Popen(wan.in_site(i, py + ["serve", "--timeout", "120"]), cwd=REPO_ROOT,
+                                        stdout=subprocess.PIPE, text=True) for i in (0, 1)]
+            try:
+                for server in servers:
+                    if server.stdout.readline().strip() != "listening":
+                        raise SystemExit("error: the goodput probe's server did not start")
+                clients = [subprocess.Popen(wan.in_site(i, py + ["bulk", "--host", wan.site_ip(1 - i), "--bytes",
+                                                                 str(nbytes), "--timeout", "120"]),
+                                            cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True) for i in (0, 1)]
+                for client in clients:
+                    out, _ = client.communicate(timeout=180)
+                    if client.returncode != 0:
+                        raise SystemExit("error: the goodput probe's transfer failed")
+                    seconds = json.loads(out)["seconds"] - 2 * delay_ms / 1e3
+                    rates.append(8 * nbytes / seconds / 1e6)
+            finally:
+                for server in servers:
+                    if server.poll() is None:
+                        server.kill()
+                    server.wait()
+                    server.stdout.close()
+    return statistics.median(rates)
 
 
 def step_seconds(run: dict) -> float:
@@ -100,32 +143,58 @@ def main(argv=None) -> int:
     p.add_argument("--delay-ms", type=float, default=20.0)
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "validate_clock",
                                                      datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    p.add_argument("--algo-args", action="append", default=[], metavar="ALGO=FLAGS",
+                   help="flags for one algorithm's runs, real and simulated (wan_bench's --algo-args; repeatable), "
+                        "e.g. 'diloco=--lsgd-interval 5' so that a 20-step run holds rounds")
     p.add_argument("--doc", default=os.path.join(ROOT, "docs", "leaderboard", "validation.md"))
+    p.add_argument("--append", action="store_true", help="add this table to --doc instead of replacing it")
+    p.add_argument("--simulated-rate", choices=["goodput", "line"], default="goodput",
+                   help="the simulated link's rate: what TCP delivers over the emulated link, measured by a bulk "
+                        "probe before the simulated run (goodput), or the configured --rate-mbit (line)")
+    p.add_argument("--probe-bytes", type=int, default=4 * PARAMS,
+                   help="bytes each site sends in the goodput probe (default: one fp32 gradient of wan_bench's model, "
+                        "what sync's ring moves per rank and step)")
+    p.add_argument("--real-from", metavar="DIR",
+                   help="reuse the real runs of an earlier validation (its real<i>/results.json) instead of running them")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.train_iters < 2 * args.log_interval:
         p.error("--repeats must be >= 1 and --train-iters at least two log intervals")
-    real = [bench(os.path.join(args.out_dir, f"real{i}"), args) for i in range(args.repeats)]
+    if args.real_from:
+        real = []
+        for i in range(args.repeats):
+            with open(os.path.join(args.real_from, f"real{i}", "results.json")) as f:
+                real.append({r["algorithm"]: r for r in json.load(f)["runs"]})
+    else:
+        real = [bench(os.path.join(args.out_dir, f"real{i}"), args) for i in range(args.repeats)]
+    rate = args.rate_mbit
+    if args.simulated_rate == "goodput":
+        rate = probe_goodput(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
+        print(f"goodput probe: {rate:.1f} Mbit/s of the link's {args.rate_mbit:g}", flush=True)
     step = statistics.median(step_seconds(r[wan_report.CEILING]) for r in real)
     optimizer = OPTIMIZER_S_PER_PARAM * PARAMS
     microbatch = (step - optimizer) / 2  # wan_bench: two micro-batches of 4 per site step
     if microbatch <= 0:
         raise SystemExit(f"error: the ceiling's step ({step:.3f} s) is shorter than the assumed optimizer step")
     extra = (f"--simulate-clock --simulate-microbatch-seconds {microbatch:.5f} --simulate-optimizer-step-seconds "
-             f"{optimizer:.5f} --simulate-inter-site-bandwidth {args.rate_mbit:g} "
+             f"{optimizer:.5f} --simulate-inter-site-bandwidth {rate:.2f} "
              f"--simulate-inter-site-latency {args.delay_ms:g}")
     sim = bench(os.path.join(args.out_dir, "simulated"), args, extra)
     rows = compare(real, sim)
     header = [f"{datetime.date.today().isoformat()}, `python tools/benchmarks/validate_clock.py "
-              f"--algorithms {args.algorithms} --repeats {args.repeats} --train-iters {args.train_iters}` on "
+              f"--algorithms {args.algorithms} --repeats {args.repeats} --train-iters {args.train_iters}"
+              + "".join(f" --algo-args '{a}'" for a in args.algo_args) + "` on "
               f"{os.cpu_count()} CPUs: wan_bench's 7.2M Llama, 2 sites x 1 rank, {args.rate_mbit:g} Mbit/s, "
               f"{args.delay_ms:g} ms one way; {args.repeats} real invocation(s) against one simulated "
               f"(compute calibrated from the real ceiling: micro-batch {microbatch:.4f} s, optimizer step "
-              f"{optimizer:.4f} s). Time per step excludes the first log interval. The bar: within 10% in "
-              "both columns."]
+              f"{optimizer:.4f} s). The simulated link runs at "
+              + (f"{rate:.1f} Mbit/s, the goodput a bulk probe measured over the emulated link ({args.probe_bytes / 1e6:.1f} MB "
+                 "each way at once, median of 3; TCP headers, acknowledgements and congestion control take the rest)"
+                 if args.simulated_rate == "goodput" else f"the line rate, {rate:g} Mbit/s")
+              + ". Time per step excludes the first log interval. The bar: within 10% in both columns."]
     text = table(rows, header)
     os.makedirs(os.path.dirname(args.doc), exist_ok=True)
-    with open(args.doc, "w") as f:
-        f.write(text + "\n")
+    with open(args.doc, "a" if args.append else "w") as f:
+        f.write(("\n" if args.append else "") + text + "\n")
     with open(os.path.join(args.out_dir, "validation.json"), "w") as f:
         json.dump({"rows": rows, "microbatch_s": microbatch, "optimizer_s": optimizer}, f, indent=1)
     print(text)
