@@ -103,17 +103,28 @@ def multi_site_jobs(wan: WanTopology, ranks_per_site: int, script_argv: Sequence
                     os.path.join(log_dir, f"{name}.site{i}.log")) for i in range(wan.sites)]
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop a job started here: SIGTERM to its own process group (torchrun and its workers)."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
+def stop_all(procs: Sequence[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """Stop jobs started here: SIGTERM to each one's own process group (torchrun and its
+    workers) at once, SIGKILL to those still running `grace_s` later. All together, so that
+    Ctrl-C takes one grace period however many sites there are."""
+    signalled = []
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                signalled.append(proc)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for proc in signalled:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
         proc.wait()
 
 
@@ -152,8 +163,7 @@ def run_jobs(wan: WanTopology, jobs: Sequence[SiteJob], timeout_s: float,
                                    + ", ".join(j.log_path for j in jobs))
             time.sleep(0.2)
     finally:
-        for p in procs + running:
-            stop(p)
+        stop_all(procs + running)
         for log in logs:
             log.close()
     return [p.returncode for p in procs]
