@@ -163,3 +163,12 @@ def test_the_board_lists_only_scenarios_with_cells_not_run(tmp_path):
                        {"emulated-default": [], "emulated-straggler2x": ["diloco seed 2"]})
     assert "Cells not run in emulated-straggler2x: diloco seed 2." in text
     assert "Cells not run in emulated-default" not in text
+
+
+def test_a_seed_with_no_cell_is_named_once(tmp_path):
+    import argparse
+    args = argparse.Namespace(out=str(tmp_path / "leaderboard.md"), steps=300, budget_cap=3, seeds=3,
+                              algorithms="sync,diloco")
+    missing = ["diloco seed 1", "sync seed 2", "diloco seed 2", "sync seed 3", "diloco seed 3"]
+    text = lb.document(["emulated-default"], [], args, {"emulated-default": missing})
+    assert "Cells not run in emulated-default: seed 2 (every cell), seed 3 (every cell), diloco seed 1." in text
