@@ -124,6 +124,13 @@ def test_everything_is_torn_down_after_an_error(caps):
     assert not os.path.exists(f"/var/run/netns/{names[0]}")
 
 
+def _as_in_a_terminal() -> None:
+    """SIGINT handled as in a terminal's foreground job: a suite started in the background by
+    a shell without job control (`pytest &` in a script) passes SIGINT on ignored, and Python
+    then never turns it into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_launcher_stops_sites_and_tears_down_on_signal(caps, tmp_path, sig):
     """Ctrl-C (SIGINT) or SIGTERM to the launcher: every site's torchrun and worker stops and
@@ -132,7 +139,7 @@ def test_launcher_stops_sites_and_tears_down_on_signal(caps, tmp_path, sig):
     sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
     launcher = subprocess.Popen([sys.executable, "-m", "tools.wan.launch", "--sites", "2", "--delay-ms", "0",
                                  "--log-dir", str(tmp_path), "--", str(sleeper)], cwd=REPO_ROOT,
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, preexec_fn=_as_in_a_terminal)
     try:
         launcher.stdout.readline()  # "wan: ..." once the namespaces exist
         deadline = time.monotonic() + 60
