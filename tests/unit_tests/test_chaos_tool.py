@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools.benchmarks.chaos import check_digests, final_validation, main, site_argv, summarize_pretrain
+from tools.benchmarks.chaos import (check_digests, final_validation, job_setup, load_baseline, main, save_baseline,
+                                    site_argv, summarize_pretrain)
 
 ARGS = SimpleNamespace(sites=3, min_sites=2, timeout=20.0, kill="site", fault_every=120.0)
 
@@ -73,3 +74,19 @@ def test_bad_command_lines(capsys):
     assert main(["--target", "toy", "--", "--train-iters", "4"]) == 2
     assert main(["--", "--num-layers", "2"]) == 2
     assert capsys.readouterr().err.count("error:") == 3
+
+
+def test_a_baseline_is_kept_for_later_runs_of_the_same_job_only(tmp_path, capsys):
+    args = SimpleNamespace(target="pretrain", sites=3, min_sites=2, timeout=20.0, ranks_per_site=1)
+    job = ["--train-iters", "40"]
+    base = {"wall_s": 100.0, "codes": {0: 0, 1: 0, 2: 0}, "kills": [], "late": [],
+            "texts": {0: "a", 1: "b", 2: "c"}, "digests": {"site0_rank0.jsonl": _records((10, 10, "z", 1))}}
+    save_baseline(str(tmp_path), job_setup(args, job), base)
+    assert load_baseline(str(tmp_path), job_setup(args, job)) == base  # site numbers are ints again
+    with pytest.raises(ValueError, match="differs in: job"):
+        load_baseline(str(tmp_path), job_setup(args, ["--train-iters", "80"]))
+    with pytest.raises(ValueError, match="differs in: sites"):
+        load_baseline(str(tmp_path), job_setup(SimpleNamespace(**dict(vars(args), sites=4)), job))
+    assert main(["--baseline-from", str(tmp_path / "nowhere"), "--", "--train-iters", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--baseline-from" in err and "baseline.json" in err

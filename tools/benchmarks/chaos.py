@@ -1,6 +1,7 @@
 """Chaos run for elastic sites (--lsgd-fault-tolerance torchft): kill a random site every N
 seconds, restart it at once, and report what survived. The same job runs first without
-faults (the baseline for goodput and for the final validation loss).
+faults (the baseline for goodput and for the final validation loss), unless
+--baseline-from names an earlier run of the same job.
 
     # pretrain_gpt.py sites (the default): each site a torchrun job of its own, a lighthouse
     # in this process; pretrain_gpt.py's flags after `--` (default: a small mock-data job)
@@ -481,6 +482,43 @@ def summarize_pretrain(args, base: Dict, chaos: Dict) -> Dict:
     }
 
 
+# ---- the fault-free run, kept for later runs -----------------------------------------------------------
+def job_setup(args, job: List[str]) -> Dict:
+    """What makes two runs the same job (the fault schedule and its seed do not)."""
+    setup = {"target": args.target, "sites": args.sites, "min_sites": args.min_sites, "timeout": args.timeout}
+    if args.target == "toy":
+        setup.update(interval=args.interval, steps=args.steps, step_seconds=args.step_seconds,
+                     compression=args.compression)
+    else:
+        setup.update(ranks_per_site=args.ranks_per_site, job=list(job))
+    return setup
+
+
+def save_baseline(out: str, setup: Dict, base: Dict) -> None:
+    with open(os.path.join(out, "baseline.json"), "w") as f:
+        json.dump({"setup": setup, "run": base}, f)
+
+
+def load_baseline(directory: str, setup: Dict) -> Dict:
+    """The fault-free run saved in `directory` (its baseline.json), checked to be this job's."""
+    path = os.path.join(directory, "baseline.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except OSError as err:
+        raise ValueError(f"cannot read {path} ({err.strerror}); it is written by a run without --baseline-from")
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err})")
+    differ = sorted(k for k in set(setup) | set(saved.get("setup", {})) if setup.get(k) != saved["setup"].get(k))
+    if differ:
+        raise ValueError(f"its baseline ran another job (differs in: {', '.join(differ)})")
+    base = saved["run"]
+    for key in ("codes", "texts", "records"):  # JSON made their site numbers strings
+        if key in base:
+            base[key] = {int(k): v for k, v in base[key].items()}
+    return base
+
+
 # ---- command line ---------------------------------------------------------------------------------
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -501,6 +539,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=5.0, help="give up (and fail) after this long, per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="")
+    p.add_argument("--baseline-from", default="", metavar="DIR",
+                   help="reuse the fault-free run of an earlier --out-dir (the same job and sites) instead of "
+                        "running it again, e.g. to try several --fault-every on one baseline")
     pre = p.add_argument_group("pretrain target")
     pre.add_argument("--ranks-per-site", type=int, default=1)
     pre.add_argument("--kill", choices=("site", "rank"), default="site",
@@ -525,7 +566,8 @@ def main(argv=None) -> int:
         print("error: pretrain_gpt.py flags after -- need --target pretrain", file=sys.stderr)
         return 2
     args.max_down = args.max_down or args.sites - args.min_sites
-    out = args.out_dir or tempfile.mkdtemp(prefix="chaos-")
+    # absolute: the sites run from the repository, their checkpoint and digest paths must not move with them
+    out = os.path.abspath(args.out_dir or tempfile.mkdtemp(prefix="chaos-"))
     if args.target == "toy":
         run, summarize = run_toy_job, summarize_toy
     else:
@@ -537,11 +579,22 @@ def main(argv=None) -> int:
         def run(a, out_dir, faults):
             return run_pretrain_job(a, job, out_dir, faults)
         summarize = summarize_pretrain
-    base = run(args, os.path.join(out, "baseline"), faults=False)
-    if set(base["codes"].values()) != {0}:
-        print(f"error: the fault-free baseline failed (exit codes {base['codes']}; see {out}/baseline)", file=sys.stderr)
-        return 1
-    print(f"[chaos] baseline: {base['wall_s']:.1f} s")
+    setup = job_setup(args, job)
+    if args.baseline_from:
+        try:
+            base = load_baseline(args.baseline_from, setup)
+        except ValueError as err:
+            print(f"error: --baseline-from {args.baseline_from}: {err}", file=sys.stderr)
+            return 2
+        print(f"[chaos] baseline from {args.baseline_from}: {base['wall_s']:.1f} s")
+    else:
+        base = run(args, os.path.join(out, "baseline"), faults=False)
+        if set(base["codes"].values()) != {0}:
+            print(f"error: the fault-free baseline failed (exit codes {base['codes']}; see {out}/baseline)",
+                  file=sys.stderr)
+            return 1
+        save_baseline(out, setup, base)
+        print(f"[chaos] baseline: {base['wall_s']:.1f} s")
     chaos = run(args, os.path.join(out, "chaos"), faults=True)
     summary = summarize(args, base, chaos)
     with open(os.path.join(out, "chaos.json"), "w") as f:
