@@ -14,7 +14,11 @@ Each rank keeps its own virtual time. What advances it:
   factors included) and rate is this rank's share of its site's link (the site's ranks
   send at once, so each gets rate / ranks-per-site); the slowest participant's link sets
   the duration. `wait()` advances to the completion; a collective that completed while
-  compute ran costs nothing.
+  compute ran costs nothing;
+- the CPU a transfer takes from the ranks (`LinkModel.cpu_seconds_per_mb`, 0 by default: a
+  GPU's NIC moves the bytes by itself): where the network stack shares the ranks' cores (the
+  emulated WAN on a small machine), each MB a rank sends costs its timeline that many
+  seconds right after the issue: the compute that follows is slower, the transfer is not.
 
 Participants learn each other's issue times from a small MAX all-reduce issued right after
 each inter-site collective on the same group, so every rank of the group sees the same
@@ -69,11 +73,15 @@ class LinkModel:
     latency_ms: float = 0.0  # one way
     bytes_scale: float = 1.0  # target model parameters / trained parameters
     ranks_sharing: int = 1  # ranks of the site that send at the same time
+    cpu_seconds_per_mb: float = 0.0  # compute time a sent MB takes from this rank (the network stack on its cores)
 
     def serialization_seconds(self, nbytes: int) -> float:
         if self.rate_mbit <= 0:
             return 0.0
         return nbytes * self.bytes_scale * 8 * self.ranks_sharing / (self.rate_mbit * 1e6)
+
+    def cpu_seconds(self, nbytes: int) -> float:
+        return nbytes * self.bytes_scale / 1e6 * self.cpu_seconds_per_mb
 
 
 class LinkFifo:
@@ -131,6 +139,7 @@ class TransferLog:
         transfer = SimulatedTransfer(self, agreed, work)
         with self._lock:
             self._pending.append(transfer)
+        clock.advance(self.link.cpu_seconds(nbytes))  # after the issue time was taken: it slows what follows
         return transfer
 
     def resolve_through(self, transfer: SimulatedTransfer) -> None:

@@ -26,6 +26,9 @@ make a rank's compute cost factor x. The clock itself is core/simulation.py.
     rate_mbit = 1000               # one value, or one per site
     latency_ms = 30
     target_params = 1.0e9          # bytes_scale = this / trained parameters (or bytes_scale = x)
+    cpu_seconds_per_mb = 0         # compute a sent MB takes from its rank (the network stack on the
+                                   # ranks' cores, as in the emulated WAN on a small machine; a
+                                   # GPU's NIC: 0); tools/wan/collective_probe.py measures it
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ DEFAULT_MICROBATCH_SECONDS = 0.05
 DEFAULT_OPTIMIZER_STEP_SECONDS = 0.005
 DEFAULT_INTRA_SITE_GBIT = 100.0
 DEFAULT_HBM_GBYTE_S = 3000.0
+COMPUTE_KEYS = {"target_params", "tokens_per_microbatch", "gpus_per_replica", "sustained_tflops", "microbatch_seconds",
+                "optimizer_step_seconds", "hbm_gbyte_s", "intra_site_gbit", "site_factors"}
+LINK_KEYS = {"rate_mbit", "latency_ms", "target_params", "bytes_scale", "cpu_seconds_per_mb"}
 
 
 @dataclass
@@ -71,6 +77,10 @@ class SimulationOptions(OptionGroup):
     bytes_scale: Optional[float] = option(
         "--simulate-bytes-scale", None, "inter-site bytes are charged x this (default: the scenario's, else 1)",
         type=float)
+    transfer_cpu_seconds_per_mb: Optional[float] = option(
+        "--simulate-transfer-cpu-seconds-per-mb", None,
+        "simulated compute each MB a rank sends across sites takes from that rank, right after the send is issued "
+        "(the network stack sharing the ranks' cores; default: the scenario's, else 0)", type=float)
 
     @property
     def active(self) -> bool:
@@ -80,7 +90,8 @@ class SimulationOptions(OptionGroup):
         for flag, value in (("--simulate-microbatch-seconds", self.microbatch_seconds),
                             ("--simulate-optimizer-step-seconds", self.optimizer_step_seconds),
                             ("--simulate-intra-site-bandwidth", self.intra_site_gbit),
-                            ("--simulate-bytes-scale", self.bytes_scale)):
+                            ("--simulate-bytes-scale", self.bytes_scale),
+                            ("--simulate-transfer-cpu-seconds-per-mb", self.transfer_cpu_seconds_per_mb)):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{flag} {value}: must be a finite number >= 0")
         if self.bytes_scale is not None and self.bytes_scale == 0:
@@ -105,6 +116,7 @@ class Scenario:
     site_factors: List[float]
     rate_mbit: List[float]
     latency_ms: List[float]
+    cpu_seconds_per_mb: float = 0.0
     bytes_scale: Optional[float] = None  # fixed, or from target_params at run time
     target_params: Optional[float] = None
     derived: Dict[str, str] = field(default_factory=dict)  # how each derived number came about
@@ -153,6 +165,12 @@ def load_scenario(path: str) -> Scenario:
     if not isinstance(sites, int) or sites < 1:
         raise ValueError(f"{where}: sites = {sites!r} must be a whole number >= 1")
     compute, link = data.get("compute", {}), data.get("link", {})
+    for table, name, keys in ((compute, "compute", COMPUTE_KEYS), (link, "link", LINK_KEYS)):
+        if not isinstance(table, dict):
+            raise ValueError(f"{where}: [{name}] must be a table")
+        typos = sorted(set(table) - keys)
+        if typos:  # a misspelt key would silently leave its default in force
+            raise ValueError(f"{where} [{name}]: unknown key(s) {', '.join(typos)} (known: {', '.join(sorted(keys))})")
     derived: Dict[str, str] = {}
 
     target = _number(compute, "target_params", f"{where} [compute]", positive=True)
@@ -187,6 +205,7 @@ def load_scenario(path: str) -> Scenario:
         site_factors=[max(f, 0.0) for f in _per_site(compute, "site_factors", f"{where} [compute]", sites, 1.0)],
         rate_mbit=_per_site(link, "rate_mbit", f"{where} [link]", sites, 0.0),
         latency_ms=_per_site(link, "latency_ms", f"{where} [link]", sites, 0.0),
+        cpu_seconds_per_mb=_number(link, "cpu_seconds_per_mb", f"{where} [link]", default=0.0),
         bytes_scale=scale, target_params=link_target, derived=derived)
 
 
@@ -230,8 +249,9 @@ def build_simulated_clock(options: SimulationOptions, link_flags, dims, site: in
     latency = link_flags.latency_ms or (scenario.latency_ms[site] if scenario is not None else 0.0)
     scale = options.bytes_scale if options.bytes_scale is not None else \
         (scenario.bytes_scale_for(trained_params) if scenario is not None else 1.0)
+    cpu = pick(options.transfer_cpu_seconds_per_mb, scenario and scenario.cpu_seconds_per_mb, 0.0)
     link = LinkModel(rate_mbit=rate, latency_ms=latency, bytes_scale=scale,
-                     ranks_sharing=dims.world_size // dims.sites)
+                     ranks_sharing=dims.world_size // dims.sites, cpu_seconds_per_mb=cpu)
     return SimulatedClock(costs, link, streams)
 
 
@@ -244,7 +264,8 @@ def describe(clock: SimulatedClock, scenario_path: Optional[str], trained_params
              f"{c.intra_site_gbit:g} Gbit/s",
              f"> simulated link of this site: {link.rate_mbit:g} Mbit/s{' (unlimited)' if link.rate_mbit <= 0 else ''} "
              f"shared by {link.ranks_sharing} rank(s), {link.latency_ms:g} ms one way, bytes x {link.bytes_scale:.4g} "
-             f"({trained_params:,} trained parameters)"]
+             f"({trained_params:,} trained parameters)"
+             + (f", {link.cpu_seconds_per_mb:g} s of compute per MB sent" if link.cpu_seconds_per_mb else "")]
     if scenario_path:
         for key, how in load_scenario(scenario_path).derived.items():
             lines.append(f">   {key}: {how}")

@@ -131,6 +131,18 @@ def test_overlap_hidden_by_compute_costs_nothing():
     assert comm.exposed_seconds == pytest.approx(0.22 - 0.1)
 
 
+def test_the_cpu_a_transfer_takes_slows_the_compute_after_it_not_the_transfer():
+    clock = SimulatedClock(CostModel(0.5, 0.0, 0.0, 1, 1.0), LinkModel(100, 20, 2.0, 1, cpu_seconds_per_mb=0.1))
+    comm = InterSiteComm(None, 2, clock=clock)
+    handle = comm._issue(Done(), 1_250_000, 1_250_000)  # 2.5 MB charged (bytes x 2): 0.25 s of this rank's time
+    assert clock.now() == pytest.approx(0.25)
+    handle.wait()  # the transfer started at the issue: 0.2 s on the wire + 20 ms, done before the CPU share
+    assert clock.now() == pytest.approx(0.25) and comm.exposed_seconds == 0.0
+    clock.compute(1)
+    assert clock.now() == pytest.approx(0.75)
+    assert LinkModel(100, 20).cpu_seconds(10 ** 9) == 0.0  # the default: a NIC moves the bytes
+
+
 def test_straggler_site_and_straggler_rank_cost_factor_times():
     slow_site = sim(factor=2.0)
     slow_site.compute(3)
@@ -212,6 +224,11 @@ def test_a_bad_scenario_names_the_file_and_the_key(tmp_path):
     path.write_text("sites = 2\nlinks = 3\n")
     with pytest.raises(ValueError, match="unknown key"):
         load_scenario(str(path))
+    path.write_text("sites = 2\n[link]\nrate_mbits = 3\n")  # a typo must not leave the default in force
+    with pytest.raises(ValueError, match=r"\[link\]: unknown key\(s\) rate_mbits"):
+        load_scenario(str(path))
+    path.write_text("sites = 2\n[link]\ncpu_seconds_per_mb = 0.01\n")
+    assert load_scenario(str(path)).cpu_seconds_per_mb == 0.01
 
 
 # ---- two simulated runs of every algorithm are identical -----------------------------------------------------

@@ -426,14 +426,14 @@ def plot(name: str, cells: Dict[str, List[Dict]], path: str) -> None:
 
 def scenario_table(names: List[str]) -> List[str]:
     lines = ["| scenario | sites | micro-batch s | optimizer step s | link Mbit/s | one way ms | bytes x | "
-             "site factors | derived |", "|---|---|---|---|---|---|---|---|---|"]
+             "compute s per MB sent | site factors | derived |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         s = load_scenario(os.path.join(SCENARIO_DIR, f"{name}.toml"))
         scale = s.bytes_scale_for(TRAINED_PARAMS_GUESS)
         rates = "/".join(f"{r:g}" for r in sorted(set(s.rate_mbit)))
         delays = "/".join(f"{d:g}" for d in sorted(set(s.latency_ms)))
         lines.append(f"| {name} | {s.sites} | {s.microbatch_seconds:.4g} | {s.optimizer_step_seconds:.4g} | {rates} | "
-                     f"{delays} | {scale:.4g} | {'/'.join(f'{x:g}' for x in s.site_factors)} | "
+                     f"{delays} | {scale:.4g} | {s.cpu_seconds_per_mb:g} | {'/'.join(f'{x:g}' for x in s.site_factors)} | "
                      f"{'; '.join(s.derived.values()) or 'given'} |")
     return lines
 

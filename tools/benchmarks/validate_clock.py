@@ -14,11 +14,13 @@ ceiling (median over repetitions) is two micro-batches plus one optimizer step, 
 optimizer step is taken as 11.4 ns per parameter (a bare AdamW step over the leaderboard
 model on this machine: 0.017 s for 1.49M parameters, tools/benchmarks/scenarios/
 emulated-default.toml). The simulated link's rate is what TCP delivers over the emulated
-link, measured by a bulk probe (`--probe-bytes` each way at once) just before the simulated
-run: the link model charges payload bytes, and TCP's headers, acknowledgements and
-congestion control keep the goodput below the line rate (`--simulated-rate line` charges
-the line rate instead, which shows how much that matters). The simulated runs are
-deterministic, so one suffices; `--real-from DIR` reuses an earlier validation's real runs.
+link for a blocking exchange, measured just before the simulated run by a collective probe
+(tools/wan/collective_probe.py: a gloo all-reduce of `--probe-bytes` after an idle gap, as
+between two training steps), and the CPU that exchange keeps busy per MB is charged to the
+sending rank's compute (on 2 cores the emulated link, the kernel's TCP and gloo's threads
+run on the ranks' cores). `--simulated-rate goodput` charges what a bulk TCP probe
+delivers and no CPU, `line` the line rate and no CPU: they show how much each part
+matters. The simulated runs are deterministic, so one suffices; `--real-from DIR` reuses an earlier validation's real runs.
 
 Run it on a quiet machine (real time is measured): other jobs beside it move the real
 figures. Writes docs/leaderboard/validation.md (which leaderboard.py includes in
@@ -34,13 +36,14 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms  # noqa: E402
 from tools.benchmarks import wan_bench, wan_report  # noqa: E402
+from tools.wan.launch import site_env  # noqa: E402
 from tools.wan.link import LinkSpec  # noqa: E402
 from tools.wan.topology import REPO_ROOT, WanTopology  # noqa: E402
 
@@ -97,6 +100,24 @@ def probe_goodput(rate_mbit: float, delay_ms: float, nbytes: int, repeats: int) 
     return statistics.median(rates)
 
 
+def probe_collective(rate_mbit: float, delay_ms: float, nbytes: int, repeats: int) -> Tuple[float, float]:
+    """What a blocking two-site exchange costs over the emulated link (tools/wan/
+    collective_probe.py: a gloo all-reduce of `nbytes` after an idle gap, `repeats` times):
+    the rate the link model must charge for it to take as long (Mbit/s: its bytes over its
+    time less one one-way delay, as the model charges), and the machine's CPU seconds it
+    kept busy per MB sent (both sites send `nbytes`). Medians over the repetitions."""
+    cmd = [sys.executable, "-m", "tools.wan.collective_probe", "--bytes", str(nbytes), "--repeats", str(repeats)]
+    with WanTopology(2, LinkSpec(rate_mbit, delay_ms)) as wan:
+        procs = [subprocess.Popen(wan.in_site(i, cmd + ["--rank", str(i), "--master", wan.site_ip(0)]), cwd=REPO_ROOT,
+                                  env=site_env(), stdout=subprocess.PIPE, text=True) for i in (0, 1)]
+        outs = [proc.communicate(timeout=600)[0] for proc in procs]
+    if any(proc.returncode != 0 for proc in procs):
+        raise SystemExit("error: the collective probe failed (tools/wan/collective_probe.py; see its output above)")
+    result = json.loads(outs[0].strip().splitlines()[-1])
+    seconds = statistics.median(result["seconds"]) - delay_ms / 1e3
+    return 8 * nbytes / seconds / 1e6, statistics.median(result["busy_cpu_s"]) / (2 * nbytes / 1e6)
+
+
 def step_seconds(run: dict) -> float:
     return 1.0 / run["updates_per_s"]
 
@@ -148,11 +169,12 @@ def main(argv=None) -> int:
                         "e.g. 'diloco=--lsgd-interval 5' so that a 20-step run holds rounds")
     p.add_argument("--doc", default=os.path.join(ROOT, "docs", "leaderboard", "validation.md"))
     p.add_argument("--append", action="store_true", help="add this table to --doc instead of replacing it")
-    p.add_argument("--simulated-rate", choices=["goodput", "line"], default="goodput",
-                   help="the simulated link's rate: what TCP delivers over the emulated link, measured by a bulk "
-                        "probe before the simulated run (goodput), or the configured --rate-mbit (line)")
+    p.add_argument("--simulated-rate", choices=["collective", "goodput", "line"], default="collective",
+                   help="the simulated link: what a blocking all-reduce achieves over the emulated link and the CPU "
+                        "it takes per MB, measured by a collective probe before the simulated run (collective); what "
+                        "TCP delivers to a bulk probe, no CPU charged (goodput); or the configured --rate-mbit (line)")
     p.add_argument("--probe-bytes", type=int, default=4 * PARAMS,
-                   help="bytes each site sends in the goodput probe (default: one fp32 gradient of wan_bench's model, "
+                   help="bytes each site sends in the probe (default: one fp32 gradient of wan_bench's model, "
                         "what sync's ring moves per rank and step)")
     p.add_argument("--real-from", metavar="DIR",
                    help="reuse the real runs of an earlier validation (its real<i>/results.json) instead of running them")
@@ -166,8 +188,12 @@ def main(argv=None) -> int:
                 real.append({r["algorithm"]: r for r in json.load(f)["runs"]})
     else:
         real = [bench(os.path.join(args.out_dir, f"real{i}"), args) for i in range(args.repeats)]
-    rate = args.rate_mbit
-    if args.simulated_rate == "goodput":
+    rate, cpu_per_mb = args.rate_mbit, 0.0
+    if args.simulated_rate == "collective":
+        rate, cpu_per_mb = probe_collective(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
+        print(f"collective probe: {rate:.1f} Mbit/s of the link's {args.rate_mbit:g}, {cpu_per_mb * 1e3:.2f} ms of "
+              f"CPU per MB sent", flush=True)
+    elif args.simulated_rate == "goodput":
         rate = probe_goodput(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
         print(f"goodput probe: {rate:.1f} Mbit/s of the link's {args.rate_mbit:g}", flush=True)
     step = statistics.median(step_seconds(r[wan_report.CEILING]) for r in real)
@@ -177,7 +203,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: the ceiling's step ({step:.3f} s) is shorter than the assumed optimizer step")
     extra = (f"--simulate-clock --simulate-microbatch-seconds {microbatch:.5f} --simulate-optimizer-step-seconds "
              f"{optimizer:.5f} --simulate-inter-site-bandwidth {rate:.2f} "
-             f"--simulate-inter-site-latency {args.delay_ms:g}")
+             f"--simulate-inter-site-latency {args.delay_ms:g} --simulate-transfer-cpu-seconds-per-mb {cpu_per_mb:.6f}")
     sim = bench(os.path.join(args.out_dir, "simulated"), args, extra)
     rows = compare(real, sim)
     header = [f"{datetime.date.today().isoformat()}, `python tools/benchmarks/validate_clock.py "
@@ -187,9 +213,14 @@ def main(argv=None) -> int:
               f"{args.delay_ms:g} ms one way; {args.repeats} real invocation(s) against one simulated "
               f"(compute calibrated from the real ceiling: micro-batch {microbatch:.4f} s, optimizer step "
               f"{optimizer:.4f} s). The simulated link runs at "
-              + (f"{rate:.1f} Mbit/s, the goodput a bulk probe measured over the emulated link ({args.probe_bytes / 1e6:.1f} MB "
-                 "each way at once, median of 3; TCP headers, acknowledgements and congestion control take the rest)"
-                 if args.simulated_rate == "goodput" else f"the line rate, {rate:g} Mbit/s")
+              + {"collective": f"{rate:.1f} Mbit/s and charges {cpu_per_mb * 1e3:.2f} ms of compute per MB sent, "
+                               f"what a gloo all-reduce of {args.probe_bytes / 1e6:.1f} MB after an idle gap achieved "
+                               "over the emulated link and the CPU it kept busy (tools/wan/collective_probe.py, "
+                               "median of 3)",
+                 "goodput": f"{rate:.1f} Mbit/s, the goodput a bulk probe measured over the emulated link "
+                            f"({args.probe_bytes / 1e6:.1f} MB each way at once, median of 3; TCP headers, "
+                            "acknowledgements and congestion control take the rest), no CPU charged for transfers",
+                 "line": f"the line rate, {rate:g} Mbit/s, no CPU charged for transfers"}[args.simulated_rate]
               + ". Time per step excludes the first log interval. The bar: within 10% in both columns."]
     text = table(rows, header)
     os.makedirs(os.path.dirname(args.doc), exist_ok=True)
