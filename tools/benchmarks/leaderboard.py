@@ -479,7 +479,10 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
     ] + scenario_table(names) + [
         "",
         "Bytes x is target parameters / trained parameters for the leaderboard model (about "
-        f"{TRAINED_PARAMS_GUESS / 1e6:.1f}M with the 8k vocabulary).",
+        f"{TRAINED_PARAMS_GUESS / 1e6:.1f}M with the 8k vocabulary). Compute s per MB sent is the CPU a "
+        "cross-site transfer takes from the rank that sends it (the network stack sharing the ranks' cores): "
+        "non-zero only in a scenario calibrated against this machine's emulated WAN by its collective probe "
+        "(`validate_clock.py --probe-only`); a GPU's NIC moves the bytes without the compute's cores.",
         "",
         "## Results",
         "",

@@ -2,6 +2,7 @@
 
     python tools/benchmarks/validate_clock.py                      # every algorithm, 2 repetitions
     python tools/benchmarks/validate_clock.py --algorithms sync,diloco --repeats 3 --train-iters 40
+    python tools/benchmarks/validate_clock.py --probe-only --probe-bytes 5966336  # a scenario's [link] keys
 
 Runs `wan_bench.py` (tools/wan namespaces: 2 sites, 100 Mbit/s, 20 ms one way, its 7.2M
 Llama) --repeats times on the real clock, then once more with every run on the simulated
@@ -176,11 +177,20 @@ def main(argv=None) -> int:
     p.add_argument("--probe-bytes", type=int, default=4 * PARAMS,
                    help="bytes each site sends in the probe (default: one fp32 gradient of wan_bench's model, "
                         "what sync's ring moves per rank and step)")
+    p.add_argument("--probe-only", action="store_true",
+                   help="run the collective probe alone (--probe-bytes: the gradient size of the scenario's trained "
+                        "model) and print the [link] keys of a scenario calibrated from it")
     p.add_argument("--real-from", metavar="DIR",
                    help="reuse the real runs of an earlier validation (its real<i>/results.json) instead of running them")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.train_iters < 2 * args.log_interval:
         p.error("--repeats must be >= 1 and --train-iters at least two log intervals")
+    if args.probe_only:
+        rate, cpu_per_mb = probe_collective(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
+        print(f"# {datetime.date.today().isoformat()}: a gloo all-reduce of {args.probe_bytes / 1e6:.2f} MB over the "
+              f"emulated {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms link (tools/wan/collective_probe.py, median "
+              f"of 3)\nrate_mbit = {rate:.1f}\nlatency_ms = {args.delay_ms:g}\ncpu_seconds_per_mb = {cpu_per_mb:.5f}")
+        return 0
     if args.real_from:
         real = []
         for i in range(args.repeats):

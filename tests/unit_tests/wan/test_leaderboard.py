@@ -12,11 +12,14 @@ from tools.benchmarks import leaderboard as lb
 EMULATED = os.path.join(lb.SCENARIO_DIR, "emulated-default.toml")
 
 
-def test_recommended_interval_hides_an_exchange_in_a_tenth_of_h_steps():
-    s = load_scenario(EMULATED)  # 0.041 + 0.017 s per step, 100 Mbit/s, 20 ms, bytes x 1
+def test_recommended_interval_hides_an_exchange_in_a_tenth_of_h_steps(tmp_path):
+    line = tmp_path / "line.toml"  # 0.041 + 0.017 s per step, 100 Mbit/s, 20 ms, bytes x 1
+    line.write_text("sites = 2\n[compute]\nmicrobatch_seconds = 0.041\noptimizer_step_seconds = 0.017\n"
+                    "[link]\nrate_mbit = 100\nlatency_ms = 20\nbytes_scale = 1.0\n")
     exchange = 4 * lb.TRAINED_PARAMS_GUESS * 2 * (2 - 1) / 2 * 8 / 100e6 + 0.020
     h = int(-(-10 * exchange // 0.058))
-    assert lb.recommended_interval(s) == -(-h // lb.LAYERS) * lb.LAYERS  # whole fragments
+    assert h < 100 and lb.recommended_interval(load_scenario(str(line))) == -(-h // lb.LAYERS) * lb.LAYERS
+    assert lb.recommended_interval(load_scenario(EMULATED)) == 100  # 64 Mbit/s for an all-reduce: capped
     odd = load_scenario(os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml"))
     assert lb.recommended_interval(odd) % lb.LAYERS == 0
     fast = load_scenario(os.path.join(lb.SCENARIO_DIR, "2x8gpu-1gbit-1b.toml"))
