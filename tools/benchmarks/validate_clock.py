@@ -115,8 +115,18 @@ def probe_collective(rate_mbit: float, delay_ms: float, nbytes: int, repeats: in
     if any(proc.returncode != 0 for proc in procs):
         raise SystemExit("error: the collective probe failed (tools/wan/collective_probe.py; see its output above)")
     result = json.loads(outs[0].strip().splitlines()[-1])
-    seconds = statistics.median(result["seconds"]) - delay_ms / 1e3
-    return 8 * nbytes / seconds / 1e6, statistics.median(result["busy_cpu_s"]) / (2 * nbytes / 1e6)
+    return link_keys(nbytes, result["seconds"], result["busy_cpu_s"], delay_ms)
+
+
+def link_keys(nbytes: int, seconds: List[float], busy_cpu_s: List[float], delay_ms: float) -> Tuple[float, float]:
+    """(rate in Mbit/s, CPU seconds per MB sent) from a two-site all-reduce of `nbytes` each
+    site sends: the rate at which latency + bytes / rate takes the median time, and the
+    median busy CPU over the bytes both sites sent."""
+    moving = statistics.median(seconds) - delay_ms / 1e3
+    if moving <= 0:
+        raise SystemExit(f"error: the collective probe took {statistics.median(seconds):.3f} s, no more than the "
+                         f"link's one-way delay: nothing was measured")
+    return 8 * nbytes / moving / 1e6, statistics.median(busy_cpu_s) / (2 * nbytes / 1e6)
 
 
 def step_seconds(run: dict) -> float:

@@ -28,3 +28,11 @@ def test_the_verdict_needs_both_columns_within_ten_percent():
     bad = dict(good, algorithm="b", ratio_error=-0.2)
     lines = vc.table([good, bad], ["header"]).splitlines()
     assert lines[-2].endswith("| yes |") and lines[-1].endswith("| **no** |")
+
+
+def test_the_collective_probe_gives_the_rate_at_which_the_link_model_takes_as_long_and_cpu_per_mb():
+    # 10 MB each way; medians 1.02 s and 0.1 CPU s; the model charges 20 ms + bytes / rate
+    rate, cpu = vc.link_keys(10_000_000, [1.5, 1.02, 0.9], [0.1, 0.3, 0.05], delay_ms=20)
+    assert rate == pytest.approx(80.0) and cpu == pytest.approx(0.1 / 20)
+    with pytest.raises(SystemExit, match="nothing was measured"):
+        vc.link_keys(10, [0.01], [0.0], delay_ms=20)
