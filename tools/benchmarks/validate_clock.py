@@ -21,7 +21,9 @@ between two training steps), and the CPU that exchange keeps busy per MB is char
 sending rank's compute (on 2 cores the emulated link, the kernel's TCP and gloo's threads
 run on the ranks' cores). `--simulated-rate goodput` charges what a bulk TCP probe
 delivers and no CPU, `line` the line rate and no CPU: they show how much each part
-matters. The simulated runs are deterministic, so one suffices; `--real-from DIR` reuses an earlier validation's real runs.
+matters. The probe's CPU figure needs a quiet machine as much as the real runs do
+(`--link` reuses a quiet probe's figures). The simulated runs are deterministic, so one
+suffices; `--real-from DIR` reuses an earlier validation's real runs.
 
 Run it on a quiet machine (real time is measured): other jobs beside it move the real
 figures. Writes docs/leaderboard/validation.md (which leaderboard.py includes in
@@ -190,11 +192,21 @@ def main(argv=None) -> int:
     p.add_argument("--probe-only", action="store_true",
                    help="run the collective probe alone (--probe-bytes: the gradient size of the scenario's trained "
                         "model) and print the [link] keys of a scenario calibrated from it")
+    p.add_argument("--link", metavar="MBIT,S_PER_MB",
+                   help="with --simulated-rate collective: use this rate and CPU per MB (an earlier probe's, as "
+                        "printed) instead of probing now; for a machine that is not quiet")
     p.add_argument("--real-from", metavar="DIR",
                    help="reuse the real runs of an earlier validation (its real<i>/results.json) instead of running them")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.train_iters < 2 * args.log_interval:
         p.error("--repeats must be >= 1 and --train-iters at least two log intervals")
+    if args.link and args.simulated_rate != "collective":  # checked before any run starts
+        p.error("--link gives what the collective probe would measure: it needs --simulated-rate collective")
+    if args.link:
+        try:
+            rate, cpu_per_mb = (float(x) for x in args.link.split(","))
+        except ValueError:
+            p.error(f"--link {args.link!r}: give MBIT,S_PER_MB, e.g. 76.0,0.00468")
     if args.probe_only:
         rate, cpu_per_mb = probe_collective(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
         print(f"# {datetime.date.today().isoformat()}: a gloo all-reduce of {args.probe_bytes / 1e6:.2f} MB over the "
@@ -208,8 +220,11 @@ def main(argv=None) -> int:
                 real.append({r["algorithm"]: r for r in json.load(f)["runs"]})
     else:
         real = [bench(os.path.join(args.out_dir, f"real{i}"), args) for i in range(args.repeats)]
-    rate, cpu_per_mb = args.rate_mbit, 0.0
-    if args.simulated_rate == "collective":
+    if not args.link:
+        rate, cpu_per_mb = args.rate_mbit, 0.0
+    if args.link:
+        print(f"collective probe not run: {rate:g} Mbit/s and {cpu_per_mb * 1e3:.2f} ms per MB from --link", flush=True)
+    elif args.simulated_rate == "collective":
         rate, cpu_per_mb = probe_collective(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
         print(f"collective probe: {rate:.1f} Mbit/s of the link's {args.rate_mbit:g}, {cpu_per_mb * 1e3:.2f} ms of "
               f"CPU per MB sent", flush=True)
@@ -236,7 +251,7 @@ def main(argv=None) -> int:
               + {"collective": f"{rate:.1f} Mbit/s and charges {cpu_per_mb * 1e3:.2f} ms of compute per MB sent, "
                                f"what a gloo all-reduce of {args.probe_bytes / 1e6:.1f} MB after an idle gap achieved "
                                "over the emulated link and the CPU it kept busy (tools/wan/collective_probe.py, "
-                               "median of 3)",
+                               "median of 3" + (", from an earlier probe: --link" if args.link else "") + ")",
                  "goodput": f"{rate:.1f} Mbit/s, the goodput a bulk probe measured over the emulated link "
                             f"({args.probe_bytes / 1e6:.1f} MB each way at once, median of 3; TCP headers, "
                             "acknowledgements and congestion control take the rest), no CPU charged for transfers",
@@ -247,7 +262,8 @@ def main(argv=None) -> int:
     with open(args.doc, "a" if args.append else "w") as f:
         f.write(("\n" if args.append else "") + text + "\n")
     with open(os.path.join(args.out_dir, "validation.json"), "w") as f:
-        json.dump({"rows": rows, "microbatch_s": microbatch, "optimizer_s": optimizer}, f, indent=1)
+        json.dump({"rows": rows, "microbatch_s": microbatch, "optimizer_s": optimizer, "rate_mbit": rate,
+                   "cpu_seconds_per_mb": cpu_per_mb}, f, indent=1)
     print(text)
     print(f"wrote {args.doc}; `python tools/benchmarks/leaderboard.py --cached-only` puts it in docs/leaderboard.md")
     return 0
