@@ -566,8 +566,6 @@ def main(argv=None) -> int:
         print("error: pretrain_gpt.py flags after -- need --target pretrain", file=sys.stderr)
         return 2
     args.max_down = args.max_down or args.sites - args.min_sites
-    # absolute: the sites run from the repository, their checkpoint and digest paths must not move with them
-    out = os.path.abspath(args.out_dir or tempfile.mkdtemp(prefix="chaos-"))
     if args.target == "toy":
         run, summarize = run_toy_job, summarize_toy
     else:
@@ -580,12 +578,16 @@ def main(argv=None) -> int:
             return run_pretrain_job(a, job, out_dir, faults)
         summarize = summarize_pretrain
     setup = job_setup(args, job)
+    base = None
     if args.baseline_from:
         try:
             base = load_baseline(args.baseline_from, setup)
         except ValueError as err:
             print(f"error: --baseline-from {args.baseline_from}: {err}", file=sys.stderr)
             return 2
+    # absolute: the sites run from the repository, their checkpoint and digest paths must not move with them
+    out = os.path.abspath(args.out_dir or tempfile.mkdtemp(prefix="chaos-"))
+    if base is not None:
         print(f"[chaos] baseline from {args.baseline_from}: {base['wall_s']:.1f} s")
     else:
         base = run(args, os.path.join(out, "baseline"), faults=False)

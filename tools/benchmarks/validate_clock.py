@@ -202,10 +202,13 @@ def main(argv=None) -> int:
         p.error("--repeats must be >= 1 and --train-iters at least two log intervals")
     if args.link and args.simulated_rate != "collective":  # checked before any run starts
         p.error("--link gives what the collective probe would measure: it needs --simulated-rate collective")
+    given_link = None
     if args.link:
         try:
-            rate, cpu_per_mb = (float(x) for x in args.link.split(","))
+            given_link = tuple(float(x) for x in args.link.split(","))
         except ValueError:
+            given_link = ()
+        if len(given_link) != 2:
             p.error(f"--link {args.link!r}: give MBIT,S_PER_MB, e.g. 76.0,0.00468")
     if args.probe_only:
         rate, cpu_per_mb = probe_collective(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
@@ -220,9 +223,9 @@ def main(argv=None) -> int:
                 real.append({r["algorithm"]: r for r in json.load(f)["runs"]})
     else:
         real = [bench(os.path.join(args.out_dir, f"real{i}"), args) for i in range(args.repeats)]
-    if not args.link:
-        rate, cpu_per_mb = args.rate_mbit, 0.0
-    if args.link:
+    rate, cpu_per_mb = args.rate_mbit, 0.0
+    if given_link:
+        rate, cpu_per_mb = given_link
         print(f"collective probe not run: {rate:g} Mbit/s and {cpu_per_mb * 1e3:.2f} ms per MB from --link", flush=True)
     elif args.simulated_rate == "collective":
         rate, cpu_per_mb = probe_collective(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
