@@ -4,7 +4,8 @@
 #   2. tools/benchmarks/mfu.py: a ~1.1B Llama in bf16, tokens/s and MFU beside a plain
 #      PyTorch loop of the same model (one GPU),
 #   3. every synchronizer for a few steps as 2 sites x 1 rank on one GPU, gloo between the
-#      sites (--device cuda --distributed-backend gloo --inter-site-backend gloo),
+#      sites (--device cuda --distributed-backend gloo --inter-site-backend gloo), the ten
+#      runs at once (about 2 minutes for the whole script on an H100),
 #   4. on 2+ GPUs: acco and dpu with NCCL inside the sites (a hang = the deadlock their
 #      worker's gloo groups rule out),
 # then prints a table and writes docs/performance.md's GPU section (between its markers).
@@ -12,29 +13,31 @@
 #   tools/gpu_check.sh                 # everything
 #   MFU_PRESET=smoke tools/gpu_check.sh  # a quick pass (tiny model instead of ~1B)
 #   OUT=/tmp/gpu_check tools/gpu_check.sh  # where logs and JSON go (default: a fresh temp dir)
+#   PYTHON=python tools/gpu_check.sh       # the interpreter (default: python3)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 MFU_PRESET=${MFU_PRESET:-1b}
+PY=${PYTHON:-python3}  # GPU images often have python3 alone
 mkdir -p "$OUT"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "error: tools/gpu_check.sh needs an NVIDIA GPU (nvidia-smi and torch.cuda.is_available())" >&2
     exit 2
 fi
-DEVICE=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
+DEVICE=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")
 DATE=$(date -u +%Y-%m-%d)
-echo "gpu_check: $DEVICE, torch $(python -c 'import torch; print(torch.__version__)'), logs in $OUT"
+echo "gpu_check: $DEVICE, torch $("$PY" -c 'import torch; print(torch.__version__)'), logs in $OUT"
 
 # 1. CUDA-marked tests
-python -m pytest -q -m cuda tests >"$OUT/cuda_tests.log" 2>&1
+timeout 300 "$PY" -m pytest -q -m cuda tests >"$OUT/cuda_tests.log" 2>&1
 TESTS_RC=$?
 TESTS_LINE=$(tail -n 1 "$OUT/cuda_tests.log")
 
 # 2. throughput and MFU
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python tools/benchmarks/mfu.py --preset "$MFU_PRESET" \
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 600 "$PY" tools/benchmarks/mfu.py --preset "$MFU_PRESET" \
     --json "$OUT/mfu.json" >"$OUT/mfu.log" 2>&1
 MFU_RC=$?
 
@@ -43,18 +46,27 @@ ALGOS="sync diloco dilocox streaming-diloco cocodc edit a-edit acco dpu dreamddp
 COMMON=(--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2
         --global-batch-size 8 --train-iters 8 --lr 1e-3 --mock-data --vocab-size 512 --log-interval 1
         --eval-iters 0 --num-sites 2 --bf16 --device cuda --distributed-backend gloo --inter-site-backend gloo)
+declare -A PIDS
 declare -A EXTRA=(
     [diloco]="--lsgd-interval 2" [dilocox]="--lsgd-interval 2 --lsgd-compression int8"
     [streaming-diloco]="--lsgd-interval 4 --lsgd-fragments 2" [cocodc]="--lsgd-interval 4 --lsgd-fragments 2"
     [edit]="--lsgd-interval 2" [a-edit]="" [acco]="" [dpu]="" [dreamddp]="--lsgd-interval 2"
 )
+# The runs are independent and tiny, so they share the GPU at once: one launch of 2 ranks per
+# algorithm, each on its own port, one CPU thread per rank (the check is correctness, not speed).
+i=0
+for algo in $ALGOS; do
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} OMP_NUM_THREADS=1 timeout 600 "$PY" -m torch.distributed.run \
+        --nproc-per-node 2 --master-port $((29500 + 10 * i)) pretrain_gpt.py "${COMMON[@]}" --lsgd-algorithm "$algo" \
+        ${EXTRA[$algo]:-} >"$OUT/algo_$algo.log" 2>&1 &
+    PIDS[$algo]=$!
+    i=$((i + 1))
+done
 ALGO_ROWS=""
 for algo in $ALGOS; do
     log="$OUT/algo_$algo.log"
-    # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 600 python -m torch.distributed.run --nproc-per-node 2 \
-        --master-port $((29500 + RANDOM % 1000)) pretrain_gpt.py "${COMMON[@]}" --lsgd-algorithm "$algo" \
-        ${EXTRA[$algo]:-} >"$log" 2>&1
+    wait "${PIDS[$algo]}"
     rc=$?
     loss=$(grep -o "lm loss: [0-9.E+-]*" "$log" | tail -n 1 | cut -d' ' -f3)
     mem=$(grep -o "peak CUDA memory (MB): [0-9]* allocated" "$log" | tail -n 1 | grep -o "[0-9]*" | head -n 1)
@@ -66,13 +78,13 @@ done
 #    so the compute thread's NCCL all-reduces run while the worker thread communicates). The
 #    worker's groups are gloo, so only the compute thread launches NCCL kernels: a hang here
 #    (exit 124) is the cross-communicator deadlock that rules out (docs/algorithms/acco.md).
-NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 NCCL_ROWS=""
 if [ "$NGPU" -ge 2 ]; then
     if [ "$NGPU" -ge 4 ]; then WORLD=4; LAYOUT=(--tensor-model-parallel-size 2); else WORLD=2; LAYOUT=(); fi
     for algo in acco dpu; do
         log="$OUT/nccl_$algo.log"
-        timeout 300 python -m torch.distributed.run --nproc-per-node "$WORLD" \
+        timeout 300 "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
             --master-port $((30500 + RANDOM % 1000)) pretrain_gpt.py --num-layers 2 --hidden-size 256 \
             --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 --global-batch-size 16 --train-iters 30 \
             --lr 1e-3 --mock-data --vocab-size 512 --log-interval 5 --eval-iters 0 --num-sites 2 --bf16 \
@@ -85,7 +97,7 @@ if [ "$NGPU" -ge 2 ]; then
 fi
 
 # the table, printed and written into docs/performance.md
-SECTION=$(python - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" <<'EOF'
+SECTION=$("$PY" - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" <<'EOF'
 import json, sys
 mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows = sys.argv[1:]
 lines = [f"Measured {date} on {device} by `tools/gpu_check.sh` (one run; figures are that run's).", ""]
@@ -113,7 +125,7 @@ print("\n".join(lines))
 EOF
 )
 echo "$SECTION"
-python - "$REPO/docs/performance.md" "$SECTION" <<'EOF'
+"$PY" - "$REPO/docs/performance.md" "$SECTION" <<'EOF'
 import sys
 path, section = sys.argv[1], sys.argv[2]
 text = open(path).read()
