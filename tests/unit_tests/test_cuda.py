@@ -179,3 +179,44 @@ def test_per_shard_initialisation_on_the_gpu_equals_the_host_path():
         gpu = build_model(pretrain_gpt.model_provider, config, pgs, RNGStatesTracker(GPU), GPU)  # meta, per shard
         for (name, a), (_, b) in zip(host.named_parameters(), gpu.named_parameters()):
             assert b.device.type == "cuda" and torch.equal(a, b.cpu()), name
+
+
+def test_adamw_on_the_gpu_is_the_fused_kernel_and_steps_like_foreach():
+    from megatron_lsgd.core.optimizer.sharded_optimizer import _adamw_kernel
+
+    torch.manual_seed(0)
+    values = [torch.randn(257, 129, device=GPU), torch.randn(129, device=GPU)]
+    grads = [torch.randn_like(v) for v in values]
+    kernel = _adamw_kernel([{"params": values}])
+    assert kernel == {"fused": True}
+    out = {}
+    for name, kw in (("fused", kernel), ("foreach", {"foreach": True})):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **kw)
+        for _ in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        out[name] = params
+    for a, b in zip(out["fused"], out["foreach"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cpu_runs_optimizer_state_resumes_on_the_fused_gpu_kernel():
+    from types import SimpleNamespace
+
+    from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, _adamw_kernel
+
+    cpu = [torch.nn.Parameter(torch.randn(33, 7))]
+    saved_by = torch.optim.AdamW(cpu, foreach=True)
+    cpu[0].grad = torch.ones_like(cpu[0])
+    saved_by.step()
+    gpu = [torch.nn.Parameter(cpu[0].detach().to(GPU))]
+    here = torch.optim.AdamW(gpu, **_adamw_kernel([{"params": gpu}]))
+    ShardedOptimizer._load_torch_state(SimpleNamespace(optimizer=here), saved_by.state_dict())
+    assert here.param_groups[0]["fused"] and not here.param_groups[0]["foreach"]
+    gpu[0].grad = torch.ones_like(gpu[0])
+    here.step()  # the step count went to the device with the moments
+    cpu[0].grad = torch.ones_like(cpu[0])
+    saved_by.step()
+    torch.testing.assert_close(gpu[0].detach().cpu(), cpu[0].detach(), rtol=1e-5, atol=1e-6)

@@ -131,3 +131,25 @@ def test_a_trial_restores_the_optimizer_state_into_the_tensors_it_had():
     assert b not in adam.state and set(adam.state[a]) == set(before)
     for k, v in adam.state[a].items():
         assert v is before[k] and torch.equal(v, saved[a][k]), k  # the same tensors, the saved values
+
+
+def test_adamw_runs_foreach_on_the_cpu_and_a_loaded_state_keeps_this_runs_kernel():
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, _adamw_kernel
+
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    assert _adamw_kernel([{"params": params}]) == {"foreach": True}  # CPU numerics: tests/regression
+    # a checkpoint saved by a run whose kernel was fused (a GPU run) ...
+    saved_by = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], fused=True)
+    for p in saved_by.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    saved_by.step()
+    # ... resumes on this run's kernel, with the saved moments
+    here = torch.optim.AdamW(params, **_adamw_kernel([{"params": params}]))
+    ShardedOptimizer._load_torch_state(SimpleNamespace(optimizer=here), saved_by.state_dict())
+    group = here.param_groups[0]
+    assert group["foreach"] is True and not group["fused"]
+    assert torch.equal(here.state[params[0]]["exp_avg"], saved_by.state[saved_by.param_groups[0]["params"][0]]["exp_avg"])

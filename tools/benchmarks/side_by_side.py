@@ -46,7 +46,9 @@ def build(argv: List[str], lr: float = 1e-4, clip_grad: float = 1.0) -> SideBySi
     plain = GPTModel(dataclasses.replace(config.model, params_dtype=torch.float32), trainer.pgs,
                      trainer.rng_tracker).to(device)
     plain.initialize(config.training.seed)
-    opt = torch.optim.AdamW(plain.parameters(), lr=lr, weight_decay=0.01, foreach=True)
+    # what a careful plain loop uses: the fused kernel on a GPU
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(plain.parameters(), lr=lr, weight_decay=0.01, **kernel)
     batch = {k: v.to(device) for k, v in next(trainer.train_iterator).items()}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 

@@ -146,7 +146,7 @@ class ShardedOptimizer:
         else:
             self.optimizer = torch.optim.AdamW(
                 groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                foreach=True)
+                **_adamw_kernel(groups))
 
     def _counts_in_norm(self, p) -> bool:
         # Replicated across TP ranks: count once. Tied embedding copy on the last stage:
@@ -404,6 +404,19 @@ class ShardedOptimizer:
             state["muon"] = self.muon.state_dict()
         return state
 
+    def _load_torch_state(self, saved: dict) -> None:
+        """torch's load_state_dict takes the saved groups' kernel choice (foreach / fused) with
+        their hyperparameters: keep this run's, so a checkpoint saved on a CPU resumes fused on a
+        GPU and one saved on a GPU resumes on a CPU bit for bit with a CPU run."""
+        kernel = {k: self.optimizer.param_groups[0].get(k) for k in ("foreach", "fused")}
+        self.optimizer.load_state_dict(saved)
+        for group in self.optimizer.param_groups:
+            group.update(kernel)
+        if kernel["fused"]:  # torch placed the step counts by the saved groups' kernel: fused keeps them on the device
+            for param, state in self.optimizer.state.items():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
     def parameter_layout(self) -> dict:
         """Which parameter values each saved tensor holds, so tools/checkpoint/convert.py can
         reshard this rank's state without rebuilding its buckets: `main[i]` lists
@@ -459,7 +472,7 @@ class ShardedOptimizer:
             piece = {k: _piece_of(tensors[f"torch/{k}"], name, lo, hi).clone() for k in torch_keys}
             piece.update({k: by_name[name] for k, by_name in scalars.items() if name in by_name})
             state[index] = piece
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self._load_torch_state({"state": state, "param_groups": groups})
         if "main" in tensors:  # a bf16/fp16 source's fp32 copy; an fp32 model is its own (loaded) main copy
             separate = [main.data_ptr() != bucket.param_shard(self.shard_index).data_ptr()
                         for bucket, main, _ in self.main_shards]
@@ -475,7 +488,7 @@ class ShardedOptimizer:
                 buf.copy_(_piece_of(tensors["muon"], self._param_names[id(pc.param)], pc.p_lo, pc.p_hi))
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_torch_state(state["optimizer"])
         if "main_shards" in state:
             for (_, main, _), saved in zip(self.main_shards, state["main_shards"]):
                 main.copy_(saved)
@@ -483,6 +496,16 @@ class ShardedOptimizer:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if self.muon is not None:
             self.muon.load_state_dict(state.get("muon"))
+
+
+def _adamw_kernel(groups: List[dict]) -> Dict[str, bool]:
+    """AdamW's implementation for these parameters: the fused kernel (one launch per step
+    instead of a dozen passes over the state; a fifth of a 1.1B model's step on an H100,
+    docs/performance.md) where every parameter is an fp32 CUDA tensor; foreach elsewhere, so
+    CPU runs keep their numerics (tests/regression)."""
+    params = [p for g in groups for p in g["params"]]
+    fused = bool(params) and all(p.is_cuda and p.dtype == torch.float32 for p in params)
+    return {"fused": True} if fused else {"foreach": True}
 
 
 def _piece_of(by_name: Dict[str, torch.Tensor], name: str, lo: int, hi: int) -> torch.Tensor:
