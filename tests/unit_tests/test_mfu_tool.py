@@ -20,13 +20,16 @@ def test_mfu_smoke_preset(monkeypatch, tmp_path):
     out = tmp_path / "mfu.json"
     try:
         result = mfu.main(["--preset", "smoke", "--steps", "1", "--rounds", "1", "--peak-tflops", "0.001",
-                           "--json", str(out)])
+                           "--json", str(out), "--profile", "5"])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     assert json.loads(out.read_text()) == result
     assert result["ours_tokens_per_s"] > 0 and result["plain_tokens_per_s"] > 0
     assert result["parameters"] > 0 and result["preset"] == "smoke"
+    shares = result["profile"]  # fractions of the profiled steps' wall time, each counted once
+    assert set(shares) == {"matmul", "attention", "optimizer"}
+    assert all(0 < v < 1 for v in shares.values()) and sum(shares.values()) < 1
     from megatron_lsgd.core.transformer.config import TransformerConfig
 
     c = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -60,6 +60,31 @@ def argv_for(p: Dict[str, object], recompute: List[str]) -> List[str]:
         (["--bf16"] if p["bf16"] else []) + LLAMA + recompute
 
 
+def profile(step, device: torch.device, top: int) -> Dict[str, float]:
+    """Where a step's time goes: prints the top operators by self device time and returns the
+    shares of the profiled wall time spent in matrix products, attention and the optimizer step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        wall_us = timed(step, 3, device) * 1e6
+    events = prof.key_averages()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+
+    def share(match, field: str = key) -> float:  # operators only (aten::...), not their kernels again
+        return sum(getattr(e, field) for e in events if match(e.key)) / wall_us
+
+    print(events.table(sort_by=key, row_limit=top))
+    shares = {"matmul": share(lambda k: k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+              "attention": share(lambda k: k.startswith("aten::") and "attention" in k),
+              # a range: on a GPU its own device time is its kernels'; on a CPU its children hold the work
+              "optimizer": share(lambda k: k.startswith("Optimizer.step"),
+                                 key if device.type == "cuda" else "cpu_time_total")}
+    print("share of the step's wall time: " + ", ".join(f"{k} {v:.2f}" for k, v in shares.items()))
+    return shares
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="1b")
@@ -70,12 +95,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                     help="full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="after timing, profile 3 of our steps and print the K operators with the most device "
+                         "time (torch.profiler), and the step's shares in matrix products, attention and the optimizer")
     a = ap.parse_args(argv)
     preset = dict(PRESETS[a.preset])
     preset.update({k: v for k, v in (("steps", a.steps), ("rounds", a.rounds), ("mbs", a.micro_batch_size))
                    if v is not None})
     if a.steps is not None and a.steps < 1 or a.rounds is not None and a.rounds < 1:
         ap.error("--steps and --rounds must be >= 1")
+    if a.profile < 0:
+        ap.error("--profile must be >= 0")
     recompute = {"none": [], "selective": ["--recompute-granularity", "selective"],
                  "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                           "--recompute-num-layers", "1"]}[a.recompute]
@@ -115,6 +145,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     if "peak_cuda_allocated_mb" in result:  # both loops' models live in this process
         print(f"peak CUDA memory (MB, both loops): {result['peak_cuda_allocated_mb']:.0f} allocated, "
               f"{result['peak_cuda_reserved_mb']:.0f} reserved")
+    if a.profile:
+        result["profile"] = profile(run.ours, device, a.profile)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
