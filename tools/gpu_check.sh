@@ -8,6 +8,7 @@
 #      runs at once (about 2 minutes for the whole script on an H100),
 #   4. on 2+ GPUs: acco and dpu with NCCL inside the sites (a hang = the deadlock their
 #      worker's gloo groups rule out),
+#   5. a checkpoint saved on the GPU resumed on the GPU and on the CPU,
 # then prints a table and writes docs/performance.md's GPU section (between its markers).
 #
 #   tools/gpu_check.sh                 # everything
@@ -96,10 +97,40 @@ if [ "$NGPU" -ge 2 ]; then
     done
 fi
 
+# 5. checkpoints on the GPU: diloco (model, fused AdamW, outer state) saved at step 4 and
+#    resumed to 8 on the GPU, and on the CPU; each beside the uninterrupted GPU run's last loss
+#    (GPU kernels need not be bit-reproducible, so the table gives the difference).
+CKPT=(--lsgd-algorithm diloco --lsgd-interval 2)
+ckpt_run() {  # name, port, extra flags...
+    local name=$1 port=$2; shift 2
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 300 "$PY" -m torch.distributed.run --nproc-per-node 2 \
+        --master-port "$port" pretrain_gpt.py "${COMMON[@]}" "${CKPT[@]}" "$@" >"$OUT/ckpt_$name.log" 2>&1
+}
+last_loss() { grep -o "lm loss: [0-9.E+-]*" "$1" | tail -n 1 | cut -d' ' -f3; }
+rm -rf "$OUT/ckpt"
+ckpt_run whole 29650 & WHOLE_PID=$!
+ckpt_run save 29660 --save "$OUT/ckpt" --save-interval 4 --exit-interval 4
+SAVE_RC=$?
+CKPT_ROWS=""
+wait $WHOLE_PID
+WHOLE=$(last_loss "$OUT/ckpt_whole.log")
+for where in gpu cpu; do
+    log="$OUT/ckpt_resume_$where.log"
+    if [ $SAVE_RC -ne 0 ]; then rc=$SAVE_RC; log="$OUT/ckpt_save.log"
+    elif [ $where = gpu ]; then ckpt_run resume_gpu 29670 --load "$OUT/ckpt"; rc=$?
+    else ckpt_run resume_cpu 29680 --load "$OUT/ckpt" --device cpu; rc=$?; fi
+    loss=$(last_loss "$log")
+    diff=$("$PY" -c "import sys; a, b = sys.argv[1:]; print(f'{abs(float(a) - float(b)) / float(b):.1e}')" \
+        "${loss:-nan}" "${WHOLE:-nan}" 2>/dev/null || echo -)
+    loaded=$(grep -c "loaded checkpoint" "$log")
+    status=$([ $rc -eq 0 ] && [ "$loaded" -ge 1 ] && echo ok || echo "FAILED (exit $rc, $log)")
+    CKPT_ROWS+="| saved on the GPU at step 4, resumed on the ${where^^} | $status | ${loss:--} | ${WHOLE:--} | $diff |"$'\n'
+done
+
 # the table, printed and written into docs/performance.md
-SECTION=$("$PY" - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" <<'EOF'
+SECTION=$("$PY" - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" "$CKPT_ROWS" <<'EOF'
 import json, sys
-mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows = sys.argv[1:]
+mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows, ckpt_rows = sys.argv[1:]
 lines = [f"Measured {date} on {device} by `tools/gpu_check.sh` (one run; figures are that run's).", ""]
 lines.append(f"- CUDA-marked tests: {'passed' if tests_rc == '0' else 'FAILED'} ({tests_line.strip()})")
 if mfu_rc == "0":
@@ -121,6 +152,10 @@ if nccl_rows.strip():
               "| algorithm | layout | run | last loss |", "|---|---|---|---|", nccl_rows.rstrip()]
 else:
     lines += ["", "- acco and dpu with NCCL inside the sites: not run (needs 2 or more GPUs)"]
+lines += ["", "- A checkpoint on the GPU: diloco, 2 sites x 1 rank, bf16, saved at step 4 of 8 and resumed; "
+          "the last loss beside the uninterrupted GPU run's:", "",
+          "| run | status | last loss | uninterrupted | relative difference |", "|---|---|---|---|---|",
+          ckpt_rows.rstrip()]
 print("\n".join(lines))
 EOF
 )
@@ -135,4 +170,4 @@ _, tail = rest.split(end, 1)
 open(path, "w").write(f"{head}{start}\n{section}\n{end}{tail}")
 EOF
 echo "wrote the GPU section of docs/performance.md; logs in $OUT"
-[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS"
+[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS$CKPT_ROWS"
