@@ -55,6 +55,12 @@ class RNGStatesTracker:
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}
 
+    def fits(self, states: Dict[str, torch.Tensor]) -> bool:
+        """Whether saved states are this device kind's generator states (a CUDA generator's
+        state and a CPU one's differ in size)."""
+        size = _get_state(self.device).numel()
+        return all(v.numel() == size for v in states.values())
+
     def load_state_dict(self, states: Dict[str, torch.Tensor]) -> None:
         self.states = {k: v.clone() for k, v in states.items()}
 

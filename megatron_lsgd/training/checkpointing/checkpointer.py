@@ -420,11 +420,12 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         trainer.valid_iterator = build_data_iterator(trainer.valid_ds, trainer.consumed_valid_samples // pgs.dims.sites,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers,
                                                      cyclic=True)
+    rng = "no"
     if cfg.load_rng:  # last: building the data iterator above draws from the torch generator
-        restore_rng_state(rank_state["rng"], trainer.rng_tracker)
+        rng = "yes" if restore_rng_state(rank_state["rng"], trainer.rng_tracker) else \
+            f"host streams only: the dropout streams were saved on another kind of device than {trainer.device.type}"
     if dist.get_rank() == 0:
         print(f" loaded checkpoint {iter_dir} (iteration {meta['iteration']}, consumed samples "
               f"{meta['consumed_samples']}; optimizer {'yes' if cfg.load_optim else 'no'}, "
-              f"RNG {'yes' if cfg.load_rng else 'no'}{', finetune: iteration reset to 0' if cfg.finetune else ''})",
-              flush=True)
+              f"RNG {rng}{', finetune: iteration reset to 0' if cfg.finetune else ''})", flush=True)
     return True

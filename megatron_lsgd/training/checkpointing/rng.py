@@ -30,7 +30,10 @@ def capture_rng_state(tracker: RNGStatesTracker) -> Dict:
     return state
 
 
-def restore_rng_state(state: Dict, tracker: RNGStatesTracker) -> None:
+def restore_rng_state(state: Dict, tracker: RNGStatesTracker) -> bool:
+    """Restores every stream; False where the tracker's streams (dropout) belong to another
+    kind of device (a GPU checkpoint resumed on a CPU, or the reverse): a generator's state
+    cannot cross devices, so those streams stay as seeded and the host streams are restored."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     n = state["numpy"]
@@ -38,4 +41,7 @@ def restore_rng_state(state: Dict, tracker: RNGStatesTracker) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if not tracker.fits(state["tracker"]):
+        return False
     tracker.load_state_dict(state["tracker"])
+    return True
