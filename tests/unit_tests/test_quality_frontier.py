@@ -1,10 +1,14 @@
 """tools/benchmarks/quality_frontier.py without running anything: gaps and byte reductions per
-seed, the best point per family, the goals, the doc block, and the point flags' errors."""
+seed, the best point per family, the goals, the doc block, the point flags' errors, and the
+cache of finished runs."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from tools.benchmarks import quality_frontier as qf
 from tools.benchmarks.quality_frontier import (BEGIN, END, Point, best_per_family, default_points, goals_met,
                                                parse_point, select, summarize, table, write_block)
 
@@ -54,3 +58,25 @@ def test_points_flags_and_selection():
     assert parse_point("x=fam:--lsgd-algorithm diloco --lsgd-interval 7").flags[-1] == "7"
     with pytest.raises(ValueError, match="--point"):
         parse_point("x=fam:--lsgd-interval 7")
+
+
+def test_finished_runs_are_cached_and_a_failed_one_is_left_out(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(argv, world):
+        calls.append(argv)
+        if "--fail" in argv:
+            raise RuntimeError("process 1 terminated with exit code 2")
+        return {"valid": [float(len(calls))], "comm": {"bytes_sent": 10}}
+
+    monkeypatch.setattr(qf, "run", fake_run)
+    data = [os.path.join(qf.ROOT, "data", "corpus")]  # a path in the checkout: named relative in the digest
+    first = qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path))
+    assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path)) == first and len(calls) == 1
+    assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 3, str(tmp_path)) != first  # another world
+    assert qf.cached_run(["--lsgd-algorithm", "sync", "--fail"], 2, str(tmp_path)) is None
+    assert len(os.listdir(tmp_path)) == 2  # nothing cached for the failure
+    points = [qf.Point("a", "f", []), qf.Point("b", "f", [])]
+    sync = {1: {"valid": [2.0], "comm": {"bytes_sent": 100}}}
+    summaries = qf.summarize(points, {"a": {1: {"valid": [2.02], "comm": {"bytes_sent": 1}}}, "b": {}}, sync)
+    assert [s.point.label for s in summaries] == ["a"]

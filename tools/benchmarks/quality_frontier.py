@@ -18,7 +18,10 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
         --tokenizer-model data/python-docs/python_docs_sp8k.model --train-iters 3000 --seeds 1,2,3
 
 `--points` picks points by label or family (comma-separated; default all); `--point
-LABEL=FAMILY:FLAGS` adds one. `--smoke` shrinks everything to a check that the pipeline runs
+LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
+digest of its flags), so a sweep that stops is resumed by running the same command again;
+delete the cache after a change of the code that alters training. A run that fails is
+reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
 (tiny model, 20 iterations, mock data unless a corpus is given), which must not be read as
 a measurement.
 """
@@ -26,6 +29,7 @@ a measurement.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -127,10 +131,13 @@ class Summary:
 
 
 def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]], sync: Dict[int, Dict]) -> List[Summary]:
-    """results[label][seed] and sync[seed]: {"valid": [...], "comm": {"bytes_sent": ...}}."""
+    """results[label][seed] and sync[seed]: {"valid": [...], "comm": {"bytes_sent": ...}}.
+    A point with no finished run (every seed failed) has no summary."""
     out = []
     for p in points:
         gaps, ratios = [], []
+        if not results.get(p.label):
+            continue
         for seed, r in sorted(results[p.label].items()):
             ref = sync[seed]
             gaps.append(100.0 * (r["valid"][-1] / ref["valid"][-1] - 1.0))
@@ -138,6 +145,28 @@ def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]], sync
             ratios.append(ref["comm"]["bytes_sent"] / sent if sent else float("inf"))
         out.append(Summary(p, statistics.fmean(ratios), gaps))
     return out
+
+
+def cached_run(argv: List[str], sites: int, cache_dir: str) -> Optional[Dict]:
+    """One run's result, from the cache or trained now and cached (None: it failed; its error
+    is printed and the sweep goes on). Paths inside the checkout are named relative to it,
+    so the cache holds from any clone."""
+    flags = [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in argv]
+    digest = hashlib.sha256(json.dumps([sites] + flags).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"{digest}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    try:
+        result = run(argv, sites)
+    except Exception as err:  # a rank failed: its error line is above
+        print(f"error: this run failed ({err}); it is left out of the table", flush=True)
+        return None
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    return result
 
 
 def best_per_family(summaries: Sequence[Summary]) -> Dict[str, Summary]:
@@ -230,6 +259,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--point", action="append", default=[], metavar="LABEL=FAMILY:FLAGS", help="add a point")
     p.add_argument("--extra-args", default="", help="flags for every run")
     p.add_argument("--smoke", action="store_true", help="tiny, fast: checks the pipeline, measures nothing")
+    p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "quality_frontier"),
+                   help="finished runs, reused by the next sweep with the same flags")
     args = p.parse_args(argv)
     if args.smoke:
         args.train_iters, args.num_layers, args.hidden_size, args.seq_length = 20, 2, 64, 32
@@ -256,11 +287,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     results: Dict[str, Dict[int, Dict]] = {pt.label: {} for pt in points}
     for seed in seeds:
         print(f"> sync, seed {seed}", flush=True)
-        sync[seed] = run(argv_for(["--lsgd-algorithm", "sync"], seed), args.sites)
+        reference = cached_run(argv_for(["--lsgd-algorithm", "sync"], seed), args.sites, args.cache_dir)
+        if reference is None:
+            print(f"error: sync failed for seed {seed}: that seed is left out", flush=True)
+            continue
+        sync[seed] = reference
         for pt in points:
             print(f"> {pt.label}, seed {seed}", flush=True)
-            results[pt.label][seed] = run(argv_for(pt.flags, seed), args.sites)
+            result = cached_run(argv_for(pt.flags, seed), args.sites, args.cache_dir)
+            if result is not None:
+                results[pt.label][seed] = result
+    if not sync:
+        sys.exit("error: sync failed for every seed; nothing to compare against")
     summaries = summarize(points, results, sync)
+    failed = [pt.label for pt in points if not results[pt.label]]
     base = os.path.splitext(args.doc)[0]
     with open(base + ".json", "w") as f:
         json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": sync, "results": results}, f, indent=1)
@@ -271,6 +311,8 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"{sync_loss:.4f} (mean). Bytes: the logging rank's inter-site bytes sent, as counted. "
               f"{time.perf_counter() - t0:.0f} s in all.")
     block = table(summaries, header)
+    if failed:
+        block += "\n\nNot run (every seed failed): " + ", ".join(failed)
     png = base + ".png"
     if plot(summaries, png, label):
         block += f"\n\n![frontier]({os.path.basename(png)})"
