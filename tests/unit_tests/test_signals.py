@@ -13,7 +13,8 @@ import pytest
 from megatron_lsgd.training import inner_step
 from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
 from megatron_lsgd.training.checkpointing.lock import LOCK_NAME
-from tests.unit_tests.checkpointing.launch import TINY, _alive, _descendants, kill, read, start, wait_for
+from tests.unit_tests.checkpointing.launch import TINY, kill, read, start, wait_for
+from tools.benchmarks.process_tree import alive, descendants
 from tests.unit_tests.checkpointing.single import run_single
 
 
@@ -38,7 +39,7 @@ def test_exit_signal_handler_saves_at_the_next_iteration_and_exits_0(tmp_path, m
 
 
 def _workers(proc):
-    return [pid for pid in _descendants(proc.pid) if "pretrain_gpt.py" in open(f"/proc/{pid}/cmdline").read()]
+    return [pid for pid in descendants(proc.pid) if "pretrain_gpt.py" in open(f"/proc/{pid}/cmdline").read()]
 
 
 @pytest.mark.slow
@@ -71,9 +72,9 @@ def test_signals_under_torchrun(tmp_path):
         os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends torchrun (its workers run in sessions of their own)
         proc.wait(timeout=120)
         deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(alive(pid) for pid in workers)
     finally:
         kill(proc)
     text = read(log)
@@ -90,12 +91,12 @@ def test_signals_under_torchrun(tmp_path):
         workers = _workers(proc)
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in workers), read(log)[-3000:]
+        assert not any(alive(pid) for pid in workers), read(log)[-3000:]
     finally:
         for pid in workers:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         kill(proc)
     text = read(log)

@@ -36,8 +36,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,7 +48,9 @@ if REPO not in sys.path:
 
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 
+from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from tools.benchmarks.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
+from tools.benchmarks.process_tree import descendants, kill_tree, sigkill  # noqa: E402
 
 
 # ---- the toy site (ft_site.py) -------------------------------------------------------------------
@@ -190,39 +190,6 @@ def _flag(argv: List[str], name: str) -> Optional[str]:
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _descendants(pid: int) -> List[int]:
-    """Every live process below `pid` (torchrun starts its ranks in sessions of their own)."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _sigkill(pids: List[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 class PretrainSite:
     """One site: a torchrun job of --ranks-per-site pretrain_gpt.py ranks, its log appended
     across restarts (`offset`: where the current start's lines begin)."""
@@ -262,7 +229,7 @@ class PretrainSite:
             i = argv.index("--load")
             del argv[i:i + 2]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-               str(self.args.ranks_per_site), "--master-port", str(_free_port()), "--max-restarts",
+               str(self.args.ranks_per_site), "--master-port", str(free_port()), "--max-restarts",
                str(self.args.max_restarts), "pretrain_gpt.py"] + argv + ["--lsgd-site", str(self.site)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MASTER_ADDR="127.0.0.1")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT,
@@ -278,32 +245,16 @@ class PretrainSite:
         return (self.trained or self.rejoined) and not self.finished
 
     def kill_site(self) -> None:
-        pids = [self.proc.pid] + _descendants(self.proc.pid)
-        _sigkill(pids)
-        self.proc.wait()
-        deadline = time.monotonic() + 60
-        while any(os.path.exists(f"/proc/{pid}") and _zombie_or_alive(pid) for pid in pids):
-            if time.monotonic() > deadline:
-                break
-            _sigkill(pids)
-            time.sleep(0.05)
+        kill_tree(self.proc, timeout_s=60)
 
     def kill_rank(self, rng: random.Random) -> Optional[int]:
         """SIGKILL one of its rank processes (torchrun's workers); None when none is up."""
-        ranks = [pid for pid in _descendants(self.proc.pid) if _is_rank(pid)]
+        ranks = [pid for pid in descendants(self.proc.pid) if _is_rank(pid)]
         if not ranks:
             return None
         victim = rng.choice(ranks)
-        _sigkill([victim])
+        sigkill([victim])
         return victim
-
-
-def _zombie_or_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _is_rank(pid: int) -> bool:

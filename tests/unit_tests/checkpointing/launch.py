@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.unit_tests.harness import free_port, join_as_rank, spawn
+from tools.benchmarks.process_tree import kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
@@ -71,64 +71,10 @@ def _rank(rank: int, world: int, port: int, args: List[str], log_path: str, env:
     shutdown_distributed()
 
 
-def _descendants(pid: int) -> List[int]:
-    """Every live process below `pid` (torchrun starts each rank in its own session, so
-    killing the launcher's process group would not reach the ranks)."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """True while any thread of `pid` has not exited. A killed process's main thread turns
-    zombie before its other threads (gloo's, say) are gone, and the open files, its save
-    lock among them, are released only with the last thread."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    return True
-        except OSError:
-            continue  # that thread is gone
-    return False
-
-
 def kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every rank at once (no clean exit, no finally blocks)."""
-    victims = [proc.pid] + _descendants(proc.pid)
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    # Until every victim is gone (its save lock with it): a run started next must not find the
-    # killed one still holding its directory, however loaded the machine is.
-    deadline = time.monotonic() + 120
-    while any(_alive(pid) for pid in victims):
-        assert time.monotonic() < deadline, f"killed processes still alive after 120 s: {victims}"
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
+    """SIGKILL the launcher and every rank at once; returns when all are gone (a run started
+    next must not find the killed one still holding its directory, however loaded the machine is)."""
+    assert kill_tree(proc, timeout_s=120), "killed processes still alive after 120 s"
 
 
 def wait_for(predicate, proc: subprocess.Popen, log_path: str, timeout: float = 300.0) -> None:
