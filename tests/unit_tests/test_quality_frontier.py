@@ -80,3 +80,16 @@ def test_finished_runs_are_cached_and_a_failed_one_is_left_out(tmp_path, monkeyp
     sync = {1: {"valid": [2.0], "comm": {"bytes_sent": 100}}}
     summaries = qf.summarize(points, {"a": {1: {"valid": [2.02], "comm": {"bytes_sent": 1}}}, "b": {}}, sync)
     assert [s.point.label for s in summaries] == ["a"]
+
+
+@pytest.mark.parametrize("interval,layers", [(50, 4), (48, 4), (50, 2), (7, 1)])
+def test_every_default_point_is_a_valid_run(interval, layers):
+    """The sweep's flags pass the training's own argument checks (a point that fails at start
+    costs its place in the table): K fragments must divide H, tau must be < H / K, ..."""
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    base = ["--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "100", "--lr", "1e-3",
+            "--mock-data", "--vocab-size", "512", "--num-sites", "2"]
+    for point in default_points(interval, layers):
+        build_config(parse_args(base + point.flags), 2)

@@ -86,7 +86,8 @@ def default_points(interval: int, num_layers: int) -> List[Point]:
         add(f"dilocox-lowrank{rank}", "dilocox x lowrank-int4",
             ["--lsgd-algorithm", "dilocox"] + h + ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0",
                                                    "--lsgd-compression", "lowrank-int4", "--lsgd-rank", str(rank)])
-    k = min(4, num_layers)  # a fragment needs a layer
+    # a fragment needs a layer, and K slots of H/K steps make a round: the most fragments up to 4 that do
+    k = next(k for k in range(min(4, num_layers), 0, -1) if interval % k == 0)
     tau = max(0, min(5, interval // k - 1))  # tau must be < H / K
     frag = h + ["--lsgd-fragments", str(k), "--lsgd-fragment-sync-delay", str(tau)]
     for alpha in (0.0, 0.5, 1.0):
