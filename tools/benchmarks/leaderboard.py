@@ -64,6 +64,7 @@ from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
 from tools.benchmarks.lsgd_quality import steps_to_reach  # noqa: E402
+from tools.benchmarks.run_cache import load_or_run, relative_flags  # noqa: E402
 
 SCENARIO_DIR = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
 DATA = os.path.join(ROOT, "data", "python-docs")
@@ -510,13 +511,8 @@ def cell_digest(argv: List[str], scenario_path: str) -> str:
     """Of the flags and the scenario file's bytes. The scenario is named by its file name and
     other paths relative to the checkout, so a cell is found from any clone and any cache
     directory (a free-link copy lives in the cache)."""
-    flags = []
-    for i, a in enumerate(argv):
-        if i > 0 and argv[i - 1] == "--simulate-scenario":
-            a = os.path.basename(a)
-        elif a.startswith(ROOT + os.sep):
-            a = os.path.relpath(a, ROOT)
-        flags.append(a)
+    flags = [os.path.basename(a) if i > 0 and argv[i - 1] == "--simulate-scenario" else a
+             for i, a in enumerate(relative_flags(argv))]
     with open(scenario_path, "rb") as f:
         return hashlib.sha256(" ".join(flags).encode() + f.read()).hexdigest()[:12]
 
@@ -548,22 +544,20 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
     digest = cell_digest(argv, scenario_path)
     tag = label.replace(" ", "_").replace("(", "").replace(")", "")
     cache = os.path.join(args.cache_dir, f"{name}__{tag}__seed{seed}__{digest}.json")
-    if os.path.exists(cache):
-        with open(cache) as f:
-            return json.load(f)
-    if args.cached_only:
-        return None
-    print(f"> {name} / {label} / seed {seed} / {steps} steps{'' if eval_interval else ' (pilot)'}", flush=True)
-    try:
-        cell = run_cell(argv, sites)
-    except Exception as err:  # a rank failed: its error line is above; the other cells go on
-        print(f"error: cell {name} / {label} / seed {seed} failed ({err}); it is listed as not run", flush=True)
-        return None
-    cell["argv"], cell["steps"] = argv, steps
-    with open(cache + ".tmp", "w") as f:
-        json.dump(cell, f)
-    os.replace(cache + ".tmp", cache)
-    return cell
+
+    def train() -> Optional[Dict]:
+        if args.cached_only:
+            return None
+        print(f"> {name} / {label} / seed {seed} / {steps} steps{'' if eval_interval else ' (pilot)'}", flush=True)
+        try:
+            cell = run_cell(argv, sites)
+        except Exception as err:  # a rank failed: its error line is above; the other cells go on
+            print(f"error: cell {name} / {label} / seed {seed} failed ({err}); it is listed as not run", flush=True)
+            return None
+        cell["argv"], cell["steps"] = argv, steps
+        return cell
+
+    return load_or_run(cache, train)
 
 
 def scenario_cells(name: str, path: str, scenario, runs: List[Tuple[str, str, str]], args, not_run: List[str]

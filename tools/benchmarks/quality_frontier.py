@@ -45,6 +45,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lsgd_quality import base_argv, data_argv, lockstep, run  # noqa: E402
+from run_cache import load_or_run, relative_flags  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
 GOALS = ((1000.0, 2.0), (100.0, 0.5))  # (bytes reduction at least, gap at most in %)
@@ -150,24 +151,17 @@ def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]], sync
 
 def cached_run(argv: List[str], sites: int, cache_dir: str) -> Optional[Dict]:
     """One run's result, from the cache or trained now and cached (None: it failed; its error
-    is printed and the sweep goes on). Paths inside the checkout are named relative to it,
-    so the cache holds from any clone."""
-    flags = [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in argv]
-    digest = hashlib.sha256(json.dumps([sites] + flags).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir, f"{digest}.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    try:
-        result = run(argv, sites)
-    except Exception as err:  # a rank failed: its error line is above
-        print(f"error: this run failed ({err}); it is left out of the table", flush=True)
-        return None
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
-    return result
+    is printed and the sweep goes on)."""
+    digest = hashlib.sha256(json.dumps([sites] + relative_flags(argv)).encode()).hexdigest()[:16]
+
+    def train() -> Optional[Dict]:
+        try:
+            return run(argv, sites)
+        except Exception as err:  # a rank failed: its error line is above
+            print(f"error: this run failed ({err}); it is left out of the table", flush=True)
+            return None
+
+    return load_or_run(os.path.join(cache_dir, f"{digest}.json"), train)
 
 
 def best_per_family(summaries: Sequence[Summary]) -> Dict[str, Summary]:

@@ -1,0 +1,31 @@
+"""Finished benchmark runs kept as JSON, so a sweep of hours resumes where it stopped
+(leaderboard.py's cells, quality_frontier.py's points). A run is named by a digest of its
+flags; paths inside the checkout are named relative to it, so a cache holds from any clone."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def relative_flags(argv: List[str]) -> List[str]:
+    return [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in argv]
+
+
+def load_or_run(path: str, compute: Callable[[], Optional[Dict]]) -> Optional[Dict]:
+    """The result cached at `path`, else `compute()`'s, written atomically (a run stopped while
+    writing leaves no half file). None from `compute` (a failed or skipped run) is not cached."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    result = compute()
+    if result is None:
+        return None
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    return result
