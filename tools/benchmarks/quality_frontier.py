@@ -94,9 +94,12 @@ def default_points(interval: int, num_layers: int) -> List[Point]:
     for alpha in (0.0, 0.5, 1.0):
         add(f"streaming-alpha{alpha}", "streaming-diloco",
             ["--lsgd-algorithm", "streaming-diloco", "--lsgd-fragment-update-alpha", str(alpha)] + frag)
+    # N fixed at K: the adaptive N measures this run's exchange (fast and local here, so it syncs a
+    # fragment almost every step); at N = K cocodc sends what streaming-diloco sends
     for lam, norm in ((0.0, "none"), (0.5, "none"), (0.5, "mean-square"), (2.0, "mean-square")):
         add(f"cocodc-l{lam}-{norm}", "cocodc", ["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-lambda", str(lam),
-                                                "--lsgd-cocodc-dc-normalize", norm] + frag)
+                                                "--lsgd-cocodc-dc-normalize", norm,
+                                                "--lsgd-cocodc-syncs-per-round", str(k)] + frag)
     add("dpu", "dpu", ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"])
     return pts
 
