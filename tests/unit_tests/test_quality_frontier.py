@@ -19,7 +19,7 @@ def _r(loss, sent):
 
 def test_summaries_gaps_reductions_best_and_goals():
     pts = [Point("a", "fam1", []), Point("b", "fam1", []), Point("c", "fam2", []), Point("d", "fam3", [])]
-    sync = {1: _r(2.0, 1_000_000), 2: _r(4.0, 1_000_000)}
+    sync = {"sync": {1: _r(2.0, 1_000_000), 2: _r(4.0, 1_000_000)}}
     results = {"a": {1: _r(2.02, 1000), 2: _r(4.04, 1000)},  # +1%, 1000x
                "b": {1: _r(2.002, 10_000), 2: _r(4.0, 10_000)},  # +0.1% / 0%, 100x
                "c": {1: _r(2.2, 10), 2: _r(4.0, 10)},
@@ -33,8 +33,33 @@ def test_summaries_gaps_reductions_best_and_goals():
     goals = goals_met(list(s.values()))
     assert goals[0].endswith(": a (1000x, +1.00%)") and goals[1].endswith(": b (100x, +0.05%)")
     text = table(list(s.values()), "header")
-    assert "| b **best** | fam1 | 100x | +0.05% | +0.00% .. +0.10% | 2 |" in text
+    assert "| b **best** | fam1 | sync | 100x | +0.05% | +0.00% .. +0.10% | 2 |" in text
     assert "| a | fam1 |" in text
+
+
+def test_each_point_is_measured_against_sync_with_its_inner_optimizer():
+    """MuLoCo's gap is to sync with Muon, not to AdamW sync: Muon's own gain is not the algorithm's."""
+    muloco = Point("muloco", "diloco (muon)", ["--lsgd-algorithm", "diloco", "--optimizer", "muon",
+                                               "--muon-momentum", "0.9", "--lsgd-interval", "50"])
+    diloco = Point("diloco", "diloco", ["--lsgd-algorithm", "diloco", "--lsgd-interval", "50"])
+    assert qf.reference_flags(muloco.flags) == ["--lsgd-algorithm", "sync", "--optimizer", "muon",
+                                                "--muon-momentum", "0.9"]
+    assert qf.reference_flags(diloco.flags) == qf.SYNC
+    muon_sync = qf.reference_name(qf.reference_flags(muloco.flags))
+    assert muon_sync == "sync --optimizer muon --muon-momentum 0.9"
+    sync = {"sync": {1: _r(4.0, 1000), 2: _r(4.0, 1000)}, muon_sync: {1: _r(3.8, 1000), 2: _r(3.8, 1000)}}
+    results = {"muloco": {1: _r(3.876, 10), 2: _r(3.876, 10)}, "diloco": {1: _r(4.04, 10), 2: _r(4.04, 10)}}
+    s = {x.point.label: x for x in summarize([muloco, diloco], results, sync)}
+    assert s["muloco"].gap == pytest.approx(2.0) and s["diloco"].gap == pytest.approx(1.0)
+    assert f"| muloco **best** | diloco (muon) | {muon_sync} | 100x | +2.00% |" in table(list(s.values()), "h")
+    line = qf.references_line(sync)
+    assert line.startswith("`sync` 4.0000, `sync --optimizer muon --muon-momentum 0.9` 3.8000 (-5.00% vs `sync`)")
+
+
+def test_a_point_that_is_a_reference_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        qf.main(["--smoke", "--points", "x", "--point", "x=f:--lsgd-algorithm sync --optimizer muon"])
+    assert exit_.value.code == 2 and "--point x: its flags are its own reference" in capsys.readouterr().err
 
 
 def test_the_doc_block_is_replaced_and_the_rest_kept(tmp_path):
@@ -76,8 +101,11 @@ def test_finished_runs_are_cached_and_a_failed_one_is_left_out(tmp_path, monkeyp
     assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 3, str(tmp_path)) != first  # another world
     assert qf.cached_run(["--lsgd-algorithm", "sync", "--fail"], 2, str(tmp_path)) is None
     assert len(os.listdir(tmp_path)) == 2  # nothing cached for the failure
+    assert qf.cached_run(["--lsgd-algorithm", "diloco"], 2, str(tmp_path), cached_only=True) is None
+    assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path), cached_only=True) == first
+    assert len(calls) == 3  # --cached-only trained nothing
     points = [qf.Point("a", "f", []), qf.Point("b", "f", [])]
-    sync = {1: {"valid": [2.0], "comm": {"bytes_sent": 100}}}
+    sync = {"sync": {1: {"valid": [2.0], "comm": {"bytes_sent": 100}}}}
     summaries = qf.summarize(points, {"a": {1: {"valid": [2.02], "comm": {"bytes_sent": 1}}}, "b": {}}, sync)
     assert [s.point.label for s in summaries] == ["a"]
 

@@ -3,10 +3,12 @@
 Runs `sync` and every point of a sweep (an algorithm, a compressor and the few knobs that
 matter: H, outer lr/momentum, alpha, density, rank, lambda, the inner optimizer) for each
 seed, at the same model, data, token budget and seed as `sync`, in `--sites` spawned
-processes per run (tools/benchmarks/lsgd_quality.py's runner). For each point it reports
+processes per run (tools/benchmarks/lsgd_quality.py's runner). Each point is measured against
+`sync` with the point's own inner optimizer (`--optimizer` and its flags): MuLoCo against
+sync with Muon, so a gap is the algorithm's, not the optimizer's. For each point it reports
 
-    bytes reduction = sync's inter-site bytes / the point's (the logging rank's, as counted)
-    gap             = final validation loss / sync's of the same seed - 1
+    bytes reduction = that sync's inter-site bytes / the point's (the logging rank's, as counted)
+    gap             = final validation loss / that sync's of the same seed - 1
 
 as mean and spread (min..max) over the seeds, marks each family's best point (lowest mean
 gap; the measured default), and checks issue 24's goals (>= 1000x within 2%, >= 100x within
@@ -20,7 +22,8 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
 `--points` picks points by label or family (comma-separated; default all); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags), so a sweep that stops is resumed by running the same command again;
-delete the cache after a change of the code that alters training. A run that fails is
+delete the cache after a change of the code that alters training. `--cached-only` trains
+nothing and writes the table from what the cache holds. A run that fails is
 reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
 (tiny model, 20 iterations, mock data unless a corpus is given), which must not be read as
 a measurement.
@@ -48,6 +51,8 @@ from lsgd_quality import base_argv, data_argv, lockstep, run  # noqa: E402
 from run_cache import load_or_run, relative_flags  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
+SYNC = ["--lsgd-algorithm", "sync"]
+INNER_OPTIMIZER = ("--optimizer", "--muon-", "--adam-", "--sgd-")  # flags (each with one value) that pick it
 GOALS = ((1000.0, 2.0), (100.0, 0.5))  # (bytes reduction at least, gap at most in %)
 
 
@@ -104,6 +109,19 @@ def default_points(interval: int, num_layers: int) -> List[Point]:
     return pts
 
 
+def reference_flags(flags: Sequence[str]) -> List[str]:
+    """The sync run a point is measured against: `sync` with the point's inner-optimizer flags."""
+    out = list(SYNC)
+    for i, flag in enumerate(flags[:-1]):
+        if flag.startswith(INNER_OPTIMIZER):
+            out += [flag, flags[i + 1]]
+    return out
+
+
+def reference_name(ref: Sequence[str]) -> str:
+    return " ".join(["sync"] + list(ref[len(SYNC):]))
+
+
 def parse_point(text: str) -> Point:
     label, _, rest = text.partition("=")
     family, _, flags = rest.partition(":")
@@ -135,16 +153,18 @@ class Summary:
         return statistics.fmean(self.gaps)
 
 
-def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]], sync: Dict[int, Dict]) -> List[Summary]:
-    """results[label][seed] and sync[seed]: {"valid": [...], "comm": {"bytes_sent": ...}}.
-    A point with no finished run (every seed failed) has no summary."""
+def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]],
+              sync: Dict[str, Dict[int, Dict]]) -> List[Summary]:
+    """results[label][seed] and sync[reference_name][seed]: {"valid": [...], "comm": {"bytes_sent": ...}},
+    each point against the sync run with its inner optimizer (`reference_flags`). A point with
+    no finished run (every seed failed) has no summary."""
     out = []
     for p in points:
         gaps, ratios = [], []
         if not results.get(p.label):
             continue
         for seed, r in sorted(results[p.label].items()):
-            ref = sync[seed]
+            ref = sync[reference_name(reference_flags(p.flags))][seed]
             gaps.append(100.0 * (r["valid"][-1] / ref["valid"][-1] - 1.0))
             sent = r["comm"].get("bytes_sent", 0)
             ratios.append(ref["comm"]["bytes_sent"] / sent if sent else float("inf"))
@@ -152,12 +172,15 @@ def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]], sync
     return out
 
 
-def cached_run(argv: List[str], sites: int, cache_dir: str) -> Optional[Dict]:
-    """One run's result, from the cache or trained now and cached (None: it failed; its error
-    is printed and the sweep goes on)."""
+def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = False) -> Optional[Dict]:
+    """One run's result, from the cache or trained now and cached (None: it failed, its error
+    printed and the sweep going on; or it is not cached and `cached_only`)."""
     digest = hashlib.sha256(json.dumps([sites] + relative_flags(argv)).encode()).hexdigest()[:16]
 
     def train() -> Optional[Dict]:
+        if cached_only:
+            print("  not in the cache (--cached-only): left out", flush=True)
+            return None
         try:
             return run(argv, sites)
         except Exception as err:  # a rank failed: its error line is above
@@ -180,21 +203,40 @@ def goals_met(summaries: Sequence[Summary]) -> List[str]:
     for reduction, gap in GOALS:
         hits = [s for s in summaries if s.reduction >= reduction and max(s.gaps) <= gap]
         who = ", ".join(f"{s.point.label} ({s.reduction:.0f}x, {s.gap:+.2f}%)" for s in hits) or "none"
-        lines.append(f"- >= {reduction:.0f}x fewer bytes within {gap}% of sync on every seed: {who}")
+        lines.append(f"- >= {reduction:.0f}x fewer bytes within {gap}% of sync (same inner optimizer) on every "
+                     f"seed: {who}")
     return lines
 
 
 def table(summaries: Sequence[Summary], header: str) -> str:
     best = {id(s) for s in best_per_family(summaries).values()}
-    lines = [header, "", "| point | family | bytes reduction | gap to sync (mean) | gap spread (min..max) | seeds |",
-             "|---|---|---|---|---|---|"]
+    lines = [header, "", "| point | family | against | bytes reduction | gap (mean) | gap spread (min..max) | seeds |",
+             "|---|---|---|---|---|---|---|"]
     for s in sorted(summaries, key=lambda s: (s.point.family, s.gap)):
         mark = " **best**" if id(s) in best else ""
-        lines.append(f"| {s.point.label}{mark} | {s.point.family} | {s.reduction:.3g}x | {s.gap:+.2f}% | "
-                     f"{min(s.gaps):+.2f}% .. {max(s.gaps):+.2f}% | {len(s.gaps)} |")
+        lines.append(f"| {s.point.label}{mark} | {s.point.family} | {reference_name(reference_flags(s.point.flags))} | "
+                     f"{s.reduction:.3g}x | {s.gap:+.2f}% | {min(s.gaps):+.2f}% .. {max(s.gaps):+.2f}% | "
+                     f"{len(s.gaps)} |")
     lines += ["", "Goals (issue 24):"] + goals_met(summaries)
     lines += ["", "Flags per point: " + "; ".join(f"{s.point.label}: `{' '.join(s.point.flags)}`" for s in summaries)]
     return "\n".join(lines)
+
+
+def references_line(sync: Dict[str, Dict[int, Dict]]) -> str:
+    """Each reference's mean final validation loss; those after the first also as a gap to it
+    (what their inner optimizer alone gains or loses), over the seeds both finished."""
+    names = [n for n in sync if sync[n]]
+    first = names[0]
+    parts = []
+    for name in names:
+        runs = sync[name]
+        text = f"`{name}` {statistics.fmean(r['valid'][-1] for r in runs.values()):.4f}"
+        common = [s for s in runs if s in sync[first]]
+        if name != first and common:
+            gap = statistics.fmean(100.0 * (runs[s]["valid"][-1] / sync[first][s]["valid"][-1] - 1) for s in common)
+            text += f" ({gap:+.2f}% vs `{first}`)"
+        parts.append(text)
+    return ", ".join(parts) + " (final validation loss, mean over seeds)"
 
 
 def write_block(doc: str, block: str) -> None:
@@ -259,6 +301,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny, fast: checks the pipeline, measures nothing")
     p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "quality_frontier"),
                    help="finished runs, reused by the next sweep with the same flags")
+    p.add_argument("--cached-only", action="store_true",
+                   help="train nothing: write the table from the finished runs in --cache-dir (a point's seeds "
+                        "that are not there are left out; the seeds column says how many it has)")
     args = p.parse_args(argv)
     if args.smoke:
         args.train_iters, args.num_layers, args.hidden_size, args.seq_length = 20, 2, 64, 32
@@ -266,8 +311,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
         points = select(default_points(args.interval, args.num_layers) + [parse_point(t) for t in args.point], args.points)
+        for pt in points:
+            if pt.flags == reference_flags(pt.flags):
+                raise ValueError(f"--point {pt.label}: its flags are its own reference (sync with its inner "
+                                 f"optimizer), which every sweep runs and the header reports")
     except ValueError as err:
         p.error(str(err))
+    references = [SYNC] + [r for r in {tuple(reference_flags(pt.flags)): 0 for pt in points} if list(r) != SYNC]
     data, label = data_argv(args.data_path, args.tokenizer_model)
 
     def argv_for(flags: List[str], seed: int) -> List[str]:
@@ -281,36 +331,41 @@ def main(argv: Optional[List[str]] = None) -> None:
         return argv
 
     t0 = time.perf_counter()
-    sync: Dict[int, Dict] = {}
+    sync: Dict[str, Dict[int, Dict]] = {reference_name(ref): {} for ref in references}
     results: Dict[str, Dict[int, Dict]] = {pt.label: {} for pt in points}
     for seed in seeds:
-        print(f"> sync, seed {seed}", flush=True)
-        reference = cached_run(argv_for(["--lsgd-algorithm", "sync"], seed), args.sites, args.cache_dir)
-        if reference is None:
-            print(f"error: sync failed for seed {seed}: that seed is left out", flush=True)
-            continue
-        sync[seed] = reference
+        for ref in references:
+            print(f"> {reference_name(ref)}, seed {seed}", flush=True)
+            reference = cached_run(argv_for(list(ref), seed), args.sites, args.cache_dir, args.cached_only)
+            if reference is not None:
+                sync[reference_name(ref)][seed] = reference
+            elif not args.cached_only:
+                print(f"error: {reference_name(ref)} failed for seed {seed}: its points' runs of that seed are "
+                      f"left out", flush=True)
         for pt in points:
+            if seed not in sync[reference_name(reference_flags(pt.flags))]:
+                continue
             print(f"> {pt.label}, seed {seed}", flush=True)
-            result = cached_run(argv_for(pt.flags, seed), args.sites, args.cache_dir)
+            result = cached_run(argv_for(pt.flags, seed), args.sites, args.cache_dir, args.cached_only)
             if result is not None:
                 results[pt.label][seed] = result
-    if not sync:
+    if not sync[reference_name(SYNC)]:
         sys.exit("error: sync failed for every seed; nothing to compare against")
     summaries = summarize(points, results, sync)
     failed = [pt.label for pt in points if not results[pt.label]]
     base = os.path.splitext(args.doc)[0]
+    os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
     with open(base + ".json", "w") as f:
         json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": sync, "results": results}, f, indent=1)
-    sync_loss = statistics.fmean(r["valid"][-1] for r in sync.values())
     header = (f"Data: {label}{' (SMOKE RUN: measures nothing)' if args.smoke else ''}. {args.sites} sites, "
               f"{args.train_iters} iterations x {args.global_batch_size} x {args.seq_length} tokens, "
-              f"{args.num_layers} layers x {args.hidden_size}, seeds {args.seeds}; sync's final validation loss "
-              f"{sync_loss:.4f} (mean). Bytes: the logging rank's inter-site bytes sent, as counted. "
-              f"{time.perf_counter() - t0:.0f} s in all.")
+              f"{args.num_layers} layers x {args.hidden_size}, seeds {args.seeds}. Each point against sync with its "
+              f"inner optimizer: {references_line(sync)}. Bytes: the logging rank's inter-site bytes sent, as "
+              f"counted. " + ("Written from the cache." if args.cached_only else f"{time.perf_counter() - t0:.0f} s in all."))
     block = table(summaries, header)
     if failed:
-        block += "\n\nNot run (every seed failed): " + ", ".join(failed)
+        block += "\n\nNo finished run (" + ("not in the cache" if args.cached_only else "every seed failed") + \
+            "): " + ", ".join(failed)
     png = base + ".png"
     if plot(summaries, png, label):
         block += f"\n\n![frontier]({os.path.basename(png)})"
