@@ -109,6 +109,9 @@ class CoCoDCOptions(FragmentOptions):
             raise ValueError("--lsgd-cocodc-dc-beta needs --lsgd-cocodc-dc-normalize mean-square")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--lsgd-cocodc-schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.schedule == "round-robin" and interval % k:
+            raise ValueError(f"--lsgd-interval {interval} must be a multiple of --lsgd-fragments {k} with "
+                             f"--lsgd-cocodc-schedule round-robin: streaming-diloco's K slots of H/K steps")
         if self.syncs_per_round < 0:
             raise ValueError(f"--lsgd-cocodc-syncs-per-round must be >= 0 (got {self.syncs_per_round}; 0: measure)")
         if self.syncs_per_round:

@@ -356,6 +356,8 @@ def _config(extra):
       "--lsgd-fragment-sync-delay", "2"], "--lsgd-fragment-sync-delay 2 must be < "),
     (["--lsgd-algorithm", "cocodc", "--lsgd-interval", "9", "--lsgd-fragments", "4",
       "--lsgd-fragment-sync-delay", "2"], "--lsgd-fragment-sync-delay 2 must be < "),
+    (["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-schedule", "round-robin", "--lsgd-interval", "10",
+      "--lsgd-fragments", "4"], "--lsgd-interval 10 must be a multiple of --lsgd-fragments 4 with"),
     (["--lsgd-algorithm", "cocodc", "--lsgd-fragment-sync-delay", "-1"], "--lsgd-fragment-sync-delay must be >= 0"),
     (["--lsgd-algorithm", "streaming-diloco", "--lsgd-fragment-update-alpha", "1.5"], "--lsgd-fragment-update-alpha"),
     (["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-gamma", "0"], "--lsgd-cocodc-gamma must be in"),
