@@ -106,6 +106,11 @@ def default_points(interval: int, num_layers: int) -> List[Point]:
                                                 "--lsgd-cocodc-dc-normalize", norm,
                                                 "--lsgd-cocodc-syncs-per-round", str(k)] + frag)
     add("dpu", "dpu", ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"])
+    # a-edit's interval is seconds (default 600, longer than a whole sweep run here: the sites met
+    # once, at the end); on a simulated clock at 1 s per step, tau = H seconds is H steps
+    add(f"a-edit-tau{interval}", "a-edit", ["--lsgd-algorithm", "a-edit", "--simulate-clock",
+                                            "--simulate-microbatch-seconds", "0", "--simulate-optimizer-step-seconds",
+                                            "1", "--lsgd-aedit-interval-seconds", str(interval)])
     return pts
 
 
