@@ -104,6 +104,9 @@ def test_finished_runs_are_cached_and_a_failed_one_is_left_out(tmp_path, monkeyp
     assert qf.cached_run(["--lsgd-algorithm", "diloco"], 2, str(tmp_path), cached_only=True) is None
     assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path), cached_only=True) == first
     assert len(calls) == 3  # --cached-only trained nothing
+    refreshed = qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path), refresh=True)
+    assert len(calls) == 4 and refreshed != first  # trained again (fake_run's loss counts the calls) ...
+    assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path)) == refreshed  # ... and kept
     points = [qf.Point("a", "f", []), qf.Point("b", "f", [])]
     sync = {"sync": {1: {"valid": [2.0], "comm": {"bytes_sent": 100}}}}
     summaries = qf.summarize(points, {"a": {1: {"valid": [2.02], "comm": {"bytes_sent": 1}}}, "b": {}}, sync)

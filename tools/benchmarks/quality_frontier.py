@@ -22,8 +22,9 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
 `--points` picks points by label or family (comma-separated; default all); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags), so a sweep that stops is resumed by running the same command again;
-delete the cache after a change of the code that alters training. `--cached-only` trains
-nothing and writes the table from what the cache holds. A run that fails is
+delete the cache after a change of the code that alters training (or `--refresh` the points
+that lean on a changed default). `--cached-only` trains nothing and writes the table from
+what the cache holds. A run that fails is
 reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
 (tiny model, 20 iterations, mock data unless a corpus is given), which must not be read as
 a measurement.
@@ -177,9 +178,11 @@ def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]],
     return out
 
 
-def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = False) -> Optional[Dict]:
+def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = False,
+               refresh: bool = False) -> Optional[Dict]:
     """One run's result, from the cache or trained now and cached (None: it failed, its error
-    printed and the sweep going on; or it is not cached and `cached_only`)."""
+    printed and the sweep going on; or it is not cached and `cached_only`). `refresh` trains it
+    again even if cached."""
     digest = hashlib.sha256(json.dumps([sites] + relative_flags(argv)).encode()).hexdigest()[:16]
 
     def train() -> Optional[Dict]:
@@ -192,7 +195,7 @@ def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = 
             print(f"error: this run failed ({err}); it is left out of the table", flush=True)
             return None
 
-    return load_or_run(os.path.join(cache_dir, f"{digest}.json"), train)
+    return load_or_run(os.path.join(cache_dir, f"{digest}.json"), train, refresh=refresh and not cached_only)
 
 
 def best_per_family(summaries: Sequence[Summary]) -> Dict[str, Summary]:
@@ -306,6 +309,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny, fast: checks the pipeline, measures nothing")
     p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "quality_frontier"),
                    help="finished runs, reused by the next sweep with the same flags")
+    p.add_argument("--refresh", action="store_true",
+                   help="train the selected points again even if cached (not the sync references): the cache is "
+                        "named by flags, so a point that leans on a default must be refreshed when that default "
+                        "changes")
     p.add_argument("--cached-only", action="store_true",
                    help="train nothing: write the table from the finished runs in --cache-dir (a point's seeds "
                         "that are not there are left out; the seeds column says how many it has)")
@@ -351,7 +358,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             if seed not in sync[reference_name(reference_flags(pt.flags))]:
                 continue
             print(f"> {pt.label}, seed {seed}", flush=True)
-            result = cached_run(argv_for(pt.flags, seed), args.sites, args.cache_dir, args.cached_only)
+            result = cached_run(argv_for(pt.flags, seed), args.sites, args.cache_dir, args.cached_only, args.refresh)
             if result is not None:
                 results[pt.label][seed] = result
     if not sync[reference_name(SYNC)]:

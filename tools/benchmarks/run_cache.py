@@ -15,10 +15,11 @@ def relative_flags(argv: List[str]) -> List[str]:
     return [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in argv]
 
 
-def load_or_run(path: str, compute: Callable[[], Optional[Dict]]) -> Optional[Dict]:
+def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool = False) -> Optional[Dict]:
     """The result cached at `path`, else `compute()`'s, written atomically (a run stopped while
-    writing leaves no half file). None from `compute` (a failed or skipped run) is not cached."""
-    if os.path.exists(path):
+    writing leaves no half file). None from `compute` (a failed or skipped run) is not cached.
+    `refresh`: compute even if cached, replacing the old result only when the new one exists."""
+    if os.path.exists(path) and not refresh:
         with open(path) as f:
             return json.load(f)
     result = compute()
