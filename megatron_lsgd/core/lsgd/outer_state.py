@@ -25,6 +25,7 @@ import re
 from typing import Dict, List, Optional, Set
 
 import torch
+import torch.distributed as dist
 from torch.optim.sgd import sgd
 
 from megatron_lsgd.core.lsgd.config import OuterOptions
@@ -115,6 +116,12 @@ class OuterState:
         if self.momentum > 0 and started:
             for m, saved in zip(self.momenta, state["momentum"]):
                 m.copy_(saved)
+        elif started and (not dist.is_initialized() or dist.get_rank() == 0):
+            # not an error (a run may drop the momentum on purpose), but never silent: the
+            # defaults were 0.7 / 0.9 until 2026-11-26, so an old run resumed without flags lands here
+            print(" note: the checkpoint holds outer momentum, which this run does not use (--lsgd-outer-momentum 0, "
+                  "the default since 2026-11-26; it was 0.9 with --lsgd-outer-lr 0.7): pass the saved run's "
+                  "--lsgd-outer-lr and --lsgd-outer-momentum to continue it as it ran", flush=True)
 
 
 _PART = re.compile(r"/part\d+of\d+$")

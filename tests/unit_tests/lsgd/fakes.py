@@ -25,6 +25,9 @@ _SHARED = {"interval": ("rounds", "interval"), "warmup_iters": ("rounds", "warmu
 def lsgd_config(algorithm: str, num_sites: int = 2, **flat) -> LsgdConfig:
     """An LsgdConfig from flat keywords: shared knobs by the names above, anything else is
     a field of the algorithm's own Options. Validated like the command line's."""
+    # Nesterov outer momentum unless a test says otherwise: the fakes exercise the momentum's
+    # state (rollback, checkpoints, elastic rounds), which the run's default (plain averaging) has none of
+    flat = {"outer_lr": 0.7, "outer_momentum": 0.9, **flat}
     groups = {"rounds": {}, "outer": {}, "compression": {}}
     own = {}
     for key, value in flat.items():

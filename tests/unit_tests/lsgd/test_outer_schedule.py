@@ -67,12 +67,35 @@ def test_outer_state_steps_with_the_scheduled_lr_and_momentum():
     assert again.steps == {"all": 4}
 
 
+def test_default_outer_step_averages_the_sites_models(capsys):
+    """The measured defaults (docs/quality.md): lr 1, no momentum, no buffer kept; the anchor
+    becomes the sites' mean model. A checkpoint with outer momentum loaded into such a run
+    says that the momentum is left unused."""
+    opts = OuterOptions()
+    assert (opts.lr, opts.momentum) == (1.0, 0.0)
+    anchor = torch.tensor([1.0, -2.0])
+    outer = OuterState([anchor.clone()], opts)
+    assert outer.momenta == []
+    site_models = [torch.tensor([0.5, -1.0]), torch.tensor([1.25, -3.5])]
+    mean_pseudo_gradient = torch.stack([anchor - m for m in site_models]).mean(0)
+    outer.step(OneFragment(anchor.clone()), [mean_pseudo_gradient])
+    assert torch.equal(outer.anchors[0], torch.stack(site_models).mean(0))
+
+    with_momentum = OuterState([anchor.clone()], OuterOptions(lr=0.7, momentum=0.9))
+    with_momentum.step(OneFragment(anchor.clone()), [mean_pseudo_gradient])
+    outer.load_state_dict(with_momentum.state_dict())
+    assert "the checkpoint holds outer momentum, which this run does not use" in capsys.readouterr().out
+    assert torch.equal(outer.anchors[0], with_momentum.anchors[0])
+    OuterState([anchor.clone()], opts).load_state_dict(OuterState([anchor.clone()], opts).state_dict())
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("flags,message", [
     (dict(momentum_warmup=-1), "--lsgd-outer-momentum-warmup"),
     (dict(momentum=0.0, momentum_warmup=3), "--lsgd-outer-momentum-warmup needs"),
     (dict(decay_start=5, decay_steps=0), "--lsgd-outer-decay-steps"),
-    (dict(decay_start=5, min_lr=0.9), "--lsgd-outer-min-lr"),
-    (dict(decay_start=5, momentum_final=0.95), "--lsgd-outer-momentum-final"),
+    (dict(decay_start=5, min_lr=1.5), "--lsgd-outer-min-lr"),
+    (dict(momentum=0.9, decay_start=5, momentum_final=0.95), "--lsgd-outer-momentum-final"),
     (dict(min_lr=0.1), "--lsgd-outer-min-lr needs --lsgd-outer-decay-start"),
 ])
 def test_bad_schedules_name_the_flag(flags, message):
@@ -83,7 +106,8 @@ def test_bad_schedules_name_the_flag(flags, message):
 def test_schedule_flags_reach_the_outer_options():
     from tests.unit_tests.lsgd.test_config import config
 
-    cfg = config(["--num-sites", "2", "--lsgd-algorithm", "streaming-diloco", "--lsgd-outer-momentum-warmup", "3",
+    cfg = config(["--num-sites", "2", "--lsgd-algorithm", "streaming-diloco", "--lsgd-outer-momentum", "0.9",
+                  "--lsgd-outer-momentum-warmup", "3",
                   "--lsgd-outer-decay-start", "10", "--lsgd-outer-decay-steps", "5", "--lsgd-outer-decay-style",
                   "cosine", "--lsgd-outer-min-lr", "0.1", "--lsgd-outer-momentum-final", "0.5"]).lsgd
     o = cfg.outer
