@@ -112,7 +112,8 @@ def test_local_sgd_anchors_and_outer_momentum_are_resharded(tmp_path, algorithm)
     DP_intra ranks without ZeRO-1, which each own a part of them; through TP2 and back,
     loaded at the same layout (exact) and under ZeRO-1 (1e-6). Each site reads its share of
     a global batch by DP_intra, so a local-SGD run is compared at equal DP_intra."""
-    sites = ["--num-sites", "2", "--lsgd-algorithm"] + algorithm
+    sites = ["--num-sites", "2", "--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.9",  # a momentum to carry
+             "--lsgd-algorithm"] + algorithm
     ck = {k: str(tmp_path / k) for k in ("a", "tp2", "tp1")}
     plan = [
         ("train", "saved", COMMON + sites + ["--train-iters", "4", "--save", ck["a"]]),  # 2 sites x DP_intra 2

@@ -79,7 +79,8 @@ def test_local_sgd_state_survives_sigkill(tmp_path, algorithm):
     the resume)."""
     layout = ["--num-sites", "2", "--use-distributed-optimizer", "--global-batch-size", "8",
               "--hidden-dropout", "0", "--attention-dropout", "0",
-              "--lsgd-algorithm", algorithm.split("-")[0], "--lsgd-interval", "3"]
+              "--lsgd-algorithm", algorithm.split("-")[0], "--lsgd-interval", "3",
+              "--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.9"]  # a momentum to restore
     if algorithm.startswith("dilocox"):
         layout += ["--lsgd-compression", "int4"]
     if algorithm == "dilocox-apply-step":

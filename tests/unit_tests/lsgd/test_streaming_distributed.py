@@ -32,7 +32,8 @@ COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "
           "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "5e-3",
           "--lr-decay-style", "constant", "--mock-data", "--vocab-size", "250", "--make-vocab-size-divisible-by",
           "32", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-          "--seed", "9", "--untie-embeddings-and-output-weights", "--num-sites", "2"]
+          "--seed", "9", "--untie-embeddings-and-output-weights", "--num-sites", "2",
+          "--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.9"]  # per-fragment momenta to compare
 LAYOUTS = {
     "tp2-pp2-sites2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "zero1-sites2": (4, ["--use-distributed-optimizer", "--ddp-bucket-size", "5000"]),
