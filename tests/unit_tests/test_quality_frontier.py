@@ -13,6 +13,11 @@ from tools.benchmarks.quality_frontier import (BEGIN, END, Point, best_per_famil
                                                parse_point, select, summarize, table, write_block)
 
 
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "100", "--lr", "1e-3",
+        "--vocab-size", "512", "--num-sites", "2"]
+
+
 def _r(loss, sent):
     return {"valid": [loss + 1, loss], "comm": {"bytes_sent": sent}}
 
@@ -90,18 +95,19 @@ def test_finished_runs_are_cached_and_a_failed_one_is_left_out(tmp_path, monkeyp
 
     def fake_run(argv, world):
         calls.append(argv)
-        if "--fail" in argv:
+        if "--seed" in argv:  # this test's marker of a run that fails
             raise RuntimeError("process 1 terminated with exit code 2")
         return {"valid": [float(len(calls))], "comm": {"bytes_sent": 10}}
 
     monkeypatch.setattr(qf, "run", fake_run)
-    data = [os.path.join(qf.ROOT, "data", "corpus")]  # a path in the checkout: named relative in the digest
+    # a path in the checkout: named relative in the digest
+    data = BASE + ["--data-path", os.path.join(qf.ROOT, "data", "corpus")]
     first = qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path))
     assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path)) == first and len(calls) == 1
     assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 3, str(tmp_path)) != first  # another world
-    assert qf.cached_run(["--lsgd-algorithm", "sync", "--fail"], 2, str(tmp_path)) is None
+    assert qf.cached_run(["--lsgd-algorithm", "sync", "--seed", "3"] + BASE, 2, str(tmp_path)) is None
     assert len(os.listdir(tmp_path)) == 2  # nothing cached for the failure
-    assert qf.cached_run(["--lsgd-algorithm", "diloco"], 2, str(tmp_path), cached_only=True) is None
+    assert qf.cached_run(["--lsgd-algorithm", "diloco"] + BASE, 2, str(tmp_path), cached_only=True) is None
     assert qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path), cached_only=True) == first
     assert len(calls) == 3  # --cached-only trained nothing
     refreshed = qf.cached_run(["--lsgd-algorithm", "sync"] + data, 2, str(tmp_path), refresh=True)
@@ -111,6 +117,27 @@ def test_finished_runs_are_cached_and_a_failed_one_is_left_out(tmp_path, monkeyp
     sync = {"sync": {1: {"valid": [2.0], "comm": {"bytes_sent": 100}}}}
     summaries = qf.summarize(points, {"a": {1: {"valid": [2.02], "comm": {"bytes_sent": 1}}}, "b": {}}, sync)
     assert [s.point.label for s in summaries] == ["a"]
+
+
+def test_a_run_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch):
+    """The cache is named by flags; the fingerprint of what they resolve to catches a run that
+    leaned on a default changed since (the outer defaults did, 2026-11-26)."""
+    calls = []
+    monkeypatch.setattr(qf, "run", lambda argv, world: calls.append(argv) or {"valid": [float(len(calls))]})
+    argv = ["--lsgd-algorithm", "diloco"] + BASE
+    first = qf.cached_run(argv, 2, str(tmp_path))
+    assert first["fingerprint"] == qf.resolved_fingerprint(argv)
+    assert qf.cached_run(argv, 2, str(tmp_path)) == first and len(calls) == 1
+    # the flags name the outer lr's default value: the same flags resolve the same way ...
+    assert qf.resolved_fingerprint(argv) == qf.resolved_fingerprint(argv + ["--lsgd-outer-lr", "1.0"])
+    # ... and a default that moves changes what they resolve to
+    monkeypatch.setattr(qf, "resolved_fingerprint", lambda a: "other defaults")
+    again = qf.cached_run(argv, 2, str(tmp_path))
+    assert len(calls) == 2 and again["valid"] == [2.0] and again["fingerprint"] == "other defaults"
+    assert qf.cached_run(argv, 2, str(tmp_path), cached_only=True) == again
+    (name,) = os.listdir(tmp_path)  # a run cached before fingerprints existed is taken as it is
+    (tmp_path / name).write_text('{"valid": [7.0]}')
+    assert qf.cached_run(argv, 2, str(tmp_path)) == {"valid": [7.0]} and len(calls) == 2
 
 
 @pytest.mark.parametrize("interval,layers", [(50, 4), (48, 4), (50, 2), (7, 1)])

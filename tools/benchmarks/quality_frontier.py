@@ -21,9 +21,10 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
 
 `--points` picks points by label or family (comma-separated; default all); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
-digest of its flags), so a sweep that stops is resumed by running the same command again;
-delete the cache after a change of the code that alters training (or `--refresh` the points
-that lean on a changed default). `--cached-only` trains nothing and writes the table from
+digest of its flags, with a fingerprint of every argument they resolve to: one made under
+other defaults is trained again), so a sweep that stops is resumed by running the same
+command again; delete the cache after a change of the code that alters training (or
+`--refresh` the points it touches). `--cached-only` trains nothing and writes the table from
 what the cache holds. A run that fails is
 reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
 (tiny model, 20 iterations, mock data unless a corpus is given), which must not be read as
@@ -195,7 +196,17 @@ def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = 
             print(f"error: this run failed ({err}); it is left out of the table", flush=True)
             return None
 
-    return load_or_run(os.path.join(cache_dir, f"{digest}.json"), train, refresh=refresh and not cached_only)
+    return load_or_run(os.path.join(cache_dir, f"{digest}.json"), train, refresh=refresh and not cached_only,
+                       fingerprint=resolved_fingerprint(argv))
+
+
+def resolved_fingerprint(argv: List[str]) -> str:
+    """A digest of every training argument the flags resolve to, defaults included: a cached
+    run whose flags lean on a default that changed since is not taken for a run of today's."""
+    from megatron_lsgd.training.arguments import parse_args
+
+    resolved = sorted(vars(parse_args(relative_flags(argv))).items())
+    return hashlib.sha256(json.dumps(resolved, default=str).encode()).hexdigest()[:16]
 
 
 def best_per_family(summaries: Sequence[Summary]) -> Dict[str, Summary]:

@@ -15,16 +15,26 @@ def relative_flags(argv: List[str]) -> List[str]:
     return [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in argv]
 
 
-def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool = False) -> Optional[Dict]:
+def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool = False,
+                fingerprint: Optional[str] = None) -> Optional[Dict]:
     """The result cached at `path`, else `compute()`'s, written atomically (a run stopped while
     writing leaves no half file). None from `compute` (a failed or skipped run) is not cached.
-    `refresh`: compute even if cached, replacing the old result only when the new one exists."""
+    `refresh`: compute even if cached, replacing the old result only when the new one exists.
+    `fingerprint` (what the flags resolve to, defaults included) is stored with the result; a
+    cached result with another one was made under other defaults and is computed again (one
+    stored without any predates fingerprints and is taken as is)."""
     if os.path.exists(path) and not refresh:
         with open(path) as f:
-            return json.load(f)
+            cached = json.load(f)
+        if fingerprint is None or cached.get("fingerprint", fingerprint) == fingerprint:
+            return cached
+        print(f"  {os.path.basename(path)} was made under other defaults (its flags resolve differently now)",
+              flush=True)
     result = compute()
     if result is None:
         return None
+    if fingerprint is not None:
+        result = {**result, "fingerprint": fingerprint}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
