@@ -42,6 +42,19 @@ def test_summaries_gaps_reductions_best_and_goals():
     assert "| a | fam1 |" in text
 
 
+def test_the_best_of_a_family_is_judged_on_the_seeds_its_points_share():
+    """Three seeds at +3.8/+6.4/+5.0 against one at +4.2: on seed 1, the one they share, the
+    first is better, though the other's single-seed mean is lower."""
+    pts = [Point("three", "f", []), Point("one", "f", []), Point("alone", "g", [])]
+    sync = {"sync": {s: _r(1.0, 100) for s in (1, 2, 3)}}
+    results = {"three": {1: _r(1.038, 2), 2: _r(1.064, 2), 3: _r(1.05, 2)}, "one": {1: _r(1.042, 2)},
+               "alone": {2: _r(1.1, 2)}}
+    s = {x.point.label: x for x in summarize(pts, results, sync)}
+    assert s["three"].seeds == [1, 2, 3] and s["one"].seeds == [1] and s["one"].gap < s["three"].gap
+    best = best_per_family(list(s.values()))
+    assert best["f"].point.label == "three" and best["g"].point.label == "alone"
+
+
 def test_each_point_is_measured_against_sync_with_its_inner_optimizer():
     """MuLoCo's gap is to sync with Muon, not to AdamW sync: Muon's own gain is not the algorithm's."""
     muloco = Point("muloco", "diloco (muon)", ["--lsgd-algorithm", "diloco", "--optimizer", "muon",
