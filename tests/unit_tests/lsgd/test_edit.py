@@ -102,7 +102,10 @@ def test_blown_up_site_is_flagged_and_excluded_where_plain_averaging_degrades():
     # 3 sites x 1 rank, H = 2: 12 syncs; at sync 9 site 1's pseudo-gradient is 100x too large.
     base = COMMON + ["--num-sites", "3", "--global-batch-size", "12", "--train-iters", "24", "--lr", "3e-3",
                      "--log-interval", "4", "--eval-interval", "24", "--eval-iters", "8",
-                     "--lsgd-algorithm", "edit", "--lsgd-interval", "2"]
+                     "--lsgd-algorithm", "edit", "--lsgd-interval", "2",
+                     # the outer Nesterov step of the paper: it carries the blow-up into the later
+                     # syncs too, which is what the penalty must keep out (plain averaging forgets it)
+                     "--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.9"]
     detector = ["--lsgd-edit-ema-warmup", "3"]
     fault = ["--lsgd-edit-inject-fault", "1:9:100"]
     clean = run_distributed(base + detector, 3)
