@@ -1,6 +1,7 @@
 """Record this platform's numbers in tests/regression/fixtures.json (see runs.py for when).
 
-    python -m tests.regression.record                 # add or replace this platform's record
+    python -m tests.regression.record                 # add this platform's record, or configurations
+                                                      # added to CONFIGS (refused if a recorded one moved)
     python -m tests.regression.record --drop-others   # a change meant to move the numbers
 """
 
