@@ -46,7 +46,7 @@ class OuterOptions(OptionGroup):
                    "for diloco-like algorithms, one fragment's syncs for streaming ones): momentum ramps up "
                    "over the warm-up, then lr and momentum move to their final values over the decay window.")
     # Defaults measured (docs/quality.md): 1 / 0 averages the sites' models; the DiLoCo paper's
-    # Nesterov 0.7 / 0.9 ended 7-22 points worse over the 20-60 outer steps of our sweeps.
+    # Nesterov 0.7 / 0.9 ended 6.5-22 points worse over the 20-60 outer steps of our sweeps.
     lr: float = option("--lsgd-outer-lr", 1.0,
                        "outer SGD learning rate (1 with momentum 0: the new anchor is the sites' mean model; "
                        "the DiLoCo paper: 0.7 with momentum 0.9)")
