@@ -11,7 +11,7 @@ sync with Muon, so a gap is the algorithm's, not the optimizer's. For each point
     gap             = final validation loss / that sync's of the same seed - 1
 
 as mean and spread (min..max) over the seeds, marks each family's best point (lowest mean
-gap; the measured default), and checks issue 24's goals (>= 1000x within 2%, >= 100x within
+gap over the seeds its points share; the measured default), and checks issue 24's goals (>= 1000x within 2%, >= 100x within
 0.5%). It writes the table between `<!-- frontier:begin -->` and `<!-- frontier:end -->`
 of `--doc` (kept otherwise as is, created if missing), a PNG beside it (log x: bytes
 reduction; y: gap, with the seeds' spread) and the raw results as JSON.
@@ -129,6 +129,11 @@ def reference_name(ref: Sequence[str]) -> str:
     return " ".join(["sync"] + list(ref[len(SYNC):]))
 
 
+def reference_of(point: Point) -> str:
+    """The name of the sync run `point` is measured against."""
+    return reference_name(reference_flags(point.flags))
+
+
 def parse_point(text: str) -> Point:
     label, _, rest = text.partition("=")
     family, _, flags = rest.partition(":")
@@ -172,7 +177,7 @@ def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]],
         if not results.get(p.label):
             continue
         for seed, r in sorted(results[p.label].items()):
-            ref = sync[reference_name(reference_flags(p.flags))][seed]
+            ref = sync[reference_of(p)][seed]
             gaps.append(100.0 * (r["valid"][-1] / ref["valid"][-1] - 1.0))
             sent = r["comm"].get("bytes_sent", 0)
             ratios.append(ref["comm"]["bytes_sent"] / sent if sent else float("inf"))
@@ -246,7 +251,7 @@ def table(summaries: Sequence[Summary], header: str) -> str:
              "|---|---|---|---|---|---|---|"]
     for s in sorted(summaries, key=lambda s: (s.point.family, s.gap)):
         mark = " **best**" if id(s) in best else ""
-        lines.append(f"| {s.point.label}{mark} | {s.point.family} | {reference_name(reference_flags(s.point.flags))} | "
+        lines.append(f"| {s.point.label}{mark} | {s.point.family} | {reference_of(s.point)} | "
                      f"{s.reduction:.3g}x | {s.gap:+.2f}% | {min(s.gaps):+.2f}% .. {max(s.gaps):+.2f}% | "
                      f"{len(s.gaps)} |")
     lines += ["", "Goals (issue 24):"] + goals_met(summaries)
@@ -334,9 +339,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "quality_frontier"),
                    help="finished runs, reused by the next sweep with the same flags")
     p.add_argument("--refresh", action="store_true",
-                   help="train the selected points again even if cached (not the sync references): the cache is "
-                        "named by flags, so a point that leans on a default must be refreshed when that default "
-                        "changes")
+                   help="train the selected points again even if cached (not the sync references), e.g. after a "
+                        "change of the code that alters them (a changed default is caught by the fingerprint)")
     p.add_argument("--cached-only", action="store_true",
                    help="train nothing: write the table from the finished runs in --cache-dir (a point's seeds "
                         "that are not there are left out; the seeds column says how many it has)")
@@ -353,7 +357,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  f"optimizer), which every sweep runs and the header reports")
     except ValueError as err:
         p.error(str(err))
-    references = [SYNC] + [r for r in {tuple(reference_flags(pt.flags)): 0 for pt in points} if list(r) != SYNC]
+    references = [SYNC] + [list(r) for r in dict.fromkeys(tuple(reference_flags(pt.flags)) for pt in points)
+                           if list(r) != SYNC]
     data, label = data_argv(args.data_path, args.tokenizer_model)
 
     def argv_for(flags: List[str], seed: int) -> List[str]:
@@ -379,14 +384,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                 print(f"error: {reference_name(ref)} failed for seed {seed}: its points' runs of that seed are "
                       f"left out", flush=True)
         for pt in points:
-            if seed not in sync[reference_name(reference_flags(pt.flags))]:
+            if seed not in sync[reference_of(pt)]:
                 continue
             print(f"> {pt.label}, seed {seed}", flush=True)
             result = cached_run(argv_for(pt.flags, seed), args.sites, args.cache_dir, args.cached_only, args.refresh)
             if result is not None:
                 results[pt.label][seed] = result
     if not sync[reference_name(SYNC)]:
-        sys.exit("error: sync failed for every seed; nothing to compare against")
+        sys.exit("error: sync has no finished run for any seed (failed, or not in the cache with --cached-only); "
+                 "nothing to compare against")
     summaries = summarize(points, results, sync)
     failed = [pt.label for pt in points if not results[pt.label]]
     base = os.path.splitext(args.doc)[0]
