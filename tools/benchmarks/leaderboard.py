@@ -30,7 +30,9 @@ A person's reading of a table goes in docs/leaderboard/<scenario>.reading.md (an
 targets.reading.md), which the board includes under the table, so regenerating keeps it.
 
 Finished cells are cached as JSON under --cache-dir, named by a digest of their flags and
-scenario file, and reused; delete a file to re-run it.
+scenario file, and reused; delete a file to re-run it. Each keeps a fingerprint of every
+argument its flags resolve to: a cell cached under defaults changed since is trained again
+(cells cached before fingerprints existed are taken as they are).
 
 Recommended settings: the outer interval H of the DiLoCo family is chosen per scenario so
 that one full-model exchange costs at most a tenth of H steps of compute,
@@ -64,7 +66,7 @@ from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
 from tools.benchmarks.lsgd_quality import steps_to_reach  # noqa: E402
-from tools.benchmarks.run_cache import load_or_run, relative_flags  # noqa: E402
+from tools.benchmarks.run_cache import load_or_run, relative_flags, resolved_fingerprint  # noqa: E402
 
 SCENARIO_DIR = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
 DATA = os.path.join(ROOT, "data", "python-docs")
@@ -507,14 +509,18 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
     return "\n".join(head + sections + tail)
 
 
+def cell_flags(argv: List[str]) -> List[str]:
+    """The flags a cell is known by: the scenario named by its file name and other paths
+    relative to the checkout, so a cell is found from any clone and any cache directory (a
+    free-link copy lives in the cache)."""
+    return [os.path.basename(a) if i > 0 and argv[i - 1] == "--simulate-scenario" else a
+            for i, a in enumerate(relative_flags(argv))]
+
+
 def cell_digest(argv: List[str], scenario_path: str) -> str:
-    """Of the flags and the scenario file's bytes. The scenario is named by its file name and
-    other paths relative to the checkout, so a cell is found from any clone and any cache
-    directory (a free-link copy lives in the cache)."""
-    flags = [os.path.basename(a) if i > 0 and argv[i - 1] == "--simulate-scenario" else a
-             for i, a in enumerate(relative_flags(argv))]
+    """Of the flags and the scenario file's bytes."""
     with open(scenario_path, "rb") as f:
-        return hashlib.sha256(" ".join(flags).encode() + f.read()).hexdigest()[:12]
+        return hashlib.sha256(" ".join(cell_flags(argv)).encode() + f.read()).hexdigest()[:12]
 
 
 def compact(cells: List[str], name: str, args) -> List[str]:
@@ -557,7 +563,8 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
         cell["argv"], cell["steps"] = argv, steps
         return cell
 
-    return load_or_run(cache, train)
+    # the fingerprint of what the flags resolve to catches a cell that leaned on a default changed since
+    return load_or_run(cache, train, fingerprint=resolved_fingerprint(cell_flags(argv)))
 
 
 def scenario_cells(name: str, path: str, scenario, runs: List[Tuple[str, str, str]], args, not_run: List[str]

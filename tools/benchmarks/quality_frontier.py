@@ -50,7 +50,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lsgd_quality import base_argv, data_argv, lockstep, run  # noqa: E402
-from run_cache import load_or_run, relative_flags  # noqa: E402
+from run_cache import load_or_run, relative_flags, resolved_fingerprint  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
 SYNC = ["--lsgd-algorithm", "sync"]
@@ -204,15 +204,6 @@ def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = 
 
     return load_or_run(os.path.join(cache_dir, f"{digest}.json"), train, refresh=refresh and not cached_only,
                        fingerprint=resolved_fingerprint(argv))
-
-
-def resolved_fingerprint(argv: List[str]) -> str:
-    """A digest of every training argument the flags resolve to, defaults included: a cached
-    run whose flags lean on a default that changed since is not taken for a run of today's."""
-    from megatron_lsgd.training.arguments import parse_args
-
-    resolved = sorted(vars(parse_args(relative_flags(argv))).items())
-    return hashlib.sha256(json.dumps(resolved, default=str).encode()).hexdigest()[:16]
 
 
 def best_per_family(summaries: Sequence[Summary]) -> Dict[str, Summary]:

@@ -4,6 +4,7 @@ flags; paths inside the checkout are named relative to it, so a cache holds from
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Callable, Dict, List, Optional
@@ -40,3 +41,13 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
         json.dump(result, f)
     os.replace(path + ".tmp", path)
     return result
+
+
+def resolved_fingerprint(argv: List[str]) -> str:
+    """A digest of every training argument the flags resolve to, defaults included: a cached
+    run whose flags lean on a default that changed since is not taken for a run of today's.
+    Paths inside the checkout count relative to it, as in the run's name."""
+    from megatron_lsgd.training.arguments import parse_args
+
+    resolved = sorted(vars(parse_args(relative_flags(argv))).items())
+    return hashlib.sha256(json.dumps(resolved, default=str).encode()).hexdigest()[:16]

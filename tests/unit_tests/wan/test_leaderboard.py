@@ -2,6 +2,7 @@
 scenario's cost and link model (hand-computed), time to a target between evaluations, the
 loss at a budget, the ranking, and which budget flag each algorithm gets."""
 
+import argparse
 import os
 
 import pytest
@@ -113,10 +114,31 @@ def test_a_cell_is_found_from_any_checkout_and_cache_directory(tmp_path):
     here, there = tmp_path / "a", tmp_path / "b"
     here.mkdir(), there.mkdir()
     copies = [lb.free_link_copy(straggler, str(d)) for d in (here, there)]
-    digests = {lb.cell_digest(lb.cell_argv(c, "a-edit", 1, 100, 25, 2, settings_from=straggler), c) for c in copies}
-    assert len(digests) == 1
+    argvs = [lb.cell_argv(c, "a-edit", 1, 100, 25, 2, settings_from=straggler) for c in copies]
+    assert len({lb.cell_digest(argv, c) for argv, c in zip(argvs, copies)}) == 1
+    assert len({lb.resolved_fingerprint(lb.cell_flags(argv)) for argv in argvs}) == 1
     assert lb.cell_digest(lb.cell_argv(EMULATED, "sync", 1, 100, 25, 2), EMULATED) != \
         lb.cell_digest(lb.cell_argv(EMULATED, "sync", 2, 100, 25, 2), EMULATED)
+
+
+def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch):
+    """A cell is named by its flags; the fingerprint of what they resolve to catches one that
+    leaned on a default changed since."""
+    calls = []
+    monkeypatch.setattr(lb, "run_cell", lambda argv, sites: calls.append(argv) or {"valid": [float(len(calls))]})
+    args = argparse.Namespace(cache_dir=str(tmp_path), cached_only=False)
+
+    def sync_cell():
+        return lb.cached_cell("emulated-default", "sync", EMULATED, "sync", 1, 2, args, 100, 25)
+
+    first = sync_cell()
+    assert first["fingerprint"] == lb.resolved_fingerprint(lb.cell_flags(first["argv"]))
+    assert sync_cell() == first and len(calls) == 1
+    monkeypatch.setattr(lb, "resolved_fingerprint", lambda flags: "other defaults")
+    again = sync_cell()
+    assert len(calls) == 2 and again["valid"] == [2.0] and again["fingerprint"] == "other defaults"
+    args.cached_only = True
+    assert sync_cell() == again
 
 
 def test_budget_steps_fit_syncs_time_at_the_pilots_pace():
