@@ -36,8 +36,10 @@ argument its flags resolve to: a cell cached under defaults changed since is tra
 
 Recommended settings: the outer interval H of the DiLoCo family is chosen per scenario so
 that one full-model exchange costs at most a tenth of H steps of compute,
-H = clamp(ceil(10 x exchange / step), 5, 100), from the scenario's own cost and link model,
-rounded up to whole fragments (printed with the table); dilocox uses int4,
+H = clamp(ceil(10 x exchange / step), 5, 100), from the scenario's own cost and link model
+(the exchange is bytes / rate + latency: a calibrated scenario's CPU per MB sent is left out;
+counted, it would move emulated-straggler2x's H from 78 to 82 and emulated-1gbit-straggler4x's
+from 12 to 14), rounded up to whole fragments (printed with the table); dilocox uses int4,
 streaming-diloco/cocodc one fragment per layer with tau = min(5, H / 8), acco/dpu their
 adaptive accumulation, at most MAX_MICROBATCHES per stage (acco from two micro-batches per
 site per step, one per stage: it cannot take one), a-edit an interval of H steps' time.
