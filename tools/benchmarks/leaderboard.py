@@ -22,7 +22,9 @@ ranked by time to target, median and spread over seeds) and one plot per scenari
     python tools/benchmarks/leaderboard.py --scenarios emulated-default --algorithms sync,diloco --seeds 1
 
 In scenarios with a slow site, a-edit also runs on a copy of the scenario whose link is free
-(same compute, same settings): its ceiling. The board ends with the open targets of earlier
+(same compute, same settings): its ceiling. A scenario may list tuned variants (VARIANTS:
+an algorithm with flags after its recommended ones, a row of its own with its own pilot),
+where a target's miss asks what a user who knows the scenario would set. The board ends with the open targets of earlier
 rounds (a-edit and acco under a slow site, cocodc vs streaming-diloco, dreamddp vs diloco),
 judged from the cells.
 
@@ -56,7 +58,7 @@ import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -135,9 +137,10 @@ def recommended(algorithm: str, scenario) -> List[str]:
 
 
 def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
-              settings_from: Optional[str] = None) -> List[str]:
+              settings_from: Optional[str] = None, extra: Sequence[str] = ()) -> List[str]:
     """The cell's flags; the recommended settings come from `settings_from` (a free-link
-    ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself.
+    ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself,
+    and a tuned variant's `extra` flags follow them (the last of a flag given twice counts).
     `eval_interval` 0: no evaluation (a pilot, which only measures the pace)."""
     gbs = MICRO_BATCH * sites  # one micro-batch per site per step
     evaluation = ["--eval-interval", str(eval_interval), "--eval-iters", "1", "--full-validation"] if eval_interval \
@@ -147,7 +150,7 @@ def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_in
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, steps // 20)), "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--seed", str(seed), "--num-sites", str(sites), "--log-interval", str(steps),
         *evaluation, "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
-    argv += recommended(algorithm, load_scenario(settings_from or scenario_path))
+    argv += recommended(algorithm, load_scenario(settings_from or scenario_path)) + list(extra)
     if synchronizer_class(algorithm).lockstep:
         argv += ["--train-iters", str(steps)]
     else:  # sites take different numbers of steps: the same budget in samples
@@ -217,6 +220,32 @@ def measure_costs(short: int = 10, long: int = 50) -> float:
 # them in progress (a-edit's target is measured against this ceiling).
 CEILING_ALGORITHMS = ("a-edit",)
 FREE_LINK = "free link"
+
+# Tuned variants per scenario: (label, algorithm, flags after the recommended ones), rows of
+# their own beside the recommended settings, where a target's miss asks what a user who knows
+# the scenario would set. acco with one site 4x slower: its adaptive accumulation makes the
+# slow site add a whole 4x micro-batch while each exchange finishes, so fixed counts in
+# proportion to the sites' speeds (4 + 4 micro-batches per step on the fast site, 1 + 1 on the
+# slow one) keep the fast site's work without slowing the slow site's stage.
+VARIANTS: Dict[str, Tuple[Tuple[str, str, Tuple[str, ...]], ...]] = {
+    "emulated-1gbit-straggler4x": (
+        ("acco (fixed 8,2)", "acco", ("--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", "8,2")),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row of a scenario's table: an algorithm on a scenario file, with a variant's flags."""
+    label: str
+    algorithm: str
+    scenario_path: str
+    extra: Tuple[str, ...] = ()
+
+    @property
+    def plan(self) -> Tuple[str, Tuple[str, ...]]:
+        """What sets its pace, so its pilot: a free-link ceiling shares its algorithm's."""
+        return self.algorithm, self.extra
 
 
 def free_link_copy(path: str, out_dir: str) -> str:
@@ -544,11 +573,11 @@ def board_cells(name: str, args) -> List[str]:
 
 
 def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int, sites: int, args, steps: int,
-                eval_interval: int) -> Optional[Dict]:
+                eval_interval: int, extra: Sequence[str] = ()) -> Optional[Dict]:
     """One cell, from the cache or trained now (None: not cached, and --cached-only). Its file name carries a digest of its flags and
     scenario file: a changed setting or cost model is a new cell, never a stale one reused."""
     argv = cell_argv(scenario_path, algo, seed, steps, eval_interval, sites,
-                     settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"))
+                     settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"), extra=extra)
     digest = cell_digest(argv, scenario_path)
     tag = label.replace(" ", "_").replace("(", "").replace(")", "")
     cache = os.path.join(args.cache_dir, f"{name}__{tag}__seed{seed}__{digest}.json")
@@ -569,35 +598,37 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
     return load_or_run(cache, train, fingerprint=resolved_fingerprint(cell_flags(argv)))
 
 
-def scenario_cells(name: str, path: str, scenario, runs: List[Tuple[str, str, str]], args, not_run: List[str]
+def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_run: List[str]
                    ) -> Dict[str, List[Dict]]:
     """A scenario's cells by label. sync trains --steps steps; its training time is the budget.
     Every other algorithm first runs a pilot of --steps steps without evaluation (its pace on
     this scenario's clock, which neither the seed nor the data change), then, per seed, as many
     steps as fit in the budget at that pace (budget_steps), with its learning-rate schedule
-    sized to them. A free-link ceiling trains the steps of the algorithm it is the ceiling of."""
+    sized to them. A free-link ceiling trains the steps of the algorithm it is the ceiling of; a
+    tuned variant has a pilot of its own (its settings change its pace)."""
     sites, steps = scenario.sites, args.steps
     sync = [cached_cell(name, "sync", path, "sync", seed, sites, args, steps, eval_interval_for(steps))
             for seed in range(1, args.seeds + 1)]
     # (every sync seed exists unless the board is written from the cache: then the seeds present)
     budget = statistics.median(c["seconds"] for c in sync if c) if any(sync) else None
-    planned: Dict[str, Optional[int]] = {"sync": steps}
-    for label, algo, scenario_path in runs:
-        if algo in planned or scenario_path != path:
+    planned: Dict[Tuple[str, Tuple[str, ...]], Optional[int]] = {("sync", ()): steps}
+    for run in runs:
+        if run.plan in planned or run.scenario_path != path:
             continue
-        pilot = cached_cell(name, f"{label} pilot", path, algo, 1, sites, args, steps, 0)
-        planned[algo] = None if pilot is None or budget is None else \
+        pilot = cached_cell(name, f"{run.label} pilot", path, run.algorithm, 1, sites, args, steps, 0, run.extra)
+        planned[run.plan] = None if pilot is None or budget is None else \
             budget_steps(steps, budget, pilot["seconds"], args.budget_cap)
     cells: Dict[str, List[Dict]] = {}
-    for label, algo, scenario_path in runs:
+    for run in runs:
         for seed in range(1, args.seeds + 1):
-            n = planned.get(algo)
-            cell = None if n is None else sync[seed - 1] if label == "sync" else \
-                cached_cell(name, label, scenario_path, algo, seed, sites, args, n, eval_interval_for(n))
+            n = planned.get(run.plan)
+            cell = None if n is None else sync[seed - 1] if run.label == "sync" else \
+                cached_cell(name, run.label, run.scenario_path, run.algorithm, seed, sites, args, n,
+                            eval_interval_for(n), run.extra)
             if cell is None:
-                not_run.append(f"{label} seed {seed}")
+                not_run.append(f"{run.label} seed {seed}")
             else:
-                cells.setdefault(label, []).append(cell)
+                cells.setdefault(run.label, []).append(cell)
     return cells
 
 
@@ -639,10 +670,11 @@ def main() -> None:
         if not os.path.exists(path):
             p.error(f"--scenarios: no {path}")
         scenario = load_scenario(path)
-        runs = [(algo, algo, path) for algo in algorithms]
+        runs = [Run(algo, algo, path) for algo in algorithms]
+        runs += [Run(label, algo, path, flags) for label, algo, flags in VARIANTS.get(name, ()) if algo in algorithms]
         if has_slow_site(scenario):
             free = free_link_copy(path, args.cache_dir)
-            runs += [(f"{algo} ({FREE_LINK})", algo, free) for algo in algorithms if algo in CEILING_ALGORITHMS]
+            runs += [Run(f"{algo} ({FREE_LINK})", algo, free) for algo in algorithms if algo in CEILING_ALGORITHMS]
         cells = scenario_cells(name, path, scenario, runs, args, not_run.setdefault(name, []))
         board[name] = cells
         if not cells:

@@ -56,6 +56,20 @@ def test_a_edit_gets_a_sample_budget_and_lockstep_algorithms_iterations():
     assert argv[argv.index("--train-iters") + 1] == "100" and "--simulate-scenario" in argv
 
 
+def test_every_variant_is_its_algorithm_with_its_flags_last_and_passes_the_argument_checks():
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    assert lb.VARIANTS  # the board has tuned rows (acco with fixed counts on the 4x straggler)
+    for name, variants in lb.VARIANTS.items():
+        path = os.path.join(lb.SCENARIO_DIR, f"{name}.toml")
+        sites = load_scenario(path).sites
+        for label, algo, flags in variants:
+            assert label.startswith(algo) and algo in lb.ALGORITHMS
+            argv = lb.cell_argv(path, algo, 1, 100, 25, sites, extra=flags)
+            assert argv[-len(flags) - 2:-2] == list(flags)  # after the recommended ones, before the length
+            build_config(parse_args(argv), sites)
+
+
 def test_the_free_link_ceiling_keeps_compute_and_settings(tmp_path):
     straggler = os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml")
     free = load_scenario(lb.free_link_copy(straggler, str(tmp_path)))
@@ -150,20 +164,22 @@ def test_budget_steps_fit_syncs_time_at_the_pilots_pace():
 
 def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
     """sync sets the budget; each other algorithm gets a pilot (seed 1, no evaluation) and then
-    the steps that fit; the free-link ceiling trains the steps of the algorithm it bounds."""
+    the steps that fit; the free-link ceiling trains the steps of the algorithm it bounds; a
+    tuned variant gets a pilot of its own."""
     calls = []
-    pace = {"sync": 2.0, "diloco": 0.25, "a-edit": 0.5}  # simulated seconds per step
+    pace = {"sync": 2.0, "diloco": 0.25, "a-edit": 0.5, "slow diloco": 1.0}  # simulated seconds per step
 
-    def fake(name, label, path, algo, seed, sites, args, steps, eval_interval):
+    def fake(name, label, path, algo, seed, sites, args, steps, eval_interval, extra=()):
         calls.append((label, seed, steps, eval_interval))
-        return dict(cell([1.0], [4.0], steps * pace[algo]), steps=steps)
+        return dict(cell([1.0], [4.0], steps * pace["slow diloco" if extra else algo]), steps=steps)
 
     monkeypatch.setattr(lb, "cached_cell", fake)
     straggler = os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml")
     s = load_scenario(straggler)
     free = lb.free_link_copy(straggler, str(tmp_path))
-    runs = [("a-edit (free link)", "a-edit", free), ("sync", "sync", straggler), ("diloco", "diloco", straggler),
-            ("a-edit", "a-edit", straggler)]
+    runs = [lb.Run("a-edit (free link)", "a-edit", free), lb.Run("sync", "sync", straggler),
+            lb.Run("diloco", "diloco", straggler), lb.Run("a-edit", "a-edit", straggler),
+            lb.Run("diloco (H 7)", "diloco", straggler, ("--lsgd-interval", "7"))]
 
     class Args:
         steps, seeds, budget_cap = 100, 2, 3
@@ -178,6 +194,8 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
     assert [c["steps"] for c in cells["a-edit"]] == [300, 300] and \
         [c["steps"] for c in cells["a-edit (free link)"]] == [300, 300]  # 400 fit: capped
     assert ("diloco", 2, 300, lb.eval_interval_for(300)) in calls
+    assert ("diloco (H 7) pilot", 1, 100, 0) in calls  # its own pace: 200 steps fit in sync's 200 s
+    assert [c["steps"] for c in cells["diloco (H 7)"]] == [200, 200]
 
 
 def test_the_board_lists_only_scenarios_with_cells_not_run(tmp_path):
