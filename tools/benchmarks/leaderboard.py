@@ -24,9 +24,9 @@ ranked by time to target, median and spread over seeds) and one plot per scenari
 In scenarios with a slow site, a-edit also runs on a copy of the scenario whose link is free
 (same compute, same settings): its ceiling. A scenario may list tuned variants (VARIANTS:
 an algorithm with flags after its recommended ones, a row of its own with its own pilot),
-where a target's miss asks what a user who knows the scenario would set. The board ends with the open targets of earlier
-rounds (a-edit and acco under a slow site, cocodc vs streaming-diloco, dreamddp vs diloco),
-judged from the cells.
+where a target's miss asks what a user who knows the scenario would set. The board ends
+with the open targets of earlier rounds (a-edit and acco under a slow site, cocodc vs
+streaming-diloco, dreamddp vs diloco), judged from the cells.
 
 A person's reading of a table goes in docs/leaderboard/<scenario>.reading.md (and
 targets.reading.md), which the board includes under the table, so regenerating keeps it.
