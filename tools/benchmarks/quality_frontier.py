@@ -11,8 +11,8 @@ sync with Muon, so a gap is the algorithm's, not the optimizer's. For each point
     gap             = final validation loss / that sync's of the same seed - 1
 
 as mean and spread (min..max) over the seeds, marks each family's best point (lowest mean
-gap over the seeds its points share; the measured default), and checks issue 24's goals (>= 1000x within 2%, >= 100x within
-0.5%). It writes the table between `<!-- frontier:begin -->` and `<!-- frontier:end -->`
+gap over the seeds its points share; the measured default), and checks issue 24's goals
+(>= 1000x within 2%, >= 100x within 0.5%). It writes the table between `<!-- frontier:begin -->` and `<!-- frontier:end -->`
 of `--doc` (kept otherwise as is, created if missing), a PNG beside it (log x: bytes
 reduction; y: gap, with the seeds' spread) and the raw results as JSON.
 
