@@ -57,6 +57,20 @@ def test_missing_dataset(monkeypatch, capsys, tmp_path):
     assert code == 2 and "error: indexed dataset file not found: " in err and prefix in err
 
 
+def test_real_data_without_the_compiled_extension(monkeypatch, capsys, tmp_path):
+    # a checkout used without `pip install -e .` (seen on a GPU machine): one line saying how to build it
+    import sys
+
+    import megatron_lsgd
+
+    monkeypatch.delattr(megatron_lsgd, "_C", raising=False)
+    monkeypatch.setitem(sys.modules, "megatron_lsgd._C", None)  # the import fails as if never built
+    prefix = _dataset(str(tmp_path / "docs_text_document"), 250)
+    code, _, err = _run(["--train-iters", "2", "--data-path", prefix, "--tokenizer-type", "NullTokenizer",
+                         "--vocab-size", "250"], monkeypatch, capsys, base=FILES)
+    assert code == 2 and "error: megatron_lsgd._C" in err and "pip install -e ." in err
+
+
 def test_truncated_index(monkeypatch, capsys, tmp_path):
     prefix = _dataset(str(tmp_path / "c"), 250)
     with open(prefix + ".idx", "r+b") as f:

@@ -15,17 +15,17 @@ import numpy as np
 def _native():
     try:
         from megatron_lsgd import _C  # noqa: PLC0415 - the extension is optional at import time
-    except ImportError as exc:  # pragma: no cover - exercised only without a build
-        raise ImportError(
-            "megatron_lsgd._C is not built; run `python setup.py build_ext --inplace` "
-            "or `pip install -e .` in the repository root") from exc
+    except ImportError as exc:
+        # OSError: a file the run needs is missing, so the run stops with one `error:` line
+        raise OSError("megatron_lsgd._C (the compiled index builders that --data-path needs) is not built; run "
+                      "`pip install -e .` or `python setup.py build_ext --inplace` in the repository root") from exc
     return _C
 
 
 def native_available() -> bool:
     try:
         _native()
-    except ImportError:
+    except OSError:
         return False
     return True
 
