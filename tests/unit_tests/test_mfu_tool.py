@@ -38,3 +38,29 @@ def test_mfu_smoke_preset(monkeypatch, tmp_path):
     for name in ("ours", "plain"):
         expected = result[f"{name}_tokens_per_s"] * per_token / 1e9
         assert abs(result[f"{name}_mfu"] - expected) <= 1e-9 * expected
+
+
+def test_clock_cost_reads_the_clock_where_each_mode_says(monkeypatch):
+    # tools/benchmarks/clock_cost.py: its figures mean something only if 'per step' and 'per layer'
+    # really read the clock that often (on the host the readings are free, so the times can't tell)
+    from tools.benchmarks import clock_cost
+
+    readings = []
+
+    class CountingClock(clock_cost.Clock):
+        def now(self):
+            readings.append(1)
+            return super().now()
+
+    monkeypatch.setattr(clock_cost, "Clock", CountingClock)
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    try:
+        result = clock_cost.main(["--preset", "smoke", "--steps", "1", "--rounds", "1"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert set(result) == set(clock_cost.MODES) and all(v > 0 for v in result.values())
+    # the clock's start (1); 2 warm-up + 1 timed steps per mode: none 0, per step 3, per layer 3 x (2 layers + 1)
+    assert len(readings) == 1 + 0 + 3 + 3 * 3

@@ -36,6 +36,9 @@ PRESETS: Dict[str, Dict[str, object]] = {
     # TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads in 4 KV groups, SwiGLU 5632, vocab 32000
     "1b": dict(layers=22, hidden=2048, heads=32, groups=4, ffn=5632, vocab=32000, seq=2048, mbs=4, bf16=True,
                steps=10, rounds=3),
+    # GPT-2 small's size in Llama's shape (clock_cost.py): launch-bound enough to show host waits
+    "125m": dict(layers=12, hidden=768, heads=12, groups=4, ffn=2048, vocab=32000, seq=1024, mbs=4, bf16=True,
+                 steps=20, rounds=3),
     "smoke": dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=256, seq=64, mbs=2, bf16=True,
                   steps=2, rounds=1),
 }
