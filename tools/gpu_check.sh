@@ -9,6 +9,7 @@
 #   4. on 2+ GPUs: acco and dpu with NCCL inside the sites (a hang = the deadlock their
 #      worker's gloo groups rule out),
 #   5. a checkpoint saved on the GPU resumed on the GPU and on the CPU,
+#   6. where torchft is importable: elastic sites on the GPU, one killed and rejoining,
 # then prints a table and writes docs/performance.md's GPU section (between its markers).
 #
 #   tools/gpu_check.sh                 # everything
@@ -31,6 +32,9 @@ fi
 DEVICE=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")
 DATE=$(date -u +%Y-%m-%d)
 echo "gpu_check: $DEVICE, torch $("$PY" -c 'import torch; print(torch.__version__)'), logs in $OUT"
+# The compiled extension (`pip install -e .` builds it; a bare checkout has none): step 6's real data needs it.
+"$PY" setup.py build_ext --inplace >"$OUT/build_ext.log" 2>&1 ||
+    echo "gpu_check: building megatron_lsgd._C failed ($OUT/build_ext.log); step 6 (real data) will fail" >&2
 
 # 1. CUDA-marked tests
 timeout 300 "$PY" -m pytest -q -m cuda tests >"$OUT/cuda_tests.log" 2>&1
@@ -127,10 +131,44 @@ for where in gpu cpu; do
     CKPT_ROWS+="| saved on the GPU at step 4, resumed on the ${where^^} | $status | ${loss:--} | ${WHOLE:--} | $diff |"$'\n'
 done
 
+# 6. elastic sites on torchft with CUDA tensors (where torchft is importable): the quick
+#    start's ELASTIC mode (dilocox) for 300 steps on the GPU, one log for both sites; once a
+#    line of step 25 appears, site 1's rank is SIGKILLed, its torchrun restarts it (fresh), it
+#    must rejoin with state received from site 0, and both sites must finish. --lsgd-min-sites 2:
+#    on a GPU a site's start-up (seconds) outlasts such a run, and with the default floor of one
+#    site the first site up trains alone, so the two need never meet (seen on an H100).
+FT_ROW=""
+if "$PY" -c "import torchft" 2>/dev/null; then
+    FT_LOG="$OUT/ft_sites.log"
+    PATH="$(dirname "$(command -v "$PY")"):$PATH" ELASTIC=1 timeout 300 bash examples/train_two_sites_cpu.sh \
+        --device ${FT_DEVICE:-cuda} --bf16 --distributed-backend gloo --lsgd-interval 10 --train-iters 300 \
+        --lsgd-min-sites 2 --lr-warmup-iters 5 --log-interval 1 --eval-interval 1000 --eval-iters 0 \
+        --tensorboard-dir "$OUT/ft_tb" >"$FT_LOG" 2>&1 &
+    FT_PID=$!
+    KILLED=0
+    for _ in $(seq 600); do  # up to 5 min
+        if [ $KILLED -eq 0 ] && grep -q "iteration *2[5-9]/" "$FT_LOG"; then
+            for p in $(pgrep -f -- "--lsgd-site 1"); do  # the rank, not its launcher
+                tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q "distributed.run" || kill -9 "$p"
+            done
+            KILLED=1
+        fi
+        kill -0 $FT_PID 2>/dev/null || break
+        sleep 0.5
+    done
+    wait $FT_PID
+    rc=$?
+    rejoined=$(grep -c "site 1 rejoined" "$FT_LOG")
+    finished=$(grep -c "done: 300 iterations" "$FT_LOG")
+    status=$([ $rc -eq 0 ] && [ $KILLED -eq 1 ] && [ "$rejoined" -ge 1 ] && [ "$finished" -ge 2 ] && echo ok \
+             || echo "FAILED (exit $rc, killed $KILLED, rejoined $rejoined, finished $finished, $FT_LOG)")
+    FT_ROW="| dilocox H 10, 2 sites x 1 rank, site 1 SIGKILLed at step 25 and restarted fresh | $status |"
+fi
+
 # the table, printed and written into docs/performance.md
-SECTION=$("$PY" - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" "$CKPT_ROWS" <<'EOF'
+SECTION=$("$PY" - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" "$CKPT_ROWS" "$FT_ROW" <<'EOF'
 import json, sys
-mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows, ckpt_rows = sys.argv[1:]
+mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows, ckpt_rows, ft_row = sys.argv[1:]
 lines = [f"Measured {date} on {device} by `tools/gpu_check.sh` (one run; figures are that run's).", ""]
 lines.append(f"- CUDA-marked tests: {'passed' if tests_rc == '0' else 'FAILED'} ({tests_line.strip()})")
 if mfu_rc == "0":
@@ -156,6 +194,11 @@ lines += ["", "- A checkpoint on the GPU: diloco, 2 sites x 1 rank, bf16, saved 
           "the last loss beside the uninterrupted GPU run's:", "",
           "| run | status | last loss | uninterrupted | relative difference |", "|---|---|---|---|---|",
           ckpt_rows.rstrip()]
+if ft_row:
+    lines += ["", "- Elastic sites on torchft with CUDA tensors (the quick start's ELASTIC mode, 300 steps, "
+              "--lsgd-min-sites 2):", "", "| run | status |", "|---|---|", ft_row]
+else:
+    lines += ["", "- Elastic sites on torchft: not run (torchft is not importable)"]
 print("\n".join(lines))
 EOF
 )
@@ -170,4 +213,4 @@ _, tail = rest.split(end, 1)
 open(path, "w").write(f"{head}{start}\n{section}\n{end}{tail}")
 EOF
 echo "wrote the GPU section of docs/performance.md; logs in $OUT"
-[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS$CKPT_ROWS"
+[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS$CKPT_ROWS$FT_ROW"
