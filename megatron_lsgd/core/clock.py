@@ -21,8 +21,8 @@ times, acco/dpu's accumulate-while-waiting, dreamddp's profile), stragglers and 
 Work handed to another thread (acco/dpu's worker) runs on a timeline of its own:
 `start_job()` forks one at the caller's present, `bound(job)` makes it the thread's clock,
 `job.finish()` marks its end; the caller asks `done_by_now(job)` (has it finished by my
-present?) and `join(job)` (I waited for it). With the real clock these are the plain
-questions about the thread.
+present?), `join(job)` (I waited for it) and `job.seconds()` (how long it took). With the
+real clock these are the plain questions about the thread.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class Job:
     """A piece of work on another thread, with its own timeline (see the module docstring)."""
 
     def __init__(self, start: float):
-        self.t = start  # its present (simulated clocks advance it)
+        self.start = start
+        self.t = start  # its present: a simulated clock advances it; at the end, where it ended
         self._finished = threading.Event()
         self._changed = threading.Condition()
 
@@ -54,6 +55,10 @@ class Job:
         with self._changed:
             self._finished.set()
             self._changed.notify_all()
+
+    def seconds(self) -> float:
+        """How long the finished job took, from its start to its end on its timeline."""
+        return self.t - self.start
 
     def advance_to(self, t: float) -> None:
         with self._changed:
@@ -143,7 +148,9 @@ class Clock:
 
     # ---- work on other threads --------------------------------------------------------------------
     def start_job(self) -> Job:
-        return Job(time.perf_counter())  # the real clock never reads a job's time: no need to wait for the device
+        # host readings, without waiting for the device: a job's times only say when the host
+        # thread started and finished it (the worker's device work is ordered by events)
+        return Job(time.perf_counter())
 
     @contextlib.contextmanager
     def bound(self, job: Job) -> Iterator[None]:
@@ -151,6 +158,7 @@ class Clock:
         try:
             yield
         finally:
+            job.advance_to(time.perf_counter())
             job.finish()
 
     def done_by_now(self, job: Job) -> bool:

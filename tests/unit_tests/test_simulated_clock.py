@@ -263,7 +263,15 @@ def _log(path: str) -> list:
 def test_two_simulated_runs_of_every_algorithm_are_identical(tmp_path):
     argvs = [COMMON + ["--lsgd-algorithm", name] + args + ["--json-log", str(tmp_path / f"{name}.{rep}.jsonl")]
              for rep in range(2) for name, args in ALGORITHMS.items()]
+    # packed here (one spawn): acco whose slow site's micro-batch (4 x 0.05 s) is shorter than
+    # an exchange but two of them are longer
+    argvs.append(COMMON + ["--lsgd-algorithm", "acco", "--train-iters", "8", "--simulate-microbatch-seconds", "0.05",
+                           "--slow-factor", "4"])
     runs = run_distributed_many(argvs, 2)
+    fast, slow = (r["sync_stats"]["extra mb"] for r in runs.pop())
+    # the slow site starts no micro-batch that would outlast the exchange (it would delay the next
+    # one for both sites) once the jobs are measured: extra ones only while the first two jobs ran
+    assert slow == 2 and fast > 8, (fast, slow)
     n = len(ALGORITHMS)
     for i, name in enumerate(ALGORITHMS):
         first, second = _log(tmp_path / f"{name}.0.jsonl"), _log(tmp_path / f"{name}.1.jsonl")

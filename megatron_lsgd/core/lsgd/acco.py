@@ -37,10 +37,16 @@ Micro-batches per stage (`--lsgd-accumulation`):
 - fixed: exactly the configured count (n_s = --lsgd-site-microbatches, default the count
   --global-batch-size gives; acco splits it n~ = n_s // 2, n = n_s - n~). Deterministic.
 - adaptive (default): at least that count, then one more micro-batch at a time while the
-  worker is still busy with the previous stage, up to --lsgd-max-microbatches; a faster
-  site computes more and weighs more. Every rank of a site must run the same number of
-  pipeline schedules, so after each extra micro-batch the site agrees (all-reduce MIN of
-  "the worker is done" over the site group, a few bytes on the fast links) and the counts
+  worker is still busy with the previous stage and one more is expected to end before it
+  does (the last job of the same kind's length against the stage's measured micro-batch
+  time; the first jobs, unmeasured, are waited for as long as they run), up to
+  --lsgd-max-microbatches; a faster site computes more and weighs more. A micro-batch that
+  would outlast the job is not started: it would delay this site's hand-over, and so the
+  next exchange for every site (with a 4x slower site whose micro-batch was shorter than
+  the exchange, starting it anyway ran 1.54 updates/s, docs/algorithms/acco.md). Every
+  rank of a site must run the same number of pipeline schedules, so after each micro-batch
+  beyond the minimum the site agrees (all-reduce MIN of "stop" over the site group, a few
+  bytes on the fast links) and the counts
   are exchanged across sites (all-gather of one integer) on the worker thread. The extra
   micro-batches accumulate over separate schedule calls (whole micro-batches through the
   whole pipeline), with a common loss divisor and one rescale at the end.
@@ -146,7 +152,8 @@ class OverlapOptions(OptionGroup):
     accumulation: str = option(
         "--lsgd-accumulation", "adaptive",
         "micro-batches per stage: adaptive = at least the configured count, then more while the previous "
-        "stage's reduce and optimizer step still run (a faster site computes more and weighs more); "
+        "stage's reduce and optimizer step still run and one more fits before they end (a faster site "
+        "computes more and weighs more); "
         "fixed = exactly the configured count (deterministic)", choices=ACCUMULATION)
     site_microbatches: str = option(
         "--lsgd-site-microbatches", "",
@@ -312,6 +319,8 @@ class OverlappedGradientSync(Synchronizer):
         self._worker = _Worker(f"lsgd-{self.name}", device, self.streams)
         self._job: Optional[Future] = None
         self._job_clock: Optional[Job] = None  # the job's timeline on the run's clock
+        self._job_kind = ""  # the job in flight's stage kind
+        self._job_seconds: Dict[str, float] = {}  # per stage kind: how long its last job took
         self._load_after_compute: Optional[str] = None  # "main" or "estimate": what the model takes next
         self._stash: Optional[List[torch.Tensor]] = None  # the model's shard to restore (after quiesce)
         self._configured: Optional[int] = None
@@ -355,6 +364,7 @@ class OverlappedGradientSync(Synchronizer):
         storage = self.storages[self.computing]
         self._job_clock = self.clock.start_job()  # the worker's timeline forks from this moment
         self._job = self._worker.submit(self._timed_job, self._job_clock, handed_over, kind, stage, storage, n, step)
+        self._job_kind = kind
         self._load_after_compute = "main" if kind == "commit" else "estimate"
         self.computing ^= 1
         self.model.use_grad_storage(self.storages[self.computing])
@@ -364,20 +374,32 @@ class OverlappedGradientSync(Synchronizer):
         step.zero_grads()
         if self.opts.accumulation == "fixed":
             return step.compute_grads(data_iterator, minimum), minimum
+        began = self.clock.now()
         losses = step.compute_grads(data_iterator, minimum, accumulate_only=True)
         n, cap = minimum, self.opts.stage_cap(minimum)
-        while n < cap and not self._site_agrees_worker_done():
+        ended = self.clock.now()
+        microbatch = (ended - began) / minimum  # this stage's pace, updated by each extra one
+        while n < cap and not self._site_agrees_to_stop(microbatch, ended):
             losses += step.compute_grads(data_iterator, 1, loss_divisor=minimum, accumulate_only=True)
             n += 1
+            began, ended = ended, self.clock.now()
+            microbatch = ended - began
         if n > minimum:  # every micro-batch's loss was divided by `minimum`: make it the mean over n
             self.model.buffer.grad_data.mul_(minimum / n)
             self.extra_microbatches += n - minimum
         return losses, n
 
-    def _site_agrees_worker_done(self) -> bool:
-        """True on every rank of the site once every rank's worker is done (MIN over the site)."""
-        done = self._job is None or self.clock.done_by_now(self._job_clock)
-        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=self.device)
+    def _site_agrees_to_stop(self, microbatch: float, now: float) -> bool:
+        """Whether the site stops accumulating: True on every rank of the site once every rank
+        would (MIN over the site). A rank would once its worker is done, or when one more
+        micro-batch is expected to end after the job does (the last job of the same kind took
+        as long as this one will): a micro-batch that outlasts the job delays this site's
+        hand-over, and so the next exchange, for every site."""
+        stop = self._job is None or self.clock.done_by_now(self._job_clock)
+        expected = self._job_seconds.get(self._job_kind)
+        if not stop and expected is not None:
+            stop = self._job_clock.start + expected - now < microbatch
+        flag = torch.tensor([1 if stop else 0], dtype=torch.int32, device=self.device)
         agree_in_site(flag, self.pgs, dist.ReduceOp.MIN)
         return bool(flag.item())
 
@@ -391,6 +413,7 @@ class OverlappedGradientSync(Synchronizer):
         result: _JobResult = self._job.result()
         self.streams.wait(result.done)  # what the compute stream queues next sees the job's results
         self.clock.join(self._job_clock)
+        self._job_seconds[result.kind] = self._job_clock.seconds()
         self.comm.record_exposed_between(start, self.clock.mark())
         self.comm.settle(result.tally)
         self._job = None
