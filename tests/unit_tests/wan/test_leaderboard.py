@@ -9,22 +9,24 @@ import pytest
 
 from megatron_lsgd.training.scenario import load_scenario
 from tools.benchmarks import leaderboard as lb
+from tools.benchmarks import leaderboard_report as lb_report
+from tools.benchmarks import leaderboard_setup as lb_setup
 
-EMULATED = os.path.join(lb.SCENARIO_DIR, "emulated-default.toml")
+EMULATED = os.path.join(lb_setup.SCENARIO_DIR, "emulated-default.toml")
 
 
 def test_recommended_interval_hides_an_exchange_in_a_tenth_of_h_steps(tmp_path):
     line = tmp_path / "line.toml"  # 0.041 + 0.017 s per step, 100 Mbit/s, 20 ms, bytes x 1
     line.write_text("sites = 2\n[compute]\nmicrobatch_seconds = 0.041\noptimizer_step_seconds = 0.017\n"
                     "[link]\nrate_mbit = 100\nlatency_ms = 20\nbytes_scale = 1.0\n")
-    exchange = 4 * lb.TRAINED_PARAMS_GUESS * 2 * (2 - 1) / 2 * 8 / 100e6 + 0.020
+    exchange = 4 * lb_setup.TRAINED_PARAMS_GUESS * 2 * (2 - 1) / 2 * 8 / 100e6 + 0.020
     h = int(-(-10 * exchange // 0.058))
-    assert h < 100 and lb.recommended_interval(load_scenario(str(line))) == -(-h // lb.LAYERS) * lb.LAYERS
-    assert lb.recommended_interval(load_scenario(EMULATED)) == 100  # 64 Mbit/s for an all-reduce: capped
-    odd = load_scenario(os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml"))
-    assert lb.recommended_interval(odd) % lb.LAYERS == 0
-    fast = load_scenario(os.path.join(lb.SCENARIO_DIR, "2x8gpu-1gbit-1b.toml"))
-    assert lb.recommended_interval(fast) == 100  # a 1B model over 1 Gbit/s: capped
+    assert h < 100 and lb_setup.recommended_interval(load_scenario(str(line))) == -(-h // lb_setup.LAYERS) * lb_setup.LAYERS
+    assert lb_setup.recommended_interval(load_scenario(EMULATED)) == 100  # 64 Mbit/s for an all-reduce: capped
+    odd = load_scenario(os.path.join(lb_setup.SCENARIO_DIR, "emulated-straggler2x.toml"))
+    assert lb_setup.recommended_interval(odd) % lb_setup.LAYERS == 0
+    fast = load_scenario(os.path.join(lb_setup.SCENARIO_DIR, "2x8gpu-1gbit-1b.toml"))
+    assert lb_setup.recommended_interval(fast) == 100  # a 1B model over 1 Gbit/s: capped
 
 
 def cell(seconds, losses, total, iterations=10, samples=80):
@@ -34,9 +36,9 @@ def cell(seconds, losses, total, iterations=10, samples=80):
 
 def test_time_to_target_interpolates_and_loss_at_budget_takes_the_last_seen():
     c = cell([10.0, 20.0, 30.0], [6.0, 5.0, 4.0], 30.0)
-    assert lb.time_to(c, 4.5) == pytest.approx(25.0)
-    assert lb.time_to(c, 3.0) is None
-    assert lb.loss_at(c, 25.0) == 5.0 and lb.loss_at(c, 5.0) is None
+    assert lb_report.time_to(c, 4.5) == pytest.approx(25.0)
+    assert lb_report.time_to(c, 3.0) is None
+    assert lb_report.loss_at(c, 25.0) == 5.0 and lb_report.loss_at(c, 5.0) is None
 
 
 def test_ranking_by_time_to_sync_final_loss():
@@ -44,46 +46,46 @@ def test_ranking_by_time_to_sync_final_loss():
     cells = {"sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],
              "fast": [cell([2.0, 4.0], [4.5, 3.9], 4.0)],
              "never": [cell([1.0, 2.0], [6.0, 5.5], 2.0)]}
-    table = lb.summarize("emulated-default", s, cells)
+    table = lb_report.summarize("emulated-default", s, cells)
     rows = [line for line in table if line.startswith("| ") and line[2].isdigit()]
     assert [r.split(" | ")[1] for r in rows] == ["fast", "sync", "never"]
     assert "not reached" in rows[2]
 
 
 def test_a_edit_gets_a_sample_budget_and_lockstep_algorithms_iterations():
-    assert "--train-samples" in lb.cell_argv(EMULATED, "a-edit", 1, 100, 25, 2)
-    argv = lb.cell_argv(EMULATED, "diloco", 1, 100, 25, 2)
+    assert "--train-samples" in lb_setup.cell_argv(EMULATED, "a-edit", 1, 100, 25, 2)
+    argv = lb_setup.cell_argv(EMULATED, "diloco", 1, 100, 25, 2)
     assert argv[argv.index("--train-iters") + 1] == "100" and "--simulate-scenario" in argv
 
 
 def test_every_variant_is_its_algorithm_with_its_flags_last_and_passes_the_argument_checks():
     from megatron_lsgd.training.arguments import build_config, parse_args
 
-    assert lb.VARIANTS  # the board has tuned rows (acco with fixed counts on the 4x straggler)
-    for name, variants in lb.VARIANTS.items():
-        path = os.path.join(lb.SCENARIO_DIR, f"{name}.toml")
+    assert lb_setup.VARIANTS  # the board has tuned rows (acco with fixed counts on the 4x straggler)
+    for name, variants in lb_setup.VARIANTS.items():
+        path = os.path.join(lb_setup.SCENARIO_DIR, f"{name}.toml")
         sites = load_scenario(path).sites
         for label, algo, flags in variants:
-            assert label.startswith(algo) and algo in lb.ALGORITHMS
-            argv = lb.cell_argv(path, algo, 1, 100, 25, sites, extra=flags)
+            assert label.startswith(algo) and algo in lb_setup.ALGORITHMS
+            argv = lb_setup.cell_argv(path, algo, 1, 100, 25, sites, extra=flags)
             assert argv[-len(flags) - 2:-2] == list(flags)  # after the recommended ones, before the length
             build_config(parse_args(argv), sites)
 
 
 def test_the_free_link_ceiling_keeps_compute_and_settings(tmp_path):
-    straggler = os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml")
-    free = load_scenario(lb.free_link_copy(straggler, str(tmp_path)))
+    straggler = os.path.join(lb_setup.SCENARIO_DIR, "emulated-straggler2x.toml")
+    free = load_scenario(lb_setup.free_link_copy(straggler, str(tmp_path)))
     s = load_scenario(straggler)
-    assert lb.has_slow_site(s) and not lb.has_slow_site(load_scenario(EMULATED))
+    assert lb_setup.has_slow_site(s) and not lb_setup.has_slow_site(load_scenario(EMULATED))
     assert free.rate_mbit == [0.0, 0.0] and free.latency_ms == [0.0, 0.0]
     assert (free.site_factors, free.microbatch_seconds, free.bytes_scale) == \
         (s.site_factors, s.microbatch_seconds, s.bytes_scale)
     # The ceiling runs a-edit with the interval recommended for the real link, not for a free one.
-    argv = lb.cell_argv(free.path, "a-edit", 1, 100, 25, 2, settings_from=straggler)
-    real = lb.cell_argv(straggler, "a-edit", 1, 100, 25, 2)
+    argv = lb_setup.cell_argv(free.path, "a-edit", 1, 100, 25, 2, settings_from=straggler)
+    real = lb_setup.cell_argv(straggler, "a-edit", 1, 100, 25, 2)
     assert [i for i, (a, b) in enumerate(zip(argv, real)) if a != b] == [argv.index(free.path)]
     interval = argv[argv.index("--lsgd-aedit-interval-seconds") + 1]
-    assert float(interval) == pytest.approx(lb.recommended_interval(s) * 0.058, rel=1e-3)
+    assert float(interval) == pytest.approx(lb_setup.recommended_interval(s) * 0.058, rel=1e-3)
 
 
 def test_open_targets_are_judged_from_the_cells():
@@ -98,7 +100,7 @@ def test_open_targets_are_judged_from_the_cells():
             "sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],
             "acco": [cell([4.0, 8.0], [4.5, 4.0], 8.0)]},  # 8 / 20
     }
-    rows = {r.split(" | ")[0][2:].split(",")[0]: r for r in lb.open_targets(board)[2:]}
+    rows = {r.split(" | ")[0][2:].split(",")[0]: r for r in lb_report.open_targets(board)[2:]}
     assert rows["acco"].endswith("| 0.4 (8 s vs 20 s) | yes |")
     assert rows["cocodc vs streaming-diloco: steps to sync's final loss"].endswith("| 0.75 (7.5 steps vs 10 steps) | yes |")
     assert rows["dreamddp vs diloco: time to sync's final loss"].endswith("| only diloco reaches it | **no** |")
@@ -106,7 +108,7 @@ def test_open_targets_are_judged_from_the_cells():
     board["emulated-straggler2x"] = {"sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],  # +2%: 4.08
                                      "a-edit": [cell([1.0, 2.0], [4.5, 4.08], 2.0)],
                                      "a-edit (free link)": [cell([1.0, 1.8], [4.5, 4.08], 1.8)]}
-    assert dict((r.split(" | ")[0][2:].split(",")[0], r) for r in lb.open_targets(board)[2:])["a-edit"].endswith(
+    assert dict((r.split(" | ")[0][2:].split(",")[0], r) for r in lb_report.open_targets(board)[2:])["a-edit"].endswith(
         "| 0.9 (2 s vs 1.8 s) | yes |")  # the ceiling's time over a-edit's: higher is better
 
 
@@ -116,23 +118,23 @@ def test_each_seed_is_judged_against_syncs_run_with_the_same_seed():
 
     cells = {"sync": [seeded(1, [10.0, 20.0], [5.0, 4.0], 20.0), seeded(2, [10.0, 20.0], [5.0, 3.0], 20.0)],
              "algo": [seeded(1, [1.0, 2.0], [4.5, 4.0], 2.0), seeded(2, [1.0, 2.0], [4.5, 3.5], 2.0)]}
-    targets = lb.Targets(cells)
+    targets = lb_report.Targets(cells)
     assert [targets.loss_for(c) for c in cells["algo"]] == [4.0, 3.0]  # not the median 3.5 for both
-    assert lb.time_to(cells["algo"][0], targets.loss_for(cells["algo"][0])) == 2.0
-    assert lb.time_to(cells["algo"][1], targets.loss_for(cells["algo"][1])) is None  # seed 2's sync got lower
+    assert lb_report.time_to(cells["algo"][0], targets.loss_for(cells["algo"][0])) == 2.0
+    assert lb_report.time_to(cells["algo"][1], targets.loss_for(cells["algo"][1])) is None  # seed 2's sync got lower
     assert targets.loss_for(seeded(3, [1.0], [4.0], 1.0)) == 3.5  # a seed sync did not run: the median
 
 
 def test_a_cell_is_found_from_any_checkout_and_cache_directory(tmp_path):
-    straggler = os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml")
+    straggler = os.path.join(lb_setup.SCENARIO_DIR, "emulated-straggler2x.toml")
     here, there = tmp_path / "a", tmp_path / "b"
     here.mkdir(), there.mkdir()
-    copies = [lb.free_link_copy(straggler, str(d)) for d in (here, there)]
-    argvs = [lb.cell_argv(c, "a-edit", 1, 100, 25, 2, settings_from=straggler) for c in copies]
+    copies = [lb_setup.free_link_copy(straggler, str(d)) for d in (here, there)]
+    argvs = [lb_setup.cell_argv(c, "a-edit", 1, 100, 25, 2, settings_from=straggler) for c in copies]
     assert len({lb.cell_digest(argv, c) for argv, c in zip(argvs, copies)}) == 1
     assert len({lb.resolved_fingerprint(lb.cell_flags(argv)) for argv in argvs}) == 1
-    assert lb.cell_digest(lb.cell_argv(EMULATED, "sync", 1, 100, 25, 2), EMULATED) != \
-        lb.cell_digest(lb.cell_argv(EMULATED, "sync", 2, 100, 25, 2), EMULATED)
+    assert lb.cell_digest(lb_setup.cell_argv(EMULATED, "sync", 1, 100, 25, 2), EMULATED) != \
+        lb.cell_digest(lb_setup.cell_argv(EMULATED, "sync", 2, 100, 25, 2), EMULATED)
 
 
 def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch):
@@ -174,12 +176,12 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
         return dict(cell([1.0], [4.0], steps * pace["slow diloco" if extra else algo]), steps=steps)
 
     monkeypatch.setattr(lb, "cached_cell", fake)
-    straggler = os.path.join(lb.SCENARIO_DIR, "emulated-straggler2x.toml")
+    straggler = os.path.join(lb_setup.SCENARIO_DIR, "emulated-straggler2x.toml")
     s = load_scenario(straggler)
-    free = lb.free_link_copy(straggler, str(tmp_path))
-    runs = [lb.Run("a-edit (free link)", "a-edit", free), lb.Run("sync", "sync", straggler),
-            lb.Run("diloco", "diloco", straggler), lb.Run("a-edit", "a-edit", straggler),
-            lb.Run("diloco (H 7)", "diloco", straggler, ("--lsgd-interval", "7"))]
+    free = lb_setup.free_link_copy(straggler, str(tmp_path))
+    runs = [lb_setup.Run("a-edit (free link)", "a-edit", free), lb_setup.Run("sync", "sync", straggler),
+            lb_setup.Run("diloco", "diloco", straggler), lb_setup.Run("a-edit", "a-edit", straggler),
+            lb_setup.Run("diloco (H 7)", "diloco", straggler, ("--lsgd-interval", "7"))]
 
     class Args:
         steps, seeds, budget_cap = 100, 2, 3
@@ -202,7 +204,7 @@ def test_the_board_lists_only_scenarios_with_cells_not_run(tmp_path):
     import argparse
     args = argparse.Namespace(out=str(tmp_path / "leaderboard.md"), steps=300, budget_cap=3, seeds=3,
                               algorithms="sync,diloco")
-    text = lb.document(["emulated-default", "emulated-straggler2x"], [], args,
+    text = lb_report.document(["emulated-default", "emulated-straggler2x"], [], args,
                        {"emulated-default": [], "emulated-straggler2x": ["diloco seed 2"]})
     assert "Cells not run in emulated-straggler2x: diloco seed 2." in text
     assert "Cells not run in emulated-default" not in text
@@ -213,5 +215,5 @@ def test_a_seed_with_no_cell_is_named_once(tmp_path):
     args = argparse.Namespace(out=str(tmp_path / "leaderboard.md"), steps=300, budget_cap=3, seeds=3,
                               algorithms="sync,diloco")
     missing = ["diloco seed 1", "sync seed 2", "diloco seed 2", "sync seed 3", "diloco seed 3"]
-    text = lb.document(["emulated-default"], [], args, {"emulated-default": missing})
+    text = lb_report.document(["emulated-default"], [], args, {"emulated-default": missing})
     assert "Cells not run in emulated-default: seed 2 (every cell), seed 3 (every cell), diloco seed 1." in text

@@ -1,0 +1,176 @@
+"""What a leaderboard cell trains (tools/benchmarks/leaderboard.py runs the cells): the small
+GPT and the bundled corpus, each algorithm's recommended settings for a scenario, the tuned
+variants and free-link ceilings a scenario adds, and the list of a board's cells."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_lsgd.core.lsgd.catalog import synchronizer_class
+from megatron_lsgd.training.scenario import load_scenario
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCENARIO_DIR = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
+DATA = os.path.join(ROOT, "data", "python-docs")
+ALGORITHMS = ("sync", "diloco", "dilocox", "streaming-diloco", "cocodc", "dreamddp", "dpu", "acco", "edit", "a-edit")
+
+# The small GPT every cell trains (its parameter count sets the bytes a step exchanges).
+SEQ = 64
+LAYERS = 2  # also the streaming family's fragments (one layer each)
+MODEL = ["--num-layers", str(LAYERS), "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+         "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
+MICRO_BATCH = 4
+TRAINED_PARAMS_GUESS = 1_491_584  # the model above with the 8k vocabulary (each run prints its count)
+
+
+# The held-out split every evaluation covers in full (--full-validation): about 2% of the
+# corpus, the same samples in every evaluation of every cell, so that curves and seeds compare.
+SPLIT = "979,20,1"
+# acco/dpu accumulate while the exchange is in flight; at most this many micro-batches per
+# stage (16 x the minimum by default) keeps a cell's real compute within a few minutes.
+MAX_MICROBATCHES = 4
+# Evaluations per run (the interval scales with the run's length).
+EVALUATIONS = 12
+
+
+def data_args() -> List[str]:
+    return ["--data-path", os.path.join(DATA, "python_docs_text_document"), "--split", SPLIT,
+            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(DATA, "python_docs_sp8k.model")]
+
+
+def recommended_interval(scenario) -> int:
+    """H such that one full-model exchange costs at most a tenth of H steps' compute, rounded
+    up to a multiple of the streaming family's fragments (a round is cut into equal slots)."""
+    step = scenario.microbatch_seconds * max(scenario.site_factors) + scenario.optimizer_step_seconds
+    scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
+    nbytes = 4 * TRAINED_PARAMS_GUESS * scale * 2 * (scenario.sites - 1) / scenario.sites
+    rate = min(scenario.rate_mbit) * 1e6
+    exchange = (nbytes * 8 / rate if rate > 0 else 0.0) + max(scenario.latency_ms) / 1e3
+    h = int(min(100, max(5, math.ceil(10 * exchange / step))))
+    return -(-h // LAYERS) * LAYERS
+
+
+def recommended(algorithm: str, scenario) -> List[str]:
+    h = recommended_interval(scenario)
+    step = scenario.microbatch_seconds + scenario.optimizer_step_seconds
+    outer = ["--lsgd-interval", str(h), "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0"]
+    fragments = ["--lsgd-fragments", str(LAYERS), "--lsgd-fragment-sync-delay", str(min(5, max(1, h // 8)))]
+    return {
+        "sync": [],
+        "diloco": outer,
+        "dilocox": outer + ["--lsgd-compression", "int4"],
+        "streaming-diloco": outer + fragments,
+        "cocodc": outer + fragments,
+        "dreamddp": ["--lsgd-interval", str(h)],
+        "dpu": ["--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
+        # acco splits a step into an estimate and a real stage of at least one micro-batch
+        # each: two per site per step, twice the others' minimum (adaptive accumulation adds more).
+        "acco": ["--lsgd-site-microbatches", ",".join(["2"] * scenario.sites),
+                 "--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
+        "edit": outer,
+        "a-edit": ["--lsgd-aedit-interval-seconds", f"{h * step:.4g}", "--lsgd-outer-lr", "1.0",
+                   "--lsgd-outer-momentum", "0.0"],
+    }[algorithm]
+
+
+def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
+              settings_from: Optional[str] = None, extra: Sequence[str] = ()) -> List[str]:
+    """The cell's flags; the recommended settings come from `settings_from` (a free-link
+    ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself,
+    and a tuned variant's `extra` flags follow them (the last of a flag given twice counts).
+    `eval_interval` 0: no evaluation (a pilot, which only measures the pace)."""
+    gbs = MICRO_BATCH * sites  # one micro-batch per site per step
+    evaluation = ["--eval-interval", str(eval_interval), "--eval-iters", "1", "--full-validation"] if eval_interval \
+        else ["--eval-iters", "0"]
+    argv = MODEL + data_args() + [
+        "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(gbs), "--lr", "2e-3", "--min-lr", "2e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, steps // 20)), "--weight-decay", "0.1",
+        "--clip-grad", "1.0", "--seed", str(seed), "--num-sites", str(sites), "--log-interval", str(steps),
+        *evaluation, "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
+    argv += recommended(algorithm, load_scenario(settings_from or scenario_path)) + list(extra)
+    if synchronizer_class(algorithm).lockstep:
+        argv += ["--train-iters", str(steps)]
+    else:  # sites take different numbers of steps: the same budget in samples
+        argv += ["--train-samples", str(steps * gbs)]
+    return argv
+
+
+# Algorithms that also run on a free link in scenarios with a slow site: what the link costs
+# them in progress (a-edit's target is measured against this ceiling).
+CEILING_ALGORITHMS = ("a-edit",)
+FREE_LINK = "free link"
+
+# Tuned variants per scenario: (label, algorithm, flags after the recommended ones), rows of
+# their own beside the recommended settings, where a target's miss asks what a user who knows
+# the scenario would set. acco with one site 4x slower: its adaptive accumulation makes the
+# slow site add a whole 4x micro-batch while each exchange finishes, so fixed counts in
+# proportion to the sites' speeds (4 + 4 micro-batches per step on the fast site, 1 + 1 on the
+# slow one) keep the fast site's work without slowing the slow site's stage.
+ACCO_FIXED = "acco (fixed 8,2)"
+VARIANTS: Dict[str, Tuple[Tuple[str, str, Tuple[str, ...]], ...]] = {
+    "emulated-1gbit-straggler4x": (
+        (ACCO_FIXED, "acco", ("--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", "8,2")),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row of a scenario's table: an algorithm on a scenario file, with a variant's flags."""
+    label: str
+    algorithm: str
+    scenario_path: str
+    extra: Tuple[str, ...] = ()
+
+    @property
+    def plan(self) -> Tuple[str, Tuple[str, ...]]:
+        """What sets its pace, so its pilot: a free-link ceiling shares its algorithm's."""
+        return self.algorithm, self.extra
+
+
+def free_link_copy(path: str, out_dir: str) -> str:
+    """The scenario with an unlimited link and no latency (same compute, same slow sites):
+    the ceiling a cross-site algorithm would reach if communication cost nothing."""
+    import tomllib
+
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    name = os.path.basename(path)[:-5]
+    lines = [f"# {name} with a free link (written by leaderboard.py: the ceiling)",
+             f"description = {json.dumps(data.get('description', name) + ', link free')}",
+             f"sites = {data['sites']}", "", "[compute]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in data.get("compute", {}).items()]
+    lines += ["", "[link]", "rate_mbit = 0", "latency_ms = 0"]
+    link = data.get("link", {})
+    lines += [f"{k} = {json.dumps(link[k])}" for k in ("bytes_scale", "target_params") if k in link]
+    out = os.path.join(out_dir, f"{name}.free-link.toml")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
+
+
+def has_slow_site(scenario) -> bool:
+    return any(f != scenario.site_factors[0] for f in scenario.site_factors)
+
+
+def compact(cells: List[str], name: str, args) -> List[str]:
+    """The cells not run, a seed none of whose cells ran said once ("seed 2 (every cell)")."""
+    every = board_cells(name, args)
+    whole = [seed for seed in range(1, args.seeds + 1)
+             if all(c in cells for c in every if c.endswith(f" seed {seed}"))]
+    rest = [c for c in cells if not any(c.endswith(f" seed {seed}") for seed in whole)]
+    return [f"seed {seed} (every cell)" for seed in whole] + rest
+
+
+def board_cells(name: str, args) -> List[str]:
+    """Every cell a scenario's table would hold with these arguments (labels x seeds)."""
+    scenario = load_scenario(os.path.join(SCENARIO_DIR, f"{name}.toml"))
+    algorithms = args.algorithms.split(",")
+    labels = algorithms + [f"{a} ({FREE_LINK})" for a in algorithms if a in CEILING_ALGORITHMS
+                           and has_slow_site(scenario)]
+    return [f"{label} seed {seed}" for label in labels for seed in range(1, args.seeds + 1)]
