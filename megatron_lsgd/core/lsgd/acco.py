@@ -46,8 +46,9 @@ Micro-batches per stage (`--lsgd-accumulation`):
   the exchange, starting it anyway ran 1.54 updates/s, docs/algorithms/acco.md). Every
   rank of a site must run the same number of pipeline schedules, so after each micro-batch
   beyond the minimum the site agrees (all-reduce MIN of "stop" over the site group, a few
-  bytes on the fast links) and the counts
-  are exchanged across sites (all-gather of one integer) on the worker thread. The extra
+  bytes on the fast links), and on the worker thread the counts travel across sites beside
+  the gradients (an all-gather of one integer, not waited for before the mean: the sites
+  average n_s g_s and divide by the mean count, see `_mean_across_sites`). The extra
   micro-batches accumulate over separate schedule calls (whole micro-batches through the
   whole pipeline), with a common loss divisor and one rescale at the end.
 
@@ -448,8 +449,7 @@ class OverlappedGradientSync(Synchronizer):
     def _job_fn(self, kind: str, stage: int, storage: int, count: int, step) -> _JobResult:
         with self.comm.overlapped() as tally:
             grads = self.model.grad_shards(storage)
-            counts = self._exchange_counts(count, stage)
-            self._mean_across_sites(grads, counts, count)
+            counts = self._mean_across_sites(grads, count, stage)
             total = sum(counts)
             per_mb = step.samples_per_microbatch // self.sites  # samples of one micro-batch on every rank of a site
             if kind == "estimate":
@@ -472,20 +472,20 @@ class OverlappedGradientSync(Synchronizer):
                                      samples=samples * per_mb)
         return _JobResult(kind, counts, norm, tally, self.streams.record())
 
-    def _exchange_counts(self, count: int, stage: int) -> List[int]:
+    def _mean_across_sites(self, grads: List[torch.Tensor], count: int, stage: int) -> List[int]:
+        """grads <- Σ_s n_s g_s / Σ_s n_s, identical on every site (this rank's shard); returns
+        every site's n_s. Adaptive counts are not known in advance: their all-gather (a few
+        bytes) is issued first and not waited for, the sites average n_s g_s beside it, and the
+        result is divided by the mean count, so the counts cost no round trip of their own."""
         if self.sites == 1:
             return [count]
-        if self.opts.accumulation == "fixed":
-            return [self._stage_minimum(s, stage) for s in range(self.sites)]
-        out = torch.zeros(self.sites, dtype=torch.int64, device=self.device)
-        self.comm.all_gather(out, torch.tensor([count], dtype=torch.int64, device=self.device))
-        return [int(c) for c in out]
-
-    def _mean_across_sites(self, grads: List[torch.Tensor], counts: List[int], count: int) -> None:
-        """grads <- Σ_s n_s g_s / Σ_s n_s, identical on every site (this rank's shard)."""
-        if self.sites == 1:
-            return
-        weight = count * self.sites / sum(counts)
+        fixed = self.opts.accumulation == "fixed"
+        counts = [self._stage_minimum(s, stage) for s in range(self.sites)] if fixed else []
+        if not fixed:
+            gathered = torch.zeros(self.sites, dtype=torch.int64, device=self.device)
+            pending = self.comm.all_gather(gathered, torch.tensor([count], dtype=torch.int64, device=self.device),
+                                           async_op=True)
+        weight = count * self.sites / sum(counts) if fixed else float(count)
         mine = self.part.select(grads) if self.split.active else grads
         if mine:
             if weight != 1.0:
@@ -498,8 +498,14 @@ class OverlappedGradientSync(Synchronizer):
             else:
                 for g, mean in zip(mine, run_blocking(self.compressor.reduce(mine))):
                     g.copy_(mean)
+        if not fixed:
+            pending.wait()
+            counts = [int(c) for c in gathered]
+            for g in mine:  # the mean of n_s g_s over the mean count
+                g.mul_(self.sites / sum(counts))
         self.split.gather(grads, self.worker_groups.dp_intra)
         self.comm.count_round()
+        return counts
 
     # ---- protocol --------------------------------------------------------------------------------
     def quiesce(self) -> None:

@@ -142,3 +142,71 @@ def test_communication_overlaps_compute_and_fast_sites_do_more():
     assert fast["consumed"][0] == slow["consumed"][0] == fast["consumed"][1] + slow["consumed"][1]
     assert all(torch.isfinite(torch.tensor(logged_losses(runs["acco-adaptive-straggler"]))))
     assert_replicas_identical(runs["acco-adaptive-straggler"])
+
+
+class _TwoSitesAsThreads:
+    """The inter-site comm of one site, where the two sites are two threads: each collective
+    meets at a barrier and is computed from both sites' tensors (issued in the same order)."""
+
+    def __init__(self, site: int, barrier, slots: list):
+        self.site, self.barrier, self.slots = site, barrier, slots
+
+    def _meet(self, tensor: torch.Tensor) -> list:
+        self.slots[self.site] = tensor.detach().clone()
+        self.barrier.wait()
+        both = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before both have read it
+        return both
+
+    def all_gather(self, output, tensor, async_op=False):
+        output.copy_(torch.cat([t.reshape(-1) for t in self._meet(tensor)]))
+        return _Done()
+
+    def all_reduce_mean(self, tensor, async_op=False):
+        tensor.copy_(sum(self._meet(tensor)) / 2)
+        return _Done()
+
+    def count_round(self):
+        pass
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+@pytest.mark.parametrize("accumulation", ["adaptive", "fixed"])
+def test_the_mean_across_sites_weighs_each_site_by_its_micro_batches(accumulation):
+    # the real _mean_across_sites on two sites (threads): adaptive counts travel beside the
+    # gradients and the mean of n_s g_s is divided by the mean count afterwards
+    import threading
+    from types import SimpleNamespace
+
+    from megatron_lsgd.core.lsgd.acco import OverlappedGradientSync, OverlapOptions
+
+    counts = [3, 1]
+    torch.manual_seed(0)
+    grads = [[torch.randn(5, 4), torch.randn(7)] for _ in counts]
+    expected = [(counts[0] * a.double() + counts[1] * b.double()) / sum(counts) for a, b in zip(*grads)]
+    barrier, slots, out = threading.Barrier(2), [None, None], {}
+    opts = OverlapOptions(accumulation=accumulation, site_microbatches="3,1" if accumulation == "fixed" else "")
+
+    def site(s: int):
+        sync = OverlappedGradientSync.__new__(OverlappedGradientSync)
+        sync.sites, sync.opts, sync._configured, sync.device = 2, opts, 2, torch.device("cpu")
+        sync.comm, sync.compressor = _TwoSitesAsThreads(s, barrier, slots), None
+        sync.split = SimpleNamespace(active=False, gather=lambda *_: None)
+        sync.worker_groups = SimpleNamespace(dp_intra=None)
+        out[s] = (OverlappedGradientSync._mean_across_sites(sync, grads[s], counts[s], 0), grads[s])
+
+    threads = [threading.Thread(target=site, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for s in range(2):
+        got_counts, got = out[s]
+        assert got_counts == counts
+        for g, e, other in zip(got, expected, out[1 - s][1]):
+            torch.testing.assert_close(g.double(), e, rtol=1e-6, atol=1e-6)
+            assert torch.equal(g, other)  # identical on both sites
