@@ -10,6 +10,7 @@
 #      worker's gloo groups rule out),
 #   5. a checkpoint saved on the GPU resumed on the GPU and on the CPU,
 #   6. where torchft is importable: elastic sites on the GPU, one killed and rejoining,
+#   7. what the device-synchronised clock costs a step (tools/benchmarks/clock_cost.py),
 # then prints a table and writes docs/performance.md's GPU section (between its markers).
 #
 #   tools/gpu_check.sh                 # everything
@@ -165,10 +166,17 @@ if "$PY" -c "import torchft" 2>/dev/null; then
     FT_ROW="| dilocox H 10, 2 sites x 1 rank, site 1 SIGKILLed at step 25 and restarted fresh | $status |"
 fi
 
+# 7. what the device-synchronised clock costs a step (tools/benchmarks/clock_cost.py, a ~125M Llama)
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 \
+    MASTER_PORT=$((31500 + RANDOM % 1000)) timeout 300 "$PY" tools/benchmarks/clock_cost.py >"$OUT/clock_cost.log" 2>&1
+CLOCK_RC=$?
+CLOCK_ROWS=$(grep "^| \(none\|per step\|per layer\) |" "$OUT/clock_cost.log")
+
 # the table, printed and written into docs/performance.md
-SECTION=$("$PY" - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" "$CKPT_ROWS" "$FT_ROW" <<'EOF'
+SECTION=$("$PY" - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" "$CKPT_ROWS" "$FT_ROW" "$CLOCK_RC" "$CLOCK_ROWS" <<'EOF'
 import json, sys
-mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows, ckpt_rows, ft_row = sys.argv[1:]
+(mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows, ckpt_rows, ft_row, clock_rc,
+ clock_rows) = sys.argv[1:]
 lines = [f"Measured {date} on {device} by `tools/gpu_check.sh` (one run; figures are that run's).", ""]
 lines.append(f"- CUDA-marked tests: {'passed' if tests_rc == '0' else 'FAILED'} ({tests_line.strip()})")
 if mfu_rc == "0":
@@ -199,6 +207,12 @@ if ft_row:
               "--lsgd-min-sites 2):", "", "| run | status |", "|---|---|", ft_row]
 else:
     lines += ["", "- Elastic sites on torchft: not run (torchft is not importable)"]
+if clock_rc == "0" and clock_rows.strip():
+    lines += ["", "- The device-synchronised clock's cost (`tools/benchmarks/clock_cost.py`, ~125M Llama, bf16, "
+              "medians of 7 rounds x 50 steps):", "", "| readings | ms per step | / none |", "|---|---|---|",
+              clock_rows.rstrip()]
+else:
+    lines += ["", f"- tools/benchmarks/clock_cost.py FAILED (exit {clock_rc}); see its log"]
 print("\n".join(lines))
 EOF
 )
@@ -213,4 +227,4 @@ _, tail = rest.split(end, 1)
 open(path, "w").write(f"{head}{start}\n{section}\n{end}{tail}")
 EOF
 echo "wrote the GPU section of docs/performance.md; logs in $OUT"
-[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS$CKPT_ROWS$FT_ROW"
+[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && [ $CLOCK_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS$CKPT_ROWS$FT_ROW"
