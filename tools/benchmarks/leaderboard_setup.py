@@ -107,10 +107,9 @@ FREE_LINK = "free link"
 
 # Tuned variants per scenario: (label, algorithm, flags after the recommended ones), rows of
 # their own beside the recommended settings, where a target's miss asks what a user who knows
-# the scenario would set. acco with one site 4x slower: its adaptive accumulation makes the
-# slow site add a whole 4x micro-batch while each exchange finishes, so fixed counts in
-# proportion to the sites' speeds (4 + 4 micro-batches per step on the fast site, 1 + 1 on the
-# slow one) keep the fast site's work without slowing the slow site's stage.
+# the scenario would set. acco with one site 4x slower: fixed counts in proportion to the
+# sites' speeds (4 + 4 micro-batches per step on the fast site, 1 + 1 on the slow one), the
+# counts its adaptive accumulation settles on, without the exchange of counts every stage.
 ACCO_FIXED = "acco (fixed 8,2)"
 VARIANTS: Dict[str, Tuple[Tuple[str, str, Tuple[str, ...]], ...]] = {
     "emulated-1gbit-straggler4x": (
