@@ -89,6 +89,11 @@ class Clock:
     # ---- reading and spending time --------------------------------------------------------------
     def now(self) -> float:
         self.streams.synchronize()  # a GPU's queued work first (a no-op on the host)
+        return self._host_time()
+
+    @staticmethod
+    def _host_time() -> float:
+        """The host's present, without waiting for the device: the one real-time read."""
         return time.perf_counter()
 
     def elapsed(self) -> float:
@@ -150,7 +155,7 @@ class Clock:
     def start_job(self) -> Job:
         # host readings, without waiting for the device: a job's times only say when the host
         # thread started and finished it (the worker's device work is ordered by events)
-        return Job(time.perf_counter())
+        return Job(self._host_time())
 
     @contextlib.contextmanager
     def bound(self, job: Job) -> Iterator[None]:
@@ -158,7 +163,7 @@ class Clock:
         try:
             yield
         finally:
-            job.advance_to(time.perf_counter())
+            job.advance_to(self._host_time())
             job.finish()
 
     def done_by_now(self, job: Job) -> bool:
