@@ -42,7 +42,17 @@ SITE_ARGS=(
 LOGGING_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 5 --tensorboard-dir runs/two_sites_cpu)
 
 # Said at once: loading torch in every process takes several seconds before the run's own first line.
-echo "starting $NUM_SITES sites x $RANKS_PER_SITE rank(s), ${ELASTIC:+elastic }${SITE_ARGS[4]}, 200 steps on $DATA (CPU):" \
+# The algorithm and length as the run will have them: a flag given to this script wins.
+ALGORITHM=${SITE_ARGS[4]} STEPS=200 ARGS=("$@")
+for ((i = 0; i < ${#ARGS[@]}; i++)); do
+    case ${ARGS[i]} in
+        --lsgd-algorithm) ALGORITHM=${ARGS[i + 1]:-$ALGORITHM} ;;
+        --lsgd-algorithm=*) ALGORITHM=${ARGS[i]#*=} ;;
+        --train-iters) STEPS=${ARGS[i + 1]:-$STEPS} ;;
+        --train-iters=*) STEPS=${ARGS[i]#*=} ;;
+    esac
+done
+echo "starting $NUM_SITES sites x $RANKS_PER_SITE rank(s), ${ELASTIC:+elastic }$ALGORITHM, $STEPS steps on $DATA (CPU):" \
      "a line every 10 steps"
 
 if [ -z "${ELASTIC:-}" ]; then
