@@ -62,6 +62,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -178,13 +179,17 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
     def train() -> Optional[Dict]:
         if args.cached_only:
             return None
-        print(f"> {name} / {label} / seed {seed} / {steps} steps{'' if eval_interval else ' (pilot)'}", flush=True)
+        print(f"> [{time.strftime('%H:%M:%S')}] {name} / {label} / seed {seed} / {steps} steps"
+              f"{'' if eval_interval else ' (pilot)'}", flush=True)
+        start = time.monotonic()
         try:
             cell = run_cell(argv, sites)
         except Exception as err:  # a rank failed: its error line is above; the other cells go on
             print(f"error: cell {name} / {label} / seed {seed} failed ({err}); it is listed as not run", flush=True)
             return None
-        cell["argv"], cell["steps"] = argv, steps
+        # what the cell cost this machine (real time, not the simulated seconds it reports): a board's price
+        cell["argv"], cell["steps"], cell["real_seconds"] = argv, steps, round(time.monotonic() - start, 1)
+        print(f"> {name} / {label} / seed {seed}: trained in {cell['real_seconds']:.0f} s of real time", flush=True)
         return cell
 
     # the fingerprint of what the flags resolve to catches a cell that leaned on a default changed since

@@ -137,9 +137,10 @@ def test_a_cell_is_found_from_any_checkout_and_cache_directory(tmp_path):
         lb.cell_digest(lb_setup.cell_argv(EMULATED, "sync", 2, 100, 25, 2), EMULATED)
 
 
-def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch):
+def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch, capsys):
     """A cell is named by its flags; the fingerprint of what they resolve to catches one that
-    leaned on a default changed since."""
+    leaned on a default changed since. A trained cell says what it cost in real time (a long
+    board's progress) and keeps it."""
     calls = []
     monkeypatch.setattr(lb, "run_cell", lambda argv, sites: calls.append(argv) or {"valid": [float(len(calls))]})
     args = argparse.Namespace(cache_dir=str(tmp_path), cached_only=False)
@@ -149,6 +150,8 @@ def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypat
 
     first = sync_cell()
     assert first["fingerprint"] == lb.resolved_fingerprint(lb.cell_flags(first["argv"]))
+    assert first["real_seconds"] >= 0
+    assert "> emulated-default / sync / seed 1: trained in 0 s of real time" in capsys.readouterr().out
     assert sync_cell() == first and len(calls) == 1
     monkeypatch.setattr(lb, "resolved_fingerprint", lambda flags: "other defaults")
     again = sync_cell()
