@@ -164,3 +164,35 @@ def test_every_default_point_is_a_valid_run(interval, layers):
             "--mock-data", "--vocab-size", "512", "--num-sites", "2"]
     for point in default_points(interval, layers):
         build_config(parse_args(base + point.flags), 2)
+
+
+def test_a_cached_run_records_the_code_it_ran(tmp_path, monkeypatch):
+    """A change to an algorithm's code changes no flag: each cached run keeps the commit it ran
+    at, marked when the library differed from it, so a reader can tell which runs predate a
+    change (leaderboard cells and frontier points share this cache)."""
+    import subprocess
+
+    from tools.benchmarks import run_cache
+
+    repo = tmp_path / "clone"
+    (repo / "megatron_lsgd").mkdir(parents=True)
+    (repo / "megatron_lsgd" / "acco.py").write_text("x = 1\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    commit = git("rev-parse", "HEAD")
+    monkeypatch.setattr(run_cache, "ROOT", str(repo))
+    cached = run_cache.load_or_run(str(tmp_path / "a.json"), lambda: {"valid": [1.0]})
+    assert cached["code"] == commit
+    (repo / "README.md").write_text("not the library\n")  # a change outside it leaves the mark off
+    assert run_cache.code_version() == commit
+    (repo / "megatron_lsgd" / "acco.py").write_text("x = 2\n")
+    assert run_cache.code_version() == commit + "+changes"
+    monkeypatch.setattr(run_cache, "ROOT", str(tmp_path / "not-a-checkout"))
+    assert run_cache.code_version() is None
+    assert "code" not in run_cache.load_or_run(str(tmp_path / "b.json"), lambda: {"valid": [1.0]})

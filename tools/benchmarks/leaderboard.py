@@ -35,7 +35,9 @@ Finished cells are cached as JSON under --cache-dir, named by a digest of their 
 scenario file, and reused; delete a file to re-run it. Each keeps a fingerprint of every
 argument its flags resolve to: a cell cached under defaults changed since is trained again
 (cells cached before fingerprints existed are taken as they are). A change to an algorithm's
-code is in neither: move its cells out of the cache to train them again.
+code is in neither: move its cells out of the cache to train them again. Each cell records the
+commit it was trained at (`code`, "+changes" when the library differed from it: run_cache.py),
+so `git diff <code> -- megatron_lsgd/core/lsgd/acco.py` tells whether a cell predates a change.
 
 Modules: leaderboard_setup.py says what a cell trains (model, data, recommended settings,
 variants, ceilings), this file trains and caches the cells, leaderboard_report.py judges them

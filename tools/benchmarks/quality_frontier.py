@@ -24,9 +24,9 @@ LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (nam
 digest of its flags, with a fingerprint of every argument they resolve to: one made under
 other defaults is trained again), so a sweep that stops is resumed by running the same
 command again; delete the cache after a change of the code that alters training (or
-`--refresh` the points it touches). `--cached-only` trains nothing and writes the table from
-what the cache holds. A run that fails is
-reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
+`--refresh` the points it touches: each run records the commit it ran at, see run_cache.py).
+`--cached-only` trains nothing and writes the table from what the cache holds. A run that
+fails is reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
 (tiny model, 20 iterations, mock data unless a corpus is given), which must not be read as
 a measurement.
 """

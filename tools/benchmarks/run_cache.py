@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 from typing import Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +24,9 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
     `refresh`: compute even if cached, replacing the old result only when the new one exists.
     `fingerprint` (what the flags resolve to, defaults included) is stored with the result; a
     cached result with another one was made under other defaults and is computed again (one
-    stored without any predates fingerprints and is taken as is)."""
+    stored without any predates fingerprints and is taken as is). The code it was computed
+    with is stored too (`code`, see code_version): a change to an algorithm's code changes no
+    flag, and this is how a later reader tells which results predate it."""
     if os.path.exists(path) and not refresh:
         with open(path) as f:
             cached = json.load(f)
@@ -36,6 +39,9 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
         return None
     if fingerprint is not None:
         result = {**result, "fingerprint": fingerprint}
+    code = code_version()
+    if code is not None:
+        result = {**result, "code": code}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
@@ -51,3 +57,21 @@ def resolved_fingerprint(argv: List[str]) -> str:
 
     resolved = sorted(vars(parse_args(relative_flags(argv))).items())
     return hashlib.sha256(json.dumps(resolved, default=str).encode()).hexdigest()[:16]
+
+
+LIBRARY = ("megatron_lsgd", "pretrain_gpt.py")  # what a run's numbers depend on, beside its flags
+
+
+def code_version() -> Optional[str]:
+    """The commit of this checkout, with "+changes" when the library differs from it; None
+    outside a git checkout. `git diff <commit> -- megatron_lsgd/core/lsgd/acco.py` then says
+    whether a cached result predates a change of acco."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--", *LIBRARY)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+changes" if changed else "")
