@@ -16,7 +16,9 @@ and applies it:
     then     model <- θ_k; the worker starts on g_k: θ_{k+1} = Opt(θ_k, ḡ_k)
 
 so every update uses gradients taken one update earlier (θ_{-1} = θ_0: the first two
-gradients are both taken at θ_0, the paper's initialization).
+gradients are both taken at θ_0, the paper's initialization). `--lsgd-dpu-warmup-iters W`
+waits for the first W updates at the end of their own step (the model takes θ_{k+1} before
+step k+1 computes): ZeRO-Offload's warm-up of undelayed steps.
 
 `acco`, two stages per step, no stale gradient. Each site's micro-batches of a step are
 split: n~ in the estimate stage, n in the real stage.
@@ -228,6 +230,19 @@ class OverlapOptions(OptionGroup):
 
 
 @dataclass
+class DpuOptions(OverlapOptions):
+    warmup_iters: int = option(
+        "--lsgd-dpu-warmup-iters", 0,
+        "first steps whose update lands before the next step computes (no stale gradient, nothing "
+        "overlapped), as ZeRO-Offload advises for its delayed parameter update; then every update is delayed")
+
+    def validate(self, config, num_sites: int, run=None, **kw) -> None:
+        super().validate(config, num_sites, run=run, **kw)
+        if self.warmup_iters < 0:
+            raise ValueError(f"--lsgd-dpu-warmup-iters must be >= 0 (got {self.warmup_iters})")
+
+
+@dataclass
 class AccoOptions(OverlapOptions):
     stages: ClassVar[int] = 2
 
@@ -349,9 +364,16 @@ class OverlappedGradientSync(Synchronizer):
             stage_losses, n = self._stage(step, data_iterator, stage, kind)
             losses += stage_losses
             total += n
+        if iteration < self.undelayed_steps():  # the update lands now: the next step computes at it
+            self._finish_job()
+            self._load_model()
         norm, self._norm = self._norm, None
         equal = self.opts.equal_counts(self.sites, self._configured)
         return StepResult(losses, True, norm, total, same_count_on_every_site=equal)
+
+    def undelayed_steps(self) -> int:
+        """Steps at the start whose update is waited for at the end of the step."""
+        return 0
 
     def _stage(self, step, data_iterator, stage: int, kind: str) -> Tuple[list, int]:
         minimum = self._stage_minimum(self.pgs.site_rank, stage)
@@ -557,7 +579,11 @@ class DelayedParameterUpdate(OverlappedGradientSync):
     """Delayed parameter update: each step's gradients are reduced and applied while the next ones are computed"""
 
     name = "dpu"
+    Options = DpuOptions
     stage_kinds = ("commit",)
+
+    def undelayed_steps(self) -> int:
+        return self.opts.warmup_iters
 
 
 @register

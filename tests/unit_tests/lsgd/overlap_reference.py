@@ -10,7 +10,7 @@ the mean over the union of every site's micro-batches of the stage: exactly the 
 by micro-batch counts the distributed algorithms must implement.
 
     dpu:  g_k = grad at P_k over step k's micro-batches;  θ_{k+1} = AdamW(θ_k, g_k);  P_{k+1} = θ_k
-          (P_0 = θ_0: the parameters one update old)
+          (P_0 = θ_0: the parameters one update old; P_{k+1} = θ_{k+1} in the warm-up, k < W)
     acco: g~_k = grad at θ~_k over the first n_s // 2 micro-batches of each site,
           θ~_{k+1} = AdamW(θ_k, g~_k) on copies (moments not committed),
           g_k = grad at θ_k over the other micro-batches,
@@ -41,6 +41,7 @@ class HandOptions(OptionGroup):
     algorithm: str = option("--hand-algorithm", "acco", "acco or dpu")
     dp_intra: int = option("--hand-dp-intra", 1, "data-parallel ranks per site of the distributed run")
     site_counts: str = option("--hand-site-counts", "2,2", "micro-batches per rank per step, per site")
+    warmup: int = option("--hand-warmup", 0, "dpu: first steps whose gradient is taken at the newest θ")
 
 
 class HandOverlap(Synchronizer):
@@ -56,6 +57,7 @@ class HandOverlap(Synchronizer):
         self.counts = [int(x) for x in o.site_counts.split(",")]
         self.dp_intra = o.dp_intra
         self.dp = len(self.counts) * self.dp_intra
+        self.warmup = o.warmup
         opt = ctx.optimizer
         self.cfg = opt.config
         self.pieces = [(pc.shard, pc.lo, pc.hi, pc.param.ndim > 1) for pc in opt.pieces]
@@ -125,6 +127,8 @@ class HandOverlap(Synchronizer):
             g, losses = self._grad(step, data_iterator, self.prev, idx)
             self.prev = self.theta
             self.theta, self.moments = self._adamw(self.theta, self._clipped(g), self.moments, lr)
+            if k < self.warmup:  # the warm-up's steps are not delayed
+                self.prev = self.theta
             groups = [(idx, losses)]
         else:
             est = [j for s, c in enumerate(self.counts) for j in self._indices(s, k * c, k * c + c // 2)]

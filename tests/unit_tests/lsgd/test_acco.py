@@ -6,7 +6,9 @@
   clipping written out), losses of every step and final parameters; the sites compute
   different counts (acco: 2 and 3 under PP, one and two micro-batches in the real stage,
   whole pipeline passes; 2 and 4 on ZeRO-1; dpu: 2 and 1, 1 and 3), so the weighting by
-  counts is checked exactly, and so is the job's sample count.
+  counts is checked exactly, and so is the job's sample count. dpu with
+  `--lsgd-dpu-warmup-iters 3` equals the reference whose first 3 gradients are taken at the
+  newest parameters.
 - Real overlap: over a simulated slow link whose transfer fits in a stage's compute, dpu
   and acco (fixed counts) hide every transfer that sync pays for; with adaptive
   accumulation and one site 4x slower, the fast site computes more micro-batches, the
@@ -29,14 +31,18 @@ COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "6",
           "--weight-decay", "0.1", "--seed", "7", "--adam-eps", "1e-6",
           "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
-# world, layout flags, global batch, DP_intra, per-site micro-batches per rank per step (acco, dpu)
+# world, layout flags, global batch, DP_intra, per-site micro-batches per rank per step (per variant)
 LAYOUTS = {
     "tp2-pp2-sites2-unequal": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
                                8, 1, {"acco": [2, 3], "dpu": [2, 1]}),
     "zero1-dp2-sites2-unequal": (4, ["--use-distributed-optimizer", "--ddp-bucket-size", "3000"], 16, 2,
-                                 {"acco": [2, 4], "dpu": [1, 3]}),
+                                 {"acco": [2, 4], "dpu": [1, 3], "dpu-warmup": [1, 3]}),
 }
-ALGORITHMS = ("acco", "dpu")
+# variant: (its flags, the reference's flags); dpu's warm-up: 3 undelayed steps of the 6, then delayed ones
+VARIANTS = {"acco": (["--lsgd-algorithm", "acco"], ["--hand-algorithm", "acco"]),
+            "dpu": (["--lsgd-algorithm", "dpu"], ["--hand-algorithm", "dpu"]),
+            "dpu-warmup": (["--lsgd-algorithm", "dpu", "--lsgd-dpu-warmup-iters", "3"],
+                           ["--hand-algorithm", "dpu", "--hand-warmup", "3"])}
 
 
 @pytest.mark.slow
@@ -44,16 +50,17 @@ ALGORITHMS = ("acco", "dpu")
 def test_matches_the_hand_computed_update(layout):
     world, layout_args, gbs, dp_intra, counts = LAYOUTS[layout]
     sites, mbs = 2, 2
-    runs = run_distributed_many([COMMON + layout_args + [
-        "--num-sites", str(sites), "--global-batch-size", str(gbs), "--lsgd-algorithm", algo,
-        "--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", ",".join(map(str, counts[algo]))]
-        for algo in ALGORITHMS], world)
+    variants = list(counts)
+    runs = run_distributed_many([COMMON + layout_args + VARIANTS[v][0] + [
+        "--num-sites", str(sites), "--global-batch-size", str(gbs),
+        "--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", ",".join(map(str, counts[v]))]
+        for v in variants], world)
     # One rank reading every site's micro-batches: enough of them per step for the largest count.
-    refs = run_distributed_many([COMMON + [
-        "--global-batch-size", str(max(counts[algo]) * sites * dp_intra * mbs), "--lsgd-algorithm", NAME,
-        "--hand-algorithm", algo, "--hand-dp-intra", str(dp_intra),
-        "--hand-site-counts", ",".join(map(str, counts[algo]))] for algo in ALGORITHMS], 1, setup_module=MODULE)
-    for algo, run, ref in zip(ALGORITHMS, runs, refs):
+    refs = run_distributed_many([COMMON + VARIANTS[v][1] + [
+        "--global-batch-size", str(max(counts[v]) * sites * dp_intra * mbs), "--lsgd-algorithm", NAME,
+        "--hand-dp-intra", str(dp_intra),
+        "--hand-site-counts", ",".join(map(str, counts[v]))] for v in variants], 1, setup_module=MODULE)
+    for algo, run, ref in zip(variants, runs, refs):
         ref_losses, losses = logged_losses(ref), logged_losses(run)
         assert len(losses) == 6 and ref_losses[-1] < ref_losses[0]
         torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron_lsgd.core.lsgd.acco import AccoOptions, OverlapOptions
+from megatron_lsgd.core.lsgd.acco import AccoOptions, DpuOptions
 from megatron_lsgd.training.arguments import build_config, parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -43,6 +43,9 @@ def config(extra, world=2):
      "--lsgd-accumulation needs --lsgd-algorithm acco or dpu"),
     (ITERS + ["--lsgd-algorithm", "diloco", "--lsgd-site-microbatches", "1,1"],
      "--lsgd-site-microbatches needs --lsgd-algorithm acco or dpu"),
+    (ITERS + ["--lsgd-algorithm", "dpu", "--lsgd-dpu-warmup-iters", "-1"], "--lsgd-dpu-warmup-iters must be >= 0"),
+    (ITERS + ["--lsgd-algorithm", "acco", "--global-batch-size", "4", "--lsgd-dpu-warmup-iters", "5"],
+     "--lsgd-dpu-warmup-iters needs --lsgd-algorithm dpu"),
 ])
 def test_bad_flags_name_the_flag(extra, flag):
     with pytest.raises(ValueError, match=flag):
@@ -53,17 +56,18 @@ def test_good_flags_build():
     cfg = config(["--train-samples", "40", "--global-batch-size", "4", "--lsgd-algorithm", "acco",
                   "--lsgd-accumulation", "fixed", "--lsgd-compression", "int8"])
     assert isinstance(cfg.lsgd.algo, AccoOptions) and cfg.lsgd.algo.accumulation == "fixed"
-    cfg = config(ITERS + ["--lsgd-algorithm", "dpu", "--lsgd-site-microbatches", "3,1"])
-    assert type(cfg.lsgd.algo) is OverlapOptions and cfg.lsgd.algo.site_counts(2, 1) == [3, 1]
+    cfg = config(ITERS + ["--lsgd-algorithm", "dpu", "--lsgd-site-microbatches", "3,1", "--lsgd-dpu-warmup-iters", "4"])
+    assert type(cfg.lsgd.algo) is DpuOptions and cfg.lsgd.algo.site_counts(2, 1) == [3, 1]
+    assert cfg.lsgd.algo.warmup_iters == 4
 
 
 def test_stage_split_and_bound():
     acco = AccoOptions(accumulation="adaptive", site_microbatches="2,5", max_microbatches=0)
     assert acco.stage_minimums(5) == [2, 3]  # estimate stage first
     assert acco.stage_cap(2) == 32  # 16 x the minimum
-    dpu = OverlapOptions(accumulation="fixed")
+    dpu = DpuOptions(accumulation="fixed")
     assert dpu.stage_minimums(3) == [3] and dpu.stage_cap(3) == 3
-    assert OverlapOptions(max_microbatches=10).stage_cap(2) == 10
+    assert DpuOptions(max_microbatches=10).stage_cap(2) == 10
 
 
 def test_bad_flag_exits_2_with_one_line():
