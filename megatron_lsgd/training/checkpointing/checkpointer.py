@@ -161,11 +161,7 @@ def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
         records = _save_rank_files(trainer, cfg, partial)
     except (CheckpointError, OSError) as err:
         error = err
-    try:
-        _agree(error)
-    except (CheckpointError, OSError) as err:
-        _remove_partial(pgs, partial)
-        raise _save_failed(err, iteration, cfg.save) from err
+    _agree_or_remove_partial(error, pgs, partial, iteration, cfg.save)
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"files": records, "site": pgs.site_rank,
@@ -178,11 +174,18 @@ def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
             _commit(trainer, cfg, partial, final, iteration, gathered, start)
         except (CheckpointError, OSError) as err:
             error = err
+    _agree_or_remove_partial(error, pgs, partial, iteration, cfg.save)
+
+
+def _agree_or_remove_partial(error: Optional[BaseException], pgs, partial: str, iteration: int,
+                             save_dir: str) -> None:
+    """Every rank learns whether any failed; then the half-written save is removed and every
+    rank raises the same error."""
     try:
         _agree(error)
     except (CheckpointError, OSError) as err:
         _remove_partial(pgs, partial)
-        raise _save_failed(err, iteration, cfg.save) from err
+        raise _save_failed(err, iteration, save_dir) from err
 
 
 def _remove_partial(pgs, partial: str) -> None:
