@@ -4,6 +4,7 @@ cache of finished runs."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -133,24 +134,40 @@ def test_finished_runs_are_cached_and_a_failed_one_is_left_out(tmp_path, monkeyp
 
 
 def test_a_run_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch):
-    """The cache is named by flags; the fingerprint of what they resolve to catches a run that
-    leaned on a default changed since (the outer defaults did, 2026-11-26)."""
+    """The cache is named by flags; what they resolve to catches a run that leaned on a default
+    changed since (the outer defaults did, 2026-11-26); a flag added since is not compared."""
+    from tools.benchmarks import run_cache
+
     calls = []
     monkeypatch.setattr(qf, "run", lambda argv, world: calls.append(argv) or {"valid": [float(len(calls))]})
     argv = ["--lsgd-algorithm", "diloco"] + BASE
     first = qf.cached_run(argv, 2, str(tmp_path))
-    assert first["fingerprint"] == qf.resolved_fingerprint(argv)
+    resolved = qf.resolved_arguments(argv)
+    assert first["resolved"] == resolved
     assert qf.cached_run(argv, 2, str(tmp_path)) == first and len(calls) == 1
     # the flags name the outer lr's default value: the same flags resolve the same way ...
-    assert qf.resolved_fingerprint(argv) == qf.resolved_fingerprint(argv + ["--lsgd-outer-lr", "1.0"])
+    assert resolved == qf.resolved_arguments(argv + ["--lsgd-outer-lr", "1.0"])
+    # ... a flag added since the run says nothing about it ...
+    monkeypatch.setattr(qf, "resolved_arguments", lambda a: {**resolved, "a_flag_added_since": 0})
+    assert qf.cached_run(argv, 2, str(tmp_path)) == first and len(calls) == 1
     # ... and a default that moves changes what they resolve to
-    monkeypatch.setattr(qf, "resolved_fingerprint", lambda a: "other defaults")
+    monkeypatch.setattr(qf, "resolved_arguments", lambda a: {**resolved, "lsgd_outer_lr": 0.7})
     again = qf.cached_run(argv, 2, str(tmp_path))
-    assert len(calls) == 2 and again["valid"] == [2.0] and again["fingerprint"] == "other defaults"
+    assert len(calls) == 2 and again["valid"] == [2.0] and again["resolved"]["lsgd_outer_lr"] == 0.7
     assert qf.cached_run(argv, 2, str(tmp_path), cached_only=True) == again
-    (name,) = os.listdir(tmp_path)  # a run cached before fingerprints existed is taken as it is
-    (tmp_path / name).write_text('{"valid": [7.0]}')
-    assert qf.cached_run(argv, 2, str(tmp_path)) == {"valid": [7.0]} and len(calls) == 2
+    (name,) = os.listdir(tmp_path)
+    path = tmp_path / name
+    # a run that kept only the digest of its arguments (before 2026-11-27) must match all of
+    # them but those added after digests were retired
+    monkeypatch.setattr(qf, "resolved_arguments", lambda a: resolved)
+    before = {k: v for k, v in resolved.items() if k not in run_cache.ADDED_AFTER_DIGESTS}
+    assert len(before) < len(resolved)
+    path.write_text(json.dumps({"valid": [7.0], "fingerprint": run_cache.arguments_digest(before)}))
+    assert qf.cached_run(argv, 2, str(tmp_path))["valid"] == [7.0] and len(calls) == 2
+    path.write_text(json.dumps({"valid": [7.0], "fingerprint": run_cache.arguments_digest(resolved)}))
+    assert qf.cached_run(argv, 2, str(tmp_path))["valid"] == [3.0] and len(calls) == 3
+    path.write_text('{"valid": [7.0]}')  # a run cached with neither is taken as it is
+    assert qf.cached_run(argv, 2, str(tmp_path)) == {"valid": [7.0]} and len(calls) == 3
 
 
 @pytest.mark.parametrize("interval,layers", [(50, 4), (48, 4), (50, 2), (7, 1)])

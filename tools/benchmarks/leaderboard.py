@@ -32,9 +32,9 @@ A person's reading of a table goes in docs/leaderboard/<scenario>.reading.md (an
 targets.reading.md), which the board includes under the table, so regenerating keeps it.
 
 Finished cells are cached as JSON under --cache-dir, named by a digest of their flags and
-scenario file, and reused; delete a file to re-run it. Each keeps a fingerprint of every
-argument its flags resolve to: a cell cached under defaults changed since is trained again
-(cells cached before fingerprints existed are taken as they are). A change to an algorithm's
+scenario file, and reused; delete a file to re-run it. Each keeps every argument its flags
+resolve to: a cell one of whose arguments resolves differently now (a default changed since)
+is trained again; a flag added since is not compared (run_cache.py). A change to an algorithm's
 code is in neither: move its cells out of the cache to train them again. Each cell records the
 commit it was trained at (`code`, "+changes" when the library differed from it: run_cache.py),
 so `git diff <code> -- megatron_lsgd/core/lsgd/acco.py` tells whether a cell predates a change.
@@ -79,7 +79,7 @@ from tools.benchmarks.leaderboard_report import document, open_targets, plot, su
 from tools.benchmarks.leaderboard_setup import (ALGORITHMS, CEILING_ALGORITHMS, EVALUATIONS, FREE_LINK,  # noqa: E402
                                                 MICRO_BATCH, MODEL, SCENARIO_DIR, VARIANTS, Run, cell_argv,
                                                 data_args, free_link_copy, has_slow_site)
-from tools.benchmarks.run_cache import load_or_run, relative_flags, resolved_fingerprint  # noqa: E402
+from tools.benchmarks.run_cache import load_or_run, relative_flags, resolved_arguments  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
@@ -194,8 +194,8 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
         print(f"> {name} / {label} / seed {seed}: trained in {cell['real_seconds']:.0f} s of real time", flush=True)
         return cell
 
-    # the fingerprint of what the flags resolve to catches a cell that leaned on a default changed since
-    return load_or_run(cache, train, fingerprint=resolved_fingerprint(cell_flags(argv)))
+    # what the flags resolve to catches a cell that leaned on a default changed since
+    return load_or_run(cache, train, resolved=resolved_arguments(cell_flags(argv)))
 
 
 def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_run: List[str]

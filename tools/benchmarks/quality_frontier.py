@@ -21,8 +21,8 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
 
 `--points` picks points by label or family (comma-separated; default all); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
-digest of its flags, with a fingerprint of every argument they resolve to: one made under
-other defaults is trained again), so a sweep that stops is resumed by running the same
+digest of its flags, with every argument they resolve to: one made under other defaults is
+trained again), so a sweep that stops is resumed by running the same
 command again; delete the cache after a change of the code that alters training (or
 `--refresh` the points it touches: each run records the commit it ran at, see run_cache.py).
 `--cached-only` trains nothing and writes the table from what the cache holds. A run that
@@ -50,7 +50,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lsgd_quality import base_argv, data_argv, lockstep, run  # noqa: E402
-from run_cache import load_or_run, relative_flags, resolved_fingerprint  # noqa: E402
+from run_cache import load_or_run, relative_flags, resolved_arguments  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
 SYNC = ["--lsgd-algorithm", "sync"]
@@ -203,7 +203,7 @@ def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = 
             return None
 
     return load_or_run(os.path.join(cache_dir, f"{digest}.json"), train, refresh=refresh and not cached_only,
-                       fingerprint=resolved_fingerprint(argv))
+                       resolved=resolved_arguments(argv))
 
 
 def best_per_family(summaries: Sequence[Summary]) -> Dict[str, Summary]:
@@ -331,7 +331,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="finished runs, reused by the next sweep with the same flags")
     p.add_argument("--refresh", action="store_true",
                    help="train the selected points again even if cached (not the sync references), e.g. after a "
-                        "change of the code that alters them (a changed default is caught by the fingerprint)")
+                        "change of the code that alters them (a changed default is caught by the resolved arguments)")
     p.add_argument("--cached-only", action="store_true",
                    help="train nothing: write the table from the finished runs in --cache-dir (a point's seeds "
                         "that are not there are left out; the seeds column says how many it has)")

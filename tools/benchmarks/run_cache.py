@@ -18,27 +18,31 @@ def relative_flags(argv: List[str]) -> List[str]:
 
 
 def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool = False,
-                fingerprint: Optional[str] = None) -> Optional[Dict]:
+                resolved: Optional[Dict[str, object]] = None) -> Optional[Dict]:
     """The result cached at `path`, else `compute()`'s, written atomically (a run stopped while
     writing leaves no half file). None from `compute` (a failed or skipped run) is not cached.
     `refresh`: compute even if cached, replacing the old result only when the new one exists.
-    `fingerprint` (what the flags resolve to, defaults included) is stored with the result; a
-    cached result with another one was made under other defaults and is computed again (one
-    stored without any predates fingerprints and is taken as is). The code it was computed
+    `resolved` (resolved_arguments: every argument the flags resolve to, defaults included) is
+    stored with the result; a cached result one of whose arguments resolved to another value
+    was made under other defaults and is computed again. Arguments on one side only (a flag
+    added or removed since) say nothing about the run and are not compared: a new flag does
+    not throw the cache away. (A result stored with only a digest of them, as before, must
+    match all of them; one stored with neither is taken as is.) The code it was computed
     with is stored too (`code`, see code_version): a change to an algorithm's code changes no
     flag, and this is how a later reader tells which results predate it."""
     if os.path.exists(path) and not refresh:
         with open(path) as f:
             cached = json.load(f)
-        if fingerprint is None or cached.get("fingerprint", fingerprint) == fingerprint:
+        changed = changed_arguments(cached, resolved)
+        if not changed:
             return cached
-        print(f"  {os.path.basename(path)} was made under other defaults (its flags resolve differently now)",
-              flush=True)
+        print(f"  {os.path.basename(path)} was made under other defaults ({', '.join(changed[:3])} resolve "
+              f"differently now)", flush=True)
     result = compute()
     if result is None:
         return None
-    if fingerprint is not None:
-        result = {**result, "fingerprint": fingerprint}
+    if resolved is not None:
+        result = {**result, "resolved": resolved}
     code = code_version()
     if code is not None:
         result = {**result, "code": code}
@@ -49,15 +53,39 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
     return result
 
 
-def resolved_fingerprint(argv: List[str]) -> str:
-    """A digest of every training argument the flags resolve to, defaults included: a cached
+def changed_arguments(cached: Dict, resolved: Optional[Dict[str, object]]) -> List[str]:
+    """The arguments a cached result resolved differently from `resolved` (for a result that
+    kept only their digest: ["the digest of the arguments"] unless it matches)."""
+    if resolved is None:
+        return []
+    if "resolved" in cached:
+        before = cached["resolved"]
+        return sorted(k for k in before.keys() & resolved.keys() if before[k] != resolved[k])
+    if "fingerprint" in cached:
+        known = {k: v for k, v in resolved.items() if k not in ADDED_AFTER_DIGESTS}
+        if cached["fingerprint"] != arguments_digest(known):
+            return ["the digest of the arguments"]
+    return []
+
+
+# Arguments that came after results stopped keeping only a digest of theirs (2026-11-27): a
+# digest-only result was made before they existed, so they are left out of the comparison.
+ADDED_AFTER_DIGESTS = ("lsgd_dpu_warmup_iters",)
+
+
+def resolved_arguments(argv: List[str]) -> Dict[str, object]:
+    """Every training argument the flags resolve to, defaults included, as JSON values: a cached
     run whose flags lean on a default that changed since is not taken for a run of today's.
     Paths inside the checkout count relative to it, as in the run's name."""
     from megatron_lsgd.training.arguments import parse_args
 
     resolved = sorted(vars(parse_args(relative_flags(argv))).items())
-    return hashlib.sha256(json.dumps(resolved, default=str).encode()).hexdigest()[:16]
+    return {k: json.loads(json.dumps(v, default=str)) for k, v in resolved}
 
+
+def arguments_digest(resolved: Dict[str, object]) -> str:
+    """The short digest results kept before they kept the arguments themselves."""
+    return hashlib.sha256(json.dumps(sorted(resolved.items())).encode()).hexdigest()[:16]
 
 LIBRARY = ("megatron_lsgd", "pretrain_gpt.py")  # what a run's numbers depend on, beside its flags
 

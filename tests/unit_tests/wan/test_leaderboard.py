@@ -132,15 +132,15 @@ def test_a_cell_is_found_from_any_checkout_and_cache_directory(tmp_path):
     copies = [lb_setup.free_link_copy(straggler, str(d)) for d in (here, there)]
     argvs = [lb_setup.cell_argv(c, "a-edit", 1, 100, 25, 2, settings_from=straggler) for c in copies]
     assert len({lb.cell_digest(argv, c) for argv, c in zip(argvs, copies)}) == 1
-    assert len({lb.resolved_fingerprint(lb.cell_flags(argv)) for argv in argvs}) == 1
+    assert lb.resolved_arguments(lb.cell_flags(argvs[0])) == lb.resolved_arguments(lb.cell_flags(argvs[1]))
     assert lb.cell_digest(lb_setup.cell_argv(EMULATED, "sync", 1, 100, 25, 2), EMULATED) != \
         lb.cell_digest(lb_setup.cell_argv(EMULATED, "sync", 2, 100, 25, 2), EMULATED)
 
 
 def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch, capsys):
-    """A cell is named by its flags; the fingerprint of what they resolve to catches one that
-    leaned on a default changed since. A trained cell says what it cost in real time (a long
-    board's progress) and keeps it."""
+    """A cell is named by its flags; what they resolve to catches one that leaned on a default
+    changed since, while a flag added since (not in the cell) does not throw it away. A
+    trained cell says what it cost in real time (a long board's progress) and keeps it."""
     calls = []
     monkeypatch.setattr(lb, "run_cell", lambda argv, sites: calls.append(argv) or {"valid": [float(len(calls))]})
     args = argparse.Namespace(cache_dir=str(tmp_path), cached_only=False)
@@ -149,13 +149,17 @@ def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypat
         return lb.cached_cell("emulated-default", "sync", EMULATED, "sync", 1, 2, args, 100, 25)
 
     first = sync_cell()
-    assert first["fingerprint"] == lb.resolved_fingerprint(lb.cell_flags(first["argv"]))
+    resolved = lb.resolved_arguments(lb.cell_flags(first["argv"]))
+    assert first["resolved"] == resolved and resolved["lr"] == 2e-3
     assert first["real_seconds"] >= 0
     assert "> emulated-default / sync / seed 1: trained in 0 s of real time" in capsys.readouterr().out
     assert sync_cell() == first and len(calls) == 1
-    monkeypatch.setattr(lb, "resolved_fingerprint", lambda flags: "other defaults")
+    monkeypatch.setattr(lb, "resolved_arguments", lambda flags: {**resolved, "a_flag_added_since": 3})
+    assert sync_cell() == first and len(calls) == 1
+    monkeypatch.setattr(lb, "resolved_arguments", lambda flags: {**resolved, "lr": 1e-3})
     again = sync_cell()
-    assert len(calls) == 2 and again["valid"] == [2.0] and again["fingerprint"] == "other defaults"
+    assert len(calls) == 2 and again["valid"] == [2.0] and again["resolved"]["lr"] == 1e-3
+    assert "made under other defaults (lr resolve differently now)" in capsys.readouterr().out
     args.cached_only = True
     assert sync_cell() == again
 
