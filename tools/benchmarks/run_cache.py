@@ -27,7 +27,7 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
     was made under other defaults and is computed again. Arguments on one side only (a flag
     added or removed since) say nothing about the run and are not compared: a new flag does
     not throw the cache away. (A result stored with only a digest of them, as before, must
-    match all of them; one stored with neither is taken as is.) The code it was computed
+    match all of them but ADDED_AFTER_DIGESTS; one stored with neither is taken as is.) The code it was computed
     with is stored too (`code`, see code_version): a change to an algorithm's code changes no
     flag, and this is how a later reader tells which results predate it."""
     if os.path.exists(path) and not refresh:
@@ -86,6 +86,7 @@ def resolved_arguments(argv: List[str]) -> Dict[str, object]:
 def arguments_digest(resolved: Dict[str, object]) -> str:
     """The short digest results kept before they kept the arguments themselves."""
     return hashlib.sha256(json.dumps(sorted(resolved.items())).encode()).hexdigest()[:16]
+
 
 LIBRARY = ("megatron_lsgd", "pretrain_gpt.py")  # what a run's numbers depend on, beside its flags
 
