@@ -234,7 +234,8 @@ class DpuOptions(OverlapOptions):
     warmup_iters: int = option(
         "--lsgd-dpu-warmup-iters", 0,
         "first steps whose update lands before the next step computes (no stale gradient, nothing "
-        "overlapped), as ZeRO-Offload advises for its delayed parameter update; then every update is delayed")
+        "overlapped), as ZeRO-Offload advises for its delayed parameter update; then every update is delayed",
+        metavar="W")
 
     def validate(self, config, num_sites: int, run=None, **kw) -> None:
         super().validate(config, num_sites, run=run, **kw)
