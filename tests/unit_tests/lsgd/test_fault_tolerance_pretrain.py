@@ -218,11 +218,14 @@ def test_a_killed_site_is_rolled_back_waited_for_and_healed(tmp_path):
     # 2. The floor: site 0 waited alone, naming who is missing (and trained nothing meanwhile, above).
     assert re.search(r"site 0 waits for --lsgd-min-sites 2 sites .*in the quorum: 0\); missing: 1,2", text[0]), text[0]
 
-    # 3. Both returning sites were healed from site 0 and agree with it at every later round.
+    # 3. Both returning sites were healed and agree with site 0 at every later round both
+    # saved. (On a loaded machine a site can miss a quorum by its heartbeat and be healed in
+    # turn: seen once, site 0 healed at committed round 5 from the returning sites, which had
+    # saved iteration 14 without it; the rounds it was in still agree.)
     restarted = {s: read(logs[s] + ".restart") for s in (1, 2)}
     for s in (1, 2):
         assert "rejoined at committed round" in restarted[s], restarted[s]
-        later = [i for i in _saved_iterations(save, s) if i > waiting_at]
+        later = [i for i in _saved_iterations(save, s) if i > waiting_at and i in _saved_iterations(save, 0)]
         assert later and later[-1] == 24
         for i in later:
             assert_same(_round_state(_checkpoint(save, s, i)), _round_state(_checkpoint(save, 0, i)),
