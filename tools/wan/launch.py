@@ -7,7 +7,8 @@ Site i runs `torchrun --nnodes S --node-rank i --nproc-per-node R --master-addr 
 with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = wan0, so node-major placement makes each
 site a contiguous rank block (what --num-sites expects; it is appended when missing).
 If one site fails, the others are stopped; on exit, Ctrl-C or SIGTERM every process
-started here is stopped and the namespaces are deleted.
+started here is stopped and the namespaces are deleted. The flags of this repository's
+pretrain_gpt.py are checked before anything starts: a mistake is one `error:` line, exit 2.
 
 With `--lsgd-fault-tolerance torchft` among the script's flags (docs/fault_tolerance.md)
 each site is a job of its own instead: site i runs `torchrun --nnodes 1 --max-restarts N
@@ -195,6 +196,28 @@ def topology_from_args(a: argparse.Namespace) -> WanTopology:
                        backend=a.link_backend, subnet=a.subnet)
 
 
+def check_training_flags(script: Sequence[str], world_size: int, elastic: bool) -> None:
+    """This repository's pretrain_gpt.py: its flags checked once here, before any namespace or
+    site exists, so a mistake is one `error:` line from the launcher (exit 2) instead of one per
+    rank in each site's log, repeated by every torchrun restart of an elastic site. Other
+    scripts are left to check their own flags. Raises ValueError; argparse exits 2 itself."""
+    path = os.path.join(REPO_ROOT, script[0]) if script else ""  # the sites run in REPO_ROOT
+    if not os.path.isfile(path) or not os.path.samefile(path, os.path.join(REPO_ROOT, "pretrain_gpt.py")):
+        return
+    from megatron_lsgd.training.arguments import build_config, build_parser  # torch: only when needed
+
+    site_flags = ["--lsgd-site", "0", "--lsgd-lighthouse", "http://127.0.0.1:1", "--lsgd-ft-host",
+                  "127.0.0.1"] if elastic else []  # what elastic_site_jobs appends per site
+    parser = build_parser()
+    parser.prog = "pretrain_gpt.py"
+    here = os.getcwd()
+    os.chdir(REPO_ROOT)  # relative paths in the flags (a scenario file) as the sites read them
+    try:
+        build_config(parser.parse_args([*script[1:], *site_flags]), world_size)
+    finally:
+        os.chdir(here)
+
+
 def _run_elastic(wan: WanTopology, a: argparse.Namespace, script: List[str]) -> List[int]:
     """One job per site, restarted by torchrun, and a lighthouse in site 0 unless the script names one."""
     lighthouse, services = script_flag(script, "--lsgd-lighthouse"), []
@@ -235,7 +258,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     elastic = script_flag(script, "--lsgd-fault-tolerance") not in (None, "none")
     raise_on_termination()
     try:
-        with topology_from_args(a) as wan:
+        topology = topology_from_args(a)  # its flags are checked before the script's
+        check_training_flags(script, a.ranks_per_site * (1 if elastic else a.sites), elastic)
+        with topology as wan:
             print(f"wan: {a.sites} sites, backend {wan.backend}, {a.rate_mbit} Mbit/s, {a.delay_ms} ms one-way; "
                   f"logs in {a.log_dir}", flush=True)
             if elastic:

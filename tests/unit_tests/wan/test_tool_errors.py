@@ -10,6 +10,8 @@ from tools.wan.netns import list_namespaces
 from tools.wan.topology import REPO_ROOT
 
 SCRIPT = ["--", "pretrain_gpt.py", "--num-layers", "2"]
+TINY = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+        "--lr", "1e-3", "--mock-data", "--vocab-size", "128", "--train-iters", "3"]
 
 
 def _run(module, args):
@@ -33,6 +35,10 @@ def _namespaces():
     ("tools.wan.launch", ["--loss-pct", "100", *SCRIPT], "--loss-pct 100.0 must be in [0, 100)"),
     ("tools.wan.launch", ["--subnet", "192.168.1", *SCRIPT], "--subnet '192.168.1'"),
     ("tools.wan.launch", ["--ranks-per-site", "0", *SCRIPT], "--ranks-per-site must be >= 1"),
+    # the training script's own flags, checked by the launcher before any site starts
+    ("tools.wan.launch", SCRIPT, "required: --hidden-size"),
+    ("tools.wan.launch", [*SCRIPT, *TINY, "--lsgd-algorithm", "diloco", "--lsgd-fault-tolerance", "torchft",
+                          "--lsgd-warmup-iters", "5"], "--lsgd-warmup-iters does not work with --lsgd-fault"),
     ("tools.benchmarks.wan_bench", ["--rate-mbit", "-5"], "--rate-mbit -5.0 must be > 0"),
     ("tools.benchmarks.wan_bench", ["--slow-ranks", "x"], "--slow-ranks 'x'"),
     ("tools.wan.wire", ["--namespaces", "a,b", "--addresses", "1,2", "--rate-mbit", "0"], "--rate-mbit 0.0 must be > 0"),
