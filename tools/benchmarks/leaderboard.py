@@ -79,7 +79,8 @@ from tools.benchmarks.leaderboard_report import document, open_targets, plot, su
 from tools.benchmarks.leaderboard_setup import (ALGORITHMS, CEILING_ALGORITHMS, EVALUATIONS, FREE_LINK,  # noqa: E402
                                                 MICRO_BATCH, MODEL, SCENARIO_DIR, VARIANTS, Run, cell_argv,
                                                 data_args, free_link_copy, has_slow_site)
-from tools.benchmarks.run_cache import load_or_run, relative_flags, resolved_arguments  # noqa: E402
+from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, relative_flags, resolved_arguments,  # noqa: E402
+                                        seed_list)
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
@@ -207,10 +208,10 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
     sized to them. A free-link ceiling trains the steps of the algorithm it is the ceiling of; a
     tuned variant has a pilot of its own (its settings change its pace)."""
     sites, steps = scenario.sites, args.steps
-    sync = [cached_cell(name, "sync", path, "sync", seed, sites, args, steps, eval_interval_for(steps))
-            for seed in range(1, args.seeds + 1)]
+    sync = {seed: cached_cell(name, "sync", path, "sync", seed, sites, args, steps, eval_interval_for(steps))
+            for seed in args.seeds}
     # (every sync seed exists unless the board is written from the cache: then the seeds present)
-    budget = statistics.median(c["seconds"] for c in sync if c) if any(sync) else None
+    budget = statistics.median(c["seconds"] for c in sync.values() if c) if any(sync.values()) else None
     planned: Dict[Tuple[str, Tuple[str, ...]], Optional[int]] = {("sync", ()): steps}
     for run in runs:
         if run.plan in planned or run.scenario_path != path:
@@ -220,9 +221,9 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
             budget_steps(steps, budget, pilot["seconds"], args.budget_cap)
     cells: Dict[str, List[Dict]] = {}
     for run in runs:
-        for seed in range(1, args.seeds + 1):
+        for seed in args.seeds:
             n = planned.get(run.plan)
-            cell = None if n is None else sync[seed - 1] if run.label == "sync" else \
+            cell = None if n is None else sync[seed] if run.label == "sync" else \
                 cached_cell(name, run.label, run.scenario_path, run.algorithm, seed, sites, args, n,
                             eval_interval_for(n), run.extra)
             if cell is None:
@@ -236,7 +237,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: every file)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=seed_list, default=seed_list("3"), help=SEEDS_HELP)
     p.add_argument("--steps", type=int, default=300,
                    help="sync's steps (its training time is every algorithm's budget) and each pilot's")
     p.add_argument("--budget-cap", type=int, default=3,

@@ -256,8 +256,8 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
     ]
     every = sorted(n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
     missing = [n for n in every if n not in names or len(not_run.get(n, [])) == len(board_cells(n, args))]
-    if missing or args.seeds < 3 or any(not_run.values()):
-        head += [f"**Partial board:** {args.seeds} seed(s); scenarios not run: {', '.join(missing) or 'none'}. "
+    if missing or len(args.seeds) < 3 or any(not_run.values()):
+        head += [f"**Partial board:** {len(args.seeds)} seed(s); scenarios not run: {', '.join(missing) or 'none'}. "
                  "Regenerate with `python tools/benchmarks/leaderboard.py` (every scenario, 3 seeds)."]
         head += [f"Cells not run in {n}: {', '.join(compact(cells, n, args))}." for n, cells in not_run.items()
                  if cells and n not in missing]

@@ -50,7 +50,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lsgd_quality import base_argv, data_argv, lockstep, run  # noqa: E402
-from run_cache import load_or_run, relative_flags, resolved_arguments  # noqa: E402
+from run_cache import SEEDS_HELP, load_or_run, relative_flags, resolved_arguments, seed_list  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
 SYNC = ["--lsgd-algorithm", "sync"]
@@ -314,7 +314,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--doc", default=os.path.join(ROOT, "docs", "quality.md"),
                    help="Markdown file whose frontier block is rewritten (PNG and JSON beside it)")
     p.add_argument("--sites", type=int, default=2)
-    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--seeds", type=seed_list, default=seed_list("3"), help=SEEDS_HELP)
     p.add_argument("--train-iters", type=int, default=3000)
     p.add_argument("--interval", type=int, default=50, help="H of the points that do not set their own")
     p.add_argument("--num-layers", type=int, default=4)
@@ -340,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.train_iters, args.num_layers, args.hidden_size, args.seq_length = 20, 2, 64, 32
         args.global_batch_size, args.eval_iters, args.interval = 8, 2, 10
     try:
-        seeds = [int(s) for s in args.seeds.split(",")]
+        seeds = args.seeds
         points = select(default_points(args.interval, args.num_layers) + [parse_point(t) for t in args.point], args.points)
         for pt in points:
             if pt.flags == reference_flags(pt.flags):
@@ -392,7 +392,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": sync, "results": results}, f, indent=1)
     header = (f"Data: {label}{' (SMOKE RUN: measures nothing)' if args.smoke else ''}. {args.sites} sites, "
               f"{args.train_iters} iterations x {args.global_batch_size} x {args.seq_length} tokens, "
-              f"{args.num_layers} layers x {args.hidden_size}, seeds {args.seeds}. Each point against sync with its "
+              f"{args.num_layers} layers x {args.hidden_size}, seeds {','.join(map(str, args.seeds))}. "
+              f"Each point against sync with its "
               f"inner optimizer: {references_line(sync)}. Bytes: the logging rank's inter-site bytes sent, as "
               f"counted. " + ("Written from the cache." if args.cached_only else f"{time.perf_counter() - t0:.0f} s in all."))
     block = table(summaries, header)

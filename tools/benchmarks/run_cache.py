@@ -4,6 +4,7 @@ flags; paths inside the checkout are named relative to it, so a cache holds from
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -81,6 +82,28 @@ def resolved_arguments(argv: List[str]) -> Dict[str, object]:
 
     resolved = sorted(vars(parse_args(relative_flags(argv))).items())
     return {k: json.loads(json.dumps(v, default=str)) for k, v in resolved}
+
+
+SEEDS_HELP = "N: seeds 1..N; a-b: seeds a..b; a,b,c: those seeds"
+
+
+def seed_list(text: str) -> List[int]:
+    """The seeds a sweep's --seeds names (an argparse type, the same in every benchmark):
+    "3" is seeds 1, 2, 3 (a count, as it always was for the leaderboard), "2-3" a range, "1,3"
+    a list; a single seed other than 1 is "2-2"."""
+    try:
+        if "," in text:
+            seeds = [int(s) for s in text.split(",")]
+        elif "-" in text.strip("-"):
+            first, last = (int(s) for s in text.split("-", 1))
+            seeds = list(range(first, last + 1))
+        else:
+            seeds = list(range(1, int(text) + 1))
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 1 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give N (seeds 1..N), a-b or a,b,c of distinct seeds >= 1")
+    return seeds
 
 
 def arguments_digest(resolved: Dict[str, object]) -> str:

@@ -180,7 +180,7 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
 
     def fake(name, label, path, algo, seed, sites, args, steps, eval_interval, extra=()):
         calls.append((label, seed, steps, eval_interval))
-        return dict(cell([1.0], [4.0], steps * pace["slow diloco" if extra else algo]), steps=steps)
+        return dict(cell([1.0], [4.0], steps * pace["slow diloco" if extra else algo]), steps=steps, seed=seed)
 
     monkeypatch.setattr(lb, "cached_cell", fake)
     straggler = os.path.join(lb_setup.SCENARIO_DIR, "emulated-straggler2x.toml")
@@ -191,7 +191,7 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
             lb_setup.Run("diloco (H 7)", "diloco", straggler, ("--lsgd-interval", "7"))]
 
     class Args:
-        steps, seeds, budget_cap = 100, 2, 3
+        steps, seeds, budget_cap = 100, [1, 2], 3
 
     not_run = []
     cells = lb.scenario_cells("emulated-straggler2x", straggler, s, runs, Args, not_run)
@@ -206,10 +206,27 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
     assert ("diloco (H 7) pilot", 1, 100, 0) in calls  # its own pace: 200 steps fit in sync's 200 s
     assert [c["steps"] for c in cells["diloco (H 7)"]] == [200, 200]
 
+    calls.clear()  # seeds 2-3 only (--seeds 2-3): each pairs with sync's cell of its own seed
+    Args.seeds = [2, 3]
+    cells = lb.scenario_cells("emulated-straggler2x", straggler, s, runs, Args, not_run)
+    assert [c["seed"] for c in cells["sync"]] == [2, 3] and [c["seed"] for c in cells["diloco"]] == [2, 3]
+    assert {seed for label, seed, *_ in calls if label == "diloco"} == {2, 3}
+    assert not not_run
+
+
+def test_seeds_are_a_count_a_range_or_a_list():
+    from tools.benchmarks.run_cache import seed_list
+    assert seed_list("3") == [1, 2, 3] and seed_list("1") == [1]
+    assert seed_list("2-3") == [2, 3] and seed_list("2-2") == [2]
+    assert seed_list("1,3") == [1, 3]
+    for bad in ("0", "x", "3-2", "1,1", "0,2", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            seed_list(bad)
+
 
 def test_the_board_lists_only_scenarios_with_cells_not_run(tmp_path):
     import argparse
-    args = argparse.Namespace(out=str(tmp_path / "leaderboard.md"), steps=300, budget_cap=3, seeds=3,
+    args = argparse.Namespace(out=str(tmp_path / "leaderboard.md"), steps=300, budget_cap=3, seeds=[1, 2, 3],
                               algorithms="sync,diloco")
     text = lb_report.document(["emulated-default", "emulated-straggler2x"], [], args,
                        {"emulated-default": [], "emulated-straggler2x": ["diloco seed 2"]})
@@ -219,7 +236,7 @@ def test_the_board_lists_only_scenarios_with_cells_not_run(tmp_path):
 
 def test_a_seed_with_no_cell_is_named_once(tmp_path):
     import argparse
-    args = argparse.Namespace(out=str(tmp_path / "leaderboard.md"), steps=300, budget_cap=3, seeds=3,
+    args = argparse.Namespace(out=str(tmp_path / "leaderboard.md"), steps=300, budget_cap=3, seeds=[1, 2, 3],
                               algorithms="sync,diloco")
     missing = ["diloco seed 1", "sync seed 2", "diloco seed 2", "sync seed 3", "diloco seed 3"]
     text = lb_report.document(["emulated-default"], [], args, {"emulated-default": missing})
