@@ -154,7 +154,8 @@ def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
                      spread([c["peak_rss_mb"] for c in runs])))
     rows.sort(key=lambda r: (r[0], r[1]))
     lines = [f"### {name}", "", f"{scenario.description}. Target: the final validation loss of sync's run with "
-             f"the same seed (median over {len(sync)} seeds {target.median_loss:.4f}), and that + 2%; budget: "
+             f"the same seed (median over {len(sync)} seed{'s' if len(sync) > 1 else ''} {target.median_loss:.4f}), "
+             f"and that + 2%; budget: "
              f"the simulated time of that sync run (median {target.median_seconds:.1f} s). H = "
              f"{recommended_interval(scenario)} for the DiLoCo family.", "",
              "| rank | algorithm | steps | time to target (s) | time to +2% (s) | val loss at budget | final val loss | "
