@@ -157,14 +157,17 @@ def test_a_run_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatc
     assert qf.cached_run(argv, 2, str(tmp_path), cached_only=True) == again
     (name,) = os.listdir(tmp_path)
     path = tmp_path / name
-    # a run that kept only the digest of its arguments (before 2026-11-27) must match all of
-    # them but those added after digests were retired
+    # a run that kept only the digest of its arguments (until 2026-11-27) must match all of
+    # them (made after the flags added meanwhile existed) or all but those (made before)
     monkeypatch.setattr(qf, "resolved_arguments", lambda a: resolved)
     before = {k: v for k, v in resolved.items() if k not in run_cache.ADDED_AFTER_DIGESTS}
     assert len(before) < len(resolved)
     path.write_text(json.dumps({"valid": [7.0], "fingerprint": run_cache.arguments_digest(before)}))
     assert qf.cached_run(argv, 2, str(tmp_path))["valid"] == [7.0] and len(calls) == 2
-    path.write_text(json.dumps({"valid": [7.0], "fingerprint": run_cache.arguments_digest(resolved)}))
+    path.write_text(json.dumps({"valid": [8.0], "fingerprint": run_cache.arguments_digest(resolved)}))
+    assert qf.cached_run(argv, 2, str(tmp_path))["valid"] == [8.0] and len(calls) == 2
+    other = {**resolved, "lsgd_outer_lr": 0.7}  # made under another default: trained again
+    path.write_text(json.dumps({"valid": [7.0], "fingerprint": run_cache.arguments_digest(other)}))
     assert qf.cached_run(argv, 2, str(tmp_path))["valid"] == [3.0] and len(calls) == 3
     path.write_text('{"valid": [7.0]}')  # a run cached with neither is taken as it is
     assert qf.cached_run(argv, 2, str(tmp_path)) == {"valid": [7.0]} and len(calls) == 3

@@ -28,7 +28,7 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
     was made under other defaults and is computed again. Arguments on one side only (a flag
     added or removed since) say nothing about the run and are not compared: a new flag does
     not throw the cache away. (A result stored with only a digest of them, as before, must
-    match all of them but ADDED_AFTER_DIGESTS; one stored with neither is taken as is.) The code it was computed
+    match all of them, or all but ADDED_AFTER_DIGESTS; one stored with neither is taken as is.) The code it was computed
     with is stored too (`code`, see code_version): a change to an algorithm's code changes no
     flag, and this is how a later reader tells which results predate it."""
     if os.path.exists(path) and not refresh:
@@ -63,14 +63,14 @@ def changed_arguments(cached: Dict, resolved: Optional[Dict[str, object]]) -> Li
         before = cached["resolved"]
         return sorted(k for k in before.keys() & resolved.keys() if before[k] != resolved[k])
     if "fingerprint" in cached:
-        known = {k: v for k, v in resolved.items() if k not in ADDED_AFTER_DIGESTS}
-        if cached["fingerprint"] != arguments_digest(known):
+        before = {k: v for k, v in resolved.items() if k not in ADDED_AFTER_DIGESTS}
+        if cached["fingerprint"] not in (arguments_digest(resolved), arguments_digest(before)):
             return ["the digest of the arguments"]
     return []
 
 
-# Arguments that came after results stopped keeping only a digest of theirs (2026-11-27): a
-# digest-only result was made before they existed, so they are left out of the comparison.
+# Arguments added while results kept only a digest of theirs (until 2026-11-27): a digest-only
+# result made before one existed matches without it, one made after with it.
 ADDED_AFTER_DIGESTS = ("lsgd_dpu_warmup_iters",)
 
 
