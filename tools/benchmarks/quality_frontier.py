@@ -389,7 +389,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     base = os.path.splitext(args.doc)[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
     with open(base + ".json", "w") as f:
-        json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": sync, "results": results}, f, indent=1)
+        def published(runs: Dict[str, Dict[int, Dict]]) -> Dict[str, Dict[int, Dict]]:  # the cache's bookkeeping out
+            return {name: {seed: {k: v for k, v in run.items() if k != "resolved"} for seed, run in by_seed.items()}
+                    for name, by_seed in runs.items()}
+        json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": published(sync),
+                   "results": published(results)}, f, indent=1)
     header = (f"Data: {label}{' (SMOKE RUN: measures nothing)' if args.smoke else ''}. {args.sites} sites, "
               f"{args.train_iters} iterations x {args.global_batch_size} x {args.seq_length} tokens, "
               f"{args.num_layers} layers x {args.hidden_size}, seeds {','.join(map(str, args.seeds))}. "
