@@ -267,6 +267,12 @@ def references_line(sync: Dict[str, Dict[int, Dict]]) -> str:
     return ", ".join(parts) + " (final validation loss, mean over seeds)"
 
 
+def published(runs: Dict[str, Dict[int, Dict]]) -> Dict[str, Dict[int, Dict]]:
+    """Runs as the doc's JSON shows them: without the cache's record of resolved arguments."""
+    return {name: {seed: {k: v for k, v in run.items() if k != "resolved"} for seed, run in by_seed.items()}
+            for name, by_seed in runs.items()}
+
+
 def write_block(doc: str, block: str) -> None:
     """Replace the text between the markers in `doc` (append the markers if absent)."""
     text = open(doc).read() if os.path.exists(doc) else "# Quality frontier\n"
@@ -389,9 +395,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     base = os.path.splitext(args.doc)[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
     with open(base + ".json", "w") as f:
-        def published(runs: Dict[str, Dict[int, Dict]]) -> Dict[str, Dict[int, Dict]]:  # the cache's bookkeeping out
-            return {name: {seed: {k: v for k, v in run.items() if k != "resolved"} for seed, run in by_seed.items()}
-                    for name, by_seed in runs.items()}
         json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": published(sync),
                    "results": published(results)}, f, indent=1)
     header = (f"Data: {label}{' (SMOKE RUN: measures nothing)' if args.smoke else ''}. {args.sites} sites, "

@@ -87,13 +87,18 @@ def lighthouse_cmd(min_sites: int, port: int, join_timeout_ms: int) -> List[str]
             str(join_timeout_ms), "--quorum_tick_ms", "100"]
 
 
+def elastic_site_flags(site: int, lighthouse: str, host: str) -> List[str]:
+    """What an elastic site's script gets beside the user's flags."""
+    return ["--lsgd-site", str(site), "--lsgd-lighthouse", lighthouse, "--lsgd-ft-host", host]
+
+
 def elastic_site_jobs(wan: WanTopology, ranks_per_site: int, script_argv: Sequence[str], port: int, log_dir: str,
                       name: str, lighthouse: str, max_restarts: int) -> List[SiteJob]:
     """One job per site (fault tolerance): its own rendezvous on its own host, its --lsgd-site,
     the address the other sites reach it at (--lsgd-ft-host)."""
     return [SiteJob(i, torchrun_cmd(1, 0, ranks_per_site, wan.site_ip(i), port,
-                                    [*script_argv, "--lsgd-site", str(i), "--lsgd-lighthouse", lighthouse,
-                                     "--lsgd-ft-host", wan.site_ip(i)], max_restarts),
+                                    [*script_argv, *elastic_site_flags(i, lighthouse, wan.site_ip(i))],
+                                    max_restarts),
                     os.path.join(log_dir, f"{name}.site{i}.log")) for i in range(wan.sites)]
 
 
@@ -206,8 +211,7 @@ def check_training_flags(script: Sequence[str], world_size: int, elastic: bool) 
         return
     from megatron_lsgd.training.arguments import build_config, build_parser  # torch: only when needed
 
-    site_flags = ["--lsgd-site", "0", "--lsgd-lighthouse", "http://127.0.0.1:1", "--lsgd-ft-host",
-                  "127.0.0.1"] if elastic else []  # what elastic_site_jobs appends per site
+    site_flags = elastic_site_flags(0, "http://127.0.0.1:1", "127.0.0.1") if elastic else []
     parser = build_parser()
     parser.prog = "pretrain_gpt.py"
     here = os.getcwd()
