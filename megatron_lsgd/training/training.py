@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.clock import Clock
+from megatron_lsgd.core.datasets import data_passes
 from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
@@ -121,6 +122,7 @@ class Trainer:
         valid_samples = (1 if eval_runs else 0) if t.full_validation else eval_runs * gbs
         train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
                                                   (train_samples, valid_samples, t.eval_iters * gbs))
+        self._report_data_passes(train_ds, adaptive=bound != config.num_microbatches)
         self.eval_batches = self._evaluation_batches(valid_ds)
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
@@ -232,6 +234,21 @@ class Trainer:
         return {k: float(v.item()) for k, v in values.items()}
 
     # ---- evaluation ----------------------------------------------------------------------------
+    def _report_data_passes(self, train_ds, adaptive: bool) -> None:
+        """Say how often the run's budget reads its training split: past one pass the model sees
+        repeated data, and its losses (and gaps between runs) are no longer held-out figures."""
+        t = self.config.training
+        budget = t.train_samples or t.train_iters * t.global_batch_size
+        passes = data_passes(train_ds, budget)
+        if passes is None or self.pgs.rank != self.log_rank:
+            return
+        tokens, n = passes
+        more = " at least (adaptive accumulation adds micro-batches)" if adaptive else ""
+        repeat = ": the model will see repeated data" if n > 1 else ""
+        reads = f"reads it {n:.2f} times" if n >= 0.995 else f"reads {100 * n:.2g}% of it"
+        print(f"> training data: {tokens:,} tokens in the train split; the budget ({budget:,} samples of "
+              f"{self.config.model.seq_length}) {reads}{more}{repeat}", flush=True)
+
     def _evaluation_batches(self, valid_ds) -> int:
         """Global batches per evaluation: --eval-iters, or with --full-validation as many whole
         batches as the validation split holds."""

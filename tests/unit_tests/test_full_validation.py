@@ -42,6 +42,11 @@ def test_every_evaluation_covers_the_same_whole_split(monkeypatch, capsys):
     assert code == 0, err
     sampled = [loss for _, loss in _validation_losses(out)]
     assert len(sampled) == 2 and sampled[0] != sampled[1]  # Megatron's default: the next batches each time
+    # the start says how much of the train split the budget (4 steps x 12 samples of 32) reads
+    tokens, percent = re.search(r"> training data: ([\d,]+) tokens in the train split; the budget \(48 samples "
+                                r"of 32\) reads ([\d.]+)% of it\n", out).groups()
+    tokens = int(tokens.replace(",", ""))
+    assert 1e6 < tokens < 1.373154e6 and float(percent) == float(f"{100 * 48 * 32 / tokens:.2g}")
 
     code, out, err = _run(FROZEN + ["--split", "989,10,1", "--full-validation"], monkeypatch, capsys)
     assert code == 0, err

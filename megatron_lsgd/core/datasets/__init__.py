@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .blended_dataset import BlendedDataset
-from .builder import build_train_valid_test_datasets, parse_data_path, parse_split, split_ranges
+from .builder import build_train_valid_test_datasets, data_passes, parse_data_path, parse_split, split_ranges
 from .config import DataConfig
 from .gpt_dataset import GPTDataset
 from .indexed_dataset import (DTYPE_CODES, IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError,
@@ -12,6 +12,6 @@ from .mock_dataset import MockGPTDataset
 
 __all__ = [
     "BlendedDataset", "DTYPE_CODES", "DataConfig", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder",
-    "IndexedDatasetError", "MockGPTDataset", "build_train_valid_test_datasets", "optimal_token_dtype",
+    "IndexedDatasetError", "MockGPTDataset", "build_train_valid_test_datasets", "data_passes", "optimal_token_dtype",
     "parse_data_path", "parse_split", "split_ranges",
 ]

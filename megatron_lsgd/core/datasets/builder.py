@@ -133,3 +133,22 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, num_samples: Seq
                  for ds, r, c in zip(indexed, ranges, counts)]
         result.append(BlendedDataset(parts, w, n))
     return tuple(result)
+
+
+def data_passes(dataset: Optional[torch.utils.data.Dataset], samples: int) -> Optional[Tuple[int, float]]:
+    """(tokens in the split, passes over it) when `samples` samples are read from `dataset`;
+    for a blend, its most repeated part's. None for mock data, which has no split to repeat.
+
+    A model that reads its data more than once fits what it repeats: its training loss then
+    says less about held-out data, and a gap between two runs measured there shrinks (or
+    grows) for reasons that are not the runs' own.
+    """
+    if isinstance(dataset, GPTDataset):
+        return dataset.tokens_per_epoch, samples * dataset.seq_length / dataset.tokens_per_epoch
+    if isinstance(dataset, BlendedDataset):
+        parts = [(part, w) for part, w in zip(dataset.datasets, dataset.weights) if isinstance(part, GPTDataset)]
+        if not parts:
+            return None
+        shares = [data_passes(part, w * samples) for part, w in parts]
+        return sum(t for t, _ in shares), max(p for _, p in shares)
+    return None

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_lsgd.core.datasets import (BlendedDataset, DataConfig, GPTDataset, IndexedDataset, MockGPTDataset,
-                                         build_train_valid_test_datasets, parse_data_path, parse_split,
-                                         split_ranges)
+                                         build_train_valid_test_datasets, data_passes, parse_data_path,
+                                         parse_split, split_ranges)
 from megatron_lsgd.training.tokenizer import NullTokenizer
 
 from datatest_utils import random_docs, write_dataset
@@ -142,6 +142,25 @@ def test_blended_proportions(tmp_path, rng):
     train2, _, _ = build_train_valid_test_datasets(cfg2, NullTokenizer(VOCAB), (500, 0, 0))
     ta, tb = (IndexedDataset(p).sequence_lengths.sum() for p in (a, b))
     assert abs(np.bincount(train2.dataset_index)[0] - 500 * ta / (ta + tb)) <= 1
+
+
+def test_data_passes(tmp_path, rng):
+    """Passes over the train split: tokens drawn / the split's tokens; a blend's most repeated part."""
+    a = write_dataset(str(tmp_path / "a"), random_docs(rng, 30, VOCAB, EOD))
+    b = write_dataset(str(tmp_path / "b"), random_docs(rng, 10, VOCAB, EOD))
+    ta, tb = (int(IndexedDataset(p).sequence_lengths[:-1 if p == a else None].sum()) for p in (a, b))
+    cfg = DataConfig(data_path=[a], split="29,1,0", seq_length=8)  # 29 of a's 30 documents train
+    train, _, _ = build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB), (10, 1, 0))
+    tokens, passes = data_passes(train, 3 * ta // 8)
+    assert tokens == ta and passes == pytest.approx((3 * ta // 8) * 8 / ta)
+    cfg = DataConfig(data_path=["0.5", a, "0.5", b], split="1", seq_length=8)
+    blend, _, _ = build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB), (100, 0, 0))
+    full_a = int(IndexedDataset(a).sequence_lengths.sum())
+    tokens, passes = data_passes(blend, 100)
+    assert tokens == full_a + tb and passes == pytest.approx(50 * 8 / min(full_a, tb))  # b (smaller) repeats more
+    mock, _, _ = build_train_valid_test_datasets(DataConfig(mock_data=True, seq_length=8), NullTokenizer(VOCAB),
+                                                 (10, 0, 0))
+    assert data_passes(mock, 10) is None and data_passes(None, 10) is None
 
 
 def test_dataloader_collates(corpus):
