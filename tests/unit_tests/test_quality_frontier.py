@@ -216,3 +216,13 @@ def test_a_cached_run_records_the_code_it_ran(tmp_path, monkeypatch):
     monkeypatch.setattr(run_cache, "ROOT", str(tmp_path / "not-a-checkout"))
     assert run_cache.code_version() is None
     assert "code" not in run_cache.load_or_run(str(tmp_path / "b.json"), lambda: {"valid": [1.0]})
+
+
+def test_the_data_line_says_how_often_the_runs_read_the_train_split():
+    from tools.benchmarks.lsgd_quality import passes_note
+    corpus = os.path.join(qf.ROOT, "data", "python-docs", "python_docs_text_document")
+    # the bundled corpus's train split (98% of 237 documents) is 1,357,726 tokens; 3000 steps of
+    # 16 x 128 read it 4.5 times, 1000 steps 1.5 times
+    assert passes_note(corpus, 3000 * 16, 128) == " (1,357,726 train tokens, read 4.53 times)"
+    assert passes_note(corpus, 1000 * 16, 128) == " (1,357,726 train tokens, read 1.51 times)"
+    assert passes_note(None, 1000, 128) == "" and passes_note(corpus + "-missing", 1000, 128) == ""  # mock data

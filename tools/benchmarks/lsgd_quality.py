@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from megatron_lsgd.core.datasets import IndexedDataset, parse_split, split_ranges  # noqa: E402
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 
@@ -82,12 +83,26 @@ def lockstep(argv: List[str]) -> bool:
     return synchronizer_class(names[-1] if names else "sync").lockstep
 
 
+SPLIT = "98,2,0"  # train, validation, test: the runs' --split
+
+
 def data_argv(data_path, tokenizer_model):
     """(flags, label): the corpus when `data_path`.bin exists, else mock data, said loudly."""
     if data_path and os.path.exists(data_path + ".bin"):
         return (["--data-path", data_path, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-                 tokenizer_model, "--split", "98,2,0"], f"real corpus {data_path}")
+                 tokenizer_model, "--split", SPLIT], f"real corpus {data_path}")
     return ["--mock-data", "--vocab-size", "512"], "MOCK DATA (synthetic tokens; not the real corpus)"
+
+
+def passes_note(data_path, samples: int, seq_length: int) -> str:
+    """' (N train tokens, read P times)' for the corpus of data_argv, '' for mock data: past one
+    pass the model sees repeated data, and a gap between runs is partly a gap in fitting it."""
+    if not (data_path and os.path.exists(data_path + ".bin")):
+        return ""
+    indexed = IndexedDataset(data_path)
+    start, end = split_ranges(len(indexed), parse_split(SPLIT))[0]
+    tokens = int(indexed.sequence_lengths[start:end].astype("int64").sum())
+    return f" ({tokens:,} train tokens, read {samples * seq_length / tokens:.2f} times)"
 
 
 def base_argv(*, num_layers: int, hidden_size: int, seq_length: int, global_batch_size: int, train_iters: int,
@@ -246,7 +261,8 @@ def main() -> None:
         json.dump({"label": label, "argv": base, "results": results}, f, indent=1)
 
     ref = results.get("sync")
-    lines = [f"Data: {label}. {args.sites} sites x {args.ranks_per_site} rank(s), {args.train_iters} iterations "
+    lines = [f"Data: {label}{passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length)}"
+             f". {args.sites} sites x {args.ranks_per_site} rank(s), {args.train_iters} iterations "
              f"x {args.global_batch_size} x {args.seq_length} tokens, H = {args.interval}, outer lr {args.outer_lr}, "
              f"outer momentum {args.outer_momentum} (diloco, edit) / {args.dilocox_outer_momentum} (dilocox); "
              f"a-edit every {args.aedit_seconds:g} s"

@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lsgd_quality import base_argv, data_argv, lockstep, run  # noqa: E402
+from lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
 from run_cache import SEEDS_HELP, load_or_run, relative_flags, resolved_arguments, seed_list  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
@@ -397,7 +397,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     with open(base + ".json", "w") as f:
         json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": published(sync),
                    "results": published(results)}, f, indent=1)
-    header = (f"Data: {label}{' (SMOKE RUN: measures nothing)' if args.smoke else ''}. {args.sites} sites, "
+    passes = passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length)
+    header = (f"Data: {label}{passes}{' (SMOKE RUN: measures nothing)' if args.smoke else ''}. {args.sites} sites, "
               f"{args.train_iters} iterations x {args.global_batch_size} x {args.seq_length} tokens, "
               f"{args.num_layers} layers x {args.hidden_size}, seeds {','.join(map(str, args.seeds))}. "
               f"Each point against sync with its "
