@@ -233,7 +233,6 @@ class Trainer:
             values = dict(zip(values.keys(), stacked.split(1)))
         return {k: float(v.item()) for k, v in values.items()}
 
-    # ---- evaluation ----------------------------------------------------------------------------
     def _report_data_passes(self, train_ds, adaptive: bool) -> None:
         """Say how often the run's budget reads its training split: past one pass the model sees
         repeated data, and its losses (and gaps between runs) are no longer held-out figures."""
@@ -249,6 +248,7 @@ class Trainer:
         print(f"> training data: {tokens:,} tokens in the train split; the budget ({budget:,} samples of "
               f"{self.config.model.seq_length}) {reads}{more}{repeat}", flush=True)
 
+    # ---- evaluation ----------------------------------------------------------------------------
     def _evaluation_batches(self, valid_ds) -> int:
         """Global batches per evaluation: --eval-iters, or with --full-validation as many whole
         batches as the validation split holds."""
