@@ -236,10 +236,12 @@ class Trainer:
     def _report_data_passes(self, train_ds, adaptive: bool) -> None:
         """Say how often the run's budget reads its training split: past one pass the model sees
         repeated data, and its losses (and gaps between runs) are no longer held-out figures."""
+        if self.pgs.rank != self.log_rank:
+            return
         t = self.config.training
         budget = t.train_samples or t.train_iters * t.global_batch_size
         passes = data_passes(train_ds, budget)
-        if passes is None or self.pgs.rank != self.log_rank:
+        if passes is None:
             return
         tokens, n = passes
         more = " at least (adaptive accumulation adds micro-batches)" if adaptive else ""
