@@ -25,7 +25,9 @@ from megatron_lsgd.training.initialize import free_port
 
 # Ranks fork from a server that imported torch and the project once per test session: a
 # spawned rank otherwise spends ~2 s importing, the suite's largest cost on 2 cores.
-multiprocessing.set_forkserver_preload(["torch", "pretrain_gpt"])
+# torch._dynamo too: torch.optim's first optimizer imports it (with sympy, about 800
+# modules, 2-3 s of CPU), and without it every forked rank paid that again.
+multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "pretrain_gpt"])
 
 
 def _entry(rank: int, fn, env: Dict[str, str], cwd: str, args: tuple) -> None:
