@@ -241,3 +241,18 @@ def test_a_seed_with_no_cell_is_named_once(tmp_path):
     missing = ["diloco seed 1", "sync seed 2", "diloco seed 2", "sync seed 3", "diloco seed 3"]
     text = lb_report.document(["emulated-default"], [], args, {"emulated-default": missing})
     assert "Cells not run in emulated-default: seed 2 (every cell), seed 3 (every cell), diloco seed 1." in text
+
+
+def test_cached_only_without_cells_leaves_the_board_alone(tmp_path, monkeypatch, capsys):
+    """A checkout without the cells must not replace a board's tables with an empty one; the
+    default cache is the committed one beside the board."""
+    out = tmp_path / "leaderboard.md"
+    out.write_text("the tables\n")
+    monkeypatch.setattr("sys.argv", ["leaderboard.py", "--cached-only", "--scenarios", "emulated-default",
+                                     "--cache-dir", str(tmp_path / "cells"), "--out", str(out),
+                                     "--plots-dir", str(tmp_path / "plots")])
+    with pytest.raises(SystemExit) as exit_:
+        lb.main()
+    assert exit_.value.code == 2 and out.read_text() == "the tables\n"
+    assert "error: --cached-only: no finished cell under" in capsys.readouterr().err
+    assert lb.CELLS_DIR == os.path.join(lb.ROOT, "docs", "leaderboard", "cells")
