@@ -204,24 +204,27 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
     return load_or_run(cache, train, resolved=resolved_arguments(cell_flags(argv)))
 
 
-def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_run: List[str]
-                   ) -> Dict[str, List[Dict]]:
+def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_run: List[str],
+                   spent: Optional[List[Optional[float]]] = None) -> Dict[str, List[Dict]]:
     """A scenario's cells by label. sync trains --steps steps; its training time is the budget.
     Every other algorithm first runs a pilot of --steps steps without evaluation (its pace on
     this scenario's clock, which neither the seed nor the data change), then, per seed, as many
     steps as fit in the budget at that pace (budget_steps), with its learning-rate schedule
     sized to them. A free-link ceiling trains the steps of the algorithm it is the ceiling of; a
-    tuned variant has a pilot of its own (its settings change its pace)."""
+    tuned variant has a pilot of its own (its settings change its pace). `spent` collects the
+    real seconds each cell and pilot took to train (None for a cell that did not keep them)."""
     sites, steps = scenario.sites, args.steps
     sync = {seed: cached_cell(name, "sync", path, "sync", seed, sites, args, steps, eval_interval_for(steps))
             for seed in args.seeds}
     # (every sync seed exists unless the board is written from the cache: then the seeds present)
     budget = statistics.median(c["seconds"] for c in sync.values() if c) if any(sync.values()) else None
+    trained = list(sync.values())
     planned: Dict[Tuple[str, Tuple[str, ...]], Optional[int]] = {("sync", ()): steps}
     for run in runs:
         if run.plan in planned or run.scenario_path != path:
             continue
         pilot = cached_cell(name, f"{run.label} pilot", path, run.algorithm, 1, sites, args, steps, 0, run.extra)
+        trained.append(pilot)
         planned[run.plan] = None if pilot is None or budget is None else \
             budget_steps(steps, budget, pilot["seconds"], args.budget_cap)
     cells: Dict[str, List[Dict]] = {}
@@ -235,6 +238,10 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
                 not_run.append(f"{run.label} seed {seed}")
             else:
                 cells.setdefault(run.label, []).append(cell)
+                if run.label != "sync":
+                    trained.append(cell)
+    if spent is not None:
+        spent += [c.get("real_seconds") for c in trained if c]
     return cells
 
 
@@ -272,6 +279,7 @@ def main() -> None:
     sections = []
     board: Dict[str, Dict[str, List[Dict]]] = {}
     not_run: Dict[str, List[str]] = {}
+    spent: Dict[str, List[Optional[float]]] = {}
     for name in names:
         path = os.path.join(SCENARIO_DIR, f"{name}.toml")
         if not os.path.exists(path):
@@ -282,7 +290,8 @@ def main() -> None:
         if has_slow_site(scenario):
             free = free_link_copy(path, args.cache_dir)
             runs += [Run(f"{algo} ({FREE_LINK})", algo, free) for algo in algorithms if algo in CEILING_ALGORITHMS]
-        cells = scenario_cells(name, path, scenario, runs, args, not_run.setdefault(name, []))
+        cells = scenario_cells(name, path, scenario, runs, args, not_run.setdefault(name, []),
+                               spent.setdefault(name, []))
         board[name] = cells
         if not cells:
             continue
@@ -304,7 +313,7 @@ def main() -> None:
         with open(targets_reading) as f:
             sections += [f.read().strip(), ""]
     with open(args.out, "w") as f:
-        f.write(document(names, sections, args, not_run) + "\n")
+        f.write(document(names, sections, args, not_run, spent) + "\n")
     print(f"wrote {args.out} and {args.plots_dir}/*.png")
 
 

@@ -206,7 +206,23 @@ def scenario_table(names: List[str]) -> List[str]:
     return lines
 
 
-def document(names: List[str], sections: List[str], args, not_run: Dict[str, List[str]]) -> str:
+def cost_line(spent: Dict[str, List[Optional[float]]]) -> List[str]:
+    """What training the board's cells (pilots included) cost this machine in real time, in all
+    and per scenario: the price of regenerating it (a cell trained before cells kept their real
+    time has none)."""
+    known = {n: times for n, v in spent.items() if (times := [s for s in v if s is not None])}
+    if not known:
+        return []
+    cells = sum(len(v) for v in spent.values())
+    unknown = cells - sum(len(v) for v in known.values())
+    per = ", ".join(f"{n} {sum(v) / 60:.0f} min" for n, v in known.items())
+    line = (f"Cost: training these {cells} cells (pilots included) took {sum(map(sum, known.values())) / 3600:.1f} h "
+            f"of this machine's real time ({per})")
+    return [line + (f"; {unknown} cell(s) did not keep theirs." if unknown else "."), ""]
+
+
+def document(names: List[str], sections: List[str], args, not_run: Dict[str, List[str]],
+             spent: Optional[Dict[str, List[Optional[float]]]] = None) -> str:
     """docs/leaderboard.md: the method, the scenarios, every table, and the simulator's validation."""
     validation = os.path.join(os.path.dirname(args.out), "leaderboard", "validation.md")
     head = [
@@ -263,6 +279,7 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         head += [f"Cells not run in {n}: {', '.join(compact(cells, n, args))}." for n, cells in not_run.items()
                  if cells and n not in missing]
         head += [""]
+    head += cost_line(spent or {})
     tail = ["", "## Validation of the simulator", ""]
     if os.path.exists(validation):
         with open(validation) as f:

@@ -193,9 +193,10 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
     class Args:
         steps, seeds, budget_cap = 100, [1, 2], 3
 
-    not_run = []
-    cells = lb.scenario_cells("emulated-straggler2x", straggler, s, runs, Args, not_run)
+    not_run, spent = [], []
+    cells = lb.scenario_cells("emulated-straggler2x", straggler, s, runs, Args, not_run, spent)
     assert not not_run
+    assert len(spent) == 2 + 3 + 4 * 2  # sync's seeds once, three pilots, four rows of two seeds
     assert ("diloco pilot", 1, 100, 0) in calls and ("a-edit pilot", 1, 100, 0) in calls
     assert not any(label == "sync pilot" or label.startswith("a-edit (free link) pilot") for label, *_ in calls)
     assert [c["steps"] for c in cells["sync"]] == [100, 100]
@@ -256,3 +257,11 @@ def test_cached_only_without_cells_leaves_the_board_alone(tmp_path, monkeypatch,
     assert exit_.value.code == 2 and out.read_text() == "the tables\n"
     assert "error: --cached-only: no finished cell under" in capsys.readouterr().err
     assert lb.CELLS_DIR == os.path.join(lb.ROOT, "docs", "leaderboard", "cells")
+
+
+def test_the_board_says_what_its_cells_cost_to_train():
+    spent = {"emulated-default": [60.0, 120.0, None], "2x8gpu-1gbit-1b": [1620.0], "8site-internet-150m": []}
+    assert lb_report.cost_line(spent) == [
+        "Cost: training these 4 cells (pilots included) took 0.5 h of this machine's real time "
+        "(emulated-default 3 min, 2x8gpu-1gbit-1b 27 min); 1 cell(s) did not keep theirs.", ""]
+    assert lb_report.cost_line({"emulated-default": [None]}) == [] and lb_report.cost_line({}) == []
