@@ -226,3 +226,9 @@ def test_the_data_line_says_how_often_the_runs_read_the_train_split():
     assert passes_note(corpus, 3000 * 16, 128) == " (1,357,726 train tokens, read 4.53 times)"
     assert passes_note(corpus, 1000 * 16, 128) == " (1,357,726 train tokens, read 1.51 times)"
     assert passes_note(None, 1000, 128) == "" and passes_note(corpus + "-missing", 1000, 128) == ""  # mock data
+
+
+def test_a_pages_runs_are_kept_beside_it_and_smoke_runs_apart():
+    page = os.path.join(qf.ROOT, "docs", "quality-one-pass.md")
+    assert qf.default_cache_dir(page, smoke=False) == os.path.join(qf.ROOT, "docs", "runs", "quality-one-pass")
+    assert qf.default_cache_dir(page, smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke")

@@ -22,8 +22,8 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
 `--points` picks points by label or family (comma-separated; default all); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags, with every argument they resolve to: one made under other defaults is
-trained again), so a sweep that stops is resumed by running the same
-command again; delete the cache after a change of the code that alters training (or
+trained again; by default docs/runs/<page>, committed with the page it is the data of), so a
+sweep that stops is resumed by running the same command again, on any clone; delete the cache after a change of the code that alters training (or
 `--refresh` the points it touches: each run records the commit it ran at, see run_cache.py).
 `--cached-only` trains nothing and writes the table from what the cache holds. A run that
 fails is reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
@@ -114,6 +114,16 @@ def default_points(interval: int, num_layers: int) -> List[Point]:
                                             "--simulate-microbatch-seconds", "0", "--simulate-optimizer-step-seconds",
                                             "1", "--lsgd-aedit-interval-seconds", str(interval)])
     return pts
+
+
+def default_cache_dir(doc: str, smoke: bool) -> str:
+    """Where a page's finished runs are kept: docs/runs/quality-one-pass for
+    docs/quality-one-pass.md, committed beside it, so the page can be regenerated and grown
+    (more seeds, more points) from any clone instead of training its hours of runs again; a
+    smoke run's, which measure nothing, under the ignored runs/."""
+    if smoke:
+        return os.path.join(ROOT, "runs", "quality_smoke")
+    return os.path.join(os.path.dirname(os.path.abspath(doc)), "runs", os.path.splitext(os.path.basename(doc))[0])
 
 
 def reference_flags(flags: Sequence[str]) -> List[str]:
@@ -333,8 +343,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--point", action="append", default=[], metavar="LABEL=FAMILY:FLAGS", help="add a point")
     p.add_argument("--extra-args", default="", help="flags for every run")
     p.add_argument("--smoke", action="store_true", help="tiny, fast: checks the pipeline, measures nothing")
-    p.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "quality_frontier"),
-                   help="finished runs, reused by the next sweep with the same flags")
+    p.add_argument("--cache-dir", default=None,
+                   help="finished runs, reused by the next sweep with the same flags (default: runs/<name of --doc> "
+                        "in --doc's directory, committed with the page it is the data of; runs/quality_smoke with "
+                        "--smoke)")
     p.add_argument("--refresh", action="store_true",
                    help="train the selected points again even if cached (not the sync references), e.g. after a "
                         "change of the code that alters them (a changed default is caught by the resolved arguments)")
@@ -342,6 +354,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="train nothing: write the table from the finished runs in --cache-dir (a point's seeds "
                         "that are not there are left out; the seeds column says how many it has)")
     args = p.parse_args(argv)
+    if args.cache_dir is None:
+        args.cache_dir = default_cache_dir(args.doc, args.smoke)
     if args.smoke:
         args.train_iters, args.num_layers, args.hidden_size, args.seq_length = 20, 2, 64, 32
         args.global_batch_size, args.eval_iters, args.interval = 8, 2, 10
