@@ -229,7 +229,9 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         "# Leaderboard: time to a validation loss, per WAN scenario",
         "",
         "Written by `python tools/benchmarks/leaderboard.py` (resumable; see its docstring); this board by "
-        f"`python tools/benchmarks/leaderboard.py {' '.join(sys.argv[1:])}`.",
+        f"`python tools/benchmarks/leaderboard.py {' '.join(sys.argv[1:])}`. Its cells, the data of every table, "
+        "are committed in [leaderboard/cells](leaderboard/cells/README.md): `--cached-only` rewrites this page from "
+        "them, and a run with more seeds or scenarios trains only the cells they lack.",
         "",
         "Every cell trains the",
         f"same GPT ({' '.join(MODEL[:8])}, micro-batch {MICRO_BATCH} x {SEQ} tokens, one micro-batch per site per "
