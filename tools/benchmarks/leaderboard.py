@@ -36,7 +36,7 @@ scenario file, and reused; delete a file to re-run it. The default, docs/leaderb
 committed with the board: it is the data the tables are written from, so a clone regenerates
 the board (--cached-only) and a later session adds seeds or scenarios to it instead of
 training hours of cells again (a board of several hours outlives one session's machine).
---cached-only that finds no cell at all writes nothing. Each keeps every argument its flags
+--cached-only that finds no cell at all writes nothing. Each cell keeps every argument its flags
 resolve to: a cell one of whose arguments resolves differently now (a default changed since)
 is trained again; a flag added since is not compared (run_cache.py). A change to an algorithm's
 code is in neither: move its cells out of the cache to train them again. Each cell records the

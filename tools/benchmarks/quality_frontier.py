@@ -23,8 +23,9 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags, with every argument they resolve to: one made under other defaults is
 trained again; by default docs/runs/<page>, committed with the page it is the data of), so a
-sweep that stops is resumed by running the same command again, on any clone; delete the cache after a change of the code that alters training (or
-`--refresh` the points it touches: each run records the commit it ran at, see run_cache.py).
+sweep that stops is resumed by running the same command again, on any clone; move a run out
+of the cache after a change of the code that alters training (or `--refresh` the points it
+touches: each run records the commit it ran at, see run_cache.py).
 `--cached-only` trains nothing and writes the table from what the cache holds. A run that
 fails is reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
 (tiny model, 20 iterations, mock data unless a corpus is given), which must not be read as
