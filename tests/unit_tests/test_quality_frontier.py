@@ -232,3 +232,5 @@ def test_a_pages_runs_are_kept_beside_it_and_smoke_runs_apart():
     page = os.path.join(qf.ROOT, "docs", "quality-one-pass.md")
     assert qf.default_cache_dir(page, smoke=False) == os.path.join(qf.ROOT, "docs", "runs", "quality-one-pass")
     assert qf.default_cache_dir(page, smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke")
+    assert qf.default_doc(smoke=False) == os.path.join(qf.ROOT, "docs", "quality.md")
+    assert qf.default_doc(smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke", "quality.md")

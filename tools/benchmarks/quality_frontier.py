@@ -117,6 +117,13 @@ def default_points(interval: int, num_layers: int) -> List[Point]:
     return pts
 
 
+def default_doc(smoke: bool) -> str:
+    """docs/quality.md; a smoke run, which measures nothing, writes its table under the ignored
+    runs/ instead of over the page's."""
+    return os.path.join(ROOT, "runs", "quality_smoke", "quality.md") if smoke else os.path.join(ROOT, "docs",
+                                                                                                 "quality.md")
+
+
 def default_cache_dir(doc: str, smoke: bool) -> str:
     """Where a page's finished runs are kept: docs/runs/quality-one-pass for
     docs/quality-one-pass.md, committed beside it, so the page can be regenerated and grown
@@ -328,8 +335,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", default=None)
     p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--doc", default=os.path.join(ROOT, "docs", "quality.md"),
-                   help="Markdown file whose frontier block is rewritten (PNG and JSON beside it)")
+    p.add_argument("--doc", default=None,
+                   help="Markdown file whose frontier block is rewritten (PNG and JSON beside it; default "
+                        "docs/quality.md, with --smoke runs/quality_smoke/quality.md)")
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--seeds", type=seed_list, default=seed_list("3"), help=SEEDS_HELP)
     p.add_argument("--train-iters", type=int, default=3000)
@@ -355,6 +363,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="train nothing: write the table from the finished runs in --cache-dir (a point's seeds "
                         "that are not there are left out; the seeds column says how many it has)")
     args = p.parse_args(argv)
+    if args.doc is None:
+        args.doc = default_doc(args.smoke)
     if args.cache_dir is None:
         args.cache_dir = default_cache_dir(args.doc, args.smoke)
     if args.smoke:
