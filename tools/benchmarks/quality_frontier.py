@@ -117,11 +117,12 @@ def default_points(interval: int, num_layers: int) -> List[Point]:
     return pts
 
 
+SMOKE_DIR = os.path.join(ROOT, "runs", "quality_smoke")  # ignored: a smoke run measures nothing
+
+
 def default_doc(smoke: bool) -> str:
-    """docs/quality.md; a smoke run, which measures nothing, writes its table under the ignored
-    runs/ instead of over the page's."""
-    return os.path.join(ROOT, "runs", "quality_smoke", "quality.md") if smoke else os.path.join(ROOT, "docs",
-                                                                                                 "quality.md")
+    """docs/quality.md; a smoke run writes its table under SMOKE_DIR instead of over the page's."""
+    return os.path.join(SMOKE_DIR if smoke else os.path.join(ROOT, "docs"), "quality.md")
 
 
 def default_cache_dir(doc: str, smoke: bool) -> str:
@@ -130,7 +131,7 @@ def default_cache_dir(doc: str, smoke: bool) -> str:
     (more seeds, more points) from any clone instead of training its hours of runs again; a
     smoke run's, which measure nothing, under the ignored runs/."""
     if smoke:
-        return os.path.join(ROOT, "runs", "quality_smoke")
+        return SMOKE_DIR
     return os.path.join(os.path.dirname(os.path.abspath(doc)), "runs", os.path.splitext(os.path.basename(doc))[0])
 
 
