@@ -8,6 +8,9 @@
   cleanup runs: a save in progress removes its partial directory, the --save lock is
   released, and the job prints one line instead of a traceback per worker. A second
   signal during that cleanup is ignored (torchrun follows Ctrl-C with a SIGTERM).
+- A process started with SIGINT ignored keeps ignoring it, as Python itself does: a script's
+  background job, or the ranks of a benchmark tool, which its parent stops all at once
+  (tools/benchmarks/spawned_ranks.py).
 - Under torchrun, a worker whose launcher is gone (SIGKILLed, it cannot stop its workers)
   notices within a second and sends itself SIGTERM: it stops as above, or saves and stops
   with --exit-signal-handler, instead of training on with nobody to report to.
@@ -56,6 +59,8 @@ class RunSignals:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be set from the main thread: leave the defaults
         for signum in (signal.SIGINT, signal.SIGTERM):
+            if signum == signal.SIGINT and signal.getsignal(signum) is signal.SIG_IGN:
+                continue  # started ignoring Ctrl-C (a script's background job; ranks their parent stops)
             self._previous[signum] = signal.signal(signum, self._on_signal)
         if self.watch_launcher:
             threading.Thread(target=self._watch_launcher, args=(os.getppid(),), name="launcher-watch",

@@ -13,6 +13,7 @@ import pytest
 from megatron_lsgd.training import inner_step
 from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
 from megatron_lsgd.training.checkpointing.lock import LOCK_NAME
+from megatron_lsgd.training.signals import RunSignals
 from tests.unit_tests.checkpointing.launch import TINY, kill, read, start, wait_for
 from tools.benchmarks.process_tree import alive, descendants
 from tests.unit_tests.checkpointing.single import run_single
@@ -40,6 +41,23 @@ def test_exit_signal_handler_saves_at_the_next_iteration_and_exits_0(tmp_path, m
 
 def _workers(proc):
     return [pid for pid in descendants(proc.pid) if "pretrain_gpt.py" in open(f"/proc/{pid}/cmdline").read()]
+
+
+@pytest.mark.parametrize("inherited", [signal.default_int_handler, signal.SIG_IGN])
+def test_an_ignored_sigint_stays_ignored(inherited):
+    """A process started ignoring Ctrl-C (a script's background job, the ranks a benchmark
+    tool stops itself) keeps ignoring it; SIGTERM is always handled."""
+    previous = signal.signal(signal.SIGINT, inherited)
+    try:
+        signals = RunSignals(exit_signal_handler=False, watch_launcher=False).install()
+        try:
+            assert (signal.getsignal(signal.SIGINT) is signal.SIG_IGN) == (inherited is signal.SIG_IGN)
+            assert signal.getsignal(signal.SIGTERM) == signals._on_signal
+        finally:
+            signals.restore()
+        assert signal.getsignal(signal.SIGINT) is inherited
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.slow

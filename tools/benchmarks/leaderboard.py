@@ -32,7 +32,8 @@ A person's reading of a table goes in docs/leaderboard/<scenario>.reading.md (an
 targets.reading.md), which the board includes under the table, so regenerating keeps it.
 
 Finished cells are cached as JSON under --cache-dir, named by a digest of their flags and
-scenario file, and reused; delete a file to re-run it. The default, docs/leaderboard/cells, is
+scenario file, and reused; delete a file to re-run it (Ctrl-C stops every rank with one line:
+the cell under way is lost, the finished ones are kept). The default, docs/leaderboard/cells, is
 committed with the board: it is the data the tables are written from, so a clone regenerates
 the board (--cached-only) and a later session adds seeds or scenarios to it instead of
 training hours of cells again (a board of several hours outlives one session's machine).
@@ -72,7 +73,6 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -86,6 +86,7 @@ from tools.benchmarks.leaderboard_setup import (ALGORITHMS, CEILING_ALGORITHMS, 
                                                 data_args, free_link_copy, has_slow_site)
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, relative_flags, resolved_arguments,  # noqa: E402
                                         seed_list)
+from tools.benchmarks.spawned_ranks import interrupted_line, run_ranks  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
@@ -113,7 +114,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
 
 def run_cell(argv: List[str], world: int) -> Dict:
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, free_port(), argv, d), nprocs=world, join=True)
+        run_ranks(_worker, (world, free_port(), argv, d), world)
         records = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
     out = records[-1]
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in records)
@@ -318,5 +319,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the cells finished so far are kept, the cell under way is lost
+        print(interrupted_line("finished cells are kept; the same command resumes after them"), file=sys.stderr)
+        sys.exit(130)
 

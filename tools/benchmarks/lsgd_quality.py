@@ -42,7 +42,6 @@ import time
 from typing import Dict, List
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -50,6 +49,7 @@ sys.path.insert(0, ROOT)
 from megatron_lsgd.core.datasets import IndexedDataset, parse_split, split_ranges  # noqa: E402
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
+from tools.benchmarks.spawned_ranks import interrupted_line, run_ranks  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None:
@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None
 def run(argv: List[str], world: int) -> Dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        mp.spawn(_worker, args=(world, free_port(), argv, out), nprocs=world, join=True)
+        run_ranks(_worker, (world, free_port(), argv, out), world)
         with open(out) as f:
             return json.load(f)
 
@@ -330,4 +330,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: nothing is written until every run has finished
+        print(interrupted_line("no table written"), file=sys.stderr)
+        sys.exit(130)

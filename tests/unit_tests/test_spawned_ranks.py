@@ -1,0 +1,47 @@
+"""Ctrl-C on a benchmark tool while its ranks train: one line, exit 130, no trace, no rank
+left behind (tools/benchmarks/spawned_ranks.py; the ranks keep the SIGINT their parent
+ignores for them, megatron_lsgd/training/signals.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tools.benchmarks.process_tree import alive, descendants
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _as_in_a_terminal() -> None:
+    """Its own process group, SIGINT handled (a suite started in the background by a script
+    passes SIGINT on ignored)."""
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tools", "benchmarks", "lsgd_quality.py"), "--runs", "diloco",
+             "--train-iters", "100000", "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16",
+             "--global-batch-size", "8", "--interval", "5", "--out-dir", str(tmp_path / "out")],
+            stdout=out, stderr=subprocess.STDOUT, text=True, preexec_fn=_as_in_a_terminal,
+            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 180
+    while "iteration       20/" not in log.read_text():  # the ranks are training, collectives under way
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    ranks = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)  # the whole group, as Ctrl-C in a terminal
+    assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    after = [line for line in log.read_text().splitlines() if not line.startswith((" [", ">", "note: joining"))]
+    assert after == ["interrupted: every rank stopped; no table written"], "\n".join(after)[-3000:]
+    deadline = time.monotonic() + 10  # (multiprocessing's resource tracker leaves after its parent)
+    while [pid for pid in ranks if alive(pid)]:
+        assert time.monotonic() < deadline, [open(f"/proc/{pid}/cmdline").read() for pid in ranks if alive(pid)]
+        time.sleep(0.1)
