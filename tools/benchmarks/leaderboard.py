@@ -176,9 +176,10 @@ def cell_digest(argv: List[str], scenario_path: str) -> str:
 
 
 def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int, sites: int, args, steps: int,
-                eval_interval: int, extra: Sequence[str] = ()) -> Optional[Dict]:
+                eval_interval: int, extra: Sequence[str] = (), progress: str = "") -> Optional[Dict]:
     """One cell, from the cache or trained now (None: not cached, and --cached-only). Its file name carries a digest of its flags and
-    scenario file: a changed setting or cost model is a new cell, never a stale one reused."""
+    scenario file: a changed setting or cost model is a new cell, never a stale one reused.
+    `progress` ("cell 3 of 39", say) goes in the line that announces a cell trained now."""
     argv = cell_argv(scenario_path, algo, seed, steps, eval_interval, sites,
                      settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"), extra=extra)
     digest = cell_digest(argv, scenario_path)
@@ -189,7 +190,7 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
         if args.cached_only:
             return None
         print(f"> [{time.strftime('%H:%M:%S')}] {name} / {label} / seed {seed} / {steps} steps"
-              f"{'' if eval_interval else ' (pilot)'}", flush=True)
+              f"{'' if eval_interval else ' (pilot)'}{f' ({progress})' if progress else ''}", flush=True)
         start = time.monotonic()
         try:
             cell = run_cell(argv, sites)
@@ -215,7 +216,17 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
     tuned variant has a pilot of its own (its settings change its pace). `spent` collects the
     real seconds each cell and pilot took to train (None for a cell that did not keep them)."""
     sites, steps = scenario.sites, args.steps
-    sync = {seed: cached_cell(name, "sync", path, "sync", seed, sites, args, steps, eval_interval_for(steps))
+    # for the line announcing a cell: sync's seeds, the pilots, every other row's seeds
+    others = [run for run in runs if run.label != "sync"]
+    total = len(args.seeds) * (1 + len(others)) + len({run.plan for run in others if run.scenario_path == path})
+    done = [0]
+
+    def progress() -> str:
+        done[0] += 1
+        return f"cell {done[0]} of {total} in this scenario, cached ones included"
+
+    sync = {seed: cached_cell(name, "sync", path, "sync", seed, sites, args, steps, eval_interval_for(steps),
+                              progress=progress())
             for seed in args.seeds}
     # (every sync seed exists unless the board is written from the cache: then the seeds present)
     budget = statistics.median(c["seconds"] for c in sync.values() if c) if any(sync.values()) else None
@@ -224,7 +235,8 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
     for run in runs:
         if run.plan in planned or run.scenario_path != path:
             continue
-        pilot = cached_cell(name, f"{run.label} pilot", path, run.algorithm, 1, sites, args, steps, 0, run.extra)
+        pilot = cached_cell(name, f"{run.label} pilot", path, run.algorithm, 1, sites, args, steps, 0, run.extra,
+                            progress())
         trained.append(pilot)
         planned[run.plan] = None if pilot is None or budget is None else \
             budget_steps(steps, budget, pilot["seconds"], args.budget_cap)
@@ -232,9 +244,10 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
     for run in runs:
         for seed in args.seeds:
             n = planned.get(run.plan)
+            at = "" if run.label == "sync" else progress()  # (sync's were counted above)
             cell = None if n is None else sync[seed] if run.label == "sync" else \
                 cached_cell(name, run.label, run.scenario_path, run.algorithm, seed, sites, args, n,
-                            eval_interval_for(n), run.extra)
+                            eval_interval_for(n), run.extra, at)
             if cell is None:
                 not_run.append(f"{run.label} seed {seed}")
             else:

@@ -178,8 +178,11 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
     calls = []
     pace = {"sync": 2.0, "diloco": 0.25, "a-edit": 0.5, "slow diloco": 1.0}  # simulated seconds per step
 
-    def fake(name, label, path, algo, seed, sites, args, steps, eval_interval, extra=()):
+    announced = []
+
+    def fake(name, label, path, algo, seed, sites, args, steps, eval_interval, extra=(), progress=""):
         calls.append((label, seed, steps, eval_interval))
+        announced.append(progress)
         return dict(cell([1.0], [4.0], steps * pace["slow diloco" if extra else algo]), steps=steps, seed=seed)
 
     monkeypatch.setattr(lb, "cached_cell", fake)
@@ -197,6 +200,7 @@ def test_a_scenario_runs_pilots_then_budget_sized_cells(monkeypatch, tmp_path):
     cells = lb.scenario_cells("emulated-straggler2x", straggler, s, runs, Args, not_run, spent)
     assert not not_run
     assert len(spent) == 2 + 3 + 4 * 2  # sync's seeds once, three pilots, four rows of two seeds
+    assert announced == [f"cell {i} of 13 in this scenario, cached ones included" for i in range(1, 14)]
     assert ("diloco pilot", 1, 100, 0) in calls and ("a-edit pilot", 1, 100, 0) in calls
     assert not any(label == "sync pilot" or label.startswith("a-edit (free link) pilot") for label, *_ in calls)
     assert [c["steps"] for c in cells["sync"]] == [100, 100]
