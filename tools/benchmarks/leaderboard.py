@@ -16,7 +16,9 @@ pace, at most --budget-cap x --steps, its learning-rate schedule sized to them. 
 - updates/s and tokens/s on the simulated clock, cross-site bytes (all ranks), peak RSS.
 Times are training time: evaluation is left out. It writes docs/leaderboard.md (tables
 ranked by time to target, median and spread over seeds) and one plot per scenario
-(validation loss vs simulated time, every algorithm).
+(validation loss vs simulated time, every algorithm); a run of a part of the board (some
+scenarios, algorithms or fewer than 3 seeds) writes runs/leaderboard/leaderboard.md instead,
+so the published tables are not replaced by a few cells.
 
     python tools/benchmarks/leaderboard.py                  # everything (resumable)
     python tools/benchmarks/leaderboard.py --scenarios emulated-default --algorithms sync,diloco --seeds 1
@@ -77,6 +79,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 CELLS_DIR = os.path.join(ROOT, "docs", "leaderboard", "cells")
+BOARD = os.path.join(ROOT, "docs", "leaderboard.md")
+PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (runs/ is not committed)
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
@@ -259,6 +263,17 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
     return cells
 
 
+def every_scenario() -> List[str]:
+    return sorted(n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
+
+
+def default_board(names: Sequence[str], algorithms: Sequence[str], seeds: Sequence[int]) -> str:
+    """docs/leaderboard.md for the whole board (every scenario and algorithm, 3 seeds or more),
+    else PARTIAL_BOARD: a run of a few cells does not replace the published tables."""
+    whole = sorted(names) == every_scenario() and sorted(algorithms) == sorted(ALGORITHMS) and len(seeds) >= 3
+    return BOARD if whole else PARTIAL_BOARD
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: every file)")
@@ -271,8 +286,11 @@ def main() -> None:
                         "many times --steps")
     p.add_argument("--cache-dir", default=CELLS_DIR,
                    help="finished cells (default: docs/leaderboard/cells, committed with the board it writes)")
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "leaderboard.md"))
-    p.add_argument("--plots-dir", default=os.path.join(ROOT, "docs", "leaderboard"))
+    p.add_argument("--out", default=None,
+                   help="the board (default: docs/leaderboard.md for the whole board, every scenario and algorithm "
+                        "with 3 seeds or more; runs/leaderboard/leaderboard.md for a part of it)")
+    p.add_argument("--plots-dir", default=None,
+                   help="its plots, and the readings it includes (default: leaderboard/ beside --out)")
     p.add_argument("--cached-only", action="store_true",
                    help="train nothing: write the board from the finished cells, listing the cells not run")
     p.add_argument("--measure-costs", action="store_true",
@@ -282,14 +300,21 @@ def main() -> None:
         print(f"CPU seconds per step (one micro-batch forward+backward and the optimizer step, one thread): "
               f"{measure_costs():.4f}")
         return
-    names = args.scenarios.split(",") if args.scenarios else sorted(
-        n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
+    names = args.scenarios.split(",") if args.scenarios else every_scenario()
     algorithms = args.algorithms.split(",")
     for a in algorithms:
         if a not in ALGORITHMS:
             p.error(f"--algorithms: {a!r} is not one of {', '.join(ALGORITHMS)}")
+    if args.out is None:
+        args.out = default_board(names, algorithms, args.seeds)
+        if args.out == PARTIAL_BOARD:  # the published board is not replaced by a part of it
+            print(f"> a part of the board (--scenarios, --algorithms or --seeds): written to "
+                  f"{os.path.relpath(args.out, ROOT)}, not docs/leaderboard.md (name --out to choose)", flush=True)
+    if args.plots_dir is None:
+        args.plots_dir = os.path.join(os.path.dirname(args.out), "leaderboard")
     os.makedirs(args.cache_dir, exist_ok=True)
     os.makedirs(args.plots_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     sections = []
     board: Dict[str, Dict[str, List[Dict]]] = {}
     not_run: Dict[str, List[str]] = {}
@@ -309,12 +334,14 @@ def main() -> None:
         board[name] = cells
         if not cells:
             continue
-        sections += summarize(name, scenario, cells) + ["", f"![{name}](leaderboard/{name}.png)", ""]
+        png = os.path.join(args.plots_dir, f"{name}.png")
+        link = os.path.relpath(png, os.path.dirname(os.path.abspath(args.out)))
+        sections += summarize(name, scenario, cells) + ["", f"![{name}]({link})", ""]
         reading = os.path.join(args.plots_dir, f"{name}.reading.md")  # written by whoever read the table
         if os.path.exists(reading):
             with open(reading) as f:
                 sections += [f.read().strip(), ""]
-        plot(name, cells, os.path.join(args.plots_dir, f"{name}.png"))
+        plot(name, cells, png)
         print("\n".join(summarize(name, scenario, cells)), flush=True)
     if args.cached_only and not any(board.values()):
         p.error(f"--cached-only: no finished cell under {args.cache_dir} for these scenarios; {args.out} is left "

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_lsgd.training.scenario import load_scenario
 from tools.benchmarks.leaderboard_setup import (ACCO_FIXED, EVALUATIONS, FREE_LINK, MAX_MICROBATCHES, MICRO_BATCH,
-                                                MODEL, SCENARIO_DIR, SEQ, SPLIT, TRAINED_PARAMS_GUESS, board_cells,
-                                                compact, recommended_interval)
+                                                MODEL, ROOT, SCENARIO_DIR, SEQ, SPLIT, TRAINED_PARAMS_GUESS,
+                                                board_cells, compact, recommended_interval)
 from tools.benchmarks.lsgd_quality import steps_to_reach
 
 
@@ -224,7 +224,7 @@ def cost_line(spent: Dict[str, List[Optional[float]]]) -> List[str]:
 def document(names: List[str], sections: List[str], args, not_run: Dict[str, List[str]],
              spent: Optional[Dict[str, List[Optional[float]]]] = None) -> str:
     """docs/leaderboard.md: the method, the scenarios, every table, and the simulator's validation."""
-    validation = os.path.join(os.path.dirname(args.out), "leaderboard", "validation.md")
+    validation = os.path.join(ROOT, "docs", "leaderboard", "validation.md")  # whichever board: the simulator's
     head = [
         "# Leaderboard: time to a validation loss, per WAN scenario",
         "",

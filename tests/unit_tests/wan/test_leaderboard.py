@@ -269,3 +269,22 @@ def test_the_board_says_what_its_cells_cost_to_train():
         "Cost: training these 4 cells (pilots included) took 0.5 h of this machine's real time "
         "(emulated-default 3 min, 2x8gpu-1gbit-1b 27 min); 1 cell(s) did not keep theirs.", ""]
     assert lb_report.cost_line({"emulated-default": [None]}) == [] and lb_report.cost_line({}) == []
+
+
+def test_a_part_of_the_board_does_not_replace_the_published_one(tmp_path, monkeypatch, capsys):
+    every, algorithms = lb.every_scenario(), list(lb_setup.ALGORITHMS)
+    assert lb.default_board(every, algorithms, [1, 2, 3]) == lb.BOARD == os.path.join(lb.ROOT, "docs", "leaderboard.md")
+    assert lb.default_board(every, algorithms, [1, 2, 3, 4]) == lb.BOARD
+    for names, algos, seeds in ((every[:1], algorithms, [1, 2, 3]), (every, algorithms[:2], [1, 2, 3]),
+                                (every, algorithms, [1]), (every, algorithms, [2, 3])):
+        assert lb.default_board(names, algos, seeds) == lb.PARTIAL_BOARD
+    # the documented example trains a few cells: its board and plots go under runs/, not docs/
+    monkeypatch.setattr(lb, "PARTIAL_BOARD", str(tmp_path / "partial" / "leaderboard.md"))
+    monkeypatch.setattr("sys.argv", ["leaderboard.py", "--cached-only", "--scenarios", "emulated-default",
+                                     "--seeds", "1", "--cache-dir", str(tmp_path / "cells")])
+    with pytest.raises(SystemExit):
+        lb.main()
+    out, err = capsys.readouterr()
+    assert "a part of the board (--scenarios, --algorithms or --seeds): written to" in out
+    assert f"{tmp_path / 'partial' / 'leaderboard.md'} is left as it is" in err
+    assert (tmp_path / "partial" / "leaderboard").is_dir()  # its plots beside it
