@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tools.benchmarks.process_tree import alive, descendants
+from tests.unit_tests.checkpointing.launch import kill
+from tools.benchmarks.process_tree import alive, descendants, sigkill
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,16 +33,21 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
              "--global-batch-size", "8", "--interval", "5", "--out-dir", str(tmp_path / "out")],
             stdout=out, stderr=subprocess.STDOUT, text=True, preexec_fn=_as_in_a_terminal,
             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    deadline = time.monotonic() + 180
-    while "iteration       20/" not in log.read_text():  # the ranks are training, collectives under way
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
-    ranks = descendants(proc.pid)
-    os.killpg(proc.pid, signal.SIGINT)  # the whole group, as Ctrl-C in a terminal
-    assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    try:
+        deadline = time.monotonic() + 300
+        while "iteration       20/" not in log.read_text():  # the ranks are training, collectives under way
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)  # the whole group, as Ctrl-C in a terminal
+        assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    finally:
+        kill(proc)  # whatever failed above, no rank trains on after the test
     after = [line for line in log.read_text().splitlines() if not line.startswith((" [", ">", "note: joining"))]
     assert after == ["interrupted: every rank stopped; no table written"], "\n".join(after)[-3000:]
     deadline = time.monotonic() + 10  # (multiprocessing's resource tracker leaves after its parent)
-    while [pid for pid in ranks if alive(pid)]:
-        assert time.monotonic() < deadline, [open(f"/proc/{pid}/cmdline").read() for pid in ranks if alive(pid)]
+    while [pid for pid in ranks if alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.1)
+    left = [pid for pid in ranks if alive(pid)]
+    sigkill(left)  # (not left running by a failed test)
+    assert not left, "ranks left running after the interrupt"
