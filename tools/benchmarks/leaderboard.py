@@ -296,6 +296,9 @@ def main() -> None:
     p.add_argument("--measure-costs", action="store_true",
                    help="only measure this CPU's seconds per step of the leaderboard model and print them")
     args = p.parse_args()
+    for flag in ("steps", "budget_cap"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} is not a positive number")
     if args.measure_costs:
         print(f"CPU seconds per step (one micro-batch forward+backward and the optimizer step, one thread): "
               f"{measure_costs():.4f}")

@@ -288,3 +288,12 @@ def test_a_part_of_the_board_does_not_replace_the_published_one(tmp_path, monkey
     assert "a part of the board (--scenarios, --algorithms or --seeds): written to" in out
     assert f"{tmp_path / 'partial' / 'leaderboard.md'} is left as it is" in err
     assert (tmp_path / "partial" / "leaderboard").is_dir()  # its plots beside it
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--budget-cap"])
+def test_a_count_that_is_not_positive_is_refused(flag, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["leaderboard.py", "--cached-only", "--cache-dir", str(tmp_path), "--out",
+                                     str(tmp_path / "board.md"), flag, "0"])  # (trains nothing if the check is gone)
+    with pytest.raises(SystemExit) as exit_:
+        lb.main()
+    assert exit_.value.code == 2 and f"error: {flag}: 0 is not a positive number" in capsys.readouterr().err
