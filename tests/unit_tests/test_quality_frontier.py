@@ -81,6 +81,13 @@ def test_a_point_that_is_a_reference_is_refused(capsys):
     assert exit_.value.code == 2 and "--point x: its flags are its own reference" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--sites", "--train-iters", "--interval", "--global-batch-size", "--eval-iters"])
+def test_a_count_that_is_not_positive_is_refused(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:  # (--cached-only: nothing trains if the check is gone)
+        qf.main(["--cached-only", "--cache-dir", str(tmp_path), "--doc", str(tmp_path / "q.md"), flag, "0"])
+    assert exit_.value.code == 2 and f"argument {flag}: '0' is not a positive whole number" in capsys.readouterr().err
+
+
 def test_the_doc_block_is_replaced_and_the_rest_kept(tmp_path):
     doc = tmp_path / "q.md"
     write_block(str(doc), "first")

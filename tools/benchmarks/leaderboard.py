@@ -88,8 +88,8 @@ from tools.benchmarks.leaderboard_report import document, open_targets, plot, su
 from tools.benchmarks.leaderboard_setup import (ALGORITHMS, CEILING_ALGORITHMS, EVALUATIONS, FREE_LINK,  # noqa: E402
                                                 MICRO_BATCH, MODEL, SCENARIO_DIR, VARIANTS, Run, cell_argv,
                                                 data_args, free_link_copy, has_slow_site)
-from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, relative_flags, resolved_arguments,  # noqa: E402
-                                        seed_list)
+from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
+                                        resolved_arguments, seed_list)
 from tools.benchmarks.spawned_ranks import interrupted_line, run_ranks  # noqa: E402
 
 
@@ -279,9 +279,9 @@ def main() -> None:
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: every file)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--seeds", type=seed_list, default=seed_list("3"), help=SEEDS_HELP)
-    p.add_argument("--steps", type=int, default=300,
+    p.add_argument("--steps", type=positive_int, default=300,
                    help="sync's steps (its training time is every algorithm's budget) and each pilot's")
-    p.add_argument("--budget-cap", type=int, default=3,
+    p.add_argument("--budget-cap", type=positive_int, default=3,
                    help="an algorithm faster than sync trains the steps that fit in sync's time, at most this "
                         "many times --steps")
     p.add_argument("--cache-dir", default=CELLS_DIR,
@@ -296,9 +296,6 @@ def main() -> None:
     p.add_argument("--measure-costs", action="store_true",
                    help="only measure this CPU's seconds per step of the leaderboard model and print them")
     args = p.parse_args()
-    for flag in ("steps", "budget_cap"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} is not a positive number")
     if args.measure_costs:
         print(f"CPU seconds per step (one micro-batch forward+backward and the optimizer step, one thread): "
               f"{measure_costs():.4f}")

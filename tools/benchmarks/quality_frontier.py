@@ -51,7 +51,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
-from run_cache import SEEDS_HELP, load_or_run, relative_flags, resolved_arguments, seed_list  # noqa: E402
+from run_cache import SEEDS_HELP, load_or_run, positive_int, relative_flags, resolved_arguments, seed_list  # noqa: E402
 from spawned_ranks import interrupted_line  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
@@ -340,16 +340,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--doc", default=None,
                    help="Markdown file whose frontier block is rewritten (PNG and JSON beside it; default "
                         "docs/quality.md, with --smoke runs/quality_smoke/quality.md)")
-    p.add_argument("--sites", type=int, default=2)
+    p.add_argument("--sites", type=positive_int, default=2)
     p.add_argument("--seeds", type=seed_list, default=seed_list("3"), help=SEEDS_HELP)
-    p.add_argument("--train-iters", type=int, default=3000)
-    p.add_argument("--interval", type=int, default=50, help="H of the points that do not set their own")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--train-iters", type=positive_int, default=3000)
+    p.add_argument("--interval", type=positive_int, default=50, help="H of the points that do not set their own")
+    p.add_argument("--num-layers", type=positive_int, default=4)
+    p.add_argument("--hidden-size", type=positive_int, default=128)
+    p.add_argument("--seq-length", type=positive_int, default=128)
+    p.add_argument("--global-batch-size", type=positive_int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-iters", type=int, default=20)
+    p.add_argument("--eval-iters", type=positive_int, default=20)
     p.add_argument("--points", default=None, help="labels or families to run (default: all)")
     p.add_argument("--point", action="append", default=[], metavar="LABEL=FAMILY:FLAGS", help="add a point")
     p.add_argument("--extra-args", default="", help="flags for every run")

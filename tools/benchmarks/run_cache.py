@@ -106,6 +106,17 @@ def seed_list(text: str) -> List[int]:
     return seeds
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for a count a sweep cannot run with at 0 (steps, sites, sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
 def arguments_digest(resolved: Dict[str, object]) -> str:
     """The short digest results kept before they kept the arguments themselves."""
     return hashlib.sha256(json.dumps(sorted(resolved.items())).encode()).hexdigest()[:16]

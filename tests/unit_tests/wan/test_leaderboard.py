@@ -296,4 +296,5 @@ def test_a_count_that_is_not_positive_is_refused(flag, tmp_path, monkeypatch, ca
                                      str(tmp_path / "board.md"), flag, "0"])  # (trains nothing if the check is gone)
     with pytest.raises(SystemExit) as exit_:
         lb.main()
-    assert exit_.value.code == 2 and f"error: {flag}: 0 is not a positive number" in capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: argument {flag}: '0' is not a positive whole number" in \
+        capsys.readouterr().err
