@@ -49,6 +49,7 @@ sys.path.insert(0, ROOT)
 from megatron_lsgd.core.datasets import IndexedDataset, parse_split, split_ranges  # noqa: E402
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
+from tools.benchmarks.run_cache import positive_int  # noqa: E402
 from tools.benchmarks.spawned_ranks import interrupted_line, run_ranks  # noqa: E402
 
 
@@ -139,16 +140,16 @@ def main() -> None:
     p.add_argument("--data-path", default=None)
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--out-dir", default="docs/algorithms/results")
-    p.add_argument("--sites", type=int, default=2)
-    p.add_argument("--ranks-per-site", type=int, default=1)
-    p.add_argument("--train-iters", type=int, default=600)
-    p.add_argument("--interval", type=int, default=50, help="H for diloco, dilocox and dreamddp")
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--sites", type=positive_int, default=2)
+    p.add_argument("--ranks-per-site", type=positive_int, default=1)
+    p.add_argument("--train-iters", type=positive_int, default=600)
+    p.add_argument("--interval", type=positive_int, default=50, help="H for diloco, dilocox and dreamddp")
+    p.add_argument("--num-layers", type=positive_int, default=2)
+    p.add_argument("--hidden-size", type=positive_int, default=64)
+    p.add_argument("--seq-length", type=positive_int, default=64)
+    p.add_argument("--global-batch-size", type=positive_int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-iters", type=int, default=10)
+    p.add_argument("--eval-iters", type=positive_int, default=10)
     p.add_argument("--runs", default="sync,diloco,dilocox-int4,dilocox-lowrank-int4,acco,dpu,dreamddp")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
