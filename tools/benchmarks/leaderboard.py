@@ -90,7 +90,7 @@ from tools.benchmarks.leaderboard_setup import (ALGORITHMS, CEILING_ALGORITHMS, 
                                                 data_args, free_link_copy, has_slow_site)
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, seed_list)
-from tools.benchmarks.spawned_ranks import interrupted_line, run_ranks  # noqa: E402
+from tools.benchmarks.spawned_ranks import run_ranks, run_tool  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> None:
@@ -359,9 +359,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:  # Ctrl-C: the cells finished so far are kept, the cell under way is lost
-        print(interrupted_line("finished cells are kept; the same command resumes after them"), file=sys.stderr)
-        sys.exit(130)
+    run_tool(main, "finished cells are kept; the same command resumes after them")
 

@@ -50,7 +50,7 @@ from megatron_lsgd.core.datasets import IndexedDataset, parse_split, split_range
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from tools.benchmarks.run_cache import positive_int  # noqa: E402
-from tools.benchmarks.spawned_ranks import interrupted_line, run_ranks  # noqa: E402
+from tools.benchmarks.spawned_ranks import run_ranks, run_tool  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None:
@@ -331,8 +331,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:  # Ctrl-C: nothing is written until every run has finished
-        print(interrupted_line("no table written"), file=sys.stderr)
-        sys.exit(130)
+    run_tool(main, "no table written")  # (nothing is written until every run has finished)

@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
 from run_cache import SEEDS_HELP, load_or_run, positive_int, relative_flags, resolved_arguments, seed_list  # noqa: E402
-from spawned_ranks import interrupted_line  # noqa: E402
+from spawned_ranks import run_tool  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
 SYNC = ["--lsgd-algorithm", "sync"]
@@ -444,9 +444,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:  # Ctrl-C: the runs finished so far are kept, the run under way is lost
-        print(interrupted_line("finished runs are kept in the cache; the same command resumes after them"),
-              file=sys.stderr)
-        sys.exit(130)
+    run_tool(main, "finished runs are kept in the cache; the same command resumes after them")

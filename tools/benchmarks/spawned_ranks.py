@@ -9,6 +9,7 @@ at once and raises KeyboardInterrupt, for the tool to say what it kept and how t
 from __future__ import annotations
 
 import signal
+import sys
 from typing import Callable, Sequence
 
 import torch.multiprocessing as mp
@@ -43,6 +44,10 @@ def run_ranks(worker: Callable, args: Sequence, world: int) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def interrupted_line(kept: str) -> str:
-    """The one line a tool prints when Ctrl-C stopped it."""
-    return f"interrupted: every rank stopped; {kept}"
+def run_tool(main: Callable[[], None], kept: str) -> None:
+    """A tool's entry point: main(), and on Ctrl-C or SIGTERM one line saying what is `kept`, exit 130."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"interrupted: every rank stopped; {kept}", file=sys.stderr)
+        sys.exit(130)
