@@ -466,7 +466,12 @@ class OverlappedGradientSync(Synchronizer):
     def _timed_job(self, job: Job, handed_over, *args) -> _JobResult:
         self.streams.wait(handed_over)  # the compute stream's reduce into the storage, and its reads of θ
         with self.clock.bound(job):
-            return self._job_fn(*args)
+            result = self._job_fn(*args)
+            # The job ends when its device work has run, not when this thread has queued it (an
+            # optimizer step may still be on the stream): adaptive accumulation asks whether it
+            # is done, and its length predicts the next one's. Only this thread waits.
+            self.streams.synchronize()
+            return result
 
     @torch.no_grad()
     def _job_fn(self, kind: str, stage: int, storage: int, count: int, step) -> _JobResult:
@@ -504,9 +509,10 @@ class OverlappedGradientSync(Synchronizer):
             return [count]
         fixed = self.opts.accumulation == "fixed"
         counts = [self._stage_minimum(s, stage) for s in range(self.sites)] if fixed else []
-        if not fixed:
-            gathered = torch.zeros(self.sites, dtype=torch.int64, device=self.device)
-            pending = self.comm.all_gather(gathered, torch.tensor([count], dtype=torch.int64, device=self.device),
+        if not fixed:  # on the group's device: the host reads them, nothing to stage (gloo on a GPU run)
+            on = self.comm.devices.group
+            gathered = torch.zeros(self.sites, dtype=torch.int64, device=on)
+            pending = self.comm.all_gather(gathered, torch.tensor([count], dtype=torch.int64, device=on),
                                            async_op=True)
         weight = count * self.sites / sum(counts) if fixed else float(count)
         mine = self.part.select(grads) if self.split.active else grads
@@ -523,7 +529,7 @@ class OverlappedGradientSync(Synchronizer):
                     g.copy_(mean)
         if not fixed:
             pending.wait()
-            counts = [int(c) for c in gathered]
+            counts = gathered.tolist()
             for g in mine:  # the mean of n_s g_s over the mean count
                 g.mul_(self.sites / sum(counts))
         self.split.gather(grads, self.worker_groups.dp_intra)

@@ -156,7 +156,9 @@ class _TwoSitesAsThreads:
     meets at a barrier and is computed from both sites' tensors (issued in the same order)."""
 
     def __init__(self, site: int, barrier, slots: list):
+        from megatron_lsgd.core.lsgd.devices import InterSiteDevices
         self.site, self.barrier, self.slots = site, barrier, slots
+        self.devices = InterSiteDevices.on(torch.device("cpu"))  # where the group takes tensors
 
     def _meet(self, tensor: torch.Tensor) -> list:
         self.slots[self.site] = tensor.detach().clone()

@@ -3,7 +3,9 @@ recording double of the device streams in one spawned rank (one site: the worker
 every optimizer step): the worker runs on a stream of its own; before a job reads the
 gradients, the worker's stream waits for an event the compute stream recorded after the
 intra-site reduce; before the model takes parameters a job wrote, the compute stream waits
-for the event that job recorded last. On a GPU the same calls are CUDA events and streams.
+for the event that job recorded last; a job counts as finished (adaptive accumulation asks)
+only once the worker's stream has run its work. On a GPU the same calls are CUDA events and
+streams.
 Also: acco/dpu's inter-site backend is gloo (its worker's groups are), and nccl is refused."""
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def _job(rank, port, out_dir):
     noted(InnerStep, "reduce_in_site", "reduce")
     noted(DistributedDataParallel, "grad_shards", "read grads")
     noted(ShardedOptimizer, "copy_main_to_model_params", "load")
+    noted(clock_module.Job, "finish", "finished")
     logs = {}
     for algo in ALGORITHMS:
         streams.log.clear()
@@ -66,7 +69,7 @@ def check_stream_discipline(log, worker: str) -> int:
     made_by_main = {arg for what, arg in main if what == "record"}
     # each job: the worker waits for the compute stream's hand-over before reading gradients
     jobs, done_of = 0, {}
-    waiting_for = None
+    waiting_for, synchronized = None, False
     for what, arg in work[2:]:
         if what == "wait":
             waiting_for = arg
@@ -77,6 +80,12 @@ def check_stream_discipline(log, worker: str) -> int:
             done_of[waiting_for] = arg
             jobs += 1
             waiting_for = None
+            synchronized = False
+        elif what == "synchronize":
+            synchronized = True
+        elif what == "finished":
+            # adaptive accumulation reads a job's end: it must be its device work's, not the host's
+            assert synchronized, "a job was marked finished before its stream had run its work"
     # the hand-over event is recorded after the reduce that wrote the gradients
     kinds = [(what, arg) for what, arg in main if what in ("reduce", "load", "record", "wait")]
     for i, (what, arg) in enumerate(kinds):
