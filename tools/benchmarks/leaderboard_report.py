@@ -23,9 +23,13 @@ def steps_to(cell: Dict, target: float) -> Optional[float]:
 
 
 def median_of(values: List[Optional[float]]) -> Optional[float]:
-    """The median over seeds, or None when most seeds did not reach the target."""
-    got = [v for v in values if v is not None]
-    return statistics.median(got) if len(got) * 2 > len(values) else None
+    """The median over seeds of a time (or steps) to a target, a seed that did not reach it
+    (None) counting as never: None when that median is never (half the seeds or more did not
+    reach it). With 2 of 3 seeds it is the slower of the two, not their mean."""
+    if not values:
+        return None
+    median = statistics.median([math.inf if v is None else v for v in values])
+    return None if math.isinf(median) else median
 
 
 def seed_of(cell: Dict) -> int:
@@ -121,6 +125,23 @@ def loss_at(cell: Dict, budget: float) -> Optional[float]:
     return seen[-1] if seen else None
 
 
+def time_spread(values: List[Optional[float]]) -> str:
+    """A time (or steps) to a target over seeds: median_of (the ranking's key) and [min, max],
+    the max 'not reached' when a seed did not reach it."""
+    got = [v for v in values if v is not None]
+    median = median_of(values)
+    if median is None:
+        return "not reached" + (f" ({len(got)} of {len(values)} seeds did: {', '.join(f'{v:.4g}' for v in got)})"
+                                if got else "")
+    if len(values) == 1:
+        return f"{median:.4g}"
+    high = f"{max(got):.4g}" if len(got) == len(values) else "not reached"
+    text = f"{median:.4g} [{min(got):.4g}, {high}]"
+    if len(got) < len(values):
+        text += f" ({len(values) - len(got)} of {len(values)} seeds not reached)"
+    return text
+
+
 def spread(values: List[Optional[float]]) -> str:
     got = [v for v in values if v is not None]
     if not got:
@@ -146,8 +167,8 @@ def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
         key = math.inf if key is None else key
         updates = [c["iterations"] / c["seconds"] for c in runs]
         tokens = [c["samples"] * SEQ / c["seconds"] for c in runs]
-        rows.append((key, algo, spread([c.get("steps", c["iterations"]) for c in runs]), spread(times),
-                     spread(loose_times),
+        rows.append((key, algo, spread([c.get("steps", c["iterations"]) for c in runs]), time_spread(times),
+                     time_spread(loose_times),
                      spread([loss_at(c, target.budget_for(c)) for c in runs]),
                      spread([c["valid"][-1] for c in runs]), spread(updates), spread(tokens),
                      spread([c["traffic"].get("bytes", 0) / 2**20 for c in runs]),
@@ -253,7 +274,8 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         "",
         "How to read a table: the ranking is by the median over seeds of the simulated time to reach the",
         "final validation loss of sync's run with the same seed (paired: the seed sets the initialization",
-        "and the training data order; an algorithm that does not reach it in most seeds ranks last).",
+        "and the training data order; a seed that does not reach it counts as never, so with 2 of 3 seeds",
+        "the median is the slower of the two, and an algorithm whose median is never ranks last).",
         "`val loss at budget` is the last evaluation within sync's time (an algorithm capped at fewer steps",
         "than fit ends before the budget: its last evaluation). `updates/s` is",
         "optimizer steps per simulated second; `tokens/s` counts computed tokens and is not speed when an",

@@ -52,6 +52,23 @@ def test_ranking_by_time_to_sync_final_loss():
     assert "not reached" in rows[2]
 
 
+def test_a_seed_that_misses_the_target_counts_as_never_in_the_median():
+    # 2 of 3 seeds reached: the median is the slower of the two, not their mean
+    assert lb_report.median_of([63.0, 74.0, None]) == 74.0
+    assert lb_report.median_of([1.0, 2.0, None, None]) is None and lb_report.median_of([1.0, None, None]) is None
+    assert lb_report.median_of([3.0, 1.0, 2.0]) == 2.0 and lb_report.median_of([]) is None
+    assert lb_report.time_spread([63.0, 74.0, None]) == "74 [63, not reached] (1 of 3 seeds not reached)"
+    assert lb_report.time_spread([5.0, None, None]) == "not reached (1 of 3 seeds did: 5)"
+    assert lb_report.time_spread([2.0, 1.0, 3.0]) == "2 [1, 3]" and lb_report.time_spread([4.0]) == "4"
+    s = load_scenario(EMULATED)
+    cells = {"sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)] * 3,
+             "a": [cell([1.0], [3.9], 1.0), cell([3.5], [3.9], 3.5), cell([1.0], [4.5], 1.0)],
+             "b": [cell([3.0], [3.9], 3.0)] * 3}
+    assert [lb_report.time_to(c, 4.0) for c in cells["a"]] == [1.0, 3.5, None]
+    rows = [line for line in lb_report.summarize("emulated-default", s, cells) if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" | ")[1] for r in rows] == ["b", "a", "sync"]  # a's median is 3.5 (not 2.25, the mean of two)
+
+
 def test_a_edit_gets_a_sample_budget_and_lockstep_algorithms_iterations():
     assert "--train-samples" in lb_setup.cell_argv(EMULATED, "a-edit", 1, 100, 25, 2)
     argv = lb_setup.cell_argv(EMULATED, "diloco", 1, 100, 25, 2)
