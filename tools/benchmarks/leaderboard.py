@@ -84,7 +84,7 @@ PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
-from tools.benchmarks.leaderboard_report import document, open_targets, plot, summarize  # noqa: E402
+from tools.benchmarks.leaderboard_report import document, included, open_targets, plot, summarize  # noqa: E402
 from tools.benchmarks.leaderboard_setup import (ALGORITHMS, CEILING_ALGORITHMS, EVALUATIONS, FREE_LINK,  # noqa: E402
                                                 MICRO_BATCH, MODEL, SCENARIO_DIR, VARIANTS, Run, cell_argv,
                                                 data_args, free_link_copy, has_slow_site)
@@ -339,8 +339,7 @@ def main() -> None:
         sections += summarize(name, scenario, cells) + ["", f"![{name}]({link})", ""]
         reading = os.path.join(args.plots_dir, f"{name}.reading.md")  # written by whoever read the table
         if os.path.exists(reading):
-            with open(reading) as f:
-                sections += [f.read().strip(), ""]
+            sections += [included(reading, args.out), ""]
         plot(name, cells, png)
         print("\n".join(summarize(name, scenario, cells)), flush=True)
     if args.cached_only and not any(board.values()):
@@ -351,8 +350,7 @@ def main() -> None:
                  "Targets earlier rounds could not judge on the noisy real clock (issue 21, item 7), from the "
                  "cells above (median over seeds):", ""] + open_targets(board) + [""]
     if os.path.exists(targets_reading):
-        with open(targets_reading) as f:
-            sections += [f.read().strip(), ""]
+        sections += [included(targets_reading, args.out), ""]
     with open(args.out, "w") as f:
         f.write(document(names, sections, args, not_run, spent) + "\n")
     print(f"wrote {args.out} and {args.plots_dir}/*.png")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -240,6 +241,21 @@ def cost_line(spent: Dict[str, List[Optional[float]]]) -> List[str]:
     line = (f"Cost: training these {cells} cells (pilots included) took {sum(map(sum, known.values())) / 3600:.1f} h "
             f"of this machine's real time ({per})")
     return [line + (f"; {unknown} cell(s) did not keep theirs." if unknown else "."), ""]
+
+
+LINK = re.compile(r"\]\(([^)\s#:]+)(#[^)\s]*)?\)")  # a relative link: not http:, not only #anchor
+
+
+def included(path: str, page: str) -> str:
+    """The text of a reading at `path` as it reads inside `page`: its relative links, written
+    from the reading's directory, rebased to the page's."""
+    with open(path) as f:
+        text = f.read().strip()
+    here, there = os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.abspath(page))
+
+    def rebase(m: "re.Match") -> str:
+        return f"]({os.path.relpath(os.path.join(here, m.group(1)), there)}{m.group(2) or ''})"
+    return LINK.sub(rebase, text)
 
 
 def document(names: List[str], sections: List[str], args, not_run: Dict[str, List[str]],

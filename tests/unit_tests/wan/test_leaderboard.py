@@ -69,6 +69,18 @@ def test_a_seed_that_misses_the_target_counts_as_never_in_the_median():
     assert [r.split(" | ")[1] for r in rows] == ["b", "a", "sync"]  # a's median is 3.5 (not 2.25, the mean of two)
 
 
+def test_a_reading_s_links_are_rebased_to_the_page_that_includes_it(tmp_path):
+    reading = tmp_path / "docs" / "leaderboard" / "x.reading.md"
+    reading.parent.mkdir(parents=True)
+    reading.write_text("See [edit](../algorithms/edit.md#which-norms), [plot](x.png), [web](https://a.org/b.md) "
+                       "and [here](#results).\n")
+    assert lb_report.included(str(reading), str(tmp_path / "docs" / "leaderboard.md")) == (
+        "See [edit](algorithms/edit.md#which-norms), [plot](leaderboard/x.png), [web](https://a.org/b.md) "
+        "and [here](#results).")
+    assert "[edit](../../docs/algorithms/edit.md#which-norms)" in lb_report.included(
+        str(reading), str(tmp_path / "runs" / "leaderboard" / "leaderboard.md"))
+
+
 def test_a_edit_gets_a_sample_budget_and_lockstep_algorithms_iterations():
     assert "--train-samples" in lb_setup.cell_argv(EMULATED, "a-edit", 1, 100, 25, 2)
     argv = lb_setup.cell_argv(EMULATED, "diloco", 1, 100, 25, 2)
