@@ -263,6 +263,17 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
     return cells
 
 
+def scenario_runs(name: str, path: str, scenario, algorithms: Sequence[str], cache_dir: str) -> List[Run]:
+    """A scenario's rows: every algorithm, the scenario's tuned variants, and with a slow site
+    the free-link ceilings (their scenario file written under cache_dir)."""
+    runs = [Run(algo, algo, path) for algo in algorithms]
+    runs += [Run(label, algo, path, flags) for label, algo, flags in VARIANTS.get(name, ()) if algo in algorithms]
+    if has_slow_site(scenario):
+        free = free_link_copy(path, cache_dir)
+        runs += [Run(f"{algo} ({FREE_LINK})", algo, free) for algo in algorithms if algo in CEILING_ALGORITHMS]
+    return runs
+
+
 def every_scenario() -> List[str]:
     return sorted(n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
 
@@ -324,11 +335,7 @@ def main() -> None:
         if not os.path.exists(path):
             p.error(f"--scenarios: no {path}")
         scenario = load_scenario(path)
-        runs = [Run(algo, algo, path) for algo in algorithms]
-        runs += [Run(label, algo, path, flags) for label, algo, flags in VARIANTS.get(name, ()) if algo in algorithms]
-        if has_slow_site(scenario):
-            free = free_link_copy(path, args.cache_dir)
-            runs += [Run(f"{algo} ({FREE_LINK})", algo, free) for algo in algorithms if algo in CEILING_ALGORITHMS]
+        runs = scenario_runs(name, path, scenario, algorithms, args.cache_dir)
         cells = scenario_cells(name, path, scenario, runs, args, not_run.setdefault(name, []),
                                spent.setdefault(name, []))
         board[name] = cells

@@ -258,6 +258,14 @@ def included(path: str, page: str) -> str:
     return LINK.sub(rebase, text)
 
 
+def latest_archive() -> Optional[str]:
+    """The newest archived board (docs/leaderboard/archive-<date>.md), if any: a board published
+    before its cells were kept, the last word on the scenarios not trained again since."""
+    folder = os.path.join(ROOT, "docs", "leaderboard")
+    pages = sorted(n for n in os.listdir(folder) if n.startswith("archive-") and n.endswith(".md"))
+    return os.path.join(folder, pages[-1]) if pages else None
+
+
 def document(names: List[str], sections: List[str], args, not_run: Dict[str, List[str]],
              spent: Optional[Dict[str, List[Optional[float]]]] = None) -> str:
     """docs/leaderboard.md: the method, the scenarios, every table, and the simulator's validation."""
@@ -316,6 +324,11 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
     if missing or len(args.seeds) < 3 or any(not_run.values()):
         head += [f"**Partial board:** {len(args.seeds)} seed(s); scenarios not run: {', '.join(missing) or 'none'}. "
                  "Regenerate with `python tools/benchmarks/leaderboard.py` (every scenario, 3 seeds)."]
+        archive = latest_archive()
+        if missing and archive:
+            link = os.path.relpath(archive, os.path.dirname(os.path.abspath(args.out)))
+            head += [f"The last tables of the scenarios not run here, trained at earlier code whose cells were not "
+                     f"kept: [{os.path.basename(archive)[:-3]}]({link})."]
         head += [f"Cells not run in {n}: {', '.join(compact(cells, n, args))}." for n, cells in not_run.items()
                  if cells and n not in missing]
         head += [""]

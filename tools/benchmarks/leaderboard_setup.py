@@ -177,6 +177,6 @@ def board_cells(name: str, args) -> List[str]:
     """Every cell a scenario's table would hold with these arguments (labels x seeds)."""
     scenario = load_scenario(os.path.join(SCENARIO_DIR, f"{name}.toml"))
     algorithms = args.algorithms.split(",")
-    labels = algorithms + [f"{a} ({FREE_LINK})" for a in algorithms if a in CEILING_ALGORITHMS
-                           and has_slow_site(scenario)]
+    labels = algorithms + [label for label, algo, _ in VARIANTS.get(name, ()) if algo in algorithms]
+    labels += [f"{a} ({FREE_LINK})" for a in algorithms if a in CEILING_ALGORITHMS and has_slow_site(scenario)]
     return [f"{label} seed {seed}" for label in labels for seed in args.seeds]

@@ -81,6 +81,20 @@ def test_a_reading_s_links_are_rebased_to_the_page_that_includes_it(tmp_path):
         str(reading), str(tmp_path / "runs" / "leaderboard" / "leaderboard.md"))
 
 
+def test_an_untrained_scenario_misses_every_cell_its_table_would_hold(tmp_path):
+    # the board calls a scenario "not run" when every cell board_cells lists is missing:
+    # variants and free-link ceilings included, or it would call it partly run
+    args = argparse.Namespace(cache_dir=str(tmp_path), cached_only=True, steps=300, budget_cap=3, seeds=[1, 2, 3],
+                              algorithms=",".join(lb_setup.ALGORITHMS))
+    for name in lb.every_scenario():
+        path = os.path.join(lb_setup.SCENARIO_DIR, f"{name}.toml")
+        scenario = load_scenario(path)
+        not_run = []
+        runs = lb.scenario_runs(name, path, scenario, lb_setup.ALGORITHMS, str(tmp_path))
+        assert lb.scenario_cells(name, path, scenario, runs, args, not_run) == {}
+        assert sorted(not_run) == sorted(lb_setup.board_cells(name, args)), name
+
+
 def test_a_edit_gets_a_sample_budget_and_lockstep_algorithms_iterations():
     assert "--train-samples" in lb_setup.cell_argv(EMULATED, "a-edit", 1, 100, 25, 2)
     argv = lb_setup.cell_argv(EMULATED, "diloco", 1, 100, 25, 2)
