@@ -211,6 +211,9 @@ class CoCoDC(StreamingDiLoCo):
                             {r.fragment: r.lands for r in self.in_flight})
         return [] if p is None else [p]
 
+    def times_steps(self) -> bool:
+        return self.measuring
+
     def record_step_time(self, seconds: float) -> None:
         if self.measuring:
             self.step_seconds_sum += seconds

@@ -86,7 +86,8 @@ class InterSiteWork:
             return True
         if self._transfer is not None:  # virtual time decides, the same way on every run
             return self._transfer.done_at() <= self._comm.clock.now()
-        if self._comm.clock.now() < self._ready_at:
+        # (the clock is read only for a simulated link: on a GPU reading it drains the stream)
+        if self._ready_at > 0 and self._comm.clock.now() < self._ready_at:
             return False
         return self._work.is_completed()
 
@@ -94,7 +95,8 @@ class InterSiteWork:
         if self._work is None:
             return
         clock = self._comm.clock
-        t0 = clock.now()
+        # marks, not readings: on a GPU they time the compute stream's wait without draining it
+        start = clock.mark()
         real_t0 = time.perf_counter()  # the transport's timeout is real time, whatever the run's clock
         try:
             self._work.wait()
@@ -106,9 +108,10 @@ class InterSiteWork:
                 f"{time.perf_counter() - real_t0:.1f} s of waiting (the limit is --distributed-timeout-minutes "
                 f"{c.timeout_minutes}): a peer site stopped or its network failed; its own log says why "
                 f"[{cause}]") from err
-        clock.wait_until(self._completion())
+        if self._transfer is not None or self._ready_at > 0:  # a simulated link's time
+            clock.wait_until(self._completion())
         if self._comm.waits_are_exposed():
-            self._comm.exposed_seconds += clock.now() - t0
+            self._comm.record_exposed_between(start, clock.mark())
         self._work = None
 
 

@@ -244,7 +244,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
 
     # ---- hooks ----------------------------------------------------------------------------------------
     def before_forward_backward(self, iteration: int) -> None:
-        self._step_started = self.ctx.clock.now()
+        # timed only for an algorithm that uses it (cocodc's schedule): on a GPU a reading drains the stream
+        self._step_started = self.ctx.clock.now() if self.times_steps() else None
         if self.active and self.ctx.membership.elastic and (self.due or not self.joined):
             self._quorums()
         if self.active and len(self.queue):
@@ -321,6 +322,10 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
             else:
                 self.start_sync(p, t)
         self._land_due(t)  # τ = 0: the fragment lands in the step it started
+
+    def times_steps(self) -> bool:
+        """Whether record_step_time wants each inner step's time (CoCoDC's adaptive schedule)."""
+        return False
 
     def record_step_time(self, seconds: float) -> None:
         """CoCoDC measures its step time here."""

@@ -123,3 +123,42 @@ def test_a_peer_site_that_disappears_gives_a_clear_timeout():
         seconds, message = open(os.path.join(d, "msg")).read().split("|", 1)
     assert "--distributed-timeout-minutes" in message and "peer site" in message
     assert float(seconds) < 4
+
+
+def test_polling_and_waiting_over_a_real_link_read_no_clock():
+    # On a GPU a clock reading waits for the compute stream (core/clock.py): polling or waiting
+    # for a transfer with no simulated link reads none, and the wait's exposed time is timed
+    # with marks (events on the stream).
+    from megatron_lsgd.core.clock import Clock
+    from megatron_lsgd.core.lsgd.comm import InterSiteWork
+    from tests.unit_tests.streams_double import RecordedEvent, RecordingStreams
+
+    class Queued(RecordingStreams):
+        queued = True
+
+        def timing_mark(self):
+            self.note("mark")
+            return RecordedEvent(self._number())
+
+        def elapsed(self, a, b):
+            return 0.25
+
+        def marks_complete(self, marks, block):
+            return True
+
+    class Done:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            pass
+
+    streams = Queued()
+    comm = InterSiteComm(None, 2, clock=Clock(streams))
+    streams.log.clear()
+    work = InterSiteWork(comm, Done())
+    assert work.is_completed()
+    work.wait()
+    assert [what for _, what, _ in streams.log] == ["mark", "mark"] and comm.exposed_seconds == 0.25
+    linked = InterSiteWork(comm, Done(), ready_at=1e12)  # a simulated link's completion: the clock decides
+    assert not linked.is_completed() and streams.log[-1][1] == "synchronize"

@@ -136,6 +136,27 @@ def test_k1_tau0_alpha0_is_diloco_on_a_fake():
     assert torch.equal(ref.ctx.optimizer.shards[0], sync.ctx.optimizer.shard)
 
 
+def test_only_cocodc_s_measuring_schedule_reads_the_clock_each_step():
+    # On a GPU a clock reading waits for the compute stream (core/clock.py): streaming-diloco
+    # times no step, cocodc times them only while its adaptive schedule measures.
+    from megatron_lsgd.core.clock import Clock
+    from tests.unit_tests.streams_double import RecordingStreams
+
+    reads = {}
+    for label, algo, cls, kw in (("streaming", "streaming-diloco", StreamingDiLoCo, {}),
+                                 ("cocodc-fixed-n", "cocodc", CoCoDC, {"schedule": "adaptive", "syncs_per_round": 2}),
+                                 ("cocodc-measuring", "cocodc", CoCoDC, {"schedule": "adaptive"})):
+        ctx = fragment_context(lsgd_config(algo, interval=16, fragments=2, sync_delay=2, **kw))
+        streams = RecordingStreams()
+        ctx.comm.clock = Clock(streams)
+        sync = active(cls(ctx))
+        streams.log.clear()
+        for it in range(5):  # the first fragment sync starts after local step 6 (slot 8, tau 2)
+            step(sync, it, 0.01)
+        reads[label] = sum(1 for _, what, _ in streams.log if what == "synchronize")
+    assert reads == {"streaming": 0, "cocodc-fixed-n": 0, "cocodc-measuring": 10}, reads  # a step's start and end
+
+
 # ---- cocodc delay compensation ---------------------------------------------------------------------
 def _cocodc(dc_lambda, schedule="round-robin", **kw):
     args = dict(interval=8, outer_lr=0.7, outer_momentum=0.9, fragments=2, sync_delay=2, dc_lambda=dc_lambda,
