@@ -31,7 +31,9 @@ with the open targets of earlier rounds (a-edit and acco under a slow site, coco
 streaming-diloco, dreamddp vs diloco), judged from the cells.
 
 A person's reading of a table goes in docs/leaderboard/<scenario>.reading.md (and
-targets.reading.md), which the board includes under the table, so regenerating keeps it.
+targets.reading.md), which the board includes under the table, so regenerating keeps it (its
+relative links written from that directory; the board rebases them). The scenarios not run
+link to the newest archived board (docs/leaderboard/archive-<date>.md), if there is one.
 
 Finished cells are cached as JSON under --cache-dir, named by a digest of their flags and
 scenario file, and reused; delete a file to re-run it (Ctrl-C stops every rank with one line:
