@@ -87,9 +87,9 @@ PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
 from tools.benchmarks.leaderboard_report import document, included, open_targets, plot, summarize  # noqa: E402
-from tools.benchmarks.leaderboard_setup import (ALGORITHMS, CEILING_ALGORITHMS, EVALUATIONS, FREE_LINK,  # noqa: E402
-                                                MICRO_BATCH, MODEL, SCENARIO_DIR, VARIANTS, Run, cell_argv,
-                                                data_args, free_link_copy, has_slow_site)
+from tools.benchmarks.leaderboard_setup import (ALGORITHMS, EVALUATIONS, MICRO_BATCH, MODEL,  # noqa: E402
+                                                SCENARIO_DIR, Run, cell_argv, data_args, free_link_copy,
+                                                has_slow_site, scenario_runs)
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, seed_list)
 from tools.benchmarks.spawned_ranks import run_ranks, run_tool  # noqa: E402
@@ -265,17 +265,6 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
     return cells
 
 
-def scenario_runs(name: str, path: str, scenario, algorithms: Sequence[str], cache_dir: str) -> List[Run]:
-    """A scenario's rows: every algorithm, the scenario's tuned variants, and with a slow site
-    the free-link ceilings (their scenario file written under cache_dir)."""
-    runs = [Run(algo, algo, path) for algo in algorithms]
-    runs += [Run(label, algo, path, flags) for label, algo, flags in VARIANTS.get(name, ()) if algo in algorithms]
-    if has_slow_site(scenario):
-        free = free_link_copy(path, cache_dir)
-        runs += [Run(f"{algo} ({FREE_LINK})", algo, free) for algo in algorithms if algo in CEILING_ALGORITHMS]
-    return runs
-
-
 def every_scenario() -> List[str]:
     return sorted(n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
 
@@ -337,7 +326,8 @@ def main() -> None:
         if not os.path.exists(path):
             p.error(f"--scenarios: no {path}")
         scenario = load_scenario(path)
-        runs = scenario_runs(name, path, scenario, algorithms, args.cache_dir)
+        free = free_link_copy(path, args.cache_dir) if has_slow_site(scenario) else ""
+        runs = scenario_runs(name, path, scenario, algorithms, free)
         cells = scenario_cells(name, path, scenario, runs, args, not_run.setdefault(name, []),
                                spent.setdefault(name, []))
         board[name] = cells

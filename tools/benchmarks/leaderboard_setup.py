@@ -173,10 +173,18 @@ def compact(cells: List[str], name: str, args) -> List[str]:
     return [f"seed {seed} (every cell)" for seed in whole] + rest
 
 
+def scenario_runs(name: str, path: str, scenario, algorithms: Sequence[str], free_path: str) -> List[Run]:
+    """A scenario's rows: every algorithm, the scenario's tuned variants, and with a slow site
+    the free-link ceilings, on the scenario file at free_path (free_link_copy's)."""
+    runs = [Run(algo, algo, path) for algo in algorithms]
+    runs += [Run(label, algo, path, flags) for label, algo, flags in VARIANTS.get(name, ()) if algo in algorithms]
+    if has_slow_site(scenario):
+        runs += [Run(f"{algo} ({FREE_LINK})", algo, free_path) for algo in algorithms if algo in CEILING_ALGORITHMS]
+    return runs
+
+
 def board_cells(name: str, args) -> List[str]:
-    """Every cell a scenario's table would hold with these arguments (labels x seeds)."""
-    scenario = load_scenario(os.path.join(SCENARIO_DIR, f"{name}.toml"))
-    algorithms = args.algorithms.split(",")
-    labels = algorithms + [label for label, algo, _ in VARIANTS.get(name, ()) if algo in algorithms]
-    labels += [f"{a} ({FREE_LINK})" for a in algorithms if a in CEILING_ALGORITHMS and has_slow_site(scenario)]
-    return [f"{label} seed {seed}" for label in labels for seed in args.seeds]
+    """Every cell a scenario's table would hold with these arguments (rows x seeds)."""
+    path = os.path.join(SCENARIO_DIR, f"{name}.toml")
+    runs = scenario_runs(name, path, load_scenario(path), args.algorithms.split(","), free_path="")
+    return [f"{run.label} seed {seed}" for run in runs for seed in args.seeds]
