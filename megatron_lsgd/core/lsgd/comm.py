@@ -96,7 +96,9 @@ class InterSiteWork:
             return
         clock = self._comm.clock
         # marks, not readings: on a GPU they time the compute stream's wait without draining it
-        start = clock.mark()
+        # (none on a communication thread, whose waits are not exposed)
+        exposed = self._comm.waits_are_exposed()
+        start = clock.mark() if exposed else None
         real_t0 = time.perf_counter()  # the transport's timeout is real time, whatever the run's clock
         try:
             self._work.wait()
@@ -110,7 +112,7 @@ class InterSiteWork:
                 f"[{cause}]") from err
         if self._transfer is not None or self._ready_at > 0:  # a simulated link's time
             clock.wait_until(self._completion())
-        if self._comm.waits_are_exposed():
+        if exposed:
             self._comm.record_exposed_between(start, clock.mark())
         self._work = None
 
