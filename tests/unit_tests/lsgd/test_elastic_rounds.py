@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_lsgd.core.lsgd.cocodc import CoCoDC
+from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
 from megatron_lsgd.core.lsgd.dilocox import DiLoCoX
 from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
 import json
@@ -330,6 +331,20 @@ def test_the_membership_opens_one_reduction_per_quorum_and_a_final_state_stops_t
     with pytest.raises(JobFinished):
         m.round_started()
     assert "the job had finished" in m.lines[-1]
+
+
+def test_a_site_below_its_floor_past_max_wait_stops_with_one_error_line():
+    # Nobody comes (the others stopped, or finished the job before this site came): after
+    # --lsgd-ft-max-wait the site raises what the training loop prints as its one error
+    # line with exit code 2 (InterSiteTimeout), naming the missing sites, not a traceback.
+    m = scripted_membership()
+    m.options = SimpleNamespace(min_sites=2, max_wait_s=0.05, timeout_s=1.0)
+    m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=3)
+    m.site, m.poll_s = 2, 0.01
+    with pytest.raises(InterSiteTimeout, match=r"site 2: fewer than --lsgd-min-sites 2 sites for --lsgd-ft-max-wait "
+                                               r"0.05 s \(missing: 0,1; "):
+        m.round_started()
+    assert "site 2 waits for --lsgd-min-sites 2 sites (0 s, 1 site(s) in the quorum: 2); missing: 0,1" in m.lines
 
 
 def test_a_digest_per_committed_round_none_for_a_state_loaded_from_a_checkpoint(tmp_path):

@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 import torch
 
+from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
 from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
 from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions, require_torchft
 from megatron_lsgd.core.lsgd.membership import JobFinished, SiteMembership
@@ -201,11 +202,13 @@ class TorchftMembership(SiteMembership):
             now = time.monotonic()
             if waited_since is None:
                 waited_since = now
-            elif now - waited_since > self.options.max_wait_s:
-                raise RuntimeError(f"site {self.site}: fewer than --lsgd-min-sites {self.options.min_sites} sites for "
-                                   f"--lsgd-ft-max-wait {self.options.max_wait_s:g} s")
+            missing = sorted(set(range(self.comm.configured_sites)) - set(self.present))
+            if now - waited_since > self.options.max_wait_s:  # the run's one error line, exit code 2
+                raise InterSiteTimeout(
+                    f"site {self.site}: fewer than --lsgd-min-sites {self.options.min_sites} sites for "
+                    f"--lsgd-ft-max-wait {self.options.max_wait_s:g} s (missing: {_sites(missing)}; stopped, "
+                    f"unreachable, or finished the job before this site came)")
             if last_line is None or now - last_line >= self.log_every:
-                missing = sorted(set(range(self.comm.configured_sites)) - set(self.present))
                 self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum: "
                                             f"{_sites(self.present)}); missing: {_sites(missing)}")
                 last_line = now
