@@ -37,18 +37,29 @@ def _entry(rank: int, fn, env: Dict[str, str], cwd: str, args: tuple) -> None:
     fn(rank, *args)
 
 
-def spawn(fn, args: tuple = (), nprocs: int = 1, timeout: Optional[float] = None) -> None:
-    """`torch.multiprocessing.spawn(fn, args, nprocs, join=True)`, with the ranks forked from
-    the preloaded server (fn must be importable by name, as for spawn); after `timeout`
-    seconds the ranks are killed and TimeoutError raised."""
-    context = mp.start_processes(_entry, args=(fn, dict(os.environ), os.getcwd(), tuple(args)), nprocs=nprocs,
-                                 join=False, start_method="forkserver")
+def start_spawned(fn, args: tuple = (), nprocs: int = 1) -> mp.ProcessContext:
+    """Fork `nprocs` ranks of fn(rank, *args) from the preloaded server and return at once
+    (fn must be importable by name, as for spawn); `join_spawned` waits for them."""
+    return mp.start_processes(_entry, args=(fn, dict(os.environ), os.getcwd(), tuple(args)), nprocs=nprocs,
+                              join=False, start_method="forkserver")
+
+
+def join_spawned(context: mp.ProcessContext, timeout: Optional[float] = None) -> None:
+    """Wait for every rank (a failed rank raises, as in torch.multiprocessing.spawn, the
+    others killed); after `timeout` seconds the ranks are killed and TimeoutError raised."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if deadline is not None and time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            raise TimeoutError(f"{nprocs} ranks of {getattr(fn, '__name__', fn)} still running after {timeout:g} s")
+            raise TimeoutError(f"{len(context.processes)} ranks still running after {timeout:g} s")
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 1, timeout: Optional[float] = None) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs, join=True)`, with the ranks forked from
+    the preloaded server (fn must be importable by name, as for spawn); after `timeout`
+    seconds the ranks are killed and TimeoutError raised."""
+    join_spawned(start_spawned(fn, args, nprocs), timeout)
 
 
 def tree_digest(path: str) -> Dict[str, str]:

@@ -1,20 +1,24 @@
 """Run pretrain_gpt.py's jobs and read what they printed and saved: `run` to completion in
-ranks forked from the test session's preloaded server, `start` under torchrun as a
-subprocess (its own process group, so a test can signal or SIGKILL the whole job)."""
+ranks forked from the test session's preloaded server, `start_forked`/`start_together` the
+same without waiting (one job a test kills; the sites of an elastic job), `start` under
+torchrun as a subprocess (its own process group, for a test of the launcher: signals to
+torchrun, a site killed whole and restarted as --max-restarts would)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
 import torch.multiprocessing as mp
 
-from tests.unit_tests.harness import free_port, join_as_rank, spawn
+from tests.unit_tests.harness import free_port, join_as_rank, join_spawned, spawn, start_spawned
 from tools.benchmarks.process_tree import kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -40,8 +44,8 @@ def run(args: List[str], nproc: int, log_path: str, timeout: float = 600.0,
         env: Optional[Dict[str, str]] = None) -> str:
     """Run to completion and return what the ranks printed. The ranks fork from the test
     session's preloaded server (harness.spawn), without torchrun's agent and a fresh
-    interpreter per rank, which cost these tests most of their time; use `start` for a job a
-    test signals or kills. (The generous timeout is for a loaded machine.)"""
+    interpreter per rank, which cost these tests most of their time; `start_forked` for a job a
+    test kills. (The generous timeout is for a loaded machine.)"""
     open(log_path, "w").close()
     try:
         spawn(_rank, (nproc, free_port(), list(args), log_path, env or {}), nprocs=nproc, timeout=timeout)
@@ -53,9 +57,74 @@ def run(args: List[str], nproc: int, log_path: str, timeout: float = 600.0,
     return text
 
 
-def _rank(rank: int, world: int, port: int, args: List[str], log_path: str, env: Dict[str, str]) -> None:
-    """One rank of `run`: pretrain_gpt.py's main with the environment torchrun would give it,
-    printing into the job's log (appended, like torchrun's workers sharing one stdout)."""
+@dataclass(frozen=True)
+class Job:
+    """One job of `start_together`: its flags, ranks, log, environment, and the module whose
+    main(argv) each rank runs (pretrain_gpt, or a test's wrapper of it)."""
+    args: List[str]
+    nproc: int
+    log_path: str
+    env: Dict[str, str] = field(default_factory=dict)
+    entry: str = "pretrain_gpt"
+
+
+class Ranks:
+    """The forked ranks of `start_together` or `start_forked`, polled and killed like the
+    Popen `start` returns (`poll`, `kill`, `wait_for`)."""
+
+    def __init__(self, context):
+        self.context = context
+        self.processes = context.processes
+
+    def poll(self) -> Optional[int]:
+        """None while a rank runs; then the first non-zero exit code (a signal: negative), or 0."""
+        codes = [p.exitcode for p in self.processes]
+        if any(code is None for code in codes):
+            return None
+        return next((code for code in codes if code), 0)
+
+
+def start_together(jobs: List[Job]) -> Ranks:
+    """Start several jobs at once, each its own world (the sites of an elastic job), their
+    ranks forked from the preloaded server like `run`'s (no torchrun agent, no fresh
+    interpreter: a start takes a second, not ten); `finish_together` waits for them. One rank
+    that fails stops them all there; a test may `kill` them."""
+    table = []
+    for job in jobs:
+        open(job.log_path, "w").close()
+        table.append((job, free_port()))
+    return Ranks(start_spawned(_job_rank, (table,), nprocs=sum(job.nproc for job in jobs)))
+
+
+def start_forked(args: List[str], nproc: int, log_path: str, env: Optional[Dict[str, str]] = None) -> Ranks:
+    """One job like `start`'s, its ranks forked instead of under torchrun: for a test that
+    kills the ranks (SIGKILL mid-save) and needs no launcher."""
+    return start_together([Job(list(args), nproc, log_path, dict(env or {}))])
+
+
+def finish_together(ranks: Ranks, jobs: List[Job], timeout: float = 600.0) -> List[str]:
+    """Wait for `start_together`'s jobs to end; returns what each printed."""
+    try:
+        join_spawned(ranks.context, timeout)
+        failure = None
+    except (mp.ProcessExitedException, mp.ProcessRaisedException, TimeoutError) as err:
+        failure = err
+    texts = [read(job.log_path) for job in jobs]
+    assert failure is None, f"run failed ({failure}):\n" + "\n".join(text[-2000:] for text in texts)
+    return texts
+
+
+def _job_rank(index: int, table: list) -> None:
+    for job, port in table:
+        if index < job.nproc:
+            return _rank(index, job.nproc, port, job.args, job.log_path, job.env, job.entry)
+        index -= job.nproc
+
+
+def _rank(rank: int, world: int, port: int, args: List[str], log_path: str, env: Dict[str, str],
+          entry: str = "pretrain_gpt") -> None:
+    """One rank of `run`: pretrain_gpt.py's main (or `entry`'s) with the environment torchrun
+    would give it, printing into the job's log (appended, like torchrun's workers sharing one stdout)."""
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -64,16 +133,23 @@ def _rank(rank: int, world: int, port: int, args: List[str], log_path: str, env:
     sys.stderr.reconfigure(line_buffering=True)
     join_as_rank(rank, world, port, OMP_NUM_THREADS="1", **env)
     os.chdir(ROOT)
-    import pretrain_gpt
     from megatron_lsgd.training.initialize import shutdown_distributed
 
-    pretrain_gpt.main(args)
+    importlib.import_module(entry).main(args)
     shutdown_distributed()
 
 
-def kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every rank at once; returns when all are gone (a run started
-    next must not find the killed one still holding its directory, however loaded the machine is)."""
+def kill(proc) -> None:
+    """SIGKILL the launcher and every rank at once (or the forked `Ranks`); returns when all are
+    gone (a run started next must not find the killed one still holding its directory,
+    however loaded the machine is)."""
+    if isinstance(proc, Ranks):
+        for p in proc.processes:
+            p.kill()
+        for p in proc.processes:
+            p.join(timeout=120)
+        assert proc.poll() is not None, "killed ranks still alive after 120 s"
+        return
     assert kill_tree(proc, timeout_s=120), "killed processes still alive after 120 s"
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from megatron_lsgd.core.lsgd.edit.a_edit import VIRTUAL_CLOCK_ENV
 from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
-from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, run, start, wait_for
+from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, run, start_forked, wait_for
 from tests.unit_tests.checkpointing.test_resume_exact import _check_resumed, _tracker
 
 SITE_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|.*?\| site: (\d+) \|")
@@ -42,7 +42,7 @@ def test_edit_resumes_exactly_from_a_checkpoint_with_a_sync_due(tmp_path):
     common = TINY + layout + ["--train-iters", "8", "--save-interval", "4"]
     run_env(common + ["--save", str(tmp_path / "ref")], 4, str(tmp_path / "ref.log"), {})
     ckpt = str(tmp_path / "ckpt")
-    proc = start(common + ["--save", ckpt], 4, str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
+    proc = start_forked(common + ["--save", ckpt], 4, str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
     wait_for(lambda: os.path.exists(os.path.join(ckpt, ".holding_8")), proc, str(tmp_path / "killed.log"))
     kill(proc)
     assert _tracker(ckpt) == 4

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from tests.unit_tests.checkpointing.launch import (TINY, assert_same, kill, load_tree, losses, read, run, start,
-                                                   wait_for)
+from tests.unit_tests.checkpointing.launch import (TINY, assert_same, kill, load_tree, losses, read, run,
+                                                   start_forked, wait_for)
 from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
 
 ITERS = 8
@@ -39,7 +39,7 @@ def test_tp2_pp2_sigkill_after_checkpoint(tmp_path):
 
     # A long run, killed as soon as a checkpoint exists (its schedule is that of ITERS).
     ckpt = str(tmp_path / "ckpt")
-    proc = start(common + ["--train-iters", "1000", "--save", ckpt], 4, str(tmp_path / "killed.log"))
+    proc = start_forked(common + ["--train-iters", "1000", "--save", ckpt], 4, str(tmp_path / "killed.log"))
     wait_for(lambda: _tracker(ckpt) is not None, proc, str(tmp_path / "killed.log"))
     kill(proc)
     k = _tracker(ckpt)
@@ -58,7 +58,7 @@ def test_sites2_zero1_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
 
     # The save of iteration 4 stops after writing every file, just before its commit.
     ckpt = str(tmp_path / "ckpt")
-    proc = start(common + ["--save", ckpt], 4, str(tmp_path / "killed.log"), env={HOLD_ENV: "4"})
+    proc = start_forked(common + ["--save", ckpt], 4, str(tmp_path / "killed.log"), env={HOLD_ENV: "4"})
     wait_for(lambda: os.path.exists(os.path.join(ckpt, ".holding_4")), proc, str(tmp_path / "killed.log"))
     kill(proc)
     assert _tracker(ckpt) == 2, "the tracker still names the previous checkpoint"
@@ -90,7 +90,7 @@ def test_local_sgd_state_survives_sigkill(tmp_path, algorithm):
 
     # Hold the save of iteration 8 so the kill always lands after checkpoint 4.
     ckpt = str(tmp_path / "ckpt")
-    proc = start(common + ["--save", ckpt], 4, str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
+    proc = start_forked(common + ["--save", ckpt], 4, str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
     wait_for(lambda: os.path.exists(os.path.join(ckpt, ".holding_8")), proc, str(tmp_path / "killed.log"))
     kill(proc)
     assert _tracker(ckpt) == 4

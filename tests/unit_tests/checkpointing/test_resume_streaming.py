@@ -12,7 +12,7 @@ import torch
 
 from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
 from megatron_lsgd.training.checkpointing.layout import rank_file_name
-from tests.unit_tests.checkpointing.launch import TINY, kill, run, start, wait_for
+from tests.unit_tests.checkpointing.launch import TINY, kill, run, start_forked, wait_for
 from tests.unit_tests.checkpointing.test_resume_exact import ITERS, _check_resumed, _tracker
 
 ALGORITHMS = {
@@ -38,7 +38,7 @@ def test_streaming_state_survives_sigkill_with_a_fragment_in_flight(tmp_path, al
     run(common + ["--save", str(tmp_path / "ref")], world, str(tmp_path / "ref.log"))
 
     ckpt = str(tmp_path / "ckpt")
-    proc = start(common + ["--save", ckpt], world, str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
+    proc = start_forked(common + ["--save", ckpt], world, str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
     wait_for(lambda: os.path.exists(os.path.join(ckpt, ".holding_8")), proc, str(tmp_path / "killed.log"))
     kill(proc)
     assert _tracker(ckpt) == 4

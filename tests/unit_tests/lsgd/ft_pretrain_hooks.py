@@ -8,7 +8,8 @@
 - $LSGD_TEST_READY_FILE=PATH: the site writes PATH once its torchft manager is built (a
   test then starts its peers, which meet it at their first quorum);
 - $LSGD_TEST_HOLD_CLOSING_UNTIL=PATH: at the job's end the site writes PATH.reached and
-  takes its closing quorum only once PATH exists (a test brings a late site in first)."""
+  takes its closing quorum only once PATH exists (a test brings a late site in first).
+Run as a script under torchrun, or as launch.Job's entry (main(argv) in a forked rank)."""
 
 import os
 import signal
@@ -18,7 +19,7 @@ import time
 from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
 
 
-def main() -> None:
+def main(argv=None) -> None:
     die_after = int(os.environ.get("LSGD_TEST_DIE_AFTER_QUORUM", "0"))
     hold = os.environ.get("LSGD_TEST_HOLD_UNTIL", "")
     hold_closing = os.environ.get("LSGD_TEST_HOLD_CLOSING_UNTIL", "")
@@ -57,7 +58,7 @@ def main() -> None:
         TorchftMembership.job_finished = held_closing
     import pretrain_gpt
 
-    pretrain_gpt.main(sys.argv[1:])
+    pretrain_gpt.main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

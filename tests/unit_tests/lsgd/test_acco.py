@@ -91,8 +91,8 @@ def test_resumes_bit_exactly_with_an_update_in_flight(tmp_path):
     uninterrupted run saves at 3 and 6 instead, so quiescing at different points must not
     change the numbers either."""
     from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
-    from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, losses, read, run, start, \
-        wait_for
+    from tests.unit_tests.checkpointing.launch import (TINY, assert_same, kill, load_tree, losses, read, run,
+                                                       start_forked, wait_for)
 
     iters = 8
     common = TINY + ["--num-sites", "2", "--use-distributed-optimizer", "--global-batch-size", "16",
@@ -101,8 +101,8 @@ def test_resumes_bit_exactly_with_an_update_in_flight(tmp_path):
                      "--train-iters", str(iters)]
     run(common + ["--save", str(tmp_path / "ref"), "--save-interval", "3"], 4, str(tmp_path / "ref.log"))
     ckpt = str(tmp_path / "ckpt")
-    proc = start(common + ["--save", ckpt, "--save-interval", "4"], 4, str(tmp_path / "killed.log"),
-                 env={HOLD_ENV: "8"})
+    proc = start_forked(common + ["--save", ckpt, "--save-interval", "4"], 4, str(tmp_path / "killed.log"),
+                        env={HOLD_ENV: "8"})
     wait_for(lambda: (tmp_path / "ckpt" / ".holding_8").exists(), proc, str(tmp_path / "killed.log"))
     kill(proc)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

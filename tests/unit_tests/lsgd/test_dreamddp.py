@@ -315,7 +315,7 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path):
 
     from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, UnitProfile, read_profile_file
     from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
-    from tests.unit_tests.checkpointing.launch import TINY, kill, read, run, start, wait_for
+    from tests.unit_tests.checkpointing.launch import TINY, kill, read, run, start_forked, wait_for
     from tests.unit_tests.checkpointing.test_resume_exact import ITERS, _check_resumed, _tracker
 
     # A slow link: nothing hides, no bubble filling; the search gives {output}, {layers.1},
@@ -337,8 +337,8 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path):
     assert read_profile_file(str(written))["backward_ms"]["layers.0"] == pytest.approx(1.0)
 
     ckpt = str(tmp_path / "ckpt")
-    proc = start(common + ["--save", ckpt, "--lsgd-dreamddp-profile", str(profile_path)], 4,
-                 str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
+    proc = start_forked(common + ["--save", ckpt, "--lsgd-dreamddp-profile", str(profile_path)], 4,
+                        str(tmp_path / "killed.log"), env={HOLD_ENV: "8"})
     wait_for(lambda: os.path.exists(os.path.join(ckpt, ".holding_8")), proc, str(tmp_path / "killed.log"))
     kill(proc)
     assert _tracker(ckpt) == 4

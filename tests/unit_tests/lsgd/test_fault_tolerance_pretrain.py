@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, losses, read, run, start
+from tests.unit_tests.checkpointing.launch import (TINY, Job, assert_same, finish_together, kill, load_tree, losses,
+                                                  read, run, start, start_together)
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install -e \".[ft]\")")
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) logs every quorum at info
@@ -26,6 +27,9 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) lo
 from tools.benchmarks.ft_site import start_lighthouse  # noqa: E402
 
 H = 2
+# Sites that die or come back are paced (each rank sleeps to make its step PACE times as long):
+# rounds of about a second, so a kill lands mid-round and a returning site finds rounds left.
+PACE = "12"
 BOOKKEEPING = "membership"  # the torchft committed-round count: a plain run has none
 
 
@@ -52,7 +56,7 @@ def _until(condition, what: str, procs=(), timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         for p in procs:
-            assert p.poll() in (None, 0), f"a site ended with {p.returncode} before {what}"
+            assert p.poll() in (None, 0), f"a site ended with {p.poll()} before {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
 
@@ -91,6 +95,7 @@ def _saved_iterations(save: str, site: int) -> list:
     return sorted(int(n[len("iter_"):]) for n in names if n.startswith("iter_"))
 
 
+HOOKS = "tests/unit_tests/lsgd/ft_pretrain_hooks.py"  # pretrain_gpt.py with a test's timing of a site
 DILOCOX = ("--lsgd-algorithm", "dilocox")
 COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-schedule", "round-robin")
 
@@ -144,6 +149,7 @@ def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout, algo
 
 @pytest.mark.slow
 def test_a_killed_site_is_rolled_back_waited_for_and_healed(tmp_path):
+    iters = 24  # kills near iterations 5 and 9; then rounds enough for both returning sites to come
     # 3 sites of 2 ZeRO-1 ranks each, H = 2, --lsgd-min-sites 2; every site saves every round.
     # 1. site 2 is SIGKILLed mid-round: sites 0 and 1 roll the round back and go on alone;
     # 2. then site 1 is killed: site 0 is below the floor and waits, training nothing;
@@ -153,8 +159,8 @@ def test_a_killed_site_is_rolled_back_waited_for_and_healed(tmp_path):
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
     logs = {s: str(tmp_path / f"site{s}.log") for s in range(3)}
     procs = {}
-    extra = ["--use-distributed-optimizer", "--train-iters", "24", "--save", save, "--load", save,
-             "--simulate-slow-ranks", "0,1,2,3,4,5", "--slow-factor", "20"]  # paced: rounds of a second or so
+    extra = ["--use-distributed-optimizer", "--train-iters", str(iters), "--save", save, "--load", save,
+             "--simulate-slow-ranks", "0,1,2,3,4,5", "--slow-factor", PACE]
     args = _job(3, lighthouse.address(), 2, extra)
     try:
         procs = {s: start(_site(args, s), 2, logs[s]) for s in range(3)}
@@ -206,10 +212,8 @@ def test_a_killed_site_is_rolled_back_waited_for_and_healed(tmp_path):
     try:
         ref_args = _job(3, lighthouse.address(), 2, [a if a != save else ref for a in extra] + ["--exit-interval",
                                                                                                str(H)])
-        ref_procs = [start(_site(ref_args, s), 2, str(tmp_path / f"ref{s}.log")) for s in (0, 1)]
-        for p in ref_procs:
-            p.wait(timeout=300)
-        assert [p.returncode for p in ref_procs] == [0, 0]
+        jobs = [Job(_site(ref_args, s), 2, str(tmp_path / f"ref{s}.log")) for s in (0, 1)]
+        finish_together(start_together(jobs), jobs, timeout=300)
     finally:
         lighthouse.shutdown()
     for s in (0, 1):
@@ -226,7 +230,7 @@ def test_a_killed_site_is_rolled_back_waited_for_and_healed(tmp_path):
     for s in (1, 2):
         assert "rejoined at committed round" in restarted[s], restarted[s]
         later = [i for i in _saved_iterations(save, s) if i > waiting_at and i in _saved_iterations(save, 0)]
-        assert later and later[-1] == 24
+        assert later and later[-1] == iters
         for i in later:
             assert_same(_round_state(_checkpoint(save, s, i)), _round_state(_checkpoint(save, 0, i)),
                         f"site {s} at iteration {i}")
@@ -272,23 +276,22 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
     logs = {s: str(tmp_path / f"site{s}.log") for s in range(2)}
     base = extra + ["--train-iters", str(iters), "--save", save,
-                    "--simulate-slow-ranks", "0,1", "--slow-factor", "20"]  # paced: rounds of a second or so
+                    "--simulate-slow-ranks", "0,1", "--slow-factor", PACE]
     args = _job(2, lighthouse.address(), 1, base, algorithm, interval)
     release = str(tmp_path / "release")
-    hooks = "tests/unit_tests/lsgd/ft_pretrain_hooks.py"
     procs, others = {}, []
     marker, back = "was not committed (lost site 1", "site 0: sites now 0,1 (were 0)"
     try:
         # Site 1 never trains alone (its own floor); site 0 starts once site 1's torchft manager
         # is up, so that the two meet at site 0's first quorum.
         victim_args = [a if a != save else str(tmp_path / "victim") for a in args]  # (the held site's lock)
-        others.append(start(_site(victim_args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1], script=hooks,
+        others.append(start(_site(victim_args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1], script=HOOKS,
                             env={"LSGD_TEST_DIE_AFTER_QUORUM": str(die_after),
                                  "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
-        procs[0] = start(_site(args, 0), 1, logs[0], script=hooks,
+        procs[0] = start(_site(args, 0), 1, logs[0], script=HOOKS,
                          env={"LSGD_TEST_HOLD_UNTIL": str(tmp_path / "victim.ready")})
         others.append(start(_site(args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1] + ".restart",
-                            env={"LSGD_TEST_HOLD_UNTIL": release}, script=hooks))  # fresh, as a restarted process
+                            env={"LSGD_TEST_HOLD_UNTIL": release}, script=HOOKS))  # fresh, as a restarted process
         _until(lambda: marker in read(logs[0]), "site 0 to roll back", procs.values())
         assert others[0].wait(timeout=120) != 0
         after = min(i for i in range(0, iters + 1, interval) if i >= _last_line_before(read(logs[0]), marker))
@@ -321,24 +324,25 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     closing, late_go = str(tmp_path / "closing"), str(tmp_path / "late")
     ref_logs = [str(tmp_path / f"ref{s}.log") for s in range(2)]
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
-    ref_procs = []
+    ranks = None
     try:
         ref_args = _job(2, lighthouse.address(), 1, [a if a != save else ref for a in extra + [
             "--train-iters", str(iters), "--save", save]], algorithm, interval)
-        ref_procs.append(start(_site(ref_args + ["--load", ref], 0), 1, ref_logs[0], script=hooks,
-                               env={"LSGD_TEST_HOLD_CLOSING_UNTIL": closing}))
-        ref_procs.append(start(_site(ref_args, 1) + ["--lsgd-min-sites", "2"], 1, ref_logs[1], script=hooks,
-                               env={"LSGD_TEST_HOLD_UNTIL": late_go}))
-        _until(lambda: os.path.exists(closing + ".reached"), "site 0 at the job's end", ref_procs)
+        entry = HOOKS.replace("/", ".")[:-len(".py")]
+        jobs = [Job(_site(ref_args + ["--load", ref], 0), 1, ref_logs[0], {"LSGD_TEST_HOLD_CLOSING_UNTIL": closing},
+                    entry),
+                Job(_site(ref_args, 1) + ["--lsgd-min-sites", "2"], 1, ref_logs[1], {"LSGD_TEST_HOLD_UNTIL": late_go},
+                    entry)]
+        ranks = start_together(jobs)
+        _until(lambda: os.path.exists(closing + ".reached"), "site 0 at the job's end", [ranks])
         open(late_go, "w").close()
-        _until(lambda: "site 1 waits for --lsgd-min-sites 2" in read(ref_logs[1]), "site 1 to wait", ref_procs)
+        _until(lambda: "site 1 waits for --lsgd-min-sites 2" in read(ref_logs[1]), "site 1 to wait", [ranks])
         open(closing, "w").close()
-        for p in ref_procs:
-            p.wait(timeout=300)
-        assert [p.returncode for p in ref_procs] == [0, 0], read(ref_logs[1])[-3000:]
+        finish_together(ranks, jobs, timeout=300)
+        ranks = None
     finally:
-        for p in ref_procs:
-            kill(p)
+        if ranks is not None:
+            kill(ranks)
         lighthouse.shutdown()
     late = read(ref_logs[1])
     assert "site 1: the job had finished at committed round" in late and _iteration_of(late) == 0, late[-2000:]
