@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-from tests.unit_tests.harness import free_port, join_as_rank, join_spawned, spawn, start_spawned
+from tests.unit_tests.harness import free_port, join_as_rank, join_spawned, start_spawned
 from tools.benchmarks.process_tree import kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -43,18 +43,11 @@ def start(args: List[str], nproc: int, log_path: str, env: Optional[Dict[str, st
 def run(args: List[str], nproc: int, log_path: str, timeout: float = 600.0,
         env: Optional[Dict[str, str]] = None) -> str:
     """Run to completion and return what the ranks printed. The ranks fork from the test
-    session's preloaded server (harness.spawn), without torchrun's agent and a fresh
+    session's preloaded server (harness.start_spawned), without torchrun's agent and a fresh
     interpreter per rank, which cost these tests most of their time; `start_forked` for a job a
     test kills. (The generous timeout is for a loaded machine.)"""
-    open(log_path, "w").close()
-    try:
-        spawn(_rank, (nproc, free_port(), list(args), log_path, env or {}), nprocs=nproc, timeout=timeout)
-        failure = None
-    except (mp.ProcessExitedException, mp.ProcessRaisedException, TimeoutError) as err:
-        failure = err
-    text = read(log_path)
-    assert failure is None, f"run failed ({failure}):\n{text[-3000:]}"
-    return text
+    job = Job(list(args), nproc, log_path, dict(env or {}))
+    return finish_together(start_together([job]), [job], timeout)[0]
 
 
 @dataclass(frozen=True)
@@ -103,14 +96,15 @@ def start_forked(args: List[str], nproc: int, log_path: str, env: Optional[Dict[
 
 
 def finish_together(ranks: Ranks, jobs: List[Job], timeout: float = 600.0) -> List[str]:
-    """Wait for `start_together`'s jobs to end; returns what each printed."""
+    """Wait for `start_together`'s jobs to end; returns what each printed (a job that failed or
+    ran past `timeout` fails the test with the end of every log)."""
     try:
         join_spawned(ranks.context, timeout)
         failure = None
     except (mp.ProcessExitedException, mp.ProcessRaisedException, TimeoutError) as err:
         failure = err
     texts = [read(job.log_path) for job in jobs]
-    assert failure is None, f"run failed ({failure}):\n" + "\n".join(text[-2000:] for text in texts)
+    assert failure is None, f"run failed ({failure}):\n" + "\n".join(text[-3000:] for text in texts)
     return texts
 
 
