@@ -265,6 +265,12 @@ def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_ru
     return cells
 
 
+def scenario_rows(name: str, path: str, scenario, algorithms: Sequence[str], cache_dir: str) -> List[Run]:
+    """leaderboard_setup.scenario_runs, with a slow site's free-link copy written under cache_dir."""
+    free = free_link_copy(path, cache_dir) if has_slow_site(scenario) else ""
+    return scenario_runs(name, path, scenario, algorithms, free)
+
+
 def every_scenario() -> List[str]:
     return sorted(n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
 
@@ -326,8 +332,7 @@ def main() -> None:
         if not os.path.exists(path):
             p.error(f"--scenarios: no {path}")
         scenario = load_scenario(path)
-        free = free_link_copy(path, args.cache_dir) if has_slow_site(scenario) else ""
-        runs = scenario_runs(name, path, scenario, algorithms, free)
+        runs = scenario_rows(name, path, scenario, algorithms, args.cache_dir)
         cells = scenario_cells(name, path, scenario, runs, args, not_run.setdefault(name, []),
                                spent.setdefault(name, []))
         board[name] = cells

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 
 import pytest
@@ -96,6 +95,7 @@ def _saved_iterations(save: str, site: int) -> list:
 
 
 HOOKS = "tests/unit_tests/lsgd/ft_pretrain_hooks.py"  # pretrain_gpt.py with a test's timing of a site
+HOOKS_ENTRY = "tests.unit_tests.lsgd.ft_pretrain_hooks"  # the same, as a forked rank's entry (launch.Job)
 DILOCOX = ("--lsgd-algorithm", "dilocox")
 COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-schedule", "round-robin")
 
@@ -120,20 +120,8 @@ def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout, algo
     lighthouse = start_lighthouse(2, join_timeout_ms=60_000)  # every round waits for both sites
     try:
         args = _job(2, lighthouse.address(), 2, extra + ["--save", str(tmp_path / "ft")], algorithm, interval)
-        failures = []
-
-        def one_site(site):
-            try:
-                run(_site(args, site), 2, str(tmp_path / f"ft{site}.log"))
-            except BaseException as err:  # noqa: BLE001 (reported below, in the test's thread)
-                failures.append(err)
-
-        threads = [threading.Thread(target=one_site, args=(s,)) for s in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not failures, failures
+        jobs = [Job(_site(args, site), 2, str(tmp_path / f"ft{site}.log")) for site in range(2)]
+        finish_together(start_together(jobs), jobs)
     finally:
         lighthouse.shutdown()
     reference = load_tree(str(tmp_path / "plain" / f"iter_{iters:07d}"))
@@ -328,11 +316,10 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     try:
         ref_args = _job(2, lighthouse.address(), 1, [a if a != save else ref for a in extra + [
             "--train-iters", str(iters), "--save", save]], algorithm, interval)
-        entry = HOOKS.replace("/", ".")[:-len(".py")]
         jobs = [Job(_site(ref_args + ["--load", ref], 0), 1, ref_logs[0], {"LSGD_TEST_HOLD_CLOSING_UNTIL": closing},
-                    entry),
+                    HOOKS_ENTRY),
                 Job(_site(ref_args, 1) + ["--lsgd-min-sites", "2"], 1, ref_logs[1], {"LSGD_TEST_HOLD_UNTIL": late_go},
-                    entry)]
+                    HOOKS_ENTRY)]
         ranks = start_together(jobs)
         _until(lambda: os.path.exists(closing + ".reached"), "site 0 at the job's end", [ranks])
         open(late_go, "w").close()

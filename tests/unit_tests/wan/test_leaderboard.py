@@ -90,8 +90,7 @@ def test_an_untrained_scenario_misses_every_cell_its_table_would_hold(tmp_path):
         path = os.path.join(lb_setup.SCENARIO_DIR, f"{name}.toml")
         scenario = load_scenario(path)
         not_run = []
-        free = lb_setup.free_link_copy(path, str(tmp_path)) if lb_setup.has_slow_site(scenario) else ""
-        runs = lb_setup.scenario_runs(name, path, scenario, lb_setup.ALGORITHMS, free)
+        runs = lb.scenario_rows(name, path, scenario, lb_setup.ALGORITHMS, str(tmp_path))
         assert lb.scenario_cells(name, path, scenario, runs, args, not_run) == {}
         assert sorted(not_run) == sorted(lb_setup.board_cells(name, args)), name
 
