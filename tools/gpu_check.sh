@@ -138,11 +138,13 @@ done
 #    must rejoin with state received from site 0, and both sites must finish. --lsgd-min-sites 2:
 #    on a GPU a site's start-up (seconds) outlasts such a run, and with the default floor of one
 #    site the first site up trains alone, so the two need never meet (seen on an H100).
+#    --inter-site-backend gloo: both sites share GPU 0, and NCCL refuses two ranks of one
+#    group on one device (every round failed with "invalid usage" on an H200).
 FT_ROW=""
 if "$PY" -c "import torchft" 2>/dev/null; then
     FT_LOG="$OUT/ft_sites.log"
     PATH="$(dirname "$(command -v "$PY")"):$PATH" ELASTIC=1 timeout 300 bash examples/train_two_sites_cpu.sh \
-        --device ${FT_DEVICE:-cuda} --bf16 --distributed-backend gloo --lsgd-interval 10 --train-iters 300 \
+        --device ${FT_DEVICE:-cuda} --bf16 --distributed-backend gloo --inter-site-backend gloo --lsgd-interval 10 --train-iters 300 \
         --lsgd-min-sites 2 --lr-warmup-iters 5 --log-interval 1 --eval-interval 1000 --eval-iters 0 \
         --tensorboard-dir "$OUT/ft_tb" >"$FT_LOG" 2>&1 &
     FT_PID=$!

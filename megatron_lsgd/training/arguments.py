@@ -139,7 +139,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-site-backend", choices=["nccl", "gloo"], default=None,
                    help="backend of the groups that cross sites (dp_inter); with gloo on GPUs, payloads go "
                         "through pinned host buffers. Default: nccl when the run uses CUDA, gloo otherwise and "
-                        "under --lsgd-algorithm acco/dpu (whose worker thread communicates on gloo groups)")
+                        "under --lsgd-algorithm acco/dpu (whose worker thread communicates on gloo groups). "
+                        "Under --lsgd-fault-tolerance torchft it is torchft's group's backend")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
@@ -295,9 +296,7 @@ def _check_fault_tolerance(ft: FaultToleranceOptions, args: argparse.Namespace, 
     refused = [(flag, why) for flag, why, given in (
         ("--lsgd-warmup-iters", "a synchronous warm-up averages gradients across sites every step, outside any "
                                 "quorum", lsgd.rounds.warmup_iters > 0),
-        ("--simulate-clock", "the simulated clock models a fixed set of sites", simulation.active),
-        ("--inter-site-backend", "torchft's process group is NCCL on CUDA and gloo on CPU",
-         args.inter_site_backend is not None)) if given]
+        ("--simulate-clock", "the simulated clock models a fixed set of sites", simulation.active)) if given]
     if ft.enabled and lsgd.algorithm in SUPPORTED_ALGORITHMS:  # the algorithm's own refusals
         refused += catalog.synchronizer_class(lsgd.algorithm).refused_with_fault_tolerance(lsgd)
     ft.validate(algorithm=lsgd.algorithm, num_sites=dims.sites, refused=refused, need_site=True)

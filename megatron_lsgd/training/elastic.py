@@ -46,8 +46,10 @@ def _site_store(host: str):
     return store, where[0]
 
 
-def elastic_site(config, pgs, device: torch.device, clock, devices):
-    """(ElasticComm, TorchftMembership) for this rank: its torchft group is its dp_inter."""
+def elastic_site(config, pgs, clock, devices):
+    """(ElasticComm, TorchftMembership) for this rank: its torchft group is its dp_inter, on
+    --inter-site-backend's device (gloo on the host even in a GPU run: sites sharing a GPU,
+    or a link NCCL cannot use)."""
     ft = config.fault_tolerance
     host = ft.host or os.environ.get("MASTER_ADDR", "127.0.0.1")  # torchrun runs the site's rank 0 there
     store, (host, port) = _site_store(host)
@@ -57,7 +59,7 @@ def elastic_site(config, pgs, device: torch.device, clock, devices):
                        devices=devices, clock=clock)
     membership = TorchftMembership(comm, config.fault_tolerance, site=pgs.site_rank, group_rank=dist.get_rank(),
                                    group_world_size=dist.get_world_size(), store_addr=host, store_port=port,
-                                   device=device, log=lambda line: print(line, flush=True), hostname=host)
+                                   device=devices.group, log=lambda line: print(line, flush=True), hostname=host)
     membership.store = store  # the site's rank 0 keeps the store alive as long as the managers
     return comm, membership
 

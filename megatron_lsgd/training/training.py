@@ -94,7 +94,7 @@ class Trainer:
                                    host_payloads=config.lsgd.outer.offload)
         self.inter_site_devices = devices  # the loop's own inter-site collectives are checked too
         if config.fault_tolerance.enabled:  # elastic sites: torchft's group, quorum per round (elastic.py)
-            comm, self.membership = elastic_site(config, pgs, device, self.clock, devices)
+            comm, self.membership = elastic_site(config, pgs, self.clock, devices)
         else:
             comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                                  config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,

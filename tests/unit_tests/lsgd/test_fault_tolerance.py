@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,7 +215,6 @@ def test_fault_tolerance_flags_are_checked():
     (["--lsgd-site", "2"], "--lsgd-site in [0, --num-sites 2) (got 2)"),
     (["--lsgd-site", "0", "--lsgd-warmup-iters", "4"], "--lsgd-warmup-iters does not work with --lsgd-fault-tolerance"),
     (["--lsgd-site", "0", "--simulate-clock"], "--simulate-clock does not work with --lsgd-fault-tolerance"),
-    (["--lsgd-site", "0", "--inter-site-backend", "gloo"], "--inter-site-backend does not work with"),
     (["--lsgd-site", "0", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4", "--lsgd-rank", "2",
       "--lsgd-adaptive"], "--lsgd-adaptive does not work with --lsgd-fault-tolerance torchft: its H is agreed"),
     (["--lsgd-site", "0", "--lsgd-algorithm", "cocodc", "--lsgd-interval", "4", "--lsgd-fragment-sync-delay", "0"],
@@ -231,6 +231,32 @@ def test_the_run_checks_fault_tolerance_against_its_other_flags(extra, message):
         pytest.skip("torchft is not installed")
     with pytest.raises(ValueError, match=re.escape(message)):
         build_config(parse_args(base + extra), 1)
+
+
+def test_a_sites_torchft_group_is_on_the_inter_site_backends_device(monkeypatch):
+    """--inter-site-backend gloo in a GPU run puts torchft's group on the host. Two sites that
+    share one GPU cannot meet on NCCL: with the run's device there, every round of the
+    gpu_check's elastic step failed with NCCL's "invalid usage" on an H200 and the job never
+    ended."""
+    from megatron_lsgd.core.lsgd.devices import InterSiteDevices
+    from megatron_lsgd.training import elastic
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed")
+    seen = {}
+    monkeypatch.setattr(elastic, "TorchftMembership", lambda comm, options, **kw: seen.update(kw) or SimpleNamespace())
+    monkeypatch.setattr(elastic, "_site_store", lambda host: (None, (host, 1234)))
+    monkeypatch.setattr(elastic.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(elastic.dist, "get_world_size", lambda: 1)
+    config = build_config(parse_args(
+        ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "128",
+         "--num-sites", "2", "--lsgd-algorithm", "diloco", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "1",
+         "--inter-site-backend", "gloo"]), 1)
+    devices = InterSiteDevices(group=torch.device("cpu"), run=torch.device("cuda", 0))
+    comm, _ = elastic.elastic_site(config, SimpleNamespace(rank=0, site_rank=1), None, devices)
+    assert seen["device"] == torch.device("cpu") and comm.devices is devices
 
 
 def test_each_site_is_a_world_of_its_own_with_its_own_checkpoints():

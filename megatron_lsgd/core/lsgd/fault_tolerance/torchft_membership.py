@@ -117,6 +117,7 @@ class TorchftMembership(SiteMembership):
         self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
         self.log_every, self.poll_s = log_every, poll_s
         timeout = timedelta(seconds=options.timeout_s)
+        # `device` is the inter-site group's (--inter-site-backend): NCCL where it is a GPU.
         self.pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         # Healing state travels over the quorum's own group (reachable by construction, no
         # HTTP server per rank advertised under a host name other sites may not resolve).
