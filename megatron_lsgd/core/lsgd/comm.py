@@ -68,7 +68,8 @@ class Tally:
 
 
 class InterSiteTimeout(RuntimeError):
-    pass
+    """A rank gives up on the other sites (a collective past its timeout, a floor of sites
+    not met, rounds that keep failing): the run's one error line and exit code 2."""
 
 
 class InterSiteWork:

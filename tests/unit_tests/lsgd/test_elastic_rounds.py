@@ -71,11 +71,11 @@ class ScriptedManager:
 def scripted_membership(fail=()) -> TorchftMembership:
     m = TorchftMembership.__new__(TorchftMembership)  # the round logic, no torchft processes
     m.manager, m.lines = ScriptedManager(fail), []
-    m.options = SimpleNamespace(min_sites=1, max_wait_s=60.0, timeout_s=1.0)
+    m.options = SimpleNamespace(min_sites=1, max_wait_s=60.0, timeout_s=1.0, max_failed_rounds=0)
     m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=1)
     m.site, m.present, m.pg, m.device, m.log, m.log_every, m.poll_s = 0, [], None, torch.device("cpu"), \
         m.lines.append, 60.0, 0.0
-    m.rounds_attempted = m.rounds_committed = 0
+    m.rounds_attempted = m.rounds_committed = m.failed_in_a_row = 0
     m.healed_rounds, m._failed, m._failure, m._healing, m._open = [], None, "", False, None
     m.finished = m.received_final = False
     m._digests, m._digested = None, -1
@@ -129,6 +129,30 @@ def test_dilocox_a_mean_that_does_not_commit_is_sent_again_with_the_next(restart
     assert torch.equal(sync.outer.anchors[0], torch.full((4,), -8.0))  # nothing lost, nothing twice
     assert torch.equal(sync.ctx.optimizer.shards[0], sync.outer.anchors[0]) and not sync.finishing
     assert m.manager.quorums == 5 and m._open is None
+
+
+def test_rounds_that_never_commit_stop_the_site_with_one_error_line():
+    # The H200's gpu_check (2026-11-28): two sites on one GPU under NCCL failed every round
+    # ("invalid usage"); a dilocox site rolled back 936 rounds in 5 minutes, trained apart, and
+    # retried its closing exchange until the check killed it. Past --lsgd-ft-max-failed-rounds
+    # the site raises what the loop prints as its one error line (exit code 2).
+    m = scripted_membership(fail=set(range(1, 1000)))
+    m.options.max_failed_rounds = 3
+    sync = _dilocox(membership=m, numel=4, outer_lr=1.0, outer_momentum=0.0)
+    _steps(sync, [1.0] * 6)
+    assert m.failed_in_a_row == 2 and m.rounds_committed == 1
+    with pytest.raises(InterSiteTimeout, match=r"site 0: 3 rounds in a row were not committed \(the last: a peer "
+                                               r"site did not commit\); .*--lsgd-ft-max-failed-rounds 3$"):
+        sync.finish_training(6)  # the closing exchange retries until a round commits: not forever
+
+
+def test_a_committed_round_restarts_the_count_of_failed_ones():
+    m = scripted_membership(fail={1, 2, 4, 5, 7, 8})
+    m.options.max_failed_rounds = 3
+    sync = _dilocox(membership=m, numel=4, outer_lr=1.0, outer_momentum=0.0)
+    _steps(sync, [1.0] * 20)
+    sync.finish_training(20)
+    assert m.rounds_committed == 5 and m.failed_in_a_row == 0  # two in a row at most: never stopped
 
 
 @pytest.mark.parametrize("compression,extra", COMPRESSIONS + [("none", {})], ids=lambda v: str(v))
@@ -338,7 +362,7 @@ def test_a_site_below_its_floor_past_max_wait_stops_with_one_error_line():
     # --lsgd-ft-max-wait the site raises what the training loop prints as its one error
     # line with exit code 2 (InterSiteTimeout), naming the missing sites, not a traceback.
     m = scripted_membership()
-    m.options = SimpleNamespace(min_sites=2, max_wait_s=0.05, timeout_s=1.0)
+    m.options = SimpleNamespace(min_sites=2, max_wait_s=0.05, timeout_s=1.0, max_failed_rounds=0)
     m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=3)
     m.site, m.poll_s = 2, 0.01
     with pytest.raises(InterSiteTimeout, match=r"site 2: fewer than --lsgd-min-sites 2 sites for --lsgd-ft-max-wait "

@@ -206,6 +206,8 @@ def test_fault_tolerance_flags_are_checked():
         FaultToleranceOptions(mode="torchft", min_sites=3).validate(algorithm="diloco", num_sites=2)
     with pytest.raises(ValueError, match="--lsgd-min-sites needs --lsgd-fault-tolerance torchft"):
         FaultToleranceOptions(min_sites=2).validate(algorithm="diloco", num_sites=2)
+    with pytest.raises(ValueError, match=r"--lsgd-ft-max-failed-rounds must be >= 0 \(0: never stop; got -1\)"):
+        FaultToleranceOptions(mode="torchft", max_failed_rounds=-1).validate(algorithm="diloco", num_sites=2)
     if importlib.util.find_spec("torchft") is not None:  # else the install message (next test) is the answer
         FaultToleranceOptions(mode="torchft", min_sites=2).validate(algorithm="diloco", num_sites=2)
 
@@ -312,8 +314,8 @@ def _membership(commit: bool):
 
     m = TorchftMembership.__new__(TorchftMembership)  # no torchft processes: the round logic alone
     m.manager, m.present, m._failed, m._open = _FakeManager(commit), [0, 1], None, None
-    m._digests = None
-    m.rounds_attempted = m.rounds_committed = 0
+    m._digests, m.site, m.options = None, 0, FaultToleranceOptions(mode="torchft")
+    m.rounds_attempted = m.rounds_committed = m.failed_in_a_row = 0
     return m
 
 

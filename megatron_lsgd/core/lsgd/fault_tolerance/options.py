@@ -28,6 +28,10 @@ class FaultToleranceOptions(OptionGroup):
     max_wait_s: float = option("--lsgd-ft-max-wait", 3600.0,
                                "seconds a site waits for --lsgd-min-sites sites before it gives up (a site waiting "
                                "when the others reach the job's end takes their final state and stops at once)")
+    max_failed_rounds: int = option("--lsgd-ft-max-failed-rounds", 10,
+                                    "rounds in a row a site may fail to commit before it stops with an error (sites "
+                                    "that meet but cannot reduce together never recover: two sites on one GPU under "
+                                    "NCCL, say); a lost site costs one or two; 0: never stop")
     host: str = option("--lsgd-ft-host", "",
                        "address at which the other sites reach this site's rank 0 (its torchft manager and store); "
                        "default: $MASTER_ADDR")
@@ -66,6 +70,8 @@ class FaultToleranceOptions(OptionGroup):
             raise ValueError(f"{flag} does not work with --lsgd-fault-tolerance {self.mode}: {why}")
         if self.timeout_s <= 0 or self.max_wait_s <= 0:
             raise ValueError("--lsgd-ft-timeout and --lsgd-ft-max-wait must be > 0")
+        if self.max_failed_rounds < 0:
+            raise ValueError(f"--lsgd-ft-max-failed-rounds must be >= 0 (0: never stop; got {self.max_failed_rounds})")
         require_torchft(self.mode)
 
 

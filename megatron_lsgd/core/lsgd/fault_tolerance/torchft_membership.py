@@ -130,6 +130,7 @@ class TorchftMembership(SiteMembership):
                                hostname=hostname or socket.gethostname(), checkpoint_transport=transport)
         self.present: List[int] = []  # sites of the current round
         self.rounds_attempted = self.rounds_committed = 0
+        self.failed_in_a_row = 0  # rounds not committed since the last that was (--lsgd-ft-max-failed-rounds)
         self.healed_rounds: List[int] = []  # committed-round counts at which this site received a peer's state
         self._failed: Optional[List[int]] = None  # the sites of a round that was not committed
         self._failure = ""  # why, in a few words
@@ -269,11 +270,25 @@ class TorchftMembership(SiteMembership):
             ticket.decision = bool(self.manager.should_commit())
             if ticket.decision:
                 self.rounds_committed += 1
+                self.failed_in_a_row = 0
             else:
                 for u, state in ticket.saved:
                     u.load_state_dict(state)
                 self._note_failure()
+                self._stop_if_failing()
         return ticket.result if ticket.decision else None
+
+    def _stop_if_failing(self) -> None:
+        """Sites that meet but can never reduce together (a backend that refuses them) would
+        otherwise roll back every round and train apart for the whole job, and retry a
+        closing exchange forever: past the bound, the run's one error line, exit code 2."""
+        self.failed_in_a_row += 1
+        limit = self.options.max_failed_rounds
+        if limit and self.failed_in_a_row >= limit:
+            raise InterSiteTimeout(
+                f"site {self.site}: {self.failed_in_a_row} rounds in a row were not committed (the last: "
+                f"{self._failure}); the sites meet but do not complete a round together (sites sharing a GPU "
+                f"need --inter-site-backend gloo); stopped by --lsgd-ft-max-failed-rounds {limit}")
 
     def _note_failure(self) -> None:
         """What the next quorum's line says of a round that was not committed."""
