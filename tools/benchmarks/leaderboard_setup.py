@@ -113,14 +113,19 @@ FREE_LINK = "free link"
 # dpu, which misses sync's loss on emulated-default: its first 100 updates (about a third of
 # its steps there) undelayed, the warm-up that brought it within 3% of sync in the quality
 # frontier (docs/algorithms/acco.md): does the quality it buys pay for the overlap it gives up?
+# edit, which needs 1.4-1.5x diloco's steps to sync's loss there: its penalty without the
+# clip (phi = 10 clipped the first 8 of 20 syncs in docs/quality.md), to see whether the
+# clip is what costs the steps.
 ACCO_FIXED = "acco (fixed 8,2)"
 DPU_WARMUP = "dpu (warm-up 100)"
+EDIT_NO_CLIP = "edit (no clip)"
 VARIANTS: Dict[str, Tuple[Tuple[str, str, Tuple[str, ...]], ...]] = {
     "emulated-1gbit-straggler4x": (
         (ACCO_FIXED, "acco", ("--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", "8,2")),
     ),
     "emulated-default": (
         (DPU_WARMUP, "dpu", ("--lsgd-dpu-warmup-iters", "100")),
+        (EDIT_NO_CLIP, "edit", ("--lsgd-edit-penalty", "anomaly,weighted")),
     ),
 }
 
