@@ -117,8 +117,9 @@ class EDiTOptions(OptionGroup):
                         "(||Δ|| / the site's local steps since the last sync), auto (per-step when sites take "
                         "different numbers of steps, as with a-edit; raw otherwise)",
                         choices=("auto", "raw", "per-step"))
-    clip: float = option("--lsgd-edit-clip", 10.0, "clip: the averaged pseudo-gradient's norm per unit is clipped "
-                         "to this (phi)", metavar="PHI")
+    clip: float = option("--lsgd-edit-clip", 28.0, "clip: the averaged pseudo-gradient's norm per unit is clipped "
+                         "to this (phi; the paper's 10 is of one of a module's 8 shards, about 28 on this whole-unit "
+                         "norm)", metavar="PHI")
     inject_fault: str = option("--lsgd-edit-inject-fault", "",
                                "fault injection (tests, demonstrations): SITE:SYNC:FACTOR[,...] multiplies site "
                                "SITE's pseudo-gradient (all: every site's) by FACTOR at sync number SYNC (from 1)",
