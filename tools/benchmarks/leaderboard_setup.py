@@ -113,21 +113,14 @@ FREE_LINK = "free link"
 # dpu, which misses sync's loss on emulated-default: its first 100 updates (about a third of
 # its steps there) undelayed, the warm-up that brought it within 3% of sync in the quality
 # frontier (docs/algorithms/acco.md): does the quality it buys pay for the overlap it gives up?
-# edit and a-edit without the penalty's clip: at phi = 10 (the default until 2026-11-28)
-# the clip cost them 1.4-1.5x diloco's steps there; at 28 (the default since) these rows
-# say what the bound it keeps still costs (docs/algorithms/edit.md).
 ACCO_FIXED = "acco (fixed 8,2)"
 DPU_WARMUP = "dpu (warm-up 100)"
-EDIT_NO_CLIP = "edit (no clip)"
-A_EDIT_NO_CLIP = "a-edit (no clip)"
 VARIANTS: Dict[str, Tuple[Tuple[str, str, Tuple[str, ...]], ...]] = {
     "emulated-1gbit-straggler4x": (
         (ACCO_FIXED, "acco", ("--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", "8,2")),
     ),
     "emulated-default": (
         (DPU_WARMUP, "dpu", ("--lsgd-dpu-warmup-iters", "100")),
-        (EDIT_NO_CLIP, "edit", ("--lsgd-edit-penalty", "anomaly,weighted")),
-        (A_EDIT_NO_CLIP, "a-edit", ("--lsgd-edit-penalty", "anomaly,weighted")),
     ),
 }
 

@@ -55,13 +55,18 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
 
 
 def changed_arguments(cached: Dict, resolved: Optional[Dict[str, object]]) -> List[str]:
-    """The arguments a cached result resolved differently from `resolved` (for a result that
-    kept only their digest: ["the digest of the arguments"] unless it matches)."""
+    """The arguments a cached result resolved differently from `resolved`, except those only
+    other algorithms read (for a result that kept only their digest: ["the digest of the
+    arguments"] unless it matches all of them)."""
     if resolved is None:
         return []
     if "resolved" in cached:
+        from megatron_lsgd.core.lsgd.catalog import arguments_it_ignores
+
         before = cached["resolved"]
-        return sorted(k for k in before.keys() & resolved.keys() if before[k] != resolved[k])
+        # another algorithm's own options (a default of edit's that changed says nothing of a sync run)
+        unread = set(arguments_it_ignores(resolved["lsgd_algorithm"])) if "lsgd_algorithm" in resolved else set()
+        return sorted(k for k in (before.keys() & resolved.keys()) - unread if before[k] != resolved[k])
     if "fingerprint" in cached:
         before = {k: v for k, v in resolved.items() if k not in ADDED_AFTER_DIGESTS}
         if cached["fingerprint"] not in (arguments_digest(resolved), arguments_digest(before)):

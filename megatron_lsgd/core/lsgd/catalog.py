@@ -18,7 +18,8 @@ from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfi
 from megatron_lsgd.core.lsgd.options import OptionGroup
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
-__all__ = ["add_arguments", "config_from_args", "registered_algorithms", "synchronizer_class", "validate"]
+__all__ = ["add_arguments", "arguments_it_ignores", "config_from_args", "registered_algorithms", "synchronizer_class",
+           "validate"]
 
 
 def _summary(cls: type) -> str:
@@ -69,6 +70,15 @@ def _owners() -> Dict[str, List[str]]:
         for flag in synchronizer_class(name).Options.flags():
             owners.setdefault(flag, []).append(name)
     return owners
+
+
+def arguments_it_ignores(algorithm: str) -> List[str]:
+    """The argparse names of the options only other algorithms declare as their own: a run of
+    `algorithm` never reads them, so their values (and a default of theirs that changes) say
+    nothing about it."""
+    mine = set(synchronizer_class(algorithm).Options.dests())
+    return sorted({dest for name in registered_algorithms() for dest in synchronizer_class(name).Options.dests()}
+                  - mine)
 
 
 def config_from_args(args: argparse.Namespace, num_sites: int, run: Optional[RunFacts] = None) -> LsgdConfig:

@@ -55,6 +55,11 @@ class OptionGroup:
         return [f.metadata["flag"] for f in cls.option_fields()]
 
     @classmethod
+    def dests(cls) -> List[str]:
+        """The argparse names of `flags()` (--lsgd-edit-clip -> lsgd_edit_clip)."""
+        return [_dest(flag) for flag in cls.flags()]
+
+    @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, skip: Sequence[str] = (), title: Optional[str] = None,
                       description: Optional[str] = None) -> None:
         """Add one argparse group holding every flag of this class (except `skip`: flags an

@@ -199,6 +199,9 @@ def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypat
     assert sync_cell() == first and len(calls) == 1
     monkeypatch.setattr(lb, "resolved_arguments", lambda flags: {**resolved, "a_flag_added_since": 3})
     assert sync_cell() == first and len(calls) == 1
+    # another algorithm's own default moved (edit's clip did, 2026-11-28): nothing sync reads
+    monkeypatch.setattr(lb, "resolved_arguments", lambda flags: {**resolved, "lsgd_edit_clip": 99.0})
+    assert sync_cell() == first and len(calls) == 1
     monkeypatch.setattr(lb, "resolved_arguments", lambda flags: {**resolved, "lr": 1e-3})
     again = sync_cell()
     assert len(calls) == 2 and again["valid"] == [2.0] and again["resolved"]["lr"] == 1e-3
