@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-from tests.regression.runs import CONFIGS, COMMON, FIXTURES, LAYOUTS, platform_signature, run_layout
+from tests.regression.runs import CONFIGS, COMMON, FIXTURES, LAYOUTS, run_layout
+from tools.benchmarks.run_cache import platform_signature
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ process start-ups.
 
 Floating-point results differ in the last bits between CPU families and torch builds, and
 the project's machines change from session to session, so the file keeps one record per
-platform (`platform_signature`) and a layout passes when its numbers equal, bit for bit, the
+platform (`run_cache.platform_signature`) and a layout passes when its numbers equal, bit for bit, the
 record of any one platform: a code change that moves the numbers matches none of them.
 
 On a platform that has no record yet, the test fails and names it; record it from code
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import tempfile
 from typing import Dict, List
 
@@ -75,21 +74,6 @@ CONFIGS: Dict[str, List[str]] = {
 }
 
 WORLD = 4
-
-
-def platform_signature() -> str:
-    """What decides the last bits of a CPU run: the CPU's vendor and model, the vector
-    instructions torch dispatches to, and the torch build."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__}"
 
 
 def param_digest(model) -> str:

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from tests.regression.runs import CONFIGS, COMMON, FIXTURES, LAYOUTS, platform_signature, run_layout
+from tests.regression.runs import CONFIGS, COMMON, FIXTURES, LAYOUTS, run_layout
+from tools.benchmarks.run_cache import platform_signature
 
 with open(FIXTURES) as f:
     RECORDED = json.load(f)

@@ -8,6 +8,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import subprocess
 from typing import Callable, Dict, List, Optional
 
@@ -47,6 +48,8 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
     code = code_version()
     if code is not None:
         result = {**result, "code": code}
+    # the last bits of a CPU run depend on the machine: results from two differ in them
+    result = {**result, "platform": platform_signature()}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
@@ -128,6 +131,23 @@ def arguments_digest(resolved: Dict[str, object]) -> str:
 
 
 LIBRARY = ("megatron_lsgd", "pretrain_gpt.py")  # what a run's numbers depend on, beside its flags
+
+
+def platform_signature() -> str:
+    """What decides the last bits of a CPU run: the CPU's vendor and model, the vector
+    instructions torch dispatches to, and the torch build."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__}"
 
 
 def code_version() -> Optional[str]:

@@ -11,6 +11,7 @@ from megatron_lsgd.training.scenario import load_scenario
 from tools.benchmarks import leaderboard as lb
 from tools.benchmarks import leaderboard_report as lb_report
 from tools.benchmarks import leaderboard_setup as lb_setup
+from tools.benchmarks import run_cache
 
 EMULATED = os.path.join(lb_setup.SCENARIO_DIR, "emulated-default.toml")
 
@@ -195,6 +196,7 @@ def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypat
     resolved = lb.resolved_arguments(lb.cell_flags(first["argv"]))
     assert first["resolved"] == resolved and resolved["lr"] == 2e-3
     assert first["real_seconds"] >= 0
+    assert first["platform"] == run_cache.platform_signature()  # whose last bits these are
     assert "> emulated-default / sync / seed 1: trained in 0 s of real time" in capsys.readouterr().out
     assert sync_cell() == first and len(calls) == 1
     monkeypatch.setattr(lb, "resolved_arguments", lambda flags: {**resolved, "a_flag_added_since": 3})
