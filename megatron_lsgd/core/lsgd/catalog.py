@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, dreamddp, streaming, sync  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.edit import a_edit, edit  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
-from megatron_lsgd.core.lsgd.options import OptionGroup
+from megatron_lsgd.core.lsgd.options import OptionGroup, dest_of
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
 __all__ = ["add_arguments", "arguments_it_ignores", "config_from_args", "registered_algorithms", "synchronizer_class",
@@ -76,9 +76,7 @@ def arguments_it_ignores(algorithm: str) -> List[str]:
     """The argparse names of the options only other algorithms declare as their own: a run of
     `algorithm` never reads them, so their values (and a default of theirs that changes) say
     nothing about it."""
-    mine = set(synchronizer_class(algorithm).Options.dests())
-    return sorted({dest for name in registered_algorithms() for dest in synchronizer_class(name).Options.dests()}
-                  - mine)
+    return sorted(dest_of(flag) for flag, owners in _owners().items() if algorithm not in owners)
 
 
 def config_from_args(args: argparse.Namespace, num_sites: int, run: Optional[RunFacts] = None) -> LsgdConfig:

@@ -35,7 +35,8 @@ def option(flag: str, default: Any, help: str, *, choices: Optional[Sequence] = 
     return field(default=default, metadata=meta)
 
 
-def _dest(flag: str) -> str:
+def dest_of(flag: str) -> str:
+    """A flag's argparse name (--lsgd-edit-clip -> lsgd_edit_clip)."""
     return flag.lstrip("-").replace("-", "_")
 
 
@@ -53,11 +54,6 @@ class OptionGroup:
     @classmethod
     def flags(cls) -> List[str]:
         return [f.metadata["flag"] for f in cls.option_fields()]
-
-    @classmethod
-    def dests(cls) -> List[str]:
-        """The argparse names of `flags()` (--lsgd-edit-clip -> lsgd_edit_clip)."""
-        return [_dest(flag) for flag in cls.flags()]
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, skip: Sequence[str] = (), title: Optional[str] = None,
@@ -82,7 +78,7 @@ class OptionGroup:
     def from_args(cls, args: argparse.Namespace):
         values: Dict[str, Any] = {}
         for f in cls.option_fields():
-            dest = _dest(f.metadata["flag"])
+            dest = dest_of(f.metadata["flag"])
             values[f.name] = getattr(args, dest, f.default)
         return cls(**values)
 
