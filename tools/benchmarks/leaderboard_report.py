@@ -104,7 +104,9 @@ def judge(target: OpenTarget, cells: Dict[str, List[Dict]]) -> Tuple[str, str]:
         who = target.candidate if a is not None else target.reference
         return f"only {who} reaches it", "yes" if who == target.candidate else "**no**"
     value = b / a if target.inverted else a / b
-    return f"{value:.3g} ({a:.4g}{unit} vs {b:.4g}{unit})", "yes" if target.met(value) else "**no**"
+    n = len(cells[target.candidate])  # a target the seeds' spread covers reads differently at 3 and at 5
+    seeds = f"{n} seed" + ("s" if n != 1 else "")
+    return f"{value:.3g} ({a:.4g}{unit} vs {b:.4g}{unit}; {seeds})", "yes" if target.met(value) else "**no**"
 
 
 def open_targets(board: Dict[str, Dict[str, List[Dict]]]) -> List[str]:

@@ -145,15 +145,15 @@ def test_open_targets_are_judged_from_the_cells():
             "acco": [cell([4.0, 8.0], [4.5, 4.0], 8.0)]},  # 8 / 20
     }
     rows = {r.split(" | ")[0][2:].split(",")[0]: r for r in lb_report.open_targets(board)[2:]}
-    assert rows["acco"].endswith("| 0.4 (8 s vs 20 s) | yes |")
-    assert rows["cocodc vs streaming-diloco: steps to sync's final loss"].endswith("| 0.75 (7.5 steps vs 10 steps) | yes |")
+    assert rows["acco"].endswith("| 0.4 (8 s vs 20 s; 1 seed) | yes |")
+    assert rows["cocodc vs streaming-diloco: steps to sync's final loss"].endswith("| 0.75 (7.5 steps vs 10 steps; 1 seed) | yes |")
     assert rows["dreamddp vs diloco: time to sync's final loss"].endswith("| only diloco reaches it | **no** |")
     assert rows["a-edit"].endswith("| not run |  |")
     board["emulated-straggler2x"] = {"sync": [cell([10.0, 20.0], [5.0, 4.0], 20.0)],  # +2%: 4.08
                                      "a-edit": [cell([1.0, 2.0], [4.5, 4.08], 2.0)],
                                      "a-edit (free link)": [cell([1.0, 1.8], [4.5, 4.08], 1.8)]}
     assert dict((r.split(" | ")[0][2:].split(",")[0], r) for r in lb_report.open_targets(board)[2:])["a-edit"].endswith(
-        "| 0.9 (2 s vs 1.8 s) | yes |")  # the ceiling's time over a-edit's: higher is better
+        "| 0.9 (2 s vs 1.8 s; 1 seed) | yes |")  # the ceiling's time over a-edit's: higher is better
 
 
 def test_each_seed_is_judged_against_syncs_run_with_the_same_seed():
