@@ -51,3 +51,21 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     left = [pid for pid in ranks if alive(pid)]
     sigkill(left)  # (not left running by a failed test)
     assert not left, "ranks left running after the interrupt"
+
+
+def _finishes_then_aborts_at_exit(rank: int, out_dir: str) -> None:
+    """A rank that writes its result and returns, and whose interpreter teardown then aborts
+    (as gloo's teardown once did: SIGABRT after a finished run)."""
+    import atexit
+
+    with open(os.path.join(out_dir, f"{rank}.txt"), "w") as f:
+        f.write("done")
+    atexit.register(os.abort)
+
+
+@pytest.mark.slow
+def test_a_rank_that_finished_is_not_failed_by_its_teardown(tmp_path):
+    from tools.benchmarks.spawned_ranks import run_ranks
+
+    run_ranks(_finishes_then_aborts_at_exit, (str(tmp_path),), 2)  # raises if a rank's exit code is not 0
+    assert sorted(os.listdir(tmp_path)) == ["0.txt", "1.txt"]
