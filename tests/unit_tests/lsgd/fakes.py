@@ -1,5 +1,6 @@
 """A synchronizer context without a model or processes: a fake optimizer whose main
-shards the test sets directly, and a one-site comm (collectives are local copies)."""
+shards the test sets directly, and a one-site comm (collectives are local copies); and a
+scripted torchft Manager under the real TorchftMembership round logic."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.config import CompressionOptions, LsgdConfig, OuterOptions, RoundOptions
+from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.optimizer.shard_views import BucketExtent, PieceView, ShardRange, ShardViews
@@ -89,3 +91,52 @@ def active(sync):
     sync.active = True
     sync.outer = OuterState(sync.ctx.optimizer.main_param_shards(), sync.ctx.config.outer)
     return sync
+
+
+class ScriptedManager:
+    """The torchft Manager calls TorchftMembership makes, for one site alone: decision k
+    (counting from 0) does not commit when k is in `fail`."""
+
+    def __init__(self, fail=()):
+        self.fail, self.decisions, self.step, self.quorums, self.error = set(fail), 0, 0, 0, None
+
+    def start_quorum(self, timeout=None):
+        self.quorums += 1
+        self.error = None
+
+    def num_participants(self):
+        return 1
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, err):
+        self.error = err
+
+    def should_commit(self):
+        k, self.decisions = self.decisions, self.decisions + 1
+        ok = self.error is None and k not in self.fail
+        self.step += ok
+        return ok
+
+    def current_step(self):
+        return self.step
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+
+
+def scripted_membership(fail=(), present=()) -> TorchftMembership:
+    """TorchftMembership's round logic without torchft processes, over a ScriptedManager;
+    `present`: the sites of the last quorum."""
+    m = TorchftMembership.__new__(TorchftMembership)  # the round logic, no torchft processes
+    m.manager, m.lines = ScriptedManager(fail), []
+    m.options = SimpleNamespace(min_sites=1, max_wait_s=60.0, timeout_s=1.0, max_failed_rounds=0)
+    m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=1)
+    m.site, m.present, m.pg, m.device, m.log, m.log_every, m.poll_s = 0, list(present), None, torch.device("cpu"), \
+        m.lines.append, 60.0, 0.0
+    m.rounds_attempted = m.rounds_committed = m.failed_in_a_row = 0
+    m.healed_rounds, m._failed, m._failure, m._healing, m._open = [], None, "", False, None
+    m.finished = m.received_final = False
+    m._digests, m._digested = None, -1
+    return m

@@ -14,6 +14,7 @@ the rollback resumes exactly (what a checkpoint or a heal carries is complete).
 from __future__ import annotations
 
 import io
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -22,64 +23,14 @@ import torch
 from megatron_lsgd.core.lsgd.cocodc import CoCoDC
 from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
 from megatron_lsgd.core.lsgd.dilocox import DiLoCoX
-from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
-import json
-
 from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
 from megatron_lsgd.core.lsgd.streaming import StreamingDiLoCo
 from tests.unit_tests.checkpointing.launch import assert_same
-from tests.unit_tests.lsgd.fakes import active, lsgd_config, make_context
+from tests.unit_tests.lsgd.fakes import active, lsgd_config, make_context, scripted_membership
 from tests.unit_tests.lsgd.test_streaming import active as active_streaming
 from tests.unit_tests.lsgd.test_streaming import fragment_context
 
 COMPRESSIONS = [("int4", {}), ("int8", {}), ("lowrank-int4", {"rank": 2}), ("topk-2bit", {})]
-
-
-class ScriptedManager:
-    """The torchft Manager calls TorchftMembership makes, for one site alone: decision k
-    (counting from 0) does not commit when k is in `fail`."""
-
-    def __init__(self, fail=()):
-        self.fail, self.decisions, self.step, self.quorums, self.error = set(fail), 0, 0, 0, None
-
-    def start_quorum(self, timeout=None):
-        self.quorums += 1
-        self.error = None
-
-    def num_participants(self):
-        return 1
-
-    def errored(self):
-        return self.error
-
-    def report_error(self, err):
-        self.error = err
-
-    def should_commit(self):
-        k, self.decisions = self.decisions, self.decisions + 1
-        ok = self.error is None and k not in self.fail
-        self.step += ok
-        return ok
-
-    def current_step(self):
-        return self.step
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-
-
-def scripted_membership(fail=()) -> TorchftMembership:
-    m = TorchftMembership.__new__(TorchftMembership)  # the round logic, no torchft processes
-    m.manager, m.lines = ScriptedManager(fail), []
-    m.options = SimpleNamespace(min_sites=1, max_wait_s=60.0, timeout_s=1.0, max_failed_rounds=0)
-    m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=1)
-    m.site, m.present, m.pg, m.device, m.log, m.log_every, m.poll_s = 0, [], None, torch.device("cpu"), \
-        m.lines.append, 60.0, 0.0
-    m.rounds_attempted = m.rounds_committed = m.failed_in_a_row = 0
-    m.healed_rounds, m._failed, m._failure, m._healing, m._open = [], None, "", False, None
-    m.finished = m.received_final = False
-    m._digests, m._digested = None, -1
-    return m
 
 
 def _roundtrip(state):

@@ -21,6 +21,7 @@ import torch
 from megatron_lsgd.core.lsgd.config import OuterOptions
 from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions
 from megatron_lsgd.core.lsgd.outer_state import OuterState
+from tests.unit_tests.lsgd.fakes import scripted_membership
 
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) logs every quorum at info
 # The multi-site tests need torchft (pip install -e ".[ft]"); the option checks do not.
@@ -282,22 +283,6 @@ def test_without_torchft_the_flag_says_how_to_install_it(monkeypatch):
         FaultToleranceOptions(mode="torchft").validate(algorithm="diloco", num_sites=2)
 
 
-class _FakeManager:
-    """The three Manager calls `reduce` makes, scripted."""
-
-    def __init__(self, commit: bool):
-        self.commit, self.error = commit, None
-
-    def errored(self):
-        return self.error
-
-    def report_error(self, err):
-        self.error = err
-
-    def should_commit(self):
-        return self.commit and self.error is None
-
-
 class _Buffer:
     def __init__(self):
         self.value = torch.zeros(2)
@@ -310,13 +295,7 @@ class _Buffer:
 
 
 def _membership(commit: bool):
-    from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
-
-    m = TorchftMembership.__new__(TorchftMembership)  # no torchft processes: the round logic alone
-    m.manager, m.present, m._failed, m._open = _FakeManager(commit), [0, 1], None, None
-    m._digests, m.site, m.options = None, 0, FaultToleranceOptions(mode="torchft")
-    m.rounds_attempted = m.rounds_committed = m.failed_in_a_row = 0
-    return m
+    return scripted_membership(fail=() if commit else {0}, present=[0, 1])  # a peer failed: its site or ours says no
 
 
 def test_a_round_that_does_not_commit_returns_nothing_and_puts_the_error_feedback_back():
