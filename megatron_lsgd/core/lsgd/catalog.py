@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, dreamddp, streaming, sync  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.edit import a_edit, edit  # noqa: F401  (register themselves)
-from megatron_lsgd.core.lsgd.config import SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
+from megatron_lsgd.core.lsgd.config import COMPRESSIONS, SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.options import OptionGroup, dest_of
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
@@ -121,7 +121,8 @@ def validate(config: LsgdConfig, num_sites: int, args: argparse.Namespace = None
     if not config.compression.enabled:
         changed = [f for f in config.compression.changed_flags() if f != "--lsgd-compression"]
         if changed:
-            raise ValueError(f"{changed[0]} has no effect without --lsgd-compression (int8, int4 or lowrank-int4)")
+            raise ValueError(f"{changed[0]} has no effect without --lsgd-compression "
+                             f"({', '.join(k for k in COMPRESSIONS if k != 'none')})")
     if args is not None:
         own = set(cls.Options.flags())
         owners = _owners()

@@ -154,7 +154,7 @@ def test_a_rank_larger_than_a_weight_matrix_is_a_message_on_two_sites(tmp_path):
      "--lsgd-outer-lr has no effect with --lsgd-algorithm acco"),
     (["--lsgd-algorithm", "dreamddp", "--lsgd-outer-momentum", "0.5"], "--lsgd-outer-momentum has no effect"),
     (["--lsgd-algorithm", "diloco", "--lsgd-quant-block", "32"],
-     "--lsgd-quant-block has no effect without --lsgd-compression"),
+     "--lsgd-quant-block has no effect without --lsgd-compression \\(int8, int4, lowrank-int4, topk-2bit\\)"),
     # a warm-up longer than the run
     (["--lsgd-algorithm", "diloco", "--lsgd-warmup-iters", "10"],
      "--lsgd-warmup-iters 10 covers the whole run \\(10 iterations\\): --lsgd-algorithm diloco would never run"),
