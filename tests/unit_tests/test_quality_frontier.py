@@ -241,3 +241,19 @@ def test_a_pages_runs_are_kept_beside_it_and_smoke_runs_apart():
     assert qf.default_cache_dir(page, smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke")
     assert qf.default_doc(smoke=False) == os.path.join(qf.ROOT, "docs", "quality.md")
     assert qf.default_doc(smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke", "quality.md")
+
+
+def test_a_path_into_another_checkout_has_the_digest_of_the_same_path_in_this_one(tmp_path, monkeypatch):
+    # a second worktree running a sweep with --data-path into the first finds the first's cache
+    from tools.benchmarks import run_cache
+
+    for checkout in ("main", "board"):
+        os.makedirs(tmp_path / checkout / "tools" / "benchmarks")
+        (tmp_path / checkout / "tools" / "benchmarks" / "run_cache.py").write_text("")
+    monkeypatch.setattr(run_cache, "ROOT", str(tmp_path / "board"))
+    data = "runs/data/corpus_text_document"
+    assert run_cache.relative_flags(["--data-path", str(tmp_path / "main" / data), "--lr", "2e-3"]) == \
+        run_cache.relative_flags(["--data-path", str(tmp_path / "board" / data), "--lr", "2e-3"]) == \
+        ["--data-path", data, "--lr", "2e-3"]
+    elsewhere = str(tmp_path / "corpus" / "x_text_document")  # not in a checkout: kept whole
+    assert run_cache.relative_flags(["--data-path", elsewhere]) == ["--data-path", elsewhere]

@@ -1,6 +1,6 @@
 """Finished benchmark runs kept as JSON, so a sweep of hours resumes where it stopped
 (leaderboard.py's cells, quality_frontier.py's points). A run is named by a digest of its
-flags; paths inside the checkout are named relative to it, so a cache holds from any clone."""
+flags; paths inside a checkout are named relative to it, so a cache holds from any clone or worktree."""
 
 from __future__ import annotations
 
@@ -16,7 +16,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def relative_flags(argv: List[str]) -> List[str]:
-    return [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in argv]
+    """`argv` with every absolute path inside a checkout of this project named relative to
+    that checkout: this one's, or another's (a second worktree running a board with
+    --data-path into the first), so the same file gives the same digest from either."""
+    return [_relative_to_checkout(a) for a in argv]
+
+
+def _relative_to_checkout(arg: str) -> str:
+    if arg.startswith(ROOT + os.sep):
+        return os.path.relpath(arg, ROOT)
+    if not os.path.isabs(arg):
+        return arg
+    here = os.path.dirname(arg)
+    while here != os.path.dirname(here):
+        if os.path.isfile(os.path.join(here, "tools", "benchmarks", "run_cache.py")):  # a checkout of this project
+            return os.path.relpath(arg, here)
+        here = os.path.dirname(here)
+    return arg
 
 
 def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool = False,
