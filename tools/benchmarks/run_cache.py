@@ -23,8 +23,6 @@ def relative_flags(argv: List[str]) -> List[str]:
 
 
 def _relative_to_checkout(arg: str) -> str:
-    if arg.startswith(ROOT + os.sep):
-        return os.path.relpath(arg, ROOT)
     if not os.path.isabs(arg):
         return arg
     here = os.path.dirname(arg)
