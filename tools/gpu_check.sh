@@ -184,7 +184,8 @@ lines.append(f"- CUDA-marked tests: {'passed' if tests_rc == '0' else 'FAILED'} 
 if mfu_rc == "0":
     m = json.load(open(mfu_path))
     fmt = lambda v: f"{v:.3f}" if v is not None else "-"
-    lines += [f"- Throughput, {m['parameters'] / 1e9:.2f}B-parameter Llama ({m['preset']} preset), bf16, seq "
+    size = f"{m['parameters'] / 1e9:.2f}B" if m['parameters'] >= 1e9 else f"{m['parameters'] / 1e6:.1f}M"
+    lines += [f"- Throughput, {size}-parameter Llama ({m['preset']} preset), bf16, seq "
               f"{m['seq_length']}, micro-batch {m['micro_batch_size']}, one GPU:", "",
               "| loop | tokens/s | MFU |", "|---|---|---|",
               f"| plain PyTorch (autocast bf16, AdamW) | {m['plain_tokens_per_s']:.0f} | {fmt(m['plain_mfu'])} |",

@@ -47,7 +47,10 @@ def first_to_report(every_rank_without_store: bool = False) -> bool:
         return True
     try:
         store = dist.distributed_c10d._get_default_store()
-        return store.add(_REPORTED_KEY, 1) == 1
+        # torchrun's store outlives a restart (--max-restarts): one key per attempt, or a
+        # restarted job's failure would find the last attempt's mark and say nothing.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return store.add(f"{_REPORTED_KEY}/attempt_{attempt}", 1) == 1
     except Exception:
         return every_rank_without_store or dist.get_rank() == 0
 

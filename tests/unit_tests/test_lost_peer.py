@@ -64,3 +64,21 @@ def test_one_error_line_per_job_from_the_rank_that_knows_the_cause(tmp_path):
     errors = [line for line in text.splitlines() if line.startswith(("error:", "stopped:"))]
     assert errors == ["error: cannot write --json-log /dev/full: [Errno 28] No space left on device (the disk is full "
                       "or a size limit was reached: free space or write elsewhere)"], text[-3000:]
+
+
+def test_a_restarted_attempt_reports_its_own_error(monkeypatch):
+    """torchrun --max-restarts keeps its store across attempts (seen on an H200: every
+    restart of a failing site exited 2 without a word): the first failing rank of each
+    attempt speaks, the others of that attempt stay silent."""
+    import torch.distributed as dist
+
+    from megatron_lsgd.training import guard
+
+    store = dist.HashStore()  # one store for every attempt, as torchrun's agent keeps it
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    said = []
+    for attempt in ("0", "1", "2"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        said.append([guard.first_to_report(), guard.first_to_report()])
+    assert said == [[True, False]] * 3
