@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_lsgd.core.clock import Clock  # noqa: E402
 from megatron_lsgd.core.transformer.layer import TransformerLayer  # noqa: E402
+from megatron_lsgd.training.initialize import shutdown_distributed  # noqa: E402
 from tools.benchmarks.mfu import PRESETS, argv_for  # noqa: E402
 from tools.benchmarks.side_by_side import build, timed  # noqa: E402
 
@@ -81,3 +82,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()  # torch warns at exit about a process group left up

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_lsgd.training.compat_runtime import flops_per_sample  # noqa: E402
+from megatron_lsgd.training.initialize import shutdown_distributed  # noqa: E402
 from megatron_lsgd.training.logging_utils import peak_cuda_memory_mb  # noqa: E402
 from tools.benchmarks.side_by_side import build, timed  # noqa: E402
 
@@ -158,3 +159,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()  # torch warns at exit about a process group left up
