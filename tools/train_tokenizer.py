@@ -16,14 +16,18 @@ import argparse
 import os
 import re
 import sys
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import _bootstrap  # noqa: F401
 from megatron_lsgd import cli
 from megatron_lsgd.core.datasets.jsonl import iter_lines, parse_line
 
 
-def iter_sentences(paths: List[str], keys: List[str], max_bytes: int, counts: dict) -> Iterator[str]:
+def iter_sentences(paths: List[str], keys: List[str], max_bytes: int, counts: dict,
+                   max_text_bytes: Optional[int] = None) -> Iterator[str]:
+    """Each line of each document, in file order; with `max_text_bytes`, only the documents
+    before that much text (a deterministic sample of a large, shuffled corpus)."""
+    fed = 0
     for path in paths:
         for lineno, line in iter_lines(path):
             parsed = parse_line(line, keys, lineno, path)
@@ -32,7 +36,10 @@ def iter_sentences(paths: List[str], keys: List[str], max_bytes: int, counts: di
                 if counts["bad_lines"] <= 10:
                     print(f"warning: skipped {parsed.error}", file=sys.stderr)
                 continue
+            if max_text_bytes is not None and fed >= max_text_bytes:
+                return
             for text in parsed.texts:
+                fed += len(text.encode("utf-8"))
                 for sentence in text.split("\n"):
                     if sentence.strip() and len(sentence.encode("utf-8")) <= max_bytes:
                         yield sentence
@@ -47,8 +54,13 @@ def main(argv=None) -> None:
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--character-coverage", type=float, default=0.9995)
     p.add_argument("--max-sentence-length", type=int, default=4192, help="bytes; longer lines are skipped")
+    p.add_argument("--max-text-bytes", type=int, default=None,
+                   help="train on the documents before this much text only (in file order; a large corpus "
+                        "is sampled deterministically this way)")
     p.add_argument("--num-threads", type=int, default=1, help=">1 is faster but may change the model")
     args = p.parse_args(argv)
+    if args.max_text_bytes is not None and args.max_text_bytes <= 0:
+        p.error(f"--max-text-bytes must be > 0 (got {args.max_text_bytes})")
     if args.vocab_size < 4:  # <unk>, <s>, </s> and the newline piece are always there
         p.error(f"--vocab-size must be >= 4 (got {args.vocab_size})")
     with cli.user_errors():
@@ -76,7 +88,8 @@ def train(args) -> dict:
 
 def _train(spm, args, counts: dict) -> None:
     spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter_sentences(args.input, args.json_keys, args.max_sentence_length, counts),
+        sentence_iterator=iter_sentences(args.input, args.json_keys, args.max_sentence_length, counts,
+                                         getattr(args, "max_text_bytes", None)),
         model_prefix=args.model_prefix,
         vocab_size=args.vocab_size,
         model_type=args.model_type,

@@ -42,6 +42,7 @@ class TrainingConfig:
     eval_interval: int = 1000
     eval_iters: int = 10
     full_validation: bool = False  # every evaluation covers the whole validation split, the same samples
+    skip_train: bool = False  # --skip-train: evaluate the held-out sets only
     log_interval: int = 100
     exit_interval: Optional[int] = None
     seed: int = 1234
@@ -171,6 +172,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (a scheduler's notice before its time limit), save a checkpoint at the next "
                         "iteration, on every rank together, and exit 0; without it SIGTERM stops the run at once")
+    g.add_argument("--skip-train", action="store_true",
+                   help="train nothing: evaluate the model (from --load) on the validation and test sets and exit; "
+                        "no --train-iters needed")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
@@ -207,7 +211,13 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=[],
                    help="prefix ... or weight prefix weight prefix ... (blended)")
-    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--split", type=str, default="969,30,1",
+                   help="train,valid,test shares of each --data-path file (contiguous document ranges)")
+    for split, what in (("train", "training"), ("valid", "validation"), ("test", "test")):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=[],
+                       help=f"the {what} set's own files, used whole (prefix ... or weight prefix ...); instead of "
+                            f"--data-path and --split" + (": evaluated once at the end of training" if split == "test"
+                                                          else ""))
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--mock-data", action="store_true", help="deterministic synthetic tokens")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -273,6 +283,8 @@ def _training_length(args: argparse.Namespace, global_batch: int):
     """(train_iters, train_samples or None) from exactly one of the three length flags."""
     given = [f for f, v in (("--train-iters", args.train_iters), ("--train-samples", args.train_samples),
                             ("--train-tokens", args.train_tokens)) if v is not None]
+    if args.skip_train and not given:  # nothing is trained: the length only sizes the LR schedule
+        return 1, None
     if len(given) != 1:
         raise ValueError("give exactly one of --train-iters, --train-samples, --train-tokens"
                          + (f" (got {', '.join(given)})" if given else ""))
@@ -352,6 +364,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, train_iters=train_iters,
         train_samples=train_samples, exit_duration_in_mins=args.exit_duration_in_mins,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, full_validation=args.full_validation,
+        skip_train=args.skip_train,
         log_interval=args.log_interval,
         exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
         tensorboard_dir=args.tensorboard_dir, json_log=args.json_log, distributed_backend=args.distributed_backend,
@@ -391,11 +404,18 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     tokenizer.validate()
     data = DataConfig(
-        data_path=list(args.data_path or []), split=args.split, data_cache_path=args.data_cache_path,
+        data_path=list(args.data_path or []), train_data_path=list(args.train_data_path or []),
+        valid_data_path=list(args.valid_data_path or []), test_data_path=list(args.test_data_path or []),
+        split=args.split, data_cache_path=args.data_cache_path,
         mock_data=args.mock_data, seq_length=args.seq_length, seed=args.seed, eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         num_workers=args.num_workers)
-    data.validate()
+    data.validate(need_train_data=not args.skip_train)
+    if args.skip_train and not (data.mock_data or data.valid_data_path or data.test_data_path or data.data_path):
+        raise ValueError("--skip-train evaluates the validation and test sets: give --valid-data-path or "
+                         "--test-data-path (or --data-path with --split)")
+    if args.skip_train and args.eval_iters == 0:
+        raise ValueError("--skip-train with --eval-iters 0 would evaluate nothing; give --eval-iters > 0")
     budget = "--train-tokens" if args.train_tokens is not None else "--train-samples" if train_samples else None
     schedule = "--rampup-batch-size" if getattr(args, "rampup_batch_size", None) is not None else \
         "--step-batch-size-schedule" if getattr(args, "step_batch_size_schedule", None) is not None else None
@@ -408,6 +428,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
         verify_checksums=not args.no_verify_checkpoint_checksums)
+    if args.skip_train:  # evaluation reads the model only: a checkpoint of any DP layout or site count
+        checkpoint.no_load_optim = checkpoint.no_load_rng = True
     checkpoint.validate()
     stragglers = StragglerConfig.from_args(args)
     stragglers.validate(world_size)

@@ -22,6 +22,7 @@ class TrainingResult:
     # before it (as Megatron's iteration timers, evaluation is not training time).
     validation_seconds: List[float] = field(default_factory=list)
     validation_iterations: List[int] = field(default_factory=list)
+    test_loss: Optional[float] = None  # one evaluation of the test set at the end (--test-data-path, --skip-train)
     clock_seconds: float = 0.0  # the run's length on its clock (simulated under --simulate-clock)
     evaluation_seconds: float = 0.0  # of clock_seconds, spent evaluating (quiescing included)
     skipped_iterations: int = 0  # fp16 steps skipped for inf/nan gradients

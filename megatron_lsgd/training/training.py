@@ -120,10 +120,22 @@ class Trainer:
             t.train_iters * bound * t.micro_batch_size * config.dims.dp
         # --full-validation: one pass over the split, however many evaluations (1 sample asks for one epoch).
         valid_samples = (1 if eval_runs else 0) if t.full_validation else eval_runs * gbs
-        train_ds, valid_ds, _ = datasets_provider(config, self.tokenizer,
-                                                  (train_samples, valid_samples, t.eval_iters * gbs))
-        self._report_data_passes(train_ds, adaptive=bound != config.num_microbatches)
+        if t.skip_train:  # evaluation only: no training stream, one evaluation of each held-out set
+            train_samples, valid_samples = 0, (1 if t.full_validation else t.eval_iters * gbs)
+        # The test set is evaluated once, at the end: when named (--test-data-path) or under
+        # --skip-train; --split's test share only under --skip-train (as before these flags).
+        evaluates_test = t.eval_iters > 0 and (bool(config.data.test_data_path) or t.skip_train)
+        test_samples = ((1 if t.full_validation else t.eval_iters * gbs) if evaluates_test else 0)
+        train_ds, valid_ds, test_ds = datasets_provider(config, self.tokenizer,
+                                                        (train_samples, valid_samples, test_samples or
+                                                         t.eval_iters * gbs))
+        if not t.skip_train:
+            self._report_data_passes(train_ds, adaptive=bound != config.num_microbatches)
         self.eval_batches = self._evaluation_batches(valid_ds)
+        self.test_ds = test_ds if evaluates_test else None
+        self.test_batches = self._evaluation_batches(self.test_ds, "test")
+        self.test_iterator = build_data_iterator(self.test_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
+                                                 cyclic=True)
         self.consumed_samples = 0  # the whole job's (all sites)
         self.site_consumed_samples = 0  # this site's own position in its sample stream
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
@@ -251,49 +263,76 @@ class Trainer:
               f"{self.config.model.seq_length}) {reads}{more}{repeat}", flush=True)
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluation_batches(self, valid_ds) -> int:
+    def _evaluation_batches(self, dataset, split: str = "validation") -> int:
         """Global batches per evaluation: --eval-iters, or with --full-validation as many whole
-        batches as the validation split holds."""
+        batches as the split holds."""
         t = self.config.training
-        if not t.full_validation or valid_ds is None:
+        if not t.full_validation or dataset is None:
             return t.eval_iters
-        batches = len(valid_ds) // t.global_batch_size
+        batches = len(dataset) // t.global_batch_size
         if batches == 0:
-            raise ValueError(f"--full-validation: the validation split (--split {self.config.data.split}) holds "
-                             f"{len(valid_ds)} samples, fewer than one global batch ({t.global_batch_size}); give it "
-                             f"a larger share")
+            source = f"--{'valid' if split == 'validation' else split}-data-path" if self.config.data.per_split \
+                else f"--split {self.config.data.split}"
+            raise ValueError(f"--full-validation: the {split} split ({source}) holds {len(dataset)} samples, fewer "
+                             f"than one global batch ({t.global_batch_size}); give it more data")
         if self.pgs.rank == self.log_rank:
             print(f"> full validation: {batches} global batches ({batches * t.global_batch_size} samples) per "
-                  f"evaluation", flush=True)
+                  f"evaluation of the {split} set", flush=True)
         return batches
 
     @torch.no_grad()
-    def evaluate(self) -> Optional[float]:
+    def evaluate(self, split: str = "valid", label: str = "") -> Optional[float]:
+        """The mean loss over one evaluation of the validation set (or, split "test", the test
+        set); `label` is added to the log line (Megatron's "on test set")."""
         t = self.config.training
-        if self.valid_iterator is None or t.eval_iters == 0:
+        valid = split == "valid"
+        dataset, batches = (self.valid_ds, self.eval_batches) if valid else (self.test_ds, self.test_batches)
+        iterator = self.valid_iterator if valid else self.test_iterator
+        if iterator is None or t.eval_iters == 0:
             return None
         if t.full_validation:  # the whole split from its first sample, every time
-            self.valid_iterator = build_data_iterator(self.valid_ds, 0, t.micro_batch_size, self.pgs,
-                                                      self.config.data.num_workers)
+            iterator = build_data_iterator(dataset, 0, t.micro_batch_size, self.pgs, self.config.data.num_workers)
+            if valid:
+                self.valid_iterator = iterator
         self.synchronizer.quiesce()  # evaluate a consistent model, nothing in flight
         self.compat.around_eval()
         self.model.eval()
         collected: List[Dict[str, torch.Tensor]] = []
-        for _ in range(self.eval_batches):
-            collected += self.forward_backward(self.forward_step_func, self.valid_iterator, self.model,
+        for _ in range(batches):
+            collected += self.forward_backward(self.forward_step_func, iterator, self.model,
                                                self._schedule_spec(True), self.pgs)
             self.clock.compute(self.config.num_microbatches, forward_only=True)
-        self.consumed_valid_samples += self.eval_batches * t.global_batch_size
+        if valid:
+            self.consumed_valid_samples += batches * t.global_batch_size
         self.model.train()
         self.compat.around_eval()
         reduced = self.mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
         loss = reduced.get("lm loss")
         if loss is not None and self.pgs.rank == self.log_rank:
             ppl = math.exp(min(20.0, loss))
-            line = f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+            line = (f" validation loss at iteration {self.iteration}{label} | lm loss value: {loss:.6E} | "
+                    f"lm loss PPL: {ppl:.6E} |")
             print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
-            self.tb.scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.iteration)
+            name = "validation" if valid else "test"
+            self.tb.scalars({f"lm loss {name}": loss, f"lm loss {name} ppl": ppl}, self.iteration)
         return loss
+
+    def evaluate_only(self) -> TrainingResult:
+        """--skip-train: one evaluation of the validation set and one of the test set (each if
+        there is one), the model as loaded; nothing trained, nothing saved."""
+        result = TrainingResult(model=self.model.module, config=self.config, iteration=self.iteration)
+        loss = self.evaluate("valid", " on validation set")
+        if loss is not None:
+            result.validation_losses.append(loss)
+            result.validation_iterations.append(self.iteration)
+        result.test_loss = self.evaluate("test", " on test set")
+        self.json_log.write({"event": "evaluated", "iteration": self.iteration, "validation_loss": loss,
+                             "test_loss": result.test_loss})
+        self.json_log.close()
+        self.tb.close()
+        self.compat.close()
+        self.membership.close()
+        return result
 
     # ---- what both loops share: the run, a step, a log line, acting on decisions, the end -----
     def train(self) -> TrainingResult:
@@ -426,6 +465,8 @@ class Trainer:
             self._count_from_heal(run)
         self.termination.close()
         self.loop.settle_job_samples()
+        if self.test_ds is not None:  # --test-data-path: the trained model on the test set, once
+            result.test_loss = self.evaluate("test", " on test set")
         result.iteration = self.iteration
         result.skipped_iterations = total_skipped
         result.consumed_samples, result.site_consumed_samples = self.consumed_samples, self.site_consumed_samples
@@ -567,7 +608,7 @@ def _pretrain(args, clock: Clock, signals: RunSignals, train_valid_test_datasets
             print(f"> parameters on rank 0 (TP {trainer.pgs.tp_rank}, PP stage {trainer.pgs.pp_rank}): {n:,}",
                   flush=True)
         try:  # a diverged run, a failed save (disk full), a corrupt sample, a lost peer
-            return trainer.train()
+            return trainer.evaluate_only() if config.training.skip_train else trainer.train()
         except RUN_ERRORS as err:
             _exit_on_bad_input(err, prefix=f"iteration {trainer.iteration + 1}: " if isinstance(
                 err, NonFiniteError) else "")

@@ -85,7 +85,8 @@ def check_tokenizer_matches(indexed: IndexedDataset, vocab_size: int) -> None:
 def _gpt_dataset(cfg: DataConfig, tokenizer, indexed: IndexedDataset, rng: Tuple[int, int], num_samples: int,
                  split: str) -> GPTDataset:
     if rng[1] <= rng[0]:
-        raise ValueError(f"{indexed.path_prefix}: the {split} split (--split {cfg.split}) has no documents "
+        where = f"--{split}-data-path" if cfg.per_split else f"--split {cfg.split}"
+        raise ValueError(f"{indexed.path_prefix}: the {split} split ({where}) has no documents "
                          f"out of {len(indexed)}; {num_samples} samples were requested")
     return GPTDataset(
         indexed, np.arange(rng[0], rng[1], dtype=np.int64), num_samples, cfg.seq_length, cfg.seed, split,
@@ -100,39 +101,42 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, num_samples: Seq
 
     Called on every rank; all indices are deterministic functions of the config.
     """
-    cfg.validate()
+    cfg.validate(need_train_data=num_samples[0] > 0)
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must be (train, valid, test), got {num_samples}")
     if cfg.mock_data:
         return tuple(MockGPTDataset(int(n), cfg.seq_length, tokenizer.vocab_size, cfg.seed, name) if n > 0 else None
                      for n, name in zip(num_samples, SPLIT_NAMES))
 
-    prefixes, weights = parse_data_path(cfg.data_path)
+    if cfg.per_split:  # each split's own files, used whole
+        return tuple(_split_dataset(cfg, tokenizer, cfg.split_paths(name), None, int(n), name)
+                     if n > 0 and cfg.split_paths(name) else None for n, name in zip(num_samples, SPLIT_NAMES))
     fractions = parse_split(cfg.split)
+    return tuple(_split_dataset(cfg, tokenizer, cfg.data_path, fractions, int(n), name) if n > 0 and fractions[s] > 0
+                 else None for s, (n, name) in enumerate(zip(num_samples, SPLIT_NAMES)))
+
+
+def _split_dataset(cfg: DataConfig, tokenizer, data_path: Sequence[str], fractions: Optional[Sequence[float]],
+                   n: int, name: str) -> torch.utils.data.Dataset:
+    """Split `name`'s dataset of `n` samples from `data_path` (prefixes, or weight prefix pairs):
+    each file's `fractions` share for that split, or (fractions None) the whole file."""
+    prefixes, weights = parse_data_path(data_path)
     indexed = [IndexedDataset(p, mmap=cfg.mmap_bin_files) for p in prefixes]
     for ds in indexed:
         check_tokenizer_matches(ds, tokenizer.vocab_size)
     if weights is None:  # plain list of prefixes: blend in proportion to their tokens
         weights = [float(ds.sequence_lengths.astype(np.int64).sum()) for ds in indexed]
-
-    result: List[Optional[torch.utils.data.Dataset]] = []
-    for s, name in enumerate(SPLIT_NAMES):
-        n = int(num_samples[s])
-        if n <= 0 or fractions[s] == 0:
-            result.append(None)
-            continue
-        ranges = [split_ranges(len(ds), fractions)[s] for ds in indexed]
-        if len(indexed) == 1:
-            result.append(_gpt_dataset(cfg, tokenizer, indexed[0], ranges[0], n, name))
-            continue
-        w = normalize_weights(weights)
-        # Size each component by what the blend will actually draw from it.
-        dataset_index, _ = build_blending_indices(w, n)
-        counts = np.bincount(dataset_index, minlength=len(indexed))
-        parts = [_gpt_dataset(cfg, tokenizer, ds, r, int(c), name) if c > 0 else None
-                 for ds, r, c in zip(indexed, ranges, counts)]
-        result.append(BlendedDataset(parts, w, n))
-    return tuple(result)
+    s = SPLIT_NAMES.index(name)
+    ranges = [split_ranges(len(ds), fractions)[s] if fractions is not None else (0, len(ds)) for ds in indexed]
+    if len(indexed) == 1:
+        return _gpt_dataset(cfg, tokenizer, indexed[0], ranges[0], n, name)
+    w = normalize_weights(weights)
+    # Size each component by what the blend will actually draw from it.
+    dataset_index, _ = build_blending_indices(w, n)
+    counts = np.bincount(dataset_index, minlength=len(indexed))
+    parts = [_gpt_dataset(cfg, tokenizer, ds, r, int(c), name) if c > 0 else None
+             for ds, r, c in zip(indexed, ranges, counts)]
+    return BlendedDataset(parts, w, n)
 
 
 def data_passes(dataset: Optional[torch.utils.data.Dataset], samples: int) -> Optional[Tuple[int, float]]:

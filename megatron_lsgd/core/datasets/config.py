@@ -11,6 +11,11 @@ from typing import List, Optional
 class DataConfig:
     # Megatron's --data-path: either [prefix, ...] or [weight, prefix, weight, prefix, ...].
     data_path: List[str] = field(default_factory=list)
+    # Megatron's --train-data-path / --valid-data-path / --test-data-path: each split from files of
+    # its own, used whole (same syntax as --data-path; --split does not apply)
+    train_data_path: List[str] = field(default_factory=list)
+    valid_data_path: List[str] = field(default_factory=list)
+    test_data_path: List[str] = field(default_factory=list)
     split: str = "969,30,1"
     data_cache_path: Optional[str] = None
     mock_data: bool = False
@@ -22,9 +27,29 @@ class DataConfig:
     num_workers: int = 0
     mmap_bin_files: bool = True  # False (--no-mmap-bin-files): read each .bin into memory
 
-    def validate(self) -> None:
-        if not self.mock_data and not self.data_path:
-            raise ValueError("--data-path is required unless --mock-data is given")
+    @property
+    def per_split(self) -> bool:
+        """Each split has files of its own (--train/valid/test-data-path) instead of --split."""
+        return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
+
+    def split_paths(self, split: str) -> List[str]:
+        return {"train": self.train_data_path, "valid": self.valid_data_path, "test": self.test_data_path}[split]
+
+    def validate(self, need_train_data: bool = True) -> None:
+        """`need_train_data`: False under --skip-train (only held-out sets are read)."""
+        per_split = [flag for flag, paths in (("--train-data-path", self.train_data_path),
+                                              ("--valid-data-path", self.valid_data_path),
+                                              ("--test-data-path", self.test_data_path)) if paths]
+        if per_split and self.data_path:  # one of them would be ignored silently
+            raise ValueError(f"--data-path and {per_split[0]} exclude each other: --data-path splits its files by "
+                             f"--split, {per_split[0]} names one split's files; give one or the other")
+        if per_split and self.mock_data:
+            raise ValueError(f"--mock-data and {per_split[0]} exclude each other; give one of them")
+        if not self.mock_data and not self.data_path and not per_split:
+            raise ValueError("--data-path (or --train-data-path) is required unless --mock-data is given")
+        if per_split and need_train_data and not self.train_data_path:
+            raise ValueError(f"{per_split[0]} is given without --train-data-path: name the training files too "
+                             f"(or evaluate only, with --skip-train)")
         if self.mock_data and self.data_path:  # one of them would be ignored silently
             raise ValueError("--mock-data and --data-path exclude each other: --mock-data trains on random tokens, "
                              "--data-path on your files; give one of them")
