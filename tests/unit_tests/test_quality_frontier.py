@@ -257,3 +257,56 @@ def test_a_path_into_another_checkout_has_the_digest_of_the_same_path_in_this_on
         ["--data-path", data, "--lr", "2e-3"]
     elsewhere = str(tmp_path / "corpus" / "x_text_document")  # not in a checkout: kept whole
     assert run_cache.relative_flags(["--data-path", elsewhere]) == ["--data-path", elsewhere]
+
+
+def test_the_ladders_parameter_counts_are_the_models(monkeypatch, capsys):
+    """Each rung's stated parameters (total and non-embedding) are what pretrain_gpt.py builds for
+    its shape at docs-corpus's vocabulary (4,096 pieces + 5 specials, padded to 4,224); the rungs
+    span >= 10x in both, and each reads its tokens-per-parameter budget."""
+    from tests.unit_tests.checkpointing.single import run_single
+
+    counts = {}
+    for rung in qf.LADDER.values():
+        argv = ["--num-layers", str(rung.num_layers), "--hidden-size", str(rung.hidden_size),
+                "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "1",
+                "--lr", "1e-3", "--eval-iters", "0", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                "--swiglu", "--disable-bias-linear", "--mock-data", "--vocab-size", str(qf.LADDER_VOCAB)]
+        assert run_single(argv, monkeypatch, base=[]) == 0
+        built = int(capsys.readouterr().out.split("PP stage 0): ")[1].split()[0].replace(",", ""))
+        counts[rung.name] = qf.ladder_parameters(rung)
+        assert counts[rung.name]["total"] == built, rung
+        assert counts[rung.name]["embedding"] == 4224 * rung.hidden_size
+        tokens = qf.ladder_train_iters(rung) * qf.LADDER_SEQ * qf.LADDER_BATCH
+        assert 0 <= tokens - rung.tokens_per_parameter * built < qf.LADDER_SEQ * qf.LADDER_BATCH
+        assert rung.tokens_per_parameter >= 10
+    for kind in ("total", "non_embedding"):
+        assert max(c[kind] for c in counts.values()) >= 10 * min(c[kind] for c in counts.values())
+
+
+def test_a_ladder_rung_sets_its_model_budget_points_and_page(tmp_path, monkeypatch):
+    """--ladder S: the rung's shape and budget in every run, the training file used whole with
+    the held-out file for validation, the ladder's points, its own page and cache."""
+    seen = []
+
+    def fake_run(argv, world):
+        seen.append(argv)
+        loss = 4.0 if "sync" in argv else 4.1
+        return {"valid": [loss], "comm": {"bytes_sent": 100 if "sync" in argv else 2}}
+
+    monkeypatch.setattr(qf, "run", fake_run)
+    corpus = os.path.join(qf.ROOT, "data", "python-docs", "python_docs_text_document")
+    doc = str(tmp_path / "quality-ladder-S.md")
+    qf.main(["--ladder", "S", "--data-path", corpus, "--valid-data-path", corpus, "--tokenizer-model", "tok.model",
+             "--seeds", "1", "--doc", doc, "--points", "diloco H=30"])
+    rung = qf.LADDER["S"]
+    assert len(seen) == 1 + 1 + len(qf.LADDER_OUTER_LRS)  # sync, averaging, Nesterov at each outer lr
+    for argv in seen:
+        value = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        assert value["--num-layers"] == "2" and value["--hidden-size"] == str(rung.hidden_size)
+        assert value["--train-iters"] == str(qf.ladder_train_iters(rung)) and value["--seq-length"] == "256"
+        assert value["--train-data-path"] == corpus and value["--valid-data-path"] == corpus
+        assert "--data-path" not in argv and "--split" not in argv
+    text = open(doc).read()
+    assert "ladder rung S: 258,288 parameters (55,536 non-embedding), 20.0 tokens per parameter" in text
+    assert "diloco-H30-nesterov-lr0.7" in text
+    assert os.listdir(tmp_path / "runs" / "quality-ladder-S")  # the cells, beside the page

@@ -87,21 +87,29 @@ def lockstep(argv: List[str]) -> bool:
 SPLIT = "98,2,0"  # train, validation, test: the runs' --split
 
 
-def data_argv(data_path, tokenizer_model):
-    """(flags, label): the corpus when `data_path`.bin exists, else mock data, said loudly."""
+def data_argv(data_path, tokenizer_model, valid_data_path=None):
+    """(flags, label): the corpus when `data_path`.bin exists, else mock data, said loudly. With
+    `valid_data_path` (a held-out file), `data_path` is the training set used whole."""
+    if valid_data_path is not None:
+        for flag, path in (("--data-path", data_path), ("--valid-data-path", valid_data_path)):
+            if not path or not os.path.exists(path + ".bin"):
+                raise ValueError(f"{flag} {path}: no such .bin/.idx prefix")
+        return (["--train-data-path", data_path, "--valid-data-path", valid_data_path, "--tokenizer-type",
+                 "SentencePieceTokenizer", "--tokenizer-model", tokenizer_model],
+                f"real corpus {data_path}, validation on held-out documents {valid_data_path}")
     if data_path and os.path.exists(data_path + ".bin"):
         return (["--data-path", data_path, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                  tokenizer_model, "--split", SPLIT], f"real corpus {data_path}")
     return ["--mock-data", "--vocab-size", "512"], "MOCK DATA (synthetic tokens; not the real corpus)"
 
 
-def passes_note(data_path, samples: int, seq_length: int) -> str:
+def passes_note(data_path, samples: int, seq_length: int, whole: bool = False) -> str:
     """' (N train tokens, read P times)' for the corpus of data_argv, '' for mock data: past one
     pass the model sees repeated data, and a gap between runs is partly a gap in fitting it."""
     if not (data_path and os.path.exists(data_path + ".bin")):
         return ""
     indexed = IndexedDataset(data_path)
-    start, end = split_ranges(len(indexed), parse_split(SPLIT))[0]
+    start, end = (0, len(indexed)) if whole else split_ranges(len(indexed), parse_split(SPLIT))[0]
     tokens = int(indexed.sequence_lengths[start:end].astype("int64").sum())
     return f" ({tokens:,} train tokens, read {samples * seq_length / tokens:.2f} times)"
 

@@ -19,6 +19,16 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
     python tools/benchmarks/quality_frontier.py --data-path data/python-docs/python_docs_text_document \\
         --tokenizer-model data/python-docs/python_docs_sp8k.model --train-iters 3000 --seeds 1,2,3
 
+The model-size ladder (docs/quality.md) is this tool with `--ladder S|M|L`: a rung's model,
+sequence, batch and budget (tokens per parameter on docs-corpus, read once; the training file
+used whole and `--valid-data-path` held out by document, see tools/prepare_corpus.py), the
+ladder's points, and its page docs/quality-ladder-RUNG.md with its cells beside it:
+
+    python tools/benchmarks/quality_frontier.py --ladder S --seeds 1,2,3 \
+        --data-path data/docs-corpus/docs_corpus_train_text_document \
+        --valid-data-path data/docs-corpus/docs_corpus_valid_text_document \
+        --tokenizer-model data/docs-corpus/docs_corpus_sp4k.model
+
 `--points` picks points by label or family (comma-separated; default all); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags, with every argument they resolve to: one made under other defaults is
@@ -115,6 +125,66 @@ def default_points(interval: int, num_layers: int) -> List[Point]:
     add(f"a-edit-tau{interval}", "a-edit", ["--lsgd-algorithm", "a-edit", "--simulate-clock",
                                             "--simulate-microbatch-seconds", "0", "--simulate-optimizer-step-seconds",
                                             "1", "--lsgd-aedit-interval-seconds", str(interval)])
+    return pts
+
+
+# ---- the model-size ladder (docs/quality.md, "Quality where users train") ------------------------
+@dataclass(frozen=True)
+class Rung:
+    """One size of the ladder: a Llama-style GPT (RMSNorm, RoPE, SwiGLU, tied embeddings, no biases)
+    trained on docs-corpus read once at `tokens_per_parameter` tokens per (total) parameter."""
+    name: str
+    num_layers: int
+    hidden_size: int
+    tokens_per_parameter: int
+
+
+LADDER = {r.name: r for r in (Rung("S", 2, 48, 20), Rung("M", 4, 96, 20), Rung("L", 6, 168, 10))}
+LADDER_SEQ, LADDER_BATCH, LADDER_EVAL_ITERS = 256, 16, 40  # 4,096 tokens a step; 163,840 validation tokens
+LADDER_VOCAB = 4096 + 5  # docs_corpus_sp4k: 4,096 pieces and Megatron's 5 specials
+
+
+def padded_vocab(vocab: int, multiple: int = 128) -> int:
+    return -(-vocab // multiple) * multiple
+
+
+def ladder_parameters(rung: Rung, vocab: int = LADDER_VOCAB) -> Dict[str, int]:
+    """Parameters of a rung's model: per layer QKV + projection (4 h^2), SwiGLU (3 h x ffn, ffn as
+    TransformerConfig sets it: Llama's 8h/3 rounded up to 64) and two RMSNorm weights; the (tied)
+    embedding at the padded vocabulary; the final norm."""
+    from megatron_lsgd.core.transformer.config import TransformerConfig  # noqa: PLC0415
+
+    h = rung.hidden_size
+    ffn = TransformerConfig(num_layers=rung.num_layers, hidden_size=h, swiglu=True).ffn_hidden_size
+    non_embedding = rung.num_layers * (4 * h * h + 3 * h * ffn + 2 * h) + h
+    embedding = padded_vocab(vocab) * h
+    return {"non_embedding": non_embedding, "embedding": embedding, "total": non_embedding + embedding}
+
+
+def ladder_train_iters(rung: Rung) -> int:
+    tokens = rung.tokens_per_parameter * ladder_parameters(rung)["total"]
+    return -(-tokens // (LADDER_SEQ * LADDER_BATCH))
+
+
+# Outer learning rates swept with Nesterov 0.9 at the smallest rung and carried to the others,
+# as the DiLoCo scaling-law study does (its best outer lr lay in this range at M = 2).
+LADDER_OUTER_LRS = (0.4, 0.7, 1.0)
+
+
+def ladder_points(outer_lrs: Sequence[float] = LADDER_OUTER_LRS) -> List[Point]:
+    """Per rung: diloco at H = 30 and 100, plain averaging and Nesterov 0.9 at each outer lr;
+    streaming-diloco and dilocox at H = 30 with their defaults otherwise."""
+    pts = []
+    for h in (30, 100):
+        base = ["--lsgd-algorithm", "diloco", "--lsgd-interval", str(h)]
+        pts.append(Point(f"diloco-H{h}-avg", f"diloco H={h}", base + ["--lsgd-outer-lr", "1.0",
+                                                                     "--lsgd-outer-momentum", "0"]))
+        for lr in outer_lrs:
+            pts.append(Point(f"diloco-H{h}-nesterov-lr{lr}", f"diloco H={h}",
+                             base + ["--lsgd-outer-lr", str(lr), "--lsgd-outer-momentum", "0.9"]))
+    pts.append(Point("streaming-diloco-H30", "streaming-diloco", ["--lsgd-algorithm", "streaming-diloco",
+                                                                  "--lsgd-interval", "30"]))
+    pts.append(Point("dilocox-H30", "dilocox", ["--lsgd-algorithm", "dilocox", "--lsgd-interval", "30"]))
     return pts
 
 
@@ -335,8 +405,16 @@ def plot(summaries: Sequence[Summary], path: str, title: str) -> bool:
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-path", default=None)
+    p.add_argument("--data-path", default=None,
+                   help="a .bin/.idx prefix: split by --split 98,2,0, or with --valid-data-path the training file "
+                        "used whole")
+    p.add_argument("--valid-data-path", default=None,
+                   help="a held-out .bin/.idx prefix (e.g. prepare_corpus.py's valid split): --data-path is then "
+                        "the training set, used whole")
     p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--ladder", choices=sorted(LADDER), default=None,
+                   help="a rung of the model-size ladder: its model, sequence, batch, token budget (tokens per "
+                        "parameter, read once), its points (default) and its page docs/quality-ladder-RUNG.md")
     p.add_argument("--doc", default=None,
                    help="Markdown file whose frontier block is rewritten (PNG and JSON beside it; default "
                         "docs/quality.md, with --smoke runs/quality_smoke/quality.md)")
@@ -365,6 +443,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="train nothing: write the table from the finished runs in --cache-dir (a point's seeds "
                         "that are not there are left out; the seeds column says how many it has)")
     args = p.parse_args(argv)
+    if args.ladder is not None:
+        rung = LADDER[args.ladder]
+        args.num_layers, args.hidden_size, args.seq_length = rung.num_layers, rung.hidden_size, LADDER_SEQ
+        args.global_batch_size, args.eval_iters = LADDER_BATCH, LADDER_EVAL_ITERS
+        args.train_iters = ladder_train_iters(rung)
+        if args.doc is None:
+            args.doc = os.path.join(ROOT, "docs", f"quality-ladder-{rung.name}.md")
     if args.doc is None:
         args.doc = default_doc(args.smoke)
     if args.cache_dir is None:
@@ -374,7 +459,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.global_batch_size, args.eval_iters, args.interval = 8, 2, 10
     try:
         seeds = args.seeds
-        points = select(default_points(args.interval, args.num_layers) + [parse_point(t) for t in args.point], args.points)
+        catalogue = ladder_points() if args.ladder is not None else default_points(args.interval, args.num_layers)
+        points = select(catalogue + [parse_point(t) for t in args.point], args.points)
         for pt in points:
             if pt.flags == reference_flags(pt.flags):
                 raise ValueError(f"--point {pt.label}: its flags are its own reference (sync with its inner "
@@ -383,7 +469,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         p.error(str(err))
     references = [SYNC] + [list(r) for r in dict.fromkeys(tuple(reference_flags(pt.flags)) for pt in points)
                            if list(r) != SYNC]
-    data, label = data_argv(args.data_path, args.tokenizer_model)
+    try:
+        data, label = data_argv(args.data_path, args.tokenizer_model, args.valid_data_path)
+    except ValueError as err:
+        p.error(str(err))
 
     def argv_for(flags: List[str], seed: int) -> List[str]:
         argv = base_argv(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_length=args.seq_length,
@@ -424,7 +513,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     with open(base + ".json", "w") as f:
         json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": published(sync),
                    "results": published(results)}, f, indent=1)
-    passes = passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length)
+    passes = passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length,
+                         whole=args.valid_data_path is not None)
+    if args.ladder is not None:
+        n = ladder_parameters(LADDER[args.ladder])
+        passes += (f"; ladder rung {args.ladder}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding), "
+                   f"{args.train_iters * args.global_batch_size * args.seq_length / n['total']:.1f} tokens per "
+                   f"parameter")
     header = (f"Data: {label}{passes}{' (SMOKE RUN: measures nothing)' if args.smoke else ''}. {args.sites} sites, "
               f"{args.train_iters} iterations x {args.global_batch_size} x {args.seq_length} tokens, "
               f"{args.num_layers} layers x {args.hidden_size}, seeds {','.join(map(str, args.seeds))}. "
