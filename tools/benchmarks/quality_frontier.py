@@ -65,6 +65,11 @@ from run_cache import SEEDS_HELP, load_or_run, positive_int, relative_flags, res
 from spawned_ranks import run_tool  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
+
+
+def markers(block: str):
+    """The begin/end comments around a named block of a page ("frontier": BEGIN, END)."""
+    return f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
 SYNC = ["--lsgd-algorithm", "sync"]
 INNER_OPTIMIZER = ("--optimizer", "--muon-", "--adam-", "--sgd-")  # flags (each with one value) that pick it
 GOALS = ((1000.0, 2.0), (100.0, 0.5))  # (bytes reduction at least, gap at most in %)
@@ -363,12 +368,13 @@ def published(runs: Dict[str, Dict[int, Dict]]) -> Dict[str, Dict[int, Dict]]:
             for name, by_seed in runs.items()}
 
 
-def write_block(doc: str, block: str) -> None:
-    """Replace the text between the markers in `doc` (append the markers if absent)."""
+def write_block(doc: str, block: str, name: str = "frontier") -> None:
+    """Replace the text between the markers of block `name` in `doc` (append them if absent)."""
+    begin, end = markers(name)
     text = open(doc).read() if os.path.exists(doc) else "# Quality frontier\n"
-    body = f"{BEGIN}\n{block}\n{END}"
-    if BEGIN in text and END in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: body, text, flags=re.S)
+    body = f"{begin}\n{block}\n{end}"
+    if begin in text and end in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: body, text, flags=re.S)
     else:
         text = text.rstrip("\n") + "\n\n" + body + "\n"
     with open(doc, "w") as f:
@@ -418,6 +424,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--doc", default=None,
                    help="Markdown file whose frontier block is rewritten (PNG and JSON beside it; default "
                         "docs/quality.md, with --smoke runs/quality_smoke/quality.md)")
+    p.add_argument("--block", default="frontier",
+                   help="the named block of --doc to rewrite (between <!-- NAME:begin --> and <!-- NAME:end -->)")
+    p.add_argument("--header-note", default="", help="a sentence added to the table's header (e.g. date and device)")
     p.add_argument("--sites", type=positive_int, default=2)
     p.add_argument("--seeds", type=seed_list, default=seed_list("3"), help=SEEDS_HELP)
     p.add_argument("--train-iters", type=positive_int, default=3000)
@@ -508,7 +517,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                  "nothing to compare against")
     summaries = summarize(points, results, sync)
     failed = [pt.label for pt in points if not results[pt.label]]
-    base = os.path.splitext(args.doc)[0]
+    # the page's JSON and PNG; another block of the same page has its own
+    base = os.path.splitext(args.doc)[0] + ("" if args.block == "frontier" else f"-{args.block}")
     os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
     with open(base + ".json", "w") as f:
         json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": published(sync),
@@ -526,14 +536,14 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"Each point against sync with its "
               f"inner optimizer: {references_line(sync)}. Bytes: the logging rank's inter-site bytes sent, as "
               f"counted. " + ("Written from the cache." if args.cached_only else f"{time.perf_counter() - t0:.0f} s in all."))
-    block = table(summaries, header)
+    block = table(summaries, (args.header_note + " " if args.header_note else "") + header)
     if failed:
         block += "\n\nNo finished run (" + ("not in the cache" if args.cached_only else "every seed failed") + \
             "): " + ", ".join(failed)
     png = base + ".png"
     if plot(summaries, png, label):
         block += f"\n\n![frontier]({os.path.basename(png)})"
-    write_block(args.doc, block)
+    write_block(args.doc, block, args.block)
     print(block)
     print(f"wrote {args.doc}, {base}.json" + (f", {png}" if os.path.exists(png) else ""))
 
