@@ -310,3 +310,16 @@ def test_a_ladder_rung_sets_its_model_budget_points_and_page(tmp_path, monkeypat
     assert "ladder rung S: 258,288 parameters (55,536 non-embedding), 20.0 tokens per parameter" in text
     assert "diloco-H30-nesterov-lr0.7" in text
     assert os.listdir(tmp_path / "runs" / "quality-ladder-S")  # the cells, beside the page
+
+
+def test_the_ladder_summary_reads_each_rungs_page(tmp_path):
+    """Per point and rung: the gap to sync of the same seed, median [min, max] over the seeds;
+    a rung with no page is left out, a point not run says so."""
+    sync = {"sync": {"1": {"valid": [4.0]}, "2": {"valid": [5.0]}, "3": {"valid": [4.0]}}}
+    results = {"diloco-H30-avg": {"1": {"valid": [4.04]}, "2": {"valid": [5.10]}, "3": {"valid": [4.12]}}}
+    (tmp_path / "quality-ladder-S.json").write_text(json.dumps({"sync": sync, "results": results}))
+    text = qf.ladder_summary(str(tmp_path))
+    assert "| diloco-H30-avg | +2.00% [+1.00, +3.00] /3 |" in text  # gaps 1%, 2%, 3%
+    assert "| diloco-H100-avg | not run |" in text
+    assert "rung M" not in text and "| S | 2 x 48 | 0.26M (0.056M) | 20 | 1262 (42 / 12) | 4.0000 | 3 |" in text
+    assert "No rung" in qf.ladder_summary(str(tmp_path / "empty"))

@@ -193,6 +193,52 @@ def ladder_points(outer_lrs: Sequence[float] = LADDER_OUTER_LRS) -> List[Point]:
     return pts
 
 
+def ladder_page(rung: str, docs_dir: str = os.path.join(ROOT, "docs")) -> str:
+    return os.path.join(docs_dir, f"quality-ladder-{rung}.md")
+
+
+def _median_range(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):+.2f}% [{min(values):+.2f}, {max(values):+.2f}]"
+
+
+def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
+    """The ladder's table from each rung's page JSON (quality-ladder-RUNG.json, written by
+    `--ladder RUNG`): per point and rung, the gap to sync of the same seed as median [min, max]
+    over the seeds run, the seeds, and per rung its model, budget, outer steps and sync's loss."""
+    rungs = [r for r in LADDER.values() if os.path.exists(os.path.splitext(ladder_page(r.name, docs_dir))[0] + ".json")]
+    if not rungs:
+        return "No rung has finished runs yet (run `quality_frontier.py --ladder S ...`)."
+    data = {}
+    for r in rungs:
+        with open(os.path.splitext(ladder_page(r.name, docs_dir))[0] + ".json") as f:
+            data[r.name] = json.load(f)
+    lines = ["| rung | layers x hidden | parameters (non-embedding) | tokens per parameter | steps "
+             "(outer steps at H = 30 / 100) | sync's validation loss | seeds |", "|---|---|---|---|---|---|---|"]
+    for r in rungs:
+        n, iters = ladder_parameters(r), ladder_train_iters(r)
+        sync = data[r.name]["sync"].get(reference_name(SYNC), {})
+        losses = [run["valid"][-1] for run in sync.values()]
+        loss = f"{statistics.median(losses):.4f}" if losses else "-"
+        lines.append(f"| {r.name} | {r.num_layers} x {r.hidden_size} | {n['total'] / 1e6:.2f}M "
+                     f"({n['non_embedding'] / 1e6:.3f}M) | {r.tokens_per_parameter} | {iters} ({iters // 30} / "
+                     f"{iters // 100}) | {loss} | {len(losses)} |")
+    lines += ["", "Gap of the final validation loss to sync's of the same seed: median [min, max] over the seeds "
+                  "(their number after the slash); docs-corpus read once, validation on 163,840 tokens of held-out "
+                  "documents.", "",
+              "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |",
+              "|---|" + "---|" * len(rungs)]
+    for pt in ladder_points():
+        cells = []
+        for r in rungs:
+            runs = data[r.name]["results"].get(pt.label, {})
+            sync = data[r.name]["sync"].get(reference_name(SYNC), {})
+            gaps = [100.0 * (run["valid"][-1] / sync[seed]["valid"][-1] - 1.0) for seed, run in runs.items()
+                    if seed in sync]
+            cells.append(f"{_median_range(gaps)} /{len(gaps)}" if gaps else "not run")
+        lines.append(f"| {pt.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 SMOKE_DIR = os.path.join(ROOT, "runs", "quality_smoke")  # ignored: a smoke run measures nothing
 
 
@@ -421,6 +467,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--ladder", choices=sorted(LADDER), default=None,
                    help="a rung of the model-size ladder: its model, sequence, batch, token budget (tokens per "
                         "parameter, read once), its points (default) and its page docs/quality-ladder-RUNG.md")
+    p.add_argument("--ladder-summary", action="store_true",
+                   help="train nothing: write the ladder's table (every rung's finished page JSON) into --doc's "
+                        "block `ladder` (default docs/quality.md)")
     p.add_argument("--doc", default=None,
                    help="Markdown file whose frontier block is rewritten (PNG and JSON beside it; default "
                         "docs/quality.md, with --smoke runs/quality_smoke/quality.md)")
@@ -452,6 +501,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="train nothing: write the table from the finished runs in --cache-dir (a point's seeds "
                         "that are not there are left out; the seeds column says how many it has)")
     args = p.parse_args(argv)
+    if args.ladder_summary:
+        doc = args.doc or os.path.join(ROOT, "docs", "quality.md")
+        block = ladder_summary(os.path.dirname(os.path.abspath(doc)))
+        write_block(doc, block, "ladder")
+        print(block)
+        print(f"wrote {doc} (block ladder)")
+        return
     if args.ladder is not None:
         rung = LADDER[args.ladder]
         args.num_layers, args.hidden_size, args.seq_length = rung.num_layers, rung.hidden_size, LADDER_SEQ
