@@ -323,3 +323,18 @@ def test_the_ladder_summary_reads_each_rungs_page(tmp_path):
     assert "| diloco-H100-avg | not run |" in text
     assert "rung M" not in text and "| S | 2 x 48 | 0.26M (0.056M) | 20 | 1262 (42 / 12) | 4.0000 | 3 |" in text
     assert "No rung" in qf.ladder_summary(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("rung", sorted(qf.LADDER))
+def test_every_ladder_and_claim_point_is_a_valid_run(rung):
+    """The ladder's points and the claims pass the training's argument checks at each rung (K
+    fragments divide H, tau < H / K, ...); the claims are not in a rung's default selection."""
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    r = qf.LADDER[rung]
+    base = ["--num-layers", str(r.num_layers), "--hidden-size", str(r.hidden_size), "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters",
+            str(qf.ladder_train_iters(r)), "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--num-sites", "2"]
+    for point in qf.ladder_points() + qf.ladder_claim_points():
+        build_config(parse_args(base + point.flags), 2)
+    assert not {p.family for p in qf.ladder_points()} & {"claims"}

@@ -193,6 +193,22 @@ def ladder_points(outer_lrs: Sequence[float] = LADDER_OUTER_LRS) -> List[Point]:
     return pts
 
 
+def ladder_claim_points() -> List[Point]:
+    """The seed claims re-judged at a rung with >= 100 outer syncs (run with `--points claims`):
+    cocodc's delay compensation (a lambda sweep, N fixed at K so it sends what streaming-diloco
+    sends) against streaming-diloco at the same K and tau, and dpu's one-step delay (dpu with all
+    its steps undelayed is sync bit for bit, docs/quality-one-pass.md). dilocox's one-round delay
+    is judged against diloco-H30-avg, its undelayed form, in the ladder's own points."""
+    frag = ["--lsgd-interval", "30", "--lsgd-fragments", "2", "--lsgd-fragment-sync-delay", "5"]
+    pts = [Point("claims-streaming-K2-tau5", "claims", ["--lsgd-algorithm", "streaming-diloco"] + frag)]
+    for lam, norm in ((0.0, "none"), (0.5, "mean-square"), (2.0, "mean-square")):
+        pts.append(Point(f"claims-cocodc-l{lam}-{norm}", "claims",
+                         ["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-lambda", str(lam), "--lsgd-cocodc-dc-normalize",
+                          norm, "--lsgd-cocodc-syncs-per-round", "2"] + frag))
+    pts.append(Point("claims-dpu-fixed", "claims", ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"]))
+    return pts
+
+
 def ladder_page(rung: str, docs_dir: str = os.path.join(ROOT, "docs")) -> str:
     return os.path.join(docs_dir, f"quality-ladder-{rung}.md")
 
@@ -227,7 +243,9 @@ def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
                   "documents.", "",
               "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |",
               "|---|" + "---|" * len(rungs)]
-    for pt in ladder_points():
+    for pt in ladder_points() + ladder_claim_points():
+        if pt.family == "claims" and not any(data[r.name]["results"].get(pt.label) for r in rungs):
+            continue  # a claim not run at any rung: no row
         cells = []
         for r in rungs:
             runs = data[r.name]["results"].get(pt.label, {})
@@ -524,8 +542,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.global_batch_size, args.eval_iters, args.interval = 8, 2, 10
     try:
         seeds = args.seeds
-        catalogue = ladder_points() if args.ladder is not None else default_points(args.interval, args.num_layers)
-        points = select(catalogue + [parse_point(t) for t in args.point], args.points)
+        catalogue = ladder_points() + ladder_claim_points() if args.ladder is not None else \
+            default_points(args.interval, args.num_layers)
+        wanted = args.points
+        if wanted is None and args.ladder is not None:  # the ladder's own points; the claims on request
+            wanted = ",".join([pt.label for pt in ladder_points()] + [t.partition("=")[0] for t in args.point])
+        points = select(catalogue + [parse_point(t) for t in args.point], wanted)
         for pt in points:
             if pt.flags == reference_flags(pt.flags):
                 raise ValueError(f"--point {pt.label}: its flags are its own reference (sync with its inner "
