@@ -114,7 +114,9 @@ class InterSiteWork:
         if self._transfer is not None or self._ready_at > 0:  # a simulated link's time
             clock.wait_until(self._completion())
         if exposed:
-            self._comm.record_exposed_between(start, clock.mark())
+            end = clock.mark()
+            self._comm.record_exposed_between(start, end)
+            clock.record_wait(start, end)  # a straggler's slowdown leaves it out (training/stragglers.py)
         self._work = None
 
 
