@@ -43,7 +43,10 @@ the board (--cached-only) and a later session adds seeds or scenarios to it inst
 training hours of cells again (a board of several hours outlives one session's machine).
 --cached-only that finds no cell at all writes nothing. Each cell keeps every argument its flags
 resolve to: a cell one of whose arguments resolves differently now (a default changed since)
-is trained again; a flag added since is not compared (run_cache.py). A change to an algorithm's
+is trained again; a flag added since is not compared (run_cache.py). A cell also records the
+simulated clock's model version (`clock_model`, core/simulation.py's CLOCK_MODEL; none: model 1):
+a cell of an older model is trained again, and --cached-only keeps it but its table says it was
+made under the older model, so times of two models never mix unmarked. A change to an algorithm's
 code is in neither: move its cells out of the cache to train them again. Each cell records the
 commit it was trained at (`code`, "+changes" when the library differed from it: run_cache.py),
 so `git diff <code> -- megatron_lsgd/core/lsgd/acco.py` tells whether a cell predates a change.
@@ -84,9 +87,11 @@ CELLS_DIR = os.path.join(ROOT, "docs", "leaderboard", "cells")
 BOARD = os.path.join(ROOT, "docs", "leaderboard.md")
 PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (runs/ is not committed)
 
+from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
-from tools.benchmarks.leaderboard_report import document, included, open_targets, plot, summarize  # noqa: E402
+from tools.benchmarks.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
+                                                 plot, summarize)
 from tools.benchmarks.leaderboard_setup import (ALGORITHMS, EVALUATIONS, MICRO_BATCH, MODEL,  # noqa: E402
                                                 SCENARIO_DIR, Run, cell_argv, data_args, free_link_copy,
                                                 has_slow_site, scenario_runs)
@@ -205,11 +210,27 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
             return None
         # what the cell cost this machine (real time, not the simulated seconds it reports): a board's price
         cell["argv"], cell["steps"], cell["real_seconds"] = argv, steps, round(time.monotonic() - start, 1)
+        cell["clock_model"] = CLOCK_MODEL  # its simulated times are of this model (core/simulation.py)
         print(f"> {name} / {label} / seed {seed}: trained in {cell['real_seconds']:.0f} s of real time", flush=True)
         return cell
 
+    # a cell of an older clock model is trained again; --cached-only keeps it, and the board says so
+    older = older_clock_model(cache)
+    if older is not None and not args.cached_only:
+        print(f"  {os.path.basename(cache)} was made under clock model {older}, not {CLOCK_MODEL}: trained again",
+              flush=True)
     # what the flags resolve to catches a cell that leaned on a default changed since
-    return load_or_run(cache, train, resolved=resolved_arguments(cell_flags(argv)))
+    return load_or_run(cache, train, refresh=older is not None and not args.cached_only,
+                       resolved=resolved_arguments(cell_flags(argv)))
+
+
+def older_clock_model(cache: str) -> Optional[int]:
+    """The clock model of the cell cached at `cache` when it is not the current one, else None."""
+    if not os.path.exists(cache):
+        return None
+    with open(cache) as f:
+        model = clock_model_of(json.load(f))
+    return model if model != CLOCK_MODEL else None
 
 
 def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_run: List[str],
