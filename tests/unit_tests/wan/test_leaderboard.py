@@ -382,3 +382,26 @@ def test_a_count_that_is_not_positive_is_refused(flag, tmp_path, monkeypatch, ca
         lb.main()
     assert exit_.value.code == 2 and f"error: argument {flag}: '0' is not a positive whole number" in \
         capsys.readouterr().err
+
+
+def test_costs_are_the_wall_clock_step_of_sites_training_at_once(monkeypatch):
+    """--measure-costs: each site's extra steps of its long run over its short one, in wall-clock
+    seconds (and CPU beside), the median over the sites; every site gets its own world."""
+    import json
+
+    seen = {}
+
+    def fake_ranks(worker, args, world):
+        ports, short, long, out_dir = args
+        seen.update(world=world, ports=ports, short=short, long=long)
+        walls = [(2.0, 6.0), (2.5, 7.3), (2.2, 6.6)]  # wall seconds of the short and long run per site
+        for rank in range(world):
+            spent = {str(short): [walls[rank][0], 1.0], str(long): [walls[rank][1], 1.0 + 0.025 * (long - short)]}
+            with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+                json.dump(spent, f)
+
+    monkeypatch.setattr(lb, "run_ranks", fake_ranks)
+    wall, cpu = lb.measure_costs(3, short=10, long=50)
+    assert seen["world"] == 3 and len(set(seen["ports"])) == 3
+    assert wall == pytest.approx(4.4 / 40)  # the median of 4.0, 4.8 and 4.4 s over 40 steps
+    assert cpu == pytest.approx(0.025)
