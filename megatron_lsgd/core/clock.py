@@ -71,6 +71,13 @@ class Job:
             self._changed.wait_for(lambda: self._finished.is_set() or self.t > t)
 
 
+class Waits:
+    """The waits for communication one thread recorded inside `Clock.counting_waits`."""
+
+    def __init__(self):
+        self.marks = []  # (a, b) clock marks around each wait
+
+
 class Clock:
     """Real time (see the module docstring)."""
 
@@ -78,6 +85,7 @@ class Clock:
 
     def __init__(self, streams=None):
         self.streams = streams or HOST  # the run device's (core/streams.py); the host's until for_device
+        self._wait_local = threading.local()  # shared by for_device's copies: one run, one count of waits
         self.start = self.now()
 
     def for_device(self, device: Optional[torch.device]) -> "Clock":
@@ -123,6 +131,31 @@ class Clock:
     def marks_complete(self, marks: Iterable, block: bool) -> bool:
         """Whether the marks can be read (block: wait until they can)."""
         return self.streams.marks_complete(marks, block) if self.streams.queued else True
+
+    # ---- waits for communication (a straggler slows compute, never these) ------------------------
+    @contextlib.contextmanager
+    def counting_waits(self) -> Iterator["Waits"]:
+        """Collects this thread's waits for communication inside the block (`record_wait`);
+        `waited_seconds` then sums them. Outside such a block nothing is kept."""
+        previous = getattr(self._wait_local, "waits", None)
+        waits = self._wait_local.waits = Waits()
+        try:
+            yield waits
+        finally:
+            self._wait_local.waits = previous
+
+    def record_wait(self, a, b) -> None:
+        """This thread waited for communication from mark a to mark b (an inter-site
+        collective's `wait`)."""
+        waits = getattr(self._wait_local, "waits", None)
+        if waits is not None:
+            waits.marks.append((a, b))
+
+    def waited_seconds(self, waits: "Waits") -> float:
+        """The seconds of the waits collected: on a GPU the marks are events, read only here
+        (after a `now()`, which drains the stream, they are done), so recording cost no sync."""
+        self.marks_complete([m for pair in waits.marks for m in pair], block=True)
+        return sum(self.seconds(a, b) for a, b in waits.marks)
 
     # ---- compute charges: the real clock's work took its own time ----------------------------
     def compute(self, microbatches: int, forward_only: bool = False) -> None:

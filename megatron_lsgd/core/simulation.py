@@ -13,7 +13,11 @@ Each rank keeps its own virtual time. What advances it:
   bytes x bytes-scale / rate, where bytes are what comm.py counts as crossing (ring
   factors included) and rate is this rank's share of its site's link (the site's ranks
   send at once, so each gets rate / ranks-per-site); the slowest participant's link sets
-  the duration. `wait()` advances to the completion; a collective that completed while
+  the duration. The latency is the collective's phases, each a message that must arrive
+  before the next is sent (a ring all-reduce over S sites 2 (S - 1), an all-gather S - 1,
+  comm.py says which), x `delays_per_phase` one-way delays (1: the data alone; gloo after
+  an idle gap takes about 2, a ready notice and the data, which tools/wan/collective_probe.py
+  measures); `wait()` advances to the completion; a collective that completed while
   compute ran costs nothing;
 - the CPU a transfer takes from the ranks (`LinkModel.cpu_seconds_per_mb`, 0 by default: a
   GPU's NIC moves the bytes by itself): where the network stack shares the ranks' cores (the
@@ -38,6 +42,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.clock import Clock, Job
+
+# The version of the cost and link model: a figure made on the simulated clock is comparable
+# only with figures of the same version (benchmarks record it with each result and tell
+# old ones apart). 1: one one-way delay per collective; 2: latency from the collective's
+# phases (`LinkModel.latency_seconds`), and a straggler's sleep leaves its waits out.
+CLOCK_MODEL = 2
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,11 @@ class LinkModel:
     bytes_scale: float = 1.0  # target model parameters / trained parameters
     ranks_sharing: int = 1  # ranks of the site that send at the same time
     cpu_seconds_per_mb: float = 0.0  # compute time a sent MB takes from this rank (the network stack on its cores)
+    delays_per_phase: float = 1.0  # one-way delays each phase of a collective costs (see the module docstring)
+
+    def latency_seconds(self, phases: int) -> float:
+        """The latency of a collective of `phases` sequential messages."""
+        return phases * self.delays_per_phase * self.latency_ms / 1e3
 
     def serialization_seconds(self, nbytes: int) -> float:
         if self.rate_mbit <= 0:
@@ -130,9 +145,11 @@ class TransferLog:
         self._pending: Deque[SimulatedTransfer] = deque()
         self._lock = threading.Lock()  # acco/dpu issue from their worker thread
 
-    def issue(self, clock: "SimulatedClock", nbytes: int, group, device: torch.device) -> SimulatedTransfer:
-        """Called right after the collective itself is issued, on the same group (collective)."""
-        agreed = torch.tensor([clock.now(), self.link.serialization_seconds(nbytes), self.link.latency_ms / 1e3],
+    def issue(self, clock: "SimulatedClock", nbytes: int, group, device: torch.device,
+              phases: int = 1) -> SimulatedTransfer:
+        """Called right after the collective itself is issued, on the same group (collective);
+        `phases`: its sequential messages (comm.py's `phases`)."""
+        agreed = torch.tensor([clock.now(), self.link.serialization_seconds(nbytes), self.link.latency_seconds(phases)],
                               dtype=torch.float64, device=device)
         work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True) \
             if group is not None and dist.is_initialized() else None

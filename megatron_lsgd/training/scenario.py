@@ -29,6 +29,9 @@ make a rank's compute cost factor x. The clock itself is core/simulation.py.
     cpu_seconds_per_mb = 0         # compute a sent MB takes from its rank (the network stack on the
                                    # ranks' cores, as in the emulated WAN on a small machine; a
                                    # GPU's NIC: 0); tools/wan/collective_probe.py measures it
+    delays_per_phase = 1           # one-way delays per phase of a collective (a ring all-reduce
+                                   # over S sites has 2 (S - 1) phases); gloo after an idle gap:
+                                   # about 2, which validate_clock.py --probe-only measures
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ DEFAULT_INTRA_SITE_GBIT = 100.0
 DEFAULT_HBM_GBYTE_S = 3000.0
 COMPUTE_KEYS = {"target_params", "tokens_per_microbatch", "gpus_per_replica", "sustained_tflops", "microbatch_seconds",
                 "optimizer_step_seconds", "hbm_gbyte_s", "intra_site_gbit", "site_factors"}
-LINK_KEYS = {"rate_mbit", "latency_ms", "target_params", "bytes_scale", "cpu_seconds_per_mb"}
+LINK_KEYS = {"rate_mbit", "latency_ms", "target_params", "bytes_scale", "cpu_seconds_per_mb", "delays_per_phase"}
 
 
 @dataclass
@@ -81,6 +84,10 @@ class SimulationOptions(OptionGroup):
         "--simulate-transfer-cpu-seconds-per-mb", None,
         "simulated compute each MB a rank sends across sites takes from that rank, right after the send is issued "
         "(the network stack sharing the ranks' cores; default: the scenario's, else 0)", type=float)
+    delays_per_phase: Optional[float] = option(
+        "--simulate-inter-site-delays-per-phase", None,
+        "one-way delays (--simulate-inter-site-latency) each phase of an inter-site collective costs; a ring "
+        "all-reduce over S sites has 2 (S - 1) phases (default: the scenario's, else 1)", type=float)
 
     @property
     def active(self) -> bool:
@@ -91,7 +98,8 @@ class SimulationOptions(OptionGroup):
                             ("--simulate-optimizer-step-seconds", self.optimizer_step_seconds),
                             ("--simulate-intra-site-bandwidth", self.intra_site_gbit),
                             ("--simulate-bytes-scale", self.bytes_scale),
-                            ("--simulate-transfer-cpu-seconds-per-mb", self.transfer_cpu_seconds_per_mb)):
+                            ("--simulate-transfer-cpu-seconds-per-mb", self.transfer_cpu_seconds_per_mb),
+                            ("--simulate-inter-site-delays-per-phase", self.delays_per_phase)):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{flag} {value}: must be a finite number >= 0")
         if self.bytes_scale is not None and self.bytes_scale == 0:
@@ -117,6 +125,7 @@ class Scenario:
     rate_mbit: List[float]
     latency_ms: List[float]
     cpu_seconds_per_mb: float = 0.0
+    delays_per_phase: float = 1.0
     bytes_scale: Optional[float] = None  # fixed, or from target_params at run time
     target_params: Optional[float] = None
     derived: Dict[str, str] = field(default_factory=dict)  # how each derived number came about
@@ -206,6 +215,7 @@ def load_scenario(path: str) -> Scenario:
         rate_mbit=_per_site(link, "rate_mbit", f"{where} [link]", sites, 0.0),
         latency_ms=_per_site(link, "latency_ms", f"{where} [link]", sites, 0.0),
         cpu_seconds_per_mb=_number(link, "cpu_seconds_per_mb", f"{where} [link]", default=0.0),
+        delays_per_phase=_number(link, "delays_per_phase", f"{where} [link]", default=1.0),
         bytes_scale=scale, target_params=link_target, derived=derived)
 
 
@@ -250,8 +260,9 @@ def build_simulated_clock(options: SimulationOptions, link_flags, dims, site: in
     scale = options.bytes_scale if options.bytes_scale is not None else \
         (scenario.bytes_scale_for(trained_params) if scenario is not None else 1.0)
     cpu = pick(options.transfer_cpu_seconds_per_mb, scenario and scenario.cpu_seconds_per_mb, 0.0)
+    delays = pick(options.delays_per_phase, scenario and scenario.delays_per_phase, 1.0)
     link = LinkModel(rate_mbit=rate, latency_ms=latency, bytes_scale=scale,
-                     ranks_sharing=dims.world_size // dims.sites, cpu_seconds_per_mb=cpu)
+                     ranks_sharing=dims.world_size // dims.sites, cpu_seconds_per_mb=cpu, delays_per_phase=delays)
     return SimulatedClock(costs, link, streams)
 
 
@@ -263,7 +274,8 @@ def describe(clock: SimulatedClock, scenario_path: Optional[str], trained_params
              f"stage(s), optimizer step {c.optimizer_step_seconds:.4g} s, intra-site "
              f"{c.intra_site_gbit:g} Gbit/s",
              f"> simulated link of this site: {link.rate_mbit:g} Mbit/s{' (unlimited)' if link.rate_mbit <= 0 else ''} "
-             f"shared by {link.ranks_sharing} rank(s), {link.latency_ms:g} ms one way, bytes x {link.bytes_scale:.4g} "
+             f"shared by {link.ranks_sharing} rank(s), {link.latency_ms:g} ms one way x {link.delays_per_phase:g} per "
+             f"phase of a collective, bytes x {link.bytes_scale:.4g} "
              f"({trained_params:,} trained parameters)"
              + (f", {link.cpu_seconds_per_mb:g} s of compute per MB sent" if link.cpu_seconds_per_mb else "")]
     if scenario_path:

@@ -1,16 +1,20 @@
 """Simulated stragglers (`--simulate-slow-ranks`) for heterogeneity experiments.
 
 A chosen rank sleeps (factor - 1) x its own measured forward-backward time after each
-forward-backward, so it runs `factor` times slower while computing exactly the same
-numbers. Time is the run's clock (core/clock.py): under --simulate-clock the measured time
-is the charged compute and the sleep advances virtual time, so a slow rank's compute costs
-`factor` times as much. In `consistent` mode the chosen ranks are slow every step (EDiT's consistent
+forward-backward, so it computes `factor` times slower while computing exactly the same
+numbers. Only compute is slowed: the time the block spent waiting for inter-site
+communication (an algorithm that syncs layer by layer inside the forward pass, EDiT, waits
+there; the clock counts the block's waits, `Clock.counting_waits`) is left out of the
+measured time, so a slow rank does not also wait (factor - 1) x longer for the network.
+Time is the run's clock (core/clock.py): under --simulate-clock the measured time is the
+charged compute and the sleep advances virtual time, so a slow rank's compute
+costs `factor` times as much. In `consistent` mode the chosen ranks are slow every step (EDiT's consistent
 straggler, ACCO's heterogeneous workers); in `random` mode each chosen rank is slow on a
 step with probability `--slow-probability`, drawn from a generator seeded by (seed, step,
 rank) so a run can be repeated exactly and does not depend on timing.
 
-The measured time is wall-clock time of the whole schedule call, so with PP > 1 it also
-includes waiting for neighbouring stages.
+The measured time is the schedule call's time less those waits, so with PP > 1 it still
+includes waiting for neighbouring stages (pipeline point-to-point is not an inter-site wait).
 """
 
 from __future__ import annotations
@@ -89,13 +93,18 @@ class Straggler:
 
     @contextmanager
     def around_compute(self, iteration: int) -> Iterator[None]:
-        """Time the block, then sleep so the block took `factor` times as long."""
+        """Time the block's compute (its time less its waits for communication), then sleep
+        so that compute took `factor` times as long."""
         if not self.enabled:
             yield
             return
-        start = self._clock.now()
-        yield
-        delay = self.delay_for(self._clock.now() - start, iteration)
+        clock = self._clock
+        start = clock.now()
+        with clock.counting_waits() as waits:
+            yield
+        elapsed = clock.now() - start  # (now() drains a GPU's stream: the wait marks are done)
+        compute = max(elapsed - clock.waited_seconds(waits), 0.0)
+        delay = self.delay_for(compute, iteration)
         if delay > 0:
             self._clock.sleep(delay)
             self.slept_seconds += delay

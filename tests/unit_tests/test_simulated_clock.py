@@ -98,11 +98,27 @@ def test_link_latency_only_rate_only_and_sharing():
     assert fifo.schedule(1.0, 0.0, 0.02) == pytest.approx(1.02)  # latency only
 
 
+def test_latency_is_charged_per_phase_of_the_collective():
+    """A ring all-reduce over S sites is 2 (S - 1) messages in sequence, an all-gather S - 1,
+    an all-to-all one exchange; each costs delays_per_phase one-way delays."""
+    assert [InterSiteComm(None, s).phases(c) for s in (2, 3, 4) for c in ("all_reduce", "all_gather", "all_to_all")] \
+        == [2, 1, 1, 4, 2, 1, 6, 3, 1]
+    # the issue's case: 2 sites, 60 ms, gloo after an idle gap (2 delays a phase): a 4 kB
+    # all-reduce measured 0.244 s; one latency per collective charged 0.060 s
+    assert LinkModel(latency_ms=60, delays_per_phase=2).latency_seconds(2) == pytest.approx(0.24)
+    clock = SimulatedClock(CostModel(), LinkModel(rate_mbit=100, latency_ms=10, delays_per_phase=1.5))
+    comm = InterSiteComm(None, 3, clock=clock)
+    comm._issue(Done(), 1_250_000, 1_250_000, comm.phases("all_reduce")).wait()
+    assert clock.now() == pytest.approx(0.1 + 4 * 1.5 * 0.010)  # 0.1 s on the wire + 4 phases x 15 ms
+    comm._issue(Done(), 0, 0, comm.phases("all_gather")).wait()
+    assert clock.now() == pytest.approx(0.16 + 2 * 0.015)
+
+
 def test_two_transfers_share_the_fifo():
     clock = sim(rate=100, latency=20)
     comm = InterSiteComm(None, 2, clock=clock)
-    first = comm._issue(Done(), 1_250_000, 1_250_000)  # 0.1 s on the wire + 20 ms
-    second = comm._issue(Done(), 1_250_000, 1_250_000)  # leaves the link after the first
+    first = comm._issue(Done(), 1_250_000, 1_250_000, phases=1)  # 0.1 s on the wire + 20 ms
+    second = comm._issue(Done(), 1_250_000, 1_250_000, phases=1)  # leaves the link after the first
     assert not first.is_completed()
     second.wait()
     assert clock.now() == pytest.approx(0.1 + 0.1 + 0.02)
@@ -115,17 +131,17 @@ def test_two_transfers_share_the_fifo():
 def test_overlap_hidden_by_compute_costs_nothing():
     clock = sim(microbatch=0.5, rate=100, latency=20)
     comm = InterSiteComm(None, 2, clock=clock)
-    handle = comm._issue(Done(), 1_250_000, 1_250_000)
+    handle = comm._issue(Done(), 1_250_000, 1_250_000, phases=1)
     clock.compute(1)  # 0.5 s of compute, longer than the 0.12 s transfer
     assert handle.is_completed()
     handle.wait()
     assert clock.now() == pytest.approx(0.5) and comm.exposed_seconds == 0.0
-    late = comm._issue(Done(), 1_250_000, 1_250_000)
+    late = comm._issue(Done(), 1_250_000, 1_250_000, phases=1)
     clock.compute(1)
     clock.optimizer_step()
     late.wait()
     assert clock.now() == pytest.approx(1.005)
-    partly = comm._issue(Done(), 2_500_000, 0)  # 0.2 s + 20 ms, 0.1 s of it hidden
+    partly = comm._issue(Done(), 2_500_000, 0, phases=1)  # 0.2 s + 20 ms, 0.1 s of it hidden
     clock.advance(0.1)  # compute
     partly.wait()
     assert comm.exposed_seconds == pytest.approx(0.22 - 0.1)
@@ -134,7 +150,7 @@ def test_overlap_hidden_by_compute_costs_nothing():
 def test_the_cpu_a_transfer_takes_slows_the_compute_after_it_not_the_transfer():
     clock = SimulatedClock(CostModel(0.5, 0.0, 0.0, 1, 1.0), LinkModel(100, 20, 2.0, 1, cpu_seconds_per_mb=0.1))
     comm = InterSiteComm(None, 2, clock=clock)
-    handle = comm._issue(Done(), 1_250_000, 1_250_000)  # 2.5 MB charged (bytes x 2): 0.25 s of this rank's time
+    handle = comm._issue(Done(), 1_250_000, 1_250_000, phases=1)  # 2.5 MB charged (bytes x 2): 0.25 s of this rank's time
     assert clock.now() == pytest.approx(0.25)
     handle.wait()  # the transfer started at the issue: 0.2 s on the wire + 20 ms, done before the CPU share
     assert clock.now() == pytest.approx(0.25) and comm.exposed_seconds == 0.0
@@ -191,7 +207,7 @@ def _last_issuer(rank: int, port: int, out: str) -> None:
     comm = InterSiteComm(dist.group.WORLD, 2, clock=clock)
     if rank == 1:
         clock.compute(5)  # issues 5 s later
-    comm.all_reduce_mean(torch.ones(125_000))  # 500 kB: ring bytes 500 kB, 40 ms + 20 ms
+    comm.all_reduce_mean(torch.ones(125_000))  # 500 kB: ring bytes 500 kB, 40 ms + 2 phases x 20 ms
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump({"now": clock.now(), "exposed": comm.exposed_seconds}, f)
     dist.destroy_process_group()
@@ -200,8 +216,8 @@ def _last_issuer(rank: int, port: int, out: str) -> None:
 def test_a_collective_starts_at_its_last_participants_issue_time(tmp_path):
     spawn(_last_issuer, args=(free_port(), str(tmp_path)), nprocs=2)
     early, late = (json.load(open(tmp_path / f"{r}.json")) for r in (0, 1))
-    assert early["now"] == late["now"] == pytest.approx(5.0 + 0.04 + 0.02)
-    assert early["exposed"] == pytest.approx(5.06) and late["exposed"] == pytest.approx(0.06)
+    assert early["now"] == late["now"] == pytest.approx(5.0 + 0.04 + 0.04)
+    assert early["exposed"] == pytest.approx(5.08) and late["exposed"] == pytest.approx(0.08)
 
 
 # ---- scenarios -------------------------------------------------------------------------------------------
@@ -229,6 +245,11 @@ def test_a_bad_scenario_names_the_file_and_the_key(tmp_path):
         load_scenario(str(path))
     path.write_text("sites = 2\n[link]\ncpu_seconds_per_mb = 0.01\n")
     assert load_scenario(str(path)).cpu_seconds_per_mb == 0.01
+    path.write_text("sites = 2\n[link]\ndelays_per_phase = 2\n")
+    assert load_scenario(str(path)).delays_per_phase == 2.0 and load_scenario(str(path)).latency_ms == [0.0, 0.0]
+    path.write_text("sites = 2\n[link]\ndelays_per_phase = -1\n")
+    with pytest.raises(ValueError, match=r"\[link\]: delays_per_phase = -1"):
+        load_scenario(str(path))
 
 
 # ---- two simulated runs of every algorithm are identical -----------------------------------------------------
@@ -295,4 +316,6 @@ def test_simulation_flags_without_the_simulated_clock_are_refused():
         SimulationOptions(microbatch_seconds=0.1).validate()
     with pytest.raises(ValueError, match="--simulate-intra-site-bandwidth nan"):
         SimulationOptions(enabled=True, intra_site_gbit=float("nan")).validate()
+    with pytest.raises(ValueError, match="--simulate-inter-site-delays-per-phase -2"):
+        SimulationOptions(enabled=True, delays_per_phase=-2.0).validate()
     SimulationOptions(enabled=True, microbatch_seconds=0.1).validate()

@@ -43,7 +43,10 @@ the board (--cached-only) and a later session adds seeds or scenarios to it inst
 training hours of cells again (a board of several hours outlives one session's machine).
 --cached-only that finds no cell at all writes nothing. Each cell keeps every argument its flags
 resolve to: a cell one of whose arguments resolves differently now (a default changed since)
-is trained again; a flag added since is not compared (run_cache.py). A change to an algorithm's
+is trained again; a flag added since is not compared (run_cache.py). A cell also records the
+simulated clock's model version (`clock_model`, core/simulation.py's CLOCK_MODEL; none: model 1):
+a cell of an older model is trained again, and --cached-only keeps it but its table says it was
+made under the older model, so times of two models never mix unmarked. A change to an algorithm's
 code is in neither: move its cells out of the cache to train them again. Each cell records the
 commit it was trained at (`code`, "+changes" when the library differed from it: run_cache.py),
 so `git diff <code> -- megatron_lsgd/core/lsgd/acco.py` tells whether a cell predates a change.
@@ -84,9 +87,11 @@ CELLS_DIR = os.path.join(ROOT, "docs", "leaderboard", "cells")
 BOARD = os.path.join(ROOT, "docs", "leaderboard.md")
 PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (runs/ is not committed)
 
+from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
-from tools.benchmarks.leaderboard_report import document, included, open_targets, plot, summarize  # noqa: E402
+from tools.benchmarks.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
+                                                 plot, summarize)
 from tools.benchmarks.leaderboard_setup import (ALGORITHMS, EVALUATIONS, MICRO_BATCH, MODEL,  # noqa: E402
                                                 SCENARIO_DIR, Run, cell_argv, data_args, free_link_copy,
                                                 has_slow_site, scenario_runs)
@@ -127,13 +132,14 @@ def run_cell(argv: List[str], world: int) -> Dict:
     return out
 
 
-def measure_costs(short: int = 10, long: int = 50) -> float:
-    """CPU seconds per step of MODEL on one rank, one thread (forward+backward of one
-    micro-batch and the optimizer step): the difference of two runs' CPU time, so start-up
-    and the machine's load (mostly) drop out. This is what emulated-default.toml uses."""
+def _measure_worker(rank: int, ports: List[int], short: int, long: int, out_dir: str) -> None:
+    """One site training MODEL alone (a one-rank world of its own, one thread), `short` then
+    `long` steps after an unmeasured `short` one (the first run pays once for imports, data
+    index and allocator: measured, it made the difference negative): the wall-clock and CPU
+    seconds of each measured run."""
     import resource
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[rank]))
     torch.set_num_threads(1)
     import pretrain_gpt
     from megatron_lsgd.training.initialize import shutdown_distributed
@@ -143,14 +149,31 @@ def measure_costs(short: int = 10, long: int = 50) -> float:
         return r.ru_utime + r.ru_stime
 
     spent = {}
-    for iters in (short, long):
-        start = cpu()
+    for iters in (short, short, long):  # the first is overwritten: a warm-up
+        wall, used = time.perf_counter(), cpu()
         pretrain_gpt.main(MODEL + data_args() + ["--micro-batch-size", str(MICRO_BATCH), "--global-batch-size",
-                                                 str(MICRO_BATCH), "--train-iters", str(iters), "--lr", "1e-3",
+                                                 str(MICRO_BATCH), "--train-iters", str(iters), "--lr", "2e-3",
+                                                 "--weight-decay", "0.1", "--clip-grad", "1.0",
                                                  "--log-interval", str(10 * long), "--eval-iters", "0"])
-        spent[iters] = cpu() - start
+        spent[iters] = (time.perf_counter() - wall, cpu() - used)
         shutdown_distributed()
-    return (spent[long] - spent[short]) / (long - short)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(spent, f)
+
+
+def measure_costs(sites: int, short: int = 10, long: int = 50) -> Tuple[float, float]:
+    """Seconds per step of MODEL as a leaderboard cell trains it on this machine: `sites` sites
+    at once, each one rank with one thread (forward+backward of one micro-batch and the
+    optimizer step), each training alone so no communication enters. Returns (wall-clock,
+    CPU) seconds per step, each the difference of a `long` and a `short` run over the extra
+    steps (start-up drops out), the median over the sites. The wall-clock figure is the
+    compute cost: sites sharing the cores and the machine's other load take time that CPU
+    seconds do not count (2026-11: CPU seconds came out about 38% below the wall-clock step)."""
+    with tempfile.TemporaryDirectory() as d:
+        run_ranks(_measure_worker, ([free_port() for _ in range(sites)], short, long, d), sites)
+        spent = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(sites)]
+    per_step = [[(s[str(long)][i] - s[str(short)][i]) / (long - short) for s in spent] for i in (0, 1)]
+    return statistics.median(per_step[0]), statistics.median(per_step[1])
 
 
 def budget_steps(steps: int, budget: float, pilot_seconds: float, cap: int) -> int:
@@ -205,11 +228,27 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
             return None
         # what the cell cost this machine (real time, not the simulated seconds it reports): a board's price
         cell["argv"], cell["steps"], cell["real_seconds"] = argv, steps, round(time.monotonic() - start, 1)
+        cell["clock_model"] = CLOCK_MODEL  # its simulated times are of this model (core/simulation.py)
         print(f"> {name} / {label} / seed {seed}: trained in {cell['real_seconds']:.0f} s of real time", flush=True)
         return cell
 
+    # a cell of an older clock model is trained again; --cached-only keeps it, and the board says so
+    older = older_clock_model(cache)
+    if older is not None and not args.cached_only:
+        print(f"  {os.path.basename(cache)} was made under clock model {older}, not {CLOCK_MODEL}: trained again",
+              flush=True)
     # what the flags resolve to catches a cell that leaned on a default changed since
-    return load_or_run(cache, train, resolved=resolved_arguments(cell_flags(argv)))
+    return load_or_run(cache, train, refresh=older is not None and not args.cached_only,
+                       resolved=resolved_arguments(cell_flags(argv)))
+
+
+def older_clock_model(cache: str) -> Optional[int]:
+    """The clock model of the cell cached at `cache` when it is not the current one, else None."""
+    if not os.path.exists(cache):
+        return None
+    with open(cache) as f:
+        model = clock_model_of(json.load(f))
+    return model if model != CLOCK_MODEL else None
 
 
 def scenario_cells(name: str, path: str, scenario, runs: List[Run], args, not_run: List[str],
@@ -301,12 +340,16 @@ def main() -> None:
                    help="its plots, and the readings it includes (default: leaderboard/ beside --out)")
     p.add_argument("--cached-only", action="store_true",
                    help="train nothing: write the board from the finished cells, listing the cells not run")
-    p.add_argument("--measure-costs", action="store_true",
-                   help="only measure this CPU's seconds per step of the leaderboard model and print them")
+    p.add_argument("--measure-costs", type=positive_int, nargs="?", const=2, default=None, metavar="SITES",
+                   help="only measure the wall-clock seconds per step of the leaderboard model as a cell trains it "
+                        "on this machine, SITES sites at once (default 2: the emulated scenarios), and print them "
+                        "(run it on a quiet machine)")
     args = p.parse_args()
     if args.measure_costs:
-        print(f"CPU seconds per step (one micro-batch forward+backward and the optimizer step, one thread): "
-              f"{measure_costs():.4f}")
+        wall, cpu = measure_costs(args.measure_costs)
+        print(f"seconds per step of the leaderboard model (one micro-batch forward+backward and the optimizer step), "
+              f"{args.measure_costs} site(s) training at once, one rank and one thread each, median over the sites: "
+              f"{wall:.4f} wall-clock (the compute cost a scenario takes), {cpu:.4f} CPU")
         return
     names = args.scenarios.split(",") if args.scenarios else every_scenario()
     algorithms = args.algorithms.split(",")

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from megatron_lsgd.core.simulation import CLOCK_MODEL
 from megatron_lsgd.training.scenario import load_scenario
 from tools.benchmarks.leaderboard_setup import (ACCO_FIXED, EVALUATIONS, FREE_LINK, MAX_MICROBATCHES, MICRO_BATCH,
                                                 MODEL, ROOT, SCENARIO_DIR, SEQ, SPLIT, TRAINED_PARAMS_GUESS,
@@ -157,6 +158,28 @@ def spread(values: List[Optional[float]]) -> str:
     return text
 
 
+def clock_model_of(cell: Dict) -> int:
+    """The simulated clock's model version a cell was trained under (core/simulation.py's
+    CLOCK_MODEL); cells from before it was recorded are of model 1."""
+    return int(cell.get("clock_model", 1))
+
+
+def older_model_note(name: str, cells: Dict[str, List[Dict]]) -> List[str]:
+    """A line for a table some of whose cells were trained under an older clock model (none
+    when every cell is of the current one): their times are not comparable with the current
+    model's, so the table says so until they are trained again."""
+    every = [c for runs in cells.values() for c in runs]
+    old = [c for c in every if clock_model_of(c) != CLOCK_MODEL]
+    if not old:
+        return []
+    models = ", ".join(str(m) for m in sorted({clock_model_of(c) for c in old}))
+    return [f"**Made under an older simulated clock:** {len(old)} of these {len(every)} cells were trained under "
+            f"clock model {models}, not the current {CLOCK_MODEL} (core/simulation.py, CLOCK_MODEL: model 1 charged "
+            f"one one-way delay per collective where model 2 charges one per phase, 2 (S - 1) for a ring "
+            f"all-reduce). Their times are not comparable with the current model's until "
+            f"`python tools/benchmarks/leaderboard.py --scenarios {name}` trains them again.", ""]
+
+
 def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
     sync = cells.get("sync")
     if not sync:
@@ -177,7 +200,7 @@ def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
                      spread([c["traffic"].get("bytes", 0) / 2**20 for c in runs]),
                      spread([c["peak_rss_mb"] for c in runs])))
     rows.sort(key=lambda r: (r[0], r[1]))
-    lines = [f"### {name}", "", f"{scenario.description}. Target: the final validation loss of sync's run with "
+    lines = [f"### {name}", ""] + older_model_note(name, cells) + [f"{scenario.description}. Target: the final validation loss of sync's run with "
              f"the same seed (median over {len(sync)} seed{'s' if len(sync) > 1 else ''} {target.median_loss:.4f}), "
              f"and that + 2%; budget: "
              f"the simulated time of that sync run (median {target.median_seconds:.1f} s). H = "

@@ -3,21 +3,27 @@
     python tools/benchmarks/validate_clock.py                      # every algorithm, 2 repetitions
     python tools/benchmarks/validate_clock.py --algorithms sync,diloco --repeats 3 --train-iters 40
     python tools/benchmarks/validate_clock.py --probe-only --probe-bytes 5966336  # a scenario's [link] keys
+    python tools/benchmarks/validate_clock.py --slow-factor 2                # site 1 two times slower
+    python tools/benchmarks/validate_clock.py --rate-mbit 30 --delay-ms 60   # a second link
 
-Runs `wan_bench.py` (tools/wan namespaces: 2 sites, 100 Mbit/s, 20 ms one way, its 7.2M
-Llama) --repeats times on the real clock, then once more with every run on the simulated
+Runs `wan_bench.py` (tools/wan namespaces: 2 sites, 100 Mbit/s, 20 ms one way by default,
+`--rate-mbit`/`--delay-ms` for another link, its 7.2M Llama; `--slow-factor F`: rank 1, site
+1, a straggler F x slower in every run, real and simulated) --repeats times on the real clock, then once more with every run on the simulated
 clock (`--simulate-clock` with the same link), and compares each algorithm's time per step
 and its ratio to the ceiling (updates/s against every site training alone).
 
 The simulated compute costs are calibrated from the real runs, so that what is validated is
 the simulator's model of communication and overlap, not this CPU's speed: one step of the
-ceiling (median over repetitions) is two micro-batches plus one optimizer step, and the
+ceiling (median over repetitions; with a straggler, of the fast site 0 training alone) is
+two micro-batches plus one optimizer step, and the
 optimizer step is taken as 11.4 ns per parameter (a bare AdamW step over the leaderboard
 model on this machine: 0.017 s for 1.49M parameters, tools/benchmarks/scenarios/
 emulated-default.toml). The simulated link's rate is what TCP delivers over the emulated
 link for a blocking exchange, measured just before the simulated run by a collective probe
 (tools/wan/collective_probe.py: a gloo all-reduce of `--probe-bytes` after an idle gap, as
-between two training steps), and the CPU that exchange keeps busy per MB is charged to the
+between two training steps), its latency per phase by a second probe of 4 kB (whose time is
+all latency: a two-site all-reduce is 2 phases, `delays_per_phase` = its time / (2 x the
+one-way delay)), and the CPU that exchange keeps busy per MB is charged to the
 sending rank's compute (on 2 cores the emulated link, the kernel's TCP and gloo's threads
 run on the ranks' cores). `--simulated-rate goodput` charges what a bulk TCP probe
 delivers and no CPU, `line` the line rate and no CPU: they show how much each part
@@ -45,6 +51,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms  # noqa: E402
+from megatron_lsgd.core.lsgd.comm import InterSiteComm  # noqa: E402
+from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
 from tools.benchmarks import wan_bench, wan_report  # noqa: E402
 from tools.wan.launch import site_env  # noqa: E402
 from tools.wan.link import LinkSpec  # noqa: E402
@@ -53,6 +61,9 @@ from tools.wan.topology import REPO_ROOT, WanTopology  # noqa: E402
 PARAMS = 7_211_264  # wan_bench's model (docs/benchmarks.md; its log prints the count)
 OPTIMIZER_S_PER_PARAM = 0.017 / 1_491_584
 TOLERANCE = 0.10
+PHASES = InterSiteComm(None, 2).phases("all_reduce")  # of the probes' two-site all-reduce
+LATENCY_PROBE_BYTES = 4096  # a probe whose time is its latency (1 ms of 240 at 30 Mbit/s, 60 ms)
+SLOW_RANK = 1  # --slow-factor slows site 1 (one rank per site)
 
 
 def bench(out_dir: str, args, extra: str = "") -> Dict[str, dict]:
@@ -62,6 +73,8 @@ def bench(out_dir: str, args, extra: str = "") -> Dict[str, dict]:
             "--out-dir", out_dir]
     if extra:
         argv += ["--extra-args", extra]
+    if args.slow_factor > 1:
+        argv += ["--slow-ranks", str(SLOW_RANK), "--slow-factor", str(args.slow_factor)]
     for item in args.algo_args:
         argv += ["--algo-args", item]
     if wan_bench.main(argv) != 0:
@@ -103,12 +116,10 @@ def probe_goodput(rate_mbit: float, delay_ms: float, nbytes: int, repeats: int) 
     return statistics.median(rates)
 
 
-def probe_collective(rate_mbit: float, delay_ms: float, nbytes: int, repeats: int) -> Tuple[float, float]:
-    """What a blocking two-site exchange costs over the emulated link (tools/wan/
-    collective_probe.py: a gloo all-reduce of `nbytes` after an idle gap, `repeats` times):
-    the rate the link model must charge for it to take as long (Mbit/s: its bytes over its
-    time less one one-way delay, as the model charges), and the machine's CPU seconds it
-    kept busy per MB sent (both sites send `nbytes`). Medians over the repetitions."""
+def probe_collective(rate_mbit: float, delay_ms: float, nbytes: int, repeats: int) -> Dict[str, List[float]]:
+    """A blocking two-site exchange over the emulated link (tools/wan/collective_probe.py: a
+    gloo all-reduce of `nbytes` after an idle gap, `repeats` times): every repetition's
+    seconds and the machine's busy CPU seconds, printed and returned (`seconds`, `busy_cpu_s`)."""
     cmd = [sys.executable, "-m", "tools.wan.collective_probe", "--bytes", str(nbytes), "--repeats", str(repeats)]
     with WanTopology(2, LinkSpec(rate_mbit, delay_ms)) as wan:
         procs = [subprocess.Popen(wan.in_site(i, cmd + ["--rank", str(i), "--master", wan.site_ip(0)]), cwd=REPO_ROOT,
@@ -117,22 +128,56 @@ def probe_collective(rate_mbit: float, delay_ms: float, nbytes: int, repeats: in
     if any(proc.returncode != 0 for proc in procs):
         raise SystemExit("error: the collective probe failed (tools/wan/collective_probe.py; see its output above)")
     result = json.loads(outs[0].strip().splitlines()[-1])
-    return link_keys(nbytes, result["seconds"], result["busy_cpu_s"], delay_ms)
+    print(f"collective probe, {nbytes} bytes over {rate_mbit:g} Mbit/s, {delay_ms:g} ms: seconds "
+          f"{', '.join(f'{s:.4f}' for s in result['seconds'])}; busy CPU s "
+          f"{', '.join(f'{c:.4f}' for c in result['busy_cpu_s'])}", flush=True)
+    return result
 
 
-def link_keys(nbytes: int, seconds: List[float], busy_cpu_s: List[float], delay_ms: float) -> Tuple[float, float]:
+def calibrate_link(rate_mbit: float, delay_ms: float, nbytes: int, repeats: int) -> Tuple[float, float, float]:
+    """(rate, CPU s per MB, delays per phase) of the link model, from a probe of `nbytes` and
+    one of LATENCY_PROBE_BYTES over the emulated link."""
+    latency = probe_collective(rate_mbit, delay_ms, LATENCY_PROBE_BYTES, repeats)
+    delays = delays_per_phase(latency["seconds"], delay_ms)
+    bulk = probe_collective(rate_mbit, delay_ms, nbytes, repeats)
+    rate, cpu = link_keys(nbytes, bulk["seconds"], bulk["busy_cpu_s"], delay_ms, delays)
+    return rate, cpu, delays
+
+
+def delays_per_phase(seconds: List[float], delay_ms: float) -> float:
+    """One-way delays per phase of a two-site all-reduce whose time is all latency (the
+    median of `seconds` over its PHASES phases of `delay_ms`)."""
+    if delay_ms <= 0:
+        return 1.0  # no delay to count in: the model's default
+    return statistics.median(seconds) / (PHASES * delay_ms / 1e3)
+
+
+def link_keys(nbytes: int, seconds: List[float], busy_cpu_s: List[float], delay_ms: float,
+              delays: float = 1.0) -> Tuple[float, float]:
     """(rate in Mbit/s, CPU seconds per MB sent) from a two-site all-reduce of `nbytes` each
-    site sends: the rate at which latency + bytes / rate takes the median time, and the
-    median busy CPU over the bytes both sites sent."""
-    moving = statistics.median(seconds) - delay_ms / 1e3
+    site sends: the rate at which the link model's latency (PHASES x `delays` one-way
+    delays) + bytes / rate takes the median time, and the median busy CPU over the bytes
+    both sites sent."""
+    moving = statistics.median(seconds) - PHASES * delays * delay_ms / 1e3
     if moving <= 0:
         raise SystemExit(f"error: the collective probe took {statistics.median(seconds):.3f} s, no more than the "
-                         f"link's one-way delay: nothing was measured")
+                         f"link model's latency ({PHASES} phases x {delays:.2f} x {delay_ms:g} ms): nothing was "
+                         f"measured")
     return 8 * nbytes / moving / 1e6, statistics.median(busy_cpu_s) / (2 * nbytes / 1e6)
 
 
 def step_seconds(run: dict) -> float:
     return 1.0 / run["updates_per_s"]
+
+
+def calibration_step(real: List[Dict[str, dict]], real_dirs: List[str], slow: bool) -> float:
+    """Seconds of one unslowed step, the median over the real repetitions: the ceiling's
+    (every site alone, the mean of their rates), or with a straggler its fast site 0's alone,
+    read from that repetition's log (the ceiling's mean then includes the slow site)."""
+    if not slow:
+        return statistics.median(step_seconds(r[wan_report.CEILING]) for r in real)
+    return statistics.median(step_seconds(wan_report.summarize(wan_report.read_log(
+        os.path.join(d, "logs", f"{wan_report.CEILING}.site0.jsonl")))) for d in real_dirs)
 
 
 def compare(real: List[Dict[str, dict]], sim: Dict[str, dict]) -> List[dict]:
@@ -175,6 +220,9 @@ def main(argv=None) -> int:
     p.add_argument("--log-interval", type=int, default=4)
     p.add_argument("--rate-mbit", type=float, default=100.0)
     p.add_argument("--delay-ms", type=float, default=20.0)
+    p.add_argument("--slow-factor", type=float, default=1.0,
+                   help="the straggler scenario: rank 1 (site 1) computes this many times slower in every run, real "
+                        "and simulated (--simulate-slow-ranks 1; 1: none)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "validate_clock",
                                                      datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
     p.add_argument("--algo-args", action="append", default=[], metavar="ALGO=FLAGS",
@@ -192,14 +240,16 @@ def main(argv=None) -> int:
     p.add_argument("--probe-only", action="store_true",
                    help="run the collective probe alone (--probe-bytes: the gradient size of the scenario's trained "
                         "model) and print the [link] keys of a scenario calibrated from it")
-    p.add_argument("--link", metavar="MBIT,S_PER_MB",
-                   help="with --simulated-rate collective: use this rate and CPU per MB (an earlier probe's, as "
-                        "printed) instead of probing now; for a machine that is not quiet")
+    p.add_argument("--link", metavar="MBIT,S_PER_MB,DELAYS_PER_PHASE",
+                   help="with --simulated-rate collective: use this rate, CPU per MB and delays per phase (an earlier "
+                        "probe's, as --probe-only prints them) instead of probing now; for a machine that is not quiet")
     p.add_argument("--real-from", metavar="DIR",
                    help="reuse the real runs of an earlier validation (its real<i>/results.json) instead of running them")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.train_iters < 2 * args.log_interval:
         p.error("--repeats must be >= 1 and --train-iters at least two log intervals")
+    if not args.slow_factor >= 1:
+        p.error(f"--slow-factor {args.slow_factor:g}: must be >= 1 (1: no straggler)")
     if args.link and args.simulated_rate != "collective":  # checked before any run starts
         p.error("--link gives what the collective probe would measure: it needs --simulated-rate collective")
     given_link = None
@@ -208,52 +258,64 @@ def main(argv=None) -> int:
             given_link = tuple(float(x) for x in args.link.split(","))
         except ValueError:
             given_link = ()
-        if len(given_link) != 2:
-            p.error(f"--link {args.link!r}: give MBIT,S_PER_MB, e.g. 76.0,0.00468")
+        if len(given_link) != 3:
+            p.error(f"--link {args.link!r}: give MBIT,S_PER_MB,DELAYS_PER_PHASE, e.g. 76.0,0.00468,2.0")
     if args.probe_only:
-        rate, cpu_per_mb = probe_collective(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
-        print(f"# {datetime.date.today().isoformat()}: a gloo all-reduce of {args.probe_bytes / 1e6:.2f} MB over the "
-              f"emulated {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms link (tools/wan/collective_probe.py, median "
-              f"of 3)\nrate_mbit = {rate:.1f}\nlatency_ms = {args.delay_ms:g}\ncpu_seconds_per_mb = {cpu_per_mb:.5f}")
+        rate, cpu_per_mb, delays = calibrate_link(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
+        print(f"# {datetime.date.today().isoformat()}: gloo all-reduces of {args.probe_bytes / 1e6:.2f} MB and "
+              f"{LATENCY_PROBE_BYTES} bytes over the emulated {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms link "
+              f"(tools/wan/collective_probe.py, median of 3; --link {rate:.1f},{cpu_per_mb:.5f},{delays:.2f})\n"
+              f"rate_mbit = {rate:.1f}\nlatency_ms = {args.delay_ms:g}\ndelays_per_phase = {delays:.2f}\n"
+              f"cpu_seconds_per_mb = {cpu_per_mb:.5f}")
         return 0
+    real_dirs = [os.path.join(args.real_from or args.out_dir, f"real{i}") for i in range(args.repeats)]
     if args.real_from:
         real = []
-        for i in range(args.repeats):
-            with open(os.path.join(args.real_from, f"real{i}", "results.json")) as f:
+        for d in real_dirs:
+            with open(os.path.join(d, "results.json")) as f:
                 real.append({r["algorithm"]: r for r in json.load(f)["runs"]})
     else:
-        real = [bench(os.path.join(args.out_dir, f"real{i}"), args) for i in range(args.repeats)]
-    rate, cpu_per_mb = args.rate_mbit, 0.0
+        real = [bench(d, args) for d in real_dirs]
+    rate, cpu_per_mb, delays = args.rate_mbit, 0.0, 1.0
     if given_link:
-        rate, cpu_per_mb = given_link
-        print(f"collective probe not run: {rate:g} Mbit/s and {cpu_per_mb * 1e3:.2f} ms per MB from --link", flush=True)
+        rate, cpu_per_mb, delays = given_link
+        print(f"collective probe not run: {rate:g} Mbit/s, {cpu_per_mb * 1e3:.2f} ms per MB and {delays:g} delays "
+              f"per phase from --link", flush=True)
     elif args.simulated_rate == "collective":
-        rate, cpu_per_mb = probe_collective(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
+        rate, cpu_per_mb, delays = calibrate_link(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
         print(f"collective probe: {rate:.1f} Mbit/s of the link's {args.rate_mbit:g}, {cpu_per_mb * 1e3:.2f} ms of "
-              f"CPU per MB sent", flush=True)
+              f"CPU per MB sent, {delays:.2f} one-way delays per phase", flush=True)
     elif args.simulated_rate == "goodput":
         rate = probe_goodput(args.rate_mbit, args.delay_ms, args.probe_bytes, repeats=3)
         print(f"goodput probe: {rate:.1f} Mbit/s of the link's {args.rate_mbit:g}", flush=True)
-    step = statistics.median(step_seconds(r[wan_report.CEILING]) for r in real)
+    step = calibration_step(real, real_dirs, slow=args.slow_factor > 1)
     optimizer = OPTIMIZER_S_PER_PARAM * PARAMS
     microbatch = (step - optimizer) / 2  # wan_bench: two micro-batches of 4 per site step
     if microbatch <= 0:
         raise SystemExit(f"error: the ceiling's step ({step:.3f} s) is shorter than the assumed optimizer step")
     extra = (f"--simulate-clock --simulate-microbatch-seconds {microbatch:.5f} --simulate-optimizer-step-seconds "
              f"{optimizer:.5f} --simulate-inter-site-bandwidth {rate:.2f} "
-             f"--simulate-inter-site-latency {args.delay_ms:g} --simulate-transfer-cpu-seconds-per-mb {cpu_per_mb:.6f}")
+             f"--simulate-inter-site-latency {args.delay_ms:g} --simulate-transfer-cpu-seconds-per-mb {cpu_per_mb:.6f} "
+             f"--simulate-inter-site-delays-per-phase {delays:.4f}")
     sim = bench(os.path.join(args.out_dir, "simulated"), args, extra)
     rows = compare(real, sim)
     header = [f"{datetime.date.today().isoformat()}, `python tools/benchmarks/validate_clock.py "
               f"--algorithms {args.algorithms} --repeats {args.repeats} --train-iters {args.train_iters}"
+              f" --rate-mbit {args.rate_mbit:g} --delay-ms {args.delay_ms:g}"
+              + (f" --slow-factor {args.slow_factor:g}" if args.slow_factor > 1 else "")
               + "".join(f" --algo-args '{a}'" for a in args.algo_args) + "` on "
               f"{os.cpu_count()} CPUs: wan_bench's 7.2M Llama, 2 sites x 1 rank, {args.rate_mbit:g} Mbit/s, "
-              f"{args.delay_ms:g} ms one way; {args.repeats} real invocation(s) against one simulated "
-              f"(compute calibrated from the real ceiling: micro-batch {microbatch:.4f} s, optimizer step "
+              f"{args.delay_ms:g} ms one way"
+              + (f", site 1 {args.slow_factor:g}x slower (--simulate-slow-ranks 1, real and simulated; compute "
+                 f"calibrated from site 0 alone)" if args.slow_factor > 1 else "")
+              + f"; {args.repeats} real invocation(s) against one simulated (simulated clock model "
+              f"{CLOCK_MODEL}; "
+              f"compute calibrated from the real ceiling: micro-batch {microbatch:.4f} s, optimizer step "
               f"{optimizer:.4f} s). The simulated link runs at "
-              + {"collective": f"{rate:.1f} Mbit/s and charges {cpu_per_mb * 1e3:.2f} ms of compute per MB sent, "
-                               f"what a gloo all-reduce of {args.probe_bytes / 1e6:.1f} MB after an idle gap achieved "
-                               "over the emulated link and the CPU it kept busy (tools/wan/collective_probe.py, "
+              + {"collective": f"{rate:.1f} Mbit/s, charges {delays:.2f} one-way delays per phase of a collective "
+                               f"and {cpu_per_mb * 1e3:.2f} ms of compute per MB sent: what gloo all-reduces of "
+                               f"{args.probe_bytes / 1e6:.1f} MB and {LATENCY_PROBE_BYTES} bytes after an idle gap took "
+                               "over the emulated link and the CPU the first kept busy (tools/wan/collective_probe.py, "
                                "median of 3" + (", from an earlier probe: --link" if args.link else "") + ")",
                  "goodput": f"{rate:.1f} Mbit/s, the goodput a bulk probe measured over the emulated link "
                             f"({args.probe_bytes / 1e6:.1f} MB each way at once, median of 3; TCP headers, "
@@ -266,7 +328,8 @@ def main(argv=None) -> int:
         f.write(("\n" if args.append else "") + text + "\n")
     with open(os.path.join(args.out_dir, "validation.json"), "w") as f:
         json.dump({"rows": rows, "microbatch_s": microbatch, "optimizer_s": optimizer, "rate_mbit": rate,
-                   "cpu_seconds_per_mb": cpu_per_mb}, f, indent=1)
+                   "cpu_seconds_per_mb": cpu_per_mb, "delays_per_phase": delays, "slow_factor": args.slow_factor,
+                   "delay_ms": args.delay_ms, "link_rate_mbit": args.rate_mbit, "clock_model": CLOCK_MODEL}, f, indent=1)
     print(text)
     print(f"wrote {args.doc}; `python tools/benchmarks/leaderboard.py --cached-only` puts it in docs/leaderboard.md")
     return 0

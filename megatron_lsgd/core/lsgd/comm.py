@@ -114,7 +114,9 @@ class InterSiteWork:
         if self._transfer is not None or self._ready_at > 0:  # a simulated link's time
             clock.wait_until(self._completion())
         if exposed:
-            self._comm.record_exposed_between(start, clock.mark())
+            end = clock.mark()
+            self._comm.record_exposed_between(start, end)
+            clock.record_wait(start, end)  # a straggler's slowdown leaves it out (training/stragglers.py)
         self._work = None
 
 
@@ -187,13 +189,13 @@ class InterSiteComm:
                 self.exposed_seconds += self.clock.seconds(a, b)
             self._exposed_marks = []
 
-    def _issue(self, work, sent: int, received: int) -> InterSiteWork:
+    def _issue(self, work, sent: int, received: int, phases: int) -> InterSiteWork:
         counts = getattr(self._thread, "tally", None) or self
         counts.bytes_sent += sent
         counts.bytes_received += received
         if self._transfers is not None:  # virtual time: the link model, nothing sleeps
             return InterSiteWork(self, work, transfer=self._transfers.issue(self.clock, sent, self.group,
-                                                                            self.devices.group))
+                                                                            self.devices.group, phases))
         ready_at = 0.0
         if self.link.enabled:
             start = max(self.clock.now(), self._link_free_at)
@@ -206,6 +208,14 @@ class InterSiteComm:
         if not async_op:
             handle.wait()
         return handle
+
+    def phases(self, collective: str) -> int:
+        """Sequential messages of a collective across the sites, each waiting for the one before
+        (the simulated link charges a latency per phase): a ring all-reduce is a reduce-scatter
+        and an all-gather of S - 1 steps each, a ring all-gather S - 1 steps, an all-to-all
+        one exchange with every other site at once."""
+        steps = self.num_sites - 1
+        return {"all_reduce": 2 * steps, "all_gather": steps, "all_to_all": 1}[collective]
 
     def _ring_bytes(self, nbytes: int) -> int:
         # Ring all-reduce: each rank sends (and receives) 2 (S-1)/S of the payload.
@@ -239,7 +249,7 @@ class InterSiteComm:
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
         work = self._launch("all_reduce_mean", lambda out, _: dist.all_reduce(out, group=self.group, async_op=True),
                             tensor)
-        return self._finish(self._issue(work, moved, moved), async_op)
+        return self._finish(self._issue(work, moved, moved, self.phases("all_reduce")), async_op)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """output[s * n:(s + 1) * n] = site s's `tensor` (flat, equal sizes)."""
@@ -249,7 +259,7 @@ class InterSiteComm:
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size()
         work = self._launch("all_gather", lambda out, inp: all_gather_flat(out, inp, group=self.group, async_op=True),
                             output, tensor)
-        return self._finish(self._issue(work, moved, moved), async_op)
+        return self._finish(self._issue(work, moved, moved, self.phases("all_gather")), async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         """Chunk s of `tensor` goes to site s; chunk s of `output` comes from site s."""
@@ -259,7 +269,7 @@ class InterSiteComm:
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size() // self.num_sites
         work = self._launch("all_to_all", lambda out, inp: dist.all_to_all_single(out, inp, group=self.group,
                                                                                   async_op=True), output, tensor)
-        return self._finish(self._issue(work, moved, moved), async_op)
+        return self._finish(self._issue(work, moved, moved, self.phases("all_to_all")), async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Blocking element-wise max across sites (small control values)."""
@@ -268,7 +278,7 @@ class InterSiteComm:
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
         work = self._launch("all_reduce_max", lambda out, _: dist.all_reduce(out, op=dist.ReduceOp.MAX,
                                                                              group=self.group, async_op=True), tensor)
-        self._issue(work, moved, moved).wait()
+        self._issue(work, moved, moved, self.phases("all_reduce")).wait()
 
     def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> None:
         """Move this comm onto a fresh dp_inter group of its own (collective: every rank

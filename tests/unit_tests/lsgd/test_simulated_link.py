@@ -26,8 +26,8 @@ def test_transfer_formula():
 def test_wait_takes_the_simulated_time_and_link_is_fifo():
     comm = InterSiteComm(None, 2, SimulatedLink(latency_ms=30, bandwidth_mbit=80))
     t0 = time.perf_counter()
-    first = comm._issue(Done(), 500_000, 500_000)  # 30 ms + 50 ms
-    second = comm._issue(Done(), 500_000, 500_000)  # queued behind the first
+    first = comm._issue(Done(), 500_000, 500_000, phases=1)  # 30 ms + 50 ms
+    second = comm._issue(Done(), 500_000, 500_000, phases=1)  # queued behind the first
     assert not first.is_completed()
     first.wait()
     t1 = time.perf_counter() - t0
@@ -40,7 +40,7 @@ def test_wait_takes_the_simulated_time_and_link_is_fifo():
 
 def test_overlapped_transfer_is_not_exposed():
     comm = InterSiteComm(None, 2, SimulatedLink(latency_ms=40))
-    h = comm._issue(Done(), 10, 10)
+    h = comm._issue(Done(), 10, 10, phases=1)
     time.sleep(0.06)  # "compute"
     assert h.is_completed()
     h.wait()

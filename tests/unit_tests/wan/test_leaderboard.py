@@ -212,6 +212,42 @@ def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypat
     assert sync_cell() == again
 
 
+def test_a_cell_of_an_older_clock_model_is_trained_again_or_marked(tmp_path, monkeypatch, capsys):
+    """A trained cell records the clock model; one of another model (or none: model 1, cells
+    made before it was recorded) is trained again, and --cached-only keeps it while its table
+    says the cells were made under the older model."""
+    import json
+
+    from megatron_lsgd.core.simulation import CLOCK_MODEL
+
+    calls = []
+    monkeypatch.setattr(lb, "run_cell", lambda argv, sites: calls.append(argv) or {"valid": [float(len(calls))]})
+    args = argparse.Namespace(cache_dir=str(tmp_path), cached_only=False)
+
+    def sync_cell():
+        return lb.cached_cell("emulated-default", "sync", EMULATED, "sync", 1, 2, args, 100, 25)
+
+    first = sync_cell()
+    assert first["clock_model"] == CLOCK_MODEL and sync_cell() == first and len(calls) == 1
+    (path,) = tmp_path.glob("*.json")
+    old = {k: v for k, v in first.items() if k != "clock_model"}  # as every cell made before 2026-11-29
+    path.write_text(json.dumps(old))
+    args.cached_only = True
+    assert sync_cell() == old and len(calls) == 1  # kept as it is ...
+    s = load_scenario(EMULATED)
+    marked = [dict(cell([10.0, 20.0], [5.0, 4.0], 20.0)), dict(cell([10.0, 20.0], [5.0, 4.0], 20.0),
+                                                                clock_model=CLOCK_MODEL)]
+    table = lb_report.summarize("emulated-default", s, {"sync": marked})
+    assert any(f"1 of these 2 cells were trained under clock model 1, not the current {CLOCK_MODEL}" in line
+               for line in table)  # ... and its table says so
+    assert not any("older simulated clock" in line for line in
+                   lb_report.summarize("emulated-default", s, {"sync": marked[1:]}))
+    args.cached_only = False
+    again = sync_cell()
+    assert len(calls) == 2 and again["clock_model"] == CLOCK_MODEL
+    assert f"was made under clock model 1, not {CLOCK_MODEL}: trained again" in capsys.readouterr().out
+
+
 def test_budget_steps_fit_syncs_time_at_the_pilots_pace():
     assert lb.budget_steps(300, budget=150.0, pilot_seconds=75.0, cap=3) == 600  # twice sync's pace
     assert lb.budget_steps(300, budget=150.0, pilot_seconds=10.0, cap=3) == 900  # 4500 fit: capped
@@ -346,3 +382,26 @@ def test_a_count_that_is_not_positive_is_refused(flag, tmp_path, monkeypatch, ca
         lb.main()
     assert exit_.value.code == 2 and f"error: argument {flag}: '0' is not a positive whole number" in \
         capsys.readouterr().err
+
+
+def test_costs_are_the_wall_clock_step_of_sites_training_at_once(monkeypatch):
+    """--measure-costs: each site's extra steps of its long run over its short one, in wall-clock
+    seconds (and CPU beside), the median over the sites; every site gets its own world."""
+    import json
+
+    seen = {}
+
+    def fake_ranks(worker, args, world):
+        ports, short, long, out_dir = args
+        seen.update(world=world, ports=ports, short=short, long=long)
+        walls = [(2.0, 6.0), (2.5, 7.3), (2.2, 6.6)]  # wall seconds of the short and long run per site
+        for rank in range(world):
+            spent = {str(short): [walls[rank][0], 1.0], str(long): [walls[rank][1], 1.0 + 0.025 * (long - short)]}
+            with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+                json.dump(spent, f)
+
+    monkeypatch.setattr(lb, "run_ranks", fake_ranks)
+    wall, cpu = lb.measure_costs(3, short=10, long=50)
+    assert seen["world"] == 3 and len(set(seen["ports"])) == 3
+    assert wall == pytest.approx(4.4 / 40)  # the median of 4.0, 4.8 and 4.4 s over 40 steps
+    assert cpu == pytest.approx(0.025)

@@ -42,7 +42,8 @@ class ElasticComm(InterSiteComm):
             return InterSiteWork(self, None)
         tensor.mul_(1.0 / self.num_sites)
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        return self._finish(self._issue(self._reduce(tensor, ReduceOp.SUM), moved, moved), async_op)
+        work = self._reduce(tensor, ReduceOp.SUM)
+        return self._finish(self._issue(work, moved, moved, self.phases("all_reduce")), async_op)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         if self.num_sites == 1:
@@ -51,7 +52,7 @@ class ElasticComm(InterSiteComm):
         parts = list(output.view(self.num_sites, -1).unbind(0))
         work = self.group.allgather([parts], [tensor.reshape(-1)], AllgatherOptions())
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size()
-        return self._finish(self._issue(work, moved, moved), async_op)
+        return self._finish(self._issue(work, moved, moved, self.phases("all_gather")), async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         if self.num_sites == 1:
@@ -59,13 +60,13 @@ class ElasticComm(InterSiteComm):
             return InterSiteWork(self, None)
         work = self.group.alltoall_base(output, tensor, [], [], AllToAllOptions())
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size() // self.num_sites
-        return self._finish(self._issue(work, moved, moved), async_op)
+        return self._finish(self._issue(work, moved, moved, self.phases("all_to_all")), async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         if self.num_sites == 1:
             return
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        self._issue(self._reduce(tensor, ReduceOp.MAX), moved, moved).wait()
+        self._issue(self._reduce(tensor, ReduceOp.MAX), moved, moved, self.phases("all_reduce")).wait()
 
     def use_dedicated_group(self, dims, timeout=None) -> None:
         """Nothing to do: the torchft group is already this comm's alone."""
