@@ -143,3 +143,32 @@ def test_clock_cost_reads_the_clock_where_each_mode_says(monkeypatch):
     assert set(result) == set(clock_cost.MODES) and all(v > 0 for v in result.values())
     # the clock's start (1); 2 warm-up + 1 timed steps per mode: none 0, per step 3, per layer 3 x (2 layers + 1)
     assert len(readings) == 1 + 0 + 3 + 3 * 3
+
+
+def test_gpu_check_report_reads_the_mfu_json_and_marks_the_targets(tmp_path):
+    # tools/gpu_check.sh's throughput and memory lines (tools/benchmarks/gpu_report.py), from
+    # files in the shape mfu.py writes; the figures here are made up for the test, not measured
+    from tools.benchmarks.gpu_report import throughput_and_memory
+
+    def write(name, **fields):
+        (tmp_path / f"mfu_{name}.json").write_text(json.dumps(fields))
+
+    base = dict(parameters=1.1e9, preset="1b", seq_length=2048, micro_batch_size=4, peak_cuda_allocated_mb=50000)
+    write("eager", **base, plain_tokens_per_s=100.0, ours_tokens_per_s=103.0, plain_mfu=0.30, ours_mfu=0.31,
+          plain_first_step_extra_s=1.0, ours_first_step_extra_s=1.0, ratio=1.03)
+    write("compiled", **base, plain_tokens_per_s=110.0, ours_tokens_per_s=112.0, plain_mfu=0.44, ours_mfu=0.46,
+          plain_first_step_extra_s=30.0, ours_first_step_extra_s=31.0, compile_counts={"graphs": 2})
+    write("mbs_eager", preset="1b", largest_micro_batch=8,
+          micro_batch_tries={"1": {"fits": True}, "2": {"fits": True}, "4": {"fits": True}, "8": {"fits": True},
+                             "16": {"fits": False, "error": "CUDA out of memory"}})
+    write("mbs_compiled", preset="1b", largest_micro_batch=16, micro_batch_tries={"16": {"fits": True}})
+    write("8b_full", fits=False, error="CUDA out of memory. Tried to allocate 3.9 GiB")
+    text = "\n".join(throughput_and_memory(str(tmp_path), "0", "0", "1"))
+    assert "| megatron_lsgd | compiled | 112 | 0.460 | 31.0 | 50000 |" in text
+    # 112 / 110 = 1.018 >= 1.0; 112 / 100 = 1.12 < 1.15; 0.46 >= 0.45
+    assert "compiled plain: 1.018 (target >= 1.0: met)" in text
+    assert "eager plain: 1.120 (target >= 1.15: MISSED)" in text and "(target >= 0.45: met)" in text
+    assert "(1b preset, eager): 8 of 1, 2, 4, 8, 16; 16 did not fit: CUDA out of memory" in text
+    assert "8B shape with --recompute-granularity full: does not fit: CUDA out of memory. Tried" in text
+    failed = "\n".join(throughput_and_memory(str(tmp_path), "1", "0", "0"))
+    assert "mfu.py FAILED (exit 1)" in failed and "Memory headroom" not in failed

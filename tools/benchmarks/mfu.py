@@ -243,7 +243,8 @@ def measure(a, preset: Dict[str, object], recompute: List[str]) -> Dict[str, obj
         if name not in loops:
             continue
         mfu = f"{result[name + '_mfu']:.3f}" if result[name + "_mfu"] is not None else "- (peak unknown)"
-        print(f"| {label} | {result[name + '_tokens_per_s']:.0f} | {mfu} | {result[name + '_first_step_extra_s']:.1f} |")
+        print(f"| {label} | {result[name + '_tokens_per_s']:.0f} | {mfu} | "
+              f"{result[name + '_first_step_extra_s']:.1f} |")
     if "ratio" in result:
         print(f"ratio megatron_lsgd / plain: {result['ratio']:.3f}")
     if "compile_counts" in result:
