@@ -64,3 +64,26 @@ def test_compiled_layers_train_as_the_eager_ones_in_every_layout_and_algorithm()
             assert counts["warmup_graph_breaks"] == 0 and counts["later_graph_breaks"] == 0, (name, counts)
             assert counts["recompilations"] == 0, (name, counts)
         assert all(record["compile"] is None for record in eager), name
+
+
+def test_the_compile_line_is_said_once_after_the_step_that_follows_warm_up(monkeypatch):
+    # dynamo's counters faked: 1 graph in the warm-up step, a recompilation (one more frame) in the next
+    from collections import Counter, defaultdict
+
+    from megatron_lsgd.core.transformer import compile as compile_module
+
+    counters = defaultdict(Counter)
+    monkeypatch.setattr(compile_module, "_counters", lambda: counters)
+    report = compile_module.CompileReport(num_layers=3)
+    counters["stats"]["unique_graphs"] += 1
+    counters["frames"]["ok"] += 1
+    assert report.after_step(1) is None  # the warm-up step just ended
+    counters["frames"]["ok"] += 1
+    counters["graph_break"]["Unsupported: a hook\nstack"] += 1
+    line = report.after_step(2)
+    assert line == ("compile: 3 layer(s) compiled; warm-up: 1 graph(s), 0 graph break(s); the step after it: "
+                    "1 graph break(s), 1 recompilation(s) (breaks: Unsupported: a hook)")
+    assert report.counts == {"warmup_graphs": 1, "warmup_graph_breaks": 0, "later_graph_breaks": 1,
+                             "recompilations": 1}
+    counters["frames"]["ok"] += 1
+    assert report.after_step(3) is None and report.after_step(4) is None  # once
