@@ -1,6 +1,7 @@
 """--compile (core/transformer/compile.py): each transformer layer's forward compiled by
 inductor (on CPU here) trains as the eager model does, within 1e-5 relative per logged loss over
-20 steps, for TP 1, TP 2 with sequence parallelism, PP 2 and every synchronizer (two sites,
+20 steps, for TP 1, TP 2 with sequence parallelism, PP 2 (with selective recomputation and
+evaluation) and every synchronizer (two sites,
 the simulated clock so that a-edit, acco, dpu, dilocox and dreamddp decide the same way in
 both runs), ZeRO-1 with full recomputation included; and the layers compile into graphs with
 no graph break and no recompilation after the first step. One spawn runs every pair; the
@@ -31,7 +32,9 @@ def _without_length(args):  # the simulated-clock test's flags, less its --train
 ALGORITHM_ARGS = {name: _without_length(args) for name, args in SIMULATED.items() if name != "a-edit"}
 CONFIGS = {
     "tp2-sp": STEPS + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    "pp2": STEPS + ["--pipeline-model-parallel-size", "2"],
+    # selective recomputation: its checkpoint inside the compiled layer; evaluation: eval-mode graphs
+    "pp2-selective-eval": STEPS + ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective",
+                                   "--eval-iters", "1", "--eval-interval", "10"],
     **{name: STEPS + SIM + ["--lsgd-algorithm", name] + args for name, args in ALGORITHM_ARGS.items()},
     # a-edit ends by samples (its sites take their own steps): 20 global batches
     "a-edit": SIM + ["--lsgd-algorithm", "a-edit", "--train-samples", "160", "--lsgd-aedit-interval-seconds", "0.5"],
@@ -58,6 +61,9 @@ def test_compiled_layers_train_as_the_eager_ones_in_every_layout_and_algorithm()
         assert len(got) == len(want) and len(want) >= (1 if name == "a-edit" else 20), (name, len(want), len(got))
         worst = max(_relative(g, w) for g, w in zip(got, want))
         assert worst <= 1e-5, (name, worst)
+        valid_want, valid_got = eager[-1]["valid"], compiled[-1]["valid"]
+        assert len(valid_want) == (2 if "eval" in name else 0), (name, valid_want)
+        assert len(valid_got) == len(valid_want) and all(_relative(g, w) <= 1e-5 for g, w in zip(valid_got, valid_want))
         for record in compiled:
             counts = record["compile"]
             assert counts is not None and counts["warmup_graphs"] >= 1, (name, counts)  # it did compile
