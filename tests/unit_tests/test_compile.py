@@ -10,6 +10,7 @@ compiled runs share inductor's on-disk cache, so only a few graphs are compiled 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.unit_tests.harness import logged_losses, run_distributed_many
 from tests.unit_tests.test_simulated_clock import ALGORITHMS as SIMULATED
@@ -93,3 +94,48 @@ def test_the_compile_line_is_said_once_after_the_step_that_follows_warm_up(monke
                              "recompilations": 1}
     counters["frames"]["ok"] += 1
     assert report.after_step(3) is None and report.after_step(4) is None  # once
+
+
+def llama_layer(device: torch.device, hidden: int = 128, seq: int = 64):
+    """One Llama-style layer (RMSNorm, RoPE, GQA, SwiGLU), filled, with its rotary table and an input."""
+    from megatron_lsgd.core.tensor_parallel.random import RNGStatesTracker
+    from megatron_lsgd.core.transformer.attention import RotaryEmbedding
+    from megatron_lsgd.core.transformer.config import TransformerConfig
+    from megatron_lsgd.core.transformer.layer import TransformerLayer
+
+    c = TransformerConfig(hidden_size=hidden, num_attention_heads=4, num_query_groups=2, seq_length=seq,
+                          position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                          hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    layer = TransformerLayer(c, None, 1, RNGStatesTracker(device), 0).to(device)
+    with torch.no_grad():  # (a layer allocates; the model's initializer fills it)
+        for p in layer.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0)
+    positions = torch.arange(seq, device=device)[None].expand(2, seq)
+    rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base).to(device)(positions)
+    return layer, rotary, torch.randn(seq, 2, hidden, device=device)
+
+
+def test_hooks_run_around_the_compiled_forward_never_inside_it(monkeypatch):
+    # the unit hooks (a forward pre-hook, a gradient hook) run eagerly on every call, at the
+    # layer's boundary; the forward itself is compiled (aot_eager here: where hooks run is the
+    # question, not inductor's code)
+    import functools
+
+    from megatron_lsgd.core.transformer.compile import CompileCounts, compile_layers
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    layer, rotary, x = llama_layer(torch.device("cpu"), hidden=32, seq=8)
+    before = CompileCounts.now()
+    compile_layers([layer])
+    seen = []
+    layer.register_forward_pre_hook(lambda _m, _a: seen.append(("forward", torch.compiler.is_compiling())))
+    weight = layer.mlp.linear_fc2.weight
+    weight.register_post_accumulate_grad_hook(lambda _p: seen.append(("grad", torch.compiler.is_compiling())))
+    for _ in range(3):
+        layer(x, rotary, None).sum().backward()
+    assert seen == [("forward", False), ("grad", False)] * 3
+    assert (CompileCounts.now() - before).graphs == 1  # and the forward was compiled, once

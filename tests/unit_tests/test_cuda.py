@@ -222,32 +222,17 @@ def test_a_cpu_runs_optimizer_state_resumes_on_the_fused_gpu_kernel():
     torch.testing.assert_close(gpu[0].detach().cpu(), cpu[0].detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_compiled_layer_on_the_gpu_gives_the_eager_layers_output_and_gradients():
+def test_a_compiled_layer_on_the_gpu_gives_the_eager_layers_output_and_gradients(monkeypatch):
     # --compile's unit on the GPU (inductor's Triton kernels): one Llama-style layer, fp32
     import copy
 
-    from megatron_lsgd.core.tensor_parallel.random import RNGStatesTracker
-    from megatron_lsgd.core.transformer.attention import RotaryEmbedding
     from megatron_lsgd.core.transformer.compile import compile_layers
-    from megatron_lsgd.core.transformer.config import TransformerConfig
-    from megatron_lsgd.core.transformer.layer import TransformerLayer
+    from tests.unit_tests.test_compile import llama_layer
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    c = TransformerConfig(hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=64,
-                          position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                          hidden_dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
-    eager = TransformerLayer(c, None, 1, RNGStatesTracker(GPU), 0).to(GPU)
-    with torch.no_grad():  # (a layer allocates; the model's initializer fills it)
-        for p in eager.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.02)
-            else:
-                p.fill_(1.0)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 products in both
+    eager, rotary, x = llama_layer(GPU)
     compiled = copy.deepcopy(eager)
     assert compile_layers([compiled]) == 1
-    rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base).to(GPU)(torch.arange(64, device=GPU)[None].expand(2, 64))
-    x = torch.randn(64, 2, 128, device=GPU)
     outs = []
     for layer in (eager, compiled):
         xi = x.clone().requires_grad_()
