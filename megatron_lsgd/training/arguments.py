@@ -177,8 +177,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--compile", action="store_true",
                    help="compile each transformer layer's forward with torch.compile (regional: the layers share "
-                        "one graph, hooks stay at layer boundaries); prints the graph and graph-break counts and "
-                        "the recompilations after the first step, once (docs/performance.md)")
+                        "one graph, hooks stay at layer boundaries); after the second step, once, prints the first "
+                        "step's graphs and graph breaks and the second's breaks and recompilations "
+                        "(docs/performance.md)")
     g.add_argument("--tensorboard-dir", type=str, default=None)
 
 

@@ -8,8 +8,9 @@ Only `TransformerLayer.forward` is handed to `torch.compile`, per layer, not the
   run in `nn.Module.__call__`, around the compiled forward, so they sit at layer boundaries
   and never break a layer's graph; gradient hooks (the flat buffer's, dreamddp's per-unit
   backward) fire in autograd after the layer's compiled backward has produced the gradient;
-- activation recomputation checkpoints whole chunks of layers: the compiled forward is
-  simply run again in backward.
+- full recomputation checkpoints whole chunks of layers: the compiled forward is simply run
+  again in backward; selective recomputation's checkpoint, inside the layer, is traced as
+  dynamo's own checkpoint (`recompute.checkpointed`).
 Element-wise work inside a layer (RMSNorm, RoPE's rotate-half and its concatenation, SwiGLU,
 the residual adds, dropout) is fused by inductor; the eager path is untouched (no flag, no
 change: the regression fixtures are bit-exact without --compile).
