@@ -2,10 +2,15 @@
 # One command on a machine with one or more NVIDIA GPUs:
 #   1. the CUDA-marked tests (pytest -m cuda),
 #   2. tools/benchmarks/mfu.py: a ~1.1B Llama in bf16, tokens/s and MFU beside a plain
-#      PyTorch loop of the same model (one GPU),
-#   3. every synchronizer for a few steps as 2 sites x 1 rank on one GPU, gloo between the
+#      PyTorch loop of the same model (one GPU), eager and with --compile (each transformer
+#      layer compiled, in both loops alike), with compile time and peak memory; then the
+#      largest micro-batch that steps, eager and compiled (1, 2, 4, ... $MBS_LIMIT, a fresh
+#      process each), and whether the 8B shape (Llama-3-8B, seq 8192) starts and steps with
+#      full recomputation on the card (MEMORY=0 skips these memory probes),
+#   3. every synchronizer for 8 steps as 2 sites x 1 rank on one GPU, gloo between the
 #      sites (--device cuda --distributed-backend gloo --inter-site-backend gloo), the ten
-#      runs at once (about 2 minutes for the whole script on an H100),
+#      runs at once, eager and then with --compile (about 2 minutes for the whole script on an
+#      H100 before --compile and the memory probes were added; their cost is not yet measured),
 #   4. on 2+ GPUs: acco and dpu with NCCL inside the sites (a hang = the deadlock their
 #      worker's gloo groups rule out),
 #   5. a checkpoint saved on the GPU resumed on the GPU and on the CPU,
@@ -14,7 +19,9 @@
 # then prints a table and writes docs/performance.md's GPU section (between its markers).
 #
 #   tools/gpu_check.sh                 # everything
-#   MFU_PRESET=smoke tools/gpu_check.sh  # a quick pass (tiny model instead of ~1B)
+#   MFU_PRESET=smoke tools/gpu_check.sh  # a quick pass (tiny model instead of ~1B; the 8B probe still runs)
+#   MEMORY=0 tools/gpu_check.sh        # without the memory probes (micro-batch search, 8B shape)
+#   MBS_LIMIT=16 tools/gpu_check.sh    # the micro-batch search's largest try (default 32)
 #   OUT=/tmp/gpu_check tools/gpu_check.sh  # where logs and JSON go (default: a fresh temp dir)
 #   PYTHON=python tools/gpu_check.sh       # the interpreter (default: python3)
 set -u -o pipefail
@@ -22,6 +29,8 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 MFU_PRESET=${MFU_PRESET:-1b}
+MEMORY=${MEMORY:-1}
+MBS_LIMIT=${MBS_LIMIT:-32}
 PY=${PYTHON:-python3}  # GPU images often have python3 alone
 mkdir -p "$OUT"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -42,10 +51,21 @@ timeout 300 "$PY" -m pytest -q -m cuda tests >"$OUT/cuda_tests.log" 2>&1
 TESTS_RC=$?
 TESTS_LINE=$(tail -n 1 "$OUT/cuda_tests.log")
 
-# 2. throughput and MFU
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 600 "$PY" tools/benchmarks/mfu.py --preset "$MFU_PRESET" \
-    --json "$OUT/mfu.json" >"$OUT/mfu.log" 2>&1
-MFU_RC=$?
+# 2. throughput and MFU, eager and compiled (both loops alike), then the memory probes
+mfu() {  # name, flags...: one mfu.py run, its JSON in $OUT/mfu_<name>.json; the exit status
+    local name=$1; shift
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 600 "$PY" tools/benchmarks/mfu.py "$@" \
+        --json "$OUT/mfu_$name.json" >"$OUT/mfu_$name.log" 2>&1
+}
+mfu eager --preset "$MFU_PRESET"; MFU_RC=$?
+mfu compiled --preset "$MFU_PRESET" --compile; MFU_COMPILED_RC=$?
+MEM_RC=0
+if [ "$MEMORY" != 0 ]; then
+    mfu mbs_eager --preset "$MFU_PRESET" --largest-micro-batch "$MBS_LIMIT" || MEM_RC=$?
+    mfu mbs_compiled --preset "$MFU_PRESET" --largest-micro-batch "$MBS_LIMIT" --compile || MEM_RC=$?
+    # "does not fit" is an answer (fits: false in the JSON), not a failure of the check
+    mfu 8b_full --preset 8b --recompute full --no-plain || MEM_RC=$?
+fi
 
 # 3. every algorithm, 2 sites x 1 rank on one GPU, gloo between the sites
 ALGOS="sync diloco dilocox streaming-diloco cocodc edit a-edit acco dpu dreamddp"
@@ -60,24 +80,31 @@ declare -A EXTRA=(
 )
 # The runs are independent and tiny, so they share the GPU at once: one launch of 2 ranks per
 # algorithm, each on its own port, one CPU thread per rank (the check is correctness, not speed).
-i=0
-for algo in $ALGOS; do
-    # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} OMP_NUM_THREADS=1 timeout 600 "$PY" -m torch.distributed.run \
-        --nproc-per-node 2 --master-port $((29500 + 10 * i)) pretrain_gpt.py "${COMMON[@]}" --lsgd-algorithm "$algo" \
-        ${EXTRA[$algo]:-} >"$OUT/algo_$algo.log" 2>&1 &
-    PIDS[$algo]=$!
-    i=$((i + 1))
-done
+# Eager first, then the same ten runs with --compile (their rows say how many graph breaks and
+# recompilations the step after warm-up had: 0 is the mark).
 ALGO_ROWS=""
-for algo in $ALGOS; do
-    log="$OUT/algo_$algo.log"
-    wait "${PIDS[$algo]}"
-    rc=$?
-    loss=$(grep -o "lm loss: [0-9.E+-]*" "$log" | tail -n 1 | cut -d' ' -f3)
-    mem=$(grep -o "peak CUDA memory (MB): [0-9]* allocated" "$log" | tail -n 1 | grep -o "[0-9]*" | head -n 1)
-    status=$([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc, $log)")
-    ALGO_ROWS+="| $algo | $status | ${loss:--} | ${mem:--} |"$'\n'
+for mode in eager compiled; do
+    flag=$([ $mode = compiled ] && echo --compile || true)
+    i=0
+    for algo in $ALGOS; do
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} OMP_NUM_THREADS=1 timeout 600 "$PY" -m torch.distributed.run \
+            --nproc-per-node 2 --master-port $((29500 + 10 * i)) pretrain_gpt.py "${COMMON[@]}" --lsgd-algorithm "$algo" \
+            ${EXTRA[$algo]:-} $flag >"$OUT/algo_${algo}_$mode.log" 2>&1 &
+        PIDS[$algo]=$!
+        i=$((i + 1))
+    done
+    for algo in $ALGOS; do
+        log="$OUT/algo_${algo}_$mode.log"
+        wait "${PIDS[$algo]}"
+        rc=$?
+        loss=$(grep -o "lm loss: [0-9.E+-]*" "$log" | tail -n 1 | cut -d' ' -f3)
+        mem=$(grep -o "peak CUDA memory (MB): [0-9]* allocated" "$log" | tail -n 1 | grep -o "[0-9]*" | head -n 1)
+        counts=$(grep -o "the step after it: [0-9]* graph break(s), [0-9]* recompilation(s)" "$log" | head -n 1 \
+                 | sed 's/the step after it: //')
+        status=$([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc, $log)")
+        ALGO_ROWS+="| $algo | $mode | $status | ${loss:--} | ${mem:--} | ${counts:--} |"$'\n'
+    done
 done
 
 # 4. acco and dpu with NCCL inside the sites (2+ GPUs, one rank per GPU; 4+ GPUs: TP 2 per site,
@@ -175,27 +202,19 @@ CLOCK_RC=$?
 CLOCK_ROWS=$(grep "^| \(none\|per step\|per layer\) |" "$OUT/clock_cost.log")
 
 # the table, printed and written into docs/performance.md
-SECTION=$("$PY" - "$OUT/mfu.json" "$MFU_RC" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" "$CKPT_ROWS" "$FT_ROW" "$CLOCK_RC" "$CLOCK_ROWS" <<'EOF'
-import json, sys
-(mfu_path, mfu_rc, tests_rc, tests_line, device, date, algo_rows, nccl_rows, ckpt_rows, ft_row, clock_rc,
+SECTION=$("$PY" - "$OUT" "$MFU_RC,$MFU_COMPILED_RC,$MEMORY" "$TESTS_RC" "$TESTS_LINE" "$DEVICE" "$DATE" "$ALGO_ROWS" "$NCCL_ROWS" "$CKPT_ROWS" "$FT_ROW" "$CLOCK_RC" "$CLOCK_ROWS" <<'EOF'
+import sys
+(out, mfu_rcs, tests_rc, tests_line, device, date, algo_rows, nccl_rows, ckpt_rows, ft_row, clock_rc,
  clock_rows) = sys.argv[1:]
+mfu_rc, compiled_rc, memory = mfu_rcs.split(",")
+from tools.benchmarks.gpu_report import throughput_and_memory
+
 lines = [f"Measured {date} on {device} by `tools/gpu_check.sh` (one run; figures are that run's).", ""]
 lines.append(f"- CUDA-marked tests: {'passed' if tests_rc == '0' else 'FAILED'} ({tests_line.strip()})")
-if mfu_rc == "0":
-    m = json.load(open(mfu_path))
-    fmt = lambda v: f"{v:.3f}" if v is not None else "-"
-    size = f"{m['parameters'] / 1e9:.2f}B" if m['parameters'] >= 1e9 else f"{m['parameters'] / 1e6:.1f}M"
-    lines += [f"- Throughput, {size}-parameter Llama ({m['preset']} preset), bf16, seq "
-              f"{m['seq_length']}, micro-batch {m['micro_batch_size']}, one GPU:", "",
-              "| loop | tokens/s | MFU |", "|---|---|---|",
-              f"| plain PyTorch (autocast bf16, AdamW) | {m['plain_tokens_per_s']:.0f} | {fmt(m['plain_mfu'])} |",
-              f"| megatron_lsgd | {m['ours_tokens_per_s']:.0f} | {fmt(m['ours_mfu'])} |", "",
-              f"  megatron_lsgd / plain: {m['ratio']:.3f}; peak CUDA memory of the process (both loops): "
-              f"{m.get('peak_cuda_allocated_mb', 0):.0f} MB allocated"]
-else:
-    lines.append(f"- tools/benchmarks/mfu.py FAILED (exit {mfu_rc}); see its log")
+lines += throughput_and_memory(out, mfu_rc, compiled_rc, memory)
 lines += ["", "- Every synchronizer, 2 sites x 1 rank on one GPU, gloo between sites, bf16, 8 steps:", "",
-          "| algorithm | run | last loss | peak CUDA MB |", "|---|---|---|---|", algo_rows.rstrip()]
+          "| algorithm | layers | run | last loss | peak CUDA MB | after warm-up (compiled) |", "|---|---|---|---|---|---|",
+          algo_rows.rstrip()]
 if nccl_rows.strip():
     lines += ["", "- acco and dpu with NCCL inside the sites (the worker thread on gloo groups), 2 sites, 30 steps:", "",
               "| algorithm | layout | run | last loss |", "|---|---|---|---|", nccl_rows.rstrip()]
@@ -230,4 +249,4 @@ _, tail = rest.split(end, 1)
 open(path, "w").write(f"{head}{start}\n{section}\n{end}{tail}")
 EOF
 echo "wrote the GPU section of docs/performance.md; logs in $OUT"
-[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && [ $CLOCK_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS$CKPT_ROWS$FT_ROW"
+[ $TESTS_RC -eq 0 ] && [ $MFU_RC -eq 0 ] && [ $MFU_COMPILED_RC -eq 0 ] && [ $MEM_RC -eq 0 ] && [ $CLOCK_RC -eq 0 ] && ! grep -q FAILED <<<"$ALGO_ROWS$NCCL_ROWS$CKPT_ROWS$FT_ROW"

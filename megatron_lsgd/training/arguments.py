@@ -48,6 +48,7 @@ class TrainingConfig:
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False
+    compile: bool = False  # --compile: each transformer layer's forward compiled (core/transformer/compile.py)
     tensorboard_dir: Optional[str] = None
     json_log: Optional[str] = None  # one JSON object per log interval (benchmarks)
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, gloo otherwise
@@ -178,6 +179,11 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument("--compile", action="store_true",
+                   help="compile each transformer layer's forward with torch.compile (regional: the layers share "
+                        "one graph, hooks stay at layer boundaries); after the second step, once, prints the first "
+                        "step's graphs and graph breaks and the second's breaks and recompilations "
+                        "(docs/performance.md)")
     g.add_argument("--tensorboard-dir", type=str, default=None)
 
 
@@ -367,6 +373,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         skip_train=args.skip_train,
         log_interval=args.log_interval,
         exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
+        compile=args.compile,
         tensorboard_dir=args.tensorboard_dir, json_log=args.json_log, distributed_backend=args.distributed_backend,
         inter_site_backend=args.inter_site_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes)

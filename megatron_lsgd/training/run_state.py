@@ -34,6 +34,7 @@ class TrainingResult:
     synchronizer: Optional[object] = None  # for tests and tools that inspect its state
     traffic: Dict[str, float] = field(default_factory=dict)  # all ranks' cross-site bytes vs per-step sync
     model: Optional[torch.nn.Module] = None
+    compile_counts: Optional[Dict[str, int]] = None  # --compile: CompileReport.counts (graphs, breaks, recompiles)
     config: Optional[RunConfig] = None
 
 

@@ -35,6 +35,7 @@ from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
 from megatron_lsgd.core.pipeline_parallel.schedules import ScheduleSpec, get_forward_backward_func
+from megatron_lsgd.core.transformer.compile import CompileReport, compile_layers
 from megatron_lsgd.core.transformer.recompute import recomputing
 from megatron_lsgd.training.arguments import RunConfig, build_config, parse_args
 from megatron_lsgd.training.checkpointing.checkpointer import load_checkpoint, save_checkpoint
@@ -80,6 +81,8 @@ class Trainer:
             self.tokenizer.vocab_size, config.tokenizer.make_vocab_size_divisible_by, config.dims.tp)
 
         model = build_model(model_provider, config, pgs, self.rng_tracker, device)  # per shard on a GPU
+        # --compile: each layer's forward on its own (hooks stay outside); reported once after warm-up
+        self.compile_report = CompileReport(compile_layers(model.layers)) if config.training.compile else None
         self.model = DistributedDataParallel(model, pgs, config.ddp)
         if config.simulation.active:  # virtual time from here on (--exit-duration-in-mins counts it from 0)
             self.clock = self._simulated_clock(model)
@@ -372,6 +375,7 @@ class Trainer:
         self._count_from_heal(run)  # (before this step's counts: a heal happens at a step's start)
         losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
         self.iteration += 1
+        self._report_compile()
         # This site's position advances by its own micro-batches; the loop counts the job's.
         site_samples = step.num_microbatches * t.micro_batch_size * self.config.dims.dp_intra
         self.site_consumed_samples += site_samples
@@ -390,6 +394,14 @@ class Trainer:
             check_finite_loss(site_losses, t.fp16)
         for k, v in site_losses.items():
             acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
+
+    def _report_compile(self) -> None:
+        """--compile: the graph-break/recompilation line, once, from one rank per pipeline stage
+        (stages compile different layers, so each speaks for its own)."""
+        line = self.compile_report.after_step(self.iteration) if self.compile_report is not None else None
+        pgs = self.pgs
+        if line and pgs.tp_rank == 0 and pgs.dp_intra_rank == 0 and pgs.site_rank == 0:
+            print(f"> {line}" + (f" [PP stage {pgs.pp_rank}]" if self.config.dims.pp > 1 else ""), flush=True)
 
     def log_interval(self, run: Run) -> None:
         """One log line (and tensorboard scalars and a JSON record) for the interval just
@@ -476,6 +488,7 @@ class Trainer:
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
         result.clock_seconds = self.clock.now() - run_start
         result.synchronizer = self.synchronizer
+        result.compile_counts = self.compile_report.counts if self.compile_report is not None else None
         if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync (each rank's own steps)
             result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - run.start_iter,
                                                 self.device)

@@ -220,3 +220,27 @@ def test_a_cpu_runs_optimizer_state_resumes_on_the_fused_gpu_kernel():
     cpu[0].grad = torch.ones_like(cpu[0])
     saved_by.step()
     torch.testing.assert_close(gpu[0].detach().cpu(), cpu[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_layer_on_the_gpu_gives_the_eager_layers_output_and_gradients(monkeypatch):
+    # --compile's unit on the GPU (inductor's Triton kernels): one Llama-style layer, fp32
+    import copy
+
+    from megatron_lsgd.core.transformer.compile import compile_layers
+    from tests.unit_tests.test_compile import llama_layer
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 products in both
+    eager, rotary, x = llama_layer(GPU)
+    compiled = copy.deepcopy(eager)
+    assert compile_layers([compiled]) == 1
+    outs = []
+    for layer in (eager, compiled):
+        xi = x.clone().requires_grad_()
+        y = layer(xi, rotary, None)
+        y.square().mean().backward()
+        outs.append((y.detach(), xi.grad, [p.grad for p in layer.parameters()]))
+    (ye, ge, pe), (yc, gc, pc) = outs
+    torch.testing.assert_close(yc, ye, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
+    for a, b in zip(pc, pe):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

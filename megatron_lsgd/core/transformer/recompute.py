@@ -20,6 +20,7 @@ import contextlib
 import threading
 from typing import Callable, List, Optional
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 GRANULARITIES = ("full", "selective")
@@ -52,6 +53,11 @@ def checkpointed(fn: Callable, rng_tracker, *args):
         replay = _replay(rng_tracker, states) if rng_tracker is not None else _flag_only()
         return contextlib.nullcontext(), replay
 
+    if torch.compiler.is_compiling():
+        # inside a --compile layer (selective recomputation): dynamo's own checkpoint, which takes
+        # no context_fn; the compiled backward recomputes the region. Attention dropout there
+        # draws from inductor's generator (not tried with TP's tracker fork: docs/performance.md)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
 
 
