@@ -117,6 +117,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
                       seconds=result.clock_seconds - result.evaluation_seconds,  # training time
                       evaluation_seconds=result.evaluation_seconds,
                       iterations=result.iteration, samples=result.consumed_samples, traffic=result.traffic,
+                      comm=result.comm,  # exposed communication (tools/plan.py reads it)
                       stats=result.sync_stats)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(record, f)

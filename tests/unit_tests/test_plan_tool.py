@@ -1,0 +1,161 @@
+"""tools/plan.py: the job's parsing, the memory model, the quality evidence, bad input, and
+(slow) the agreement of its pilots with the leaderboard's."""
+
+import glob
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
+from tools.planning.evidence import algorithm_of, far_beyond, read_evidence  # noqa: E402
+from tools.planning.job import Model, job_from_toml  # noqa: E402
+from tools.planning.memory import memory_per_gpu  # noqa: E402
+
+SCENARIOS = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
+
+
+def test_a_leaderboard_scenario_is_a_job_and_its_scenario_charges_the_same(tmp_path):
+    path = os.path.join(SCENARIOS, "3site-1gbit-straggler.toml")
+    job = job_from_toml(path)
+    assert job.sites == 3 and job.params == 1e9 and job.tokens_per_step == 3 * 65536
+    assert job.gpus_per_site == [8, 8, 8] and job.site_factors == [1.0, 1.0, 2.0]
+    assert job.total_tokens == 20e9 and job.notes  # assumed, and said so
+    written = tmp_path / "job.toml"
+    written.write_text(job.scenario_toml())
+    mine, board = load_scenario(str(written)), load_scenario(path)
+    for key in ("sites", "microbatch_seconds", "optimizer_step_seconds", "intra_site_gbit", "site_factors",
+                "rate_mbit", "latency_ms"):
+        assert getattr(mine, key) == pytest.approx(getattr(board, key)), key
+    assert mine.bytes_scale_for(1_491_584) == pytest.approx(board.bytes_scale_for(1_491_584))
+
+
+def test_job_file_with_model_shape_and_job_table(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text('sites = 2\n[compute]\ngpus_per_replica = 8\nsustained_tflops = 400\n[link]\nrate_mbit = [1000, 500]\n'
+                 'latency_ms = 30\n[model]\nnum_layers = 2\nhidden_size = 64\nnum_attention_heads = 4\n'
+                 'vocab_size = 100\nswiglu = false\nuntie_embeddings = false\n'
+                 '[job]\ntokens_per_step = 8192\ntotal_tokens = 1e6\nseq_length = 512\ntensor_parallel = 2\n')
+    job = job_from_toml(str(f))
+    # by hand: per layer 4 x 64^2 attention + 2 x 64 x 256 MLP + 2 x 64 norms = 49280; final norm 64;
+    # tied embedding 100 x 64
+    assert job.params == 2 * 49280 + 64 + 6400
+    assert job.rate_mbit == [1000.0, 500.0] and job.latency_ms == [30.0, 30.0]
+    assert job.tensor_parallel == 2 and job.dp_intra() == 4 and job.steps == 123  # ceil(1e6 / 8192)
+
+
+def test_llama_shape_counts_like_llama_7b():
+    llama = Model(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, vocab_size=32000)
+    assert llama.parameter_count() == pytest.approx(6.738e9, rel=1e-3)  # Llama-2-7B's published count
+
+
+def test_memory_per_component_by_hand():
+    # 8e9 params, TP 2, PP 2, DP_intra 4: local 2e9, shard 5e8
+    m = memory_per_gpu(8e9, tp=2, pp=2, dp_intra=4, algorithm="dilocox", compression="int4", outer_momentum=True,
+                       seq=1024, micro_batch=2, hidden=1024, heads=16, layers=8, recompute="selective",
+                       microbatches=8)
+    assert m.weights == 4e9 and m.gradients == 8e9 and m.optimizer == 6e9
+    assert m.outer_state == 4e9 and m.compressor == 2e9 and m.algorithm_buffers == 0
+    # 34 x s b h / TP per layer, 8 / 2 layers a stage, min(PP, 8) = 2 micro-batches in flight
+    assert m.activations == 34 * 1024 * 2 * 1024 / 2 * 4 * 2
+    full = memory_per_gpu(8e9, 2, 2, 4, "acco", "none", False, 1024, 2, 1024, 16, 8, "full", 8)
+    assert full.outer_state == 0 and full.compressor == 0
+    assert full.algorithm_buffers == 4 * 2e9 + 4 * 5e8  # second gradient buffer + the worker's fp32 copy
+    assert full.activations == 2 * 1024 * 2 * 1024 * 4 * 2
+    none = memory_per_gpu(8e9, 2, 2, 4, "sync", "none", False, 1024, 2, 1024, 16, 8, "none", 1)
+    assert none.activations == 1024 * 2 * 1024 * (34 + 5 * 16 * 1024 / 1024) / 2 * 4 * 1
+    assert none.outer_state == 0 and none.total == 4e9 + 8e9 + 6e9 + none.activations
+
+
+def _quality_json(path, sync_curve, curves, argv_extra=()):
+    argv = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+            "--global-batch-size", "16", "--train-iters", "1000", "--swiglu", *argv_extra]
+    data = {"label": "test", "argv": argv, "sync": {"sync": {"1": {"train": sync_curve}, "2": {"train": sync_curve}}},
+            "results": {label: {"1": {"train": c}, "2": {"train": c}} for label, c in curves.items()}}
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_evidence_multiplier_provenance_and_no_extrapolation(tmp_path):
+    sync = [10.0 - 0.1 * i for i in range(20)]
+    fast = [10.0 - 0.2 * i for i in range(10)] + [8.0] * 10
+    slow = [10.0 - 0.05 * i for i in range(20)]  # never does
+    e = read_evidence(_quality_json(tmp_path / "q.json", sync, {"diloco-H100": fast, "dpu": slow}))
+    assert e.tokens == 1000 * 16 * 128 and e.seeds == ["1", "2"]
+    assert e.params == Model(num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=8192,
+                             untie_embeddings=False).parameter_count()
+    # sync ends at 8.3 (mean of its last 5); the running mean of 5 first gets there at point 12 of 20
+    assert e.figures["diloco"].multiplier == pytest.approx(0.6)
+    assert e.figures["dpu"].multiplier is None and e.figures["dpu"].final_gap > 0
+    assert far_beyond(e, e.params * 100, e.tokens_per_param)  # 100x the model: said so
+    assert not far_beyond(e, e.params * 2, e.tokens_per_param * 2)
+    assert algorithm_of("streaming-default") == "streaming-diloco" and algorithm_of("a-edit-tau50") == "a-edit"
+
+
+def test_every_committed_quality_page_loads():
+    pages = glob.glob(os.path.join(ROOT, "docs", "quality*.json"))
+    assert pages
+    for page in pages:
+        e = read_evidence(page)
+        assert 1e6 < e.params < 1e8 and e.tokens > 0 and e.figures
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--sites", "2", "--rate-mbit", "100", "--tokens-per-step", "8192", "--sustained-tflops", "400"], "--params"),
+    (["--sites", "1", "--rate-mbit", "100", "--tokens-per-step", "8192", "--params", "1e9",
+      "--sustained-tflops", "400"], "sites"),
+    (["--sites", "2", "--rate-mbit", "100,1,3", "--tokens-per-step", "8192", "--params", "1e9",
+      "--sustained-tflops", "400"], "--rate-mbit"),
+    (["--sites", "2", "--rate-mbit", "100", "--tokens-per-step", "8192", "--params", "1e9"], "--sustained-tflops"),
+    (["--sites", "2", "--rate-mbit", "0", "--tokens-per-step", "8192", "--params", "1e9",
+      "--sustained-tflops", "400"], "--rate-mbit"),
+    (["--sites", "2", "--rate-mbit", "100", "--tokens-per-step", "8192", "--params", "1e9",
+      "--sustained-tflops", "400", "--gpus-per-site", "8", "--tensor-parallel", "3"], "--tensor-parallel"),
+    (["--sites", "2", "--rate-mbit", "x", "--tokens-per-step", "8192"], "--rate-mbit"),
+    (["--job", "/no/such/job.toml"], "--job /no/such/job.toml"),
+    (["--sites", "2", "--rate-mbit", "100", "--tokens-per-step", "8192", "--params", "1e9",
+      "--sustained-tflops", "400", "--algorithms", "sync,nope"], "--algorithms"),
+])
+def test_bad_input_is_one_error_line_naming_the_flag(argv, names, capsys):
+    import plan
+
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and names in err[0], err
+
+
+def test_bad_job_file_names_the_key(tmp_path, capsys):
+    import plan
+
+    f = tmp_path / "job.toml"
+    f.write_text("sites = 2\n[compute]\nsustained_tflops = 400\n[link]\nrate_mbit = 100\n[model]\nparms = 1e9\n")
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(["--job", str(f)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "parms" in err and "[model]" in err
+
+
+@pytest.mark.slow
+def test_pilot_pace_equals_the_boards_pilot():
+    """The planner's pilots on a leaderboard scenario give the board's pace within 2% (sync
+    from its 300-step cell, diloco from its pilot cell): the same synchronizer, clock and
+    scenario, a shorter run of whole rounds."""
+    from tools.planning.pilots import run_pilots
+
+    name = "2x8gpu-1gbit-1b"
+    path = os.path.join(SCENARIOS, f"{name}.toml")
+    paces = run_pilots(["sync", "diloco"], path, load_scenario(path), 10, progress=lambda line: None)
+    cells = os.path.join(ROOT, "docs", "leaderboard", "cells")
+    sync = json.load(open(glob.glob(os.path.join(cells, f"{name}__sync__seed1__*.json"))[0]))
+    diloco = json.load(open(glob.glob(os.path.join(cells, f"{name}__diloco_pilot__seed1__*.json"))[0]))
+    assert paces["sync"].seconds_per_step == pytest.approx(sync["seconds"] / sync["steps"], rel=0.02)
+    assert paces["diloco"].seconds_per_step == pytest.approx(diloco["seconds"] / diloco["steps"], rel=0.02)
+    assert paces["diloco"].steps == 100  # one whole round of the board's H

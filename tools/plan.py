@@ -1,0 +1,331 @@
+#!/usr/bin/env python
+"""Which algorithm, with which settings, trains my model fastest over my link?
+
+    python tools/plan.py --sites 2 --gpus-per-site 8 --sustained-tflops 400 --rate-mbit 1000 \\
+        --latency-ms 30 --params 1e9 --tokens-per-step 131072 --total-tokens 20e9
+    python tools/plan.py --job tools/benchmarks/scenarios/2x8gpu-1gbit-1b.toml --json plan.json
+
+For every algorithm it runs a short pilot on the simulated clock (the leaderboard's pilot:
+the real synchronizer, a tiny stand-in GPT whose cross-site bytes are charged as the target
+model's, tools/planning/pilots.py), and from it states the time per step, the exposed
+communication and the cross-site bytes per step. Memory per GPU comes from the layout
+(tools/planning/memory.py), quality from the project's measured evidence, labelled with
+where it was measured (tools/planning/evidence.py). The ranking is by predicted time to
+sync's loss: time per step x steps x the measured token multiplier; for an algorithm without a
+measured multiplier (it did not reach sync's loss where it was measured) that is only a lower
+bound (x 1), shown with ">=". The job is given by flags or by a TOML file in the
+leaderboard's scenario format with [model] and [job] tables (tools/planning/job.py); flags
+given beside --job override it. docs/planning.md has worked examples.
+
+A tool, not part of the package (`python -m megatron_lsgd.plan` would be): it drives the
+leaderboard's pieces, which live under tools/benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import _bootstrap  # noqa: F401
+from megatron_lsgd import cli
+from megatron_lsgd.training.scenario import load_scenario
+from tools.benchmarks.leaderboard_setup import ALGORITHMS
+from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
+from tools.planning.job import Job, Model, job_from_toml
+from tools.planning.memory import GIB, memory_per_gpu
+from tools.planning.pilots import Pace, run_pilots
+
+EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "docs", "quality*.json")
+COMPRESSED = {"dilocox": "int4"}  # leaderboard_setup.recommended's compression per algorithm
+
+
+def parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+    p.add_argument("--job", metavar="FILE", help="a job TOML (a leaderboard scenario, optionally with [model], [job])")
+    p.add_argument("--sites", type=int)
+    p.add_argument("--gpus-per-site", type=_ints, help="one number, or one per site (comma-separated)")
+    p.add_argument("--sustained-tflops", type=float, help="achieved TFLOP/s per GPU (e.g. 400 for an H100 at 40%%)")
+    p.add_argument("--step-seconds", type=float, help="or: a measured compute time of one step of a site")
+    p.add_argument("--site-factors", type=_floats, help="compute slowdown per site (1 = nominal; default 1)")
+    p.add_argument("--rate-mbit", type=_floats, help="link rate, one for all sites or one per site")
+    p.add_argument("--latency-ms", type=_floats, help="one-way delay, one for all or one per site (default 0)")
+    p.add_argument("--params", type=float, help="the model's parameter count (or give its shape)")
+    p.add_argument("--num-layers", type=int)
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--num-attention-heads", type=int)
+    p.add_argument("--num-query-groups", type=int)
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--tokens-per-step", type=float, help="tokens of one step, every site together")
+    p.add_argument("--total-tokens", type=float, help="tokens to train (default: 20 per parameter)")
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--tensor-parallel", type=int, help="per site (default 1)")
+    p.add_argument("--pipeline-parallel", type=int, help="per site (default 1)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], help="activation recomputation")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, for the warning")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated")
+    p.add_argument("--pilot-steps", type=int, default=10,
+                   help="at least this many steps per pilot, in whole intervals of the algorithm")
+    p.add_argument("--evidence", default=EVIDENCE, help="glob of quality JSON files (quality_frontier.py's)")
+    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': stdout, no table)")
+    return p
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise cli.argparse.ArgumentTypeError(f"{text!r} is not a whole number or a comma-separated list of them")
+
+
+def _floats(text: str) -> List[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise cli.argparse.ArgumentTypeError(f"{text!r} is not a number or a comma-separated list of numbers")
+
+
+def job_from_args(a) -> Job:
+    model_flags = dict(params=a.params, num_layers=a.num_layers, hidden_size=a.hidden_size,
+                       num_attention_heads=a.num_attention_heads, num_query_groups=a.num_query_groups,
+                       ffn_hidden_size=a.ffn_hidden_size)
+    if a.vocab_size is not None:
+        model_flags["vocab_size"] = a.vocab_size
+    overrides = dict(tokens_per_step=a.tokens_per_step, total_tokens=a.total_tokens, seq_length=a.seq_length,
+                     micro_batch_size=a.micro_batch_size, tensor_parallel=a.tensor_parallel,
+                     pipeline_parallel=a.pipeline_parallel, recompute=a.recompute, gpu_memory_gb=a.gpu_memory_gb,
+                     sustained_tflops=a.sustained_tflops, step_seconds=a.step_seconds)
+    sites = a.sites
+    if a.job:
+        if sites is not None or a.gpus_per_site or a.rate_mbit or a.latency_ms or a.site_factors:
+            raise ValueError("--job: give sites, GPUs and links in the file, not as flags beside it")
+        if a.params is not None or a.num_layers is not None:
+            raise ValueError("--job: give the model in the file's [model] table, not as flags beside it")
+        if a.sustained_tflops is not None or a.step_seconds is not None:
+            raise ValueError("--job: give the compute in the file's [compute] table, not as flags beside it")
+        return job_from_toml(a.job, overrides)
+    if sites is None:
+        raise ValueError("--sites is required (or --job FILE)")
+    if not a.rate_mbit:
+        raise ValueError("--rate-mbit is required (or --job FILE)")
+    if a.tokens_per_step is None:
+        raise ValueError("--tokens-per-step is required (or --job FILE)")
+
+    def spread(values, default, flag):
+        values = values or [default]
+        if len(values) not in (1, sites):
+            raise ValueError(f"{flag} has {len(values)} values for {sites} sites")
+        return values * sites if len(values) == 1 else values
+
+    model = Model(**{k: v for k, v in model_flags.items() if v is not None})
+    job = Job(sites=sites, gpus_per_site=spread(a.gpus_per_site, 1, "--gpus-per-site"),
+              rate_mbit=spread(a.rate_mbit, 0.0, "--rate-mbit"), latency_ms=spread(a.latency_ms, 0.0, "--latency-ms"),
+              site_factors=spread(a.site_factors, 1.0, "--site-factors"), model=model,
+              tokens_per_step=a.tokens_per_step, total_tokens=a.total_tokens or 0.0)
+    for key, value in overrides.items():
+        if value is not None and key != "total_tokens":
+            setattr(job, key, value)
+    if not a.total_tokens and (model.params or model.has_shape):
+        job.total_tokens = 20 * job.params
+        job.notes.append(f"--total-tokens not given: 20 tokens per parameter assumed ({job.total_tokens:.3g})")
+    job.validate()
+    return job
+
+
+@contextlib.contextmanager
+def ranks_output_to(path: str):
+    """The pilots' ranks print a whole training log each; it goes to a file (their errors
+    still reach stderr), so the progress lines stay readable."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def settings_flags(pace: Pace) -> List[str]:
+    return ["--lsgd-algorithm", pace.algorithm] + pace.settings
+
+
+def pretrain_flags(job: Job, pace: Pace) -> str:
+    """The flags one site's `pretrain_gpt.py` needs for this plan (besides model and data)."""
+    micro = job.micro_batch_size
+    global_batch = round(job.tokens_per_step / job.seq_length)
+    flags = [f"--num-sites {job.sites}", f"--tensor-model-parallel-size {job.tensor_parallel}",
+             f"--pipeline-model-parallel-size {job.pipeline_parallel}", f"--seq-length {job.seq_length}",
+             f"--micro-batch-size {micro}", f"--global-batch-size {global_batch}",
+             f"--train-tokens {int(job.total_tokens)}", "--use-distributed-optimizer", "--bf16"]
+    if job.tensor_parallel > 1:
+        flags.append("--sequence-parallel")
+    if job.recompute != "none":
+        flags.append(f"--recompute-granularity {job.recompute}")
+        if job.recompute == "full":
+            flags.append("--recompute-method uniform --recompute-num-layers 1")
+    flags += [" ".join(settings_flags(pace))]
+    if pace.algorithm in ("acco", "dpu"):
+        flags.append("--inter-site-backend gloo")  # their worker thread's groups (docs/algorithms/acco.md)
+    return " ".join(flags)
+
+
+def quality(job: Job, algorithm: str, evidence: List[Evidence]) -> Dict:
+    """The measured token multiplier to reach sync's loss, with its provenance."""
+    if algorithm == "sync":
+        return {"multiplier": 1.0, "source": "the reference (sync's loss is the target)", "far": []}
+    tpp = job.total_tokens / job.params
+    e = nearest(evidence, algorithm, job.params, tpp)
+    if e is None:
+        return {"multiplier": None, "source": "no measured evidence for this algorithm", "far": []}
+    fig = e.figures[algorithm]
+    return {"multiplier": fig.multiplier, "final_gap": fig.final_gap, "point": fig.point, "seeds": fig.seeds,
+            "source": e.label(), "far": far_beyond(e, job.params, tpp)}
+
+
+def warnings_for(job: Job, pace: Pace, memory_total: float, sync_pace: Optional[Pace]) -> List[str]:
+    out = []
+    if memory_total > job.gpu_memory_gb * GIB:
+        out.append(f"memory {memory_total / GIB:.1f} GiB per GPU exceeds {job.gpu_memory_gb:g} GB: more "
+                   f"--tensor-parallel/--pipeline-parallel or --recompute full")
+    if pace.seconds_per_step > 0 and pace.exposed_seconds_per_step > 0.5 * pace.seconds_per_step:
+        out.append(f"communication is {100 * pace.exposed_seconds_per_step / pace.seconds_per_step:.0f}% of each "
+                   f"step: its interval never hides the exchange on this link")
+    if pace.algorithm == "sync" and sync_pace and pace.exposed_seconds_per_step > pace.seconds_per_step / 2:
+        out.append("the link is too slow for per-step gradient exchange")
+    return out
+
+
+def plan(job: Job, algorithms: List[str], pilot_steps: int, evidence_glob: str, log_path: str) -> Dict:
+    evidence = load_all(evidence_glob)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "job.toml")
+        with open(path, "w") as f:
+            f.write(job.scenario_toml())
+        scenario = load_scenario(path)
+        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        with ranks_output_to(log_path):
+            paces = run_pilots(algorithms, path, scenario, pilot_steps, progress=say)
+    microbatches = max(1, round(job.tokens_per_step / job.sites / job.seq_length / job.micro_batch_size
+                                / job.dp_intra()))
+    rows = []
+    for algorithm, pace in paces.items():
+        if pace is None:
+            continue
+        mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(), algorithm,
+                             COMPRESSED.get(algorithm, "none"), outer_momentum=False, seq=job.seq_length,
+                             micro_batch=job.micro_batch_size, hidden=job.model.hidden_for_memory(),
+                             heads=job.model.num_attention_heads or max(1, job.model.hidden_for_memory() // 128),
+                             layers=job.model.layers_for_memory(), recompute=job.recompute, microbatches=microbatches)
+        q = quality(job, algorithm, evidence)
+        train_seconds = pace.seconds_per_step * job.steps
+        # without a measured multiplier only a lower bound: the tokens' time (x 1)
+        to_loss = train_seconds * (q["multiplier"] if q["multiplier"] is not None else 1.0)
+        rows.append({"algorithm": algorithm, "flags": settings_flags(pace), "pilot_steps": pace.steps,
+                     "seconds_per_step": pace.seconds_per_step,
+                     "exposed_comm_seconds_per_step": pace.exposed_seconds_per_step,
+                     "cross_site_bytes_per_step": pace.cross_site_bytes_per_step,
+                     "cross_site_bytes_per_run": pace.cross_site_bytes_per_step * job.steps,
+                     "memory_gib": {k: v / GIB for k, v in mem.as_dict().items()}, "memory_total_gib": mem.total / GIB,
+                     "train_seconds": train_seconds, "quality": q, "seconds_to_sync_loss": to_loss,
+                     "seconds_to_sync_loss_is_lower_bound": q["multiplier"] is None,
+                     "pretrain_gpt_flags": pretrain_flags(job, pace),
+                     "warnings": warnings_for(job, pace, mem.total, paces.get("sync"))})
+    rows.sort(key=lambda r: r["seconds_to_sync_loss"])
+    return {"job": {"description": job.description, "sites": job.sites, "gpus_per_site": job.gpus_per_site,
+                    "rate_mbit": job.rate_mbit, "latency_ms": job.latency_ms, "site_factors": job.site_factors,
+                    "params": job.params, "tokens_per_step": job.tokens_per_step, "total_tokens": job.total_tokens,
+                    "steps": job.steps, "tensor_parallel": job.tensor_parallel,
+                    "pipeline_parallel": job.pipeline_parallel, "recompute": job.recompute, "notes": job.notes},
+            "scenario": job.scenario_toml(), "evidence": [e.label() for e in evidence], "rows": rows,
+            "timing": "simulated clock (core/simulation.py) running each real synchronizer on the leaderboard's "
+                      "stand-in GPT, cross-site bytes scaled to the target"}
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def table(result: Dict) -> str:
+    job = result["job"]
+    lines = [f"job: {job['sites']} sites x {job['gpus_per_site'][0]} GPUs, links {job['rate_mbit']} Mbit/s "
+             f"{job['latency_ms']} ms, slowdowns {job['site_factors']}, {job['params'] / 1e9:.3g}B params, "
+             f"{job['tokens_per_step']:.3g} tokens/step, {job['total_tokens']:.3g} tokens = {job['steps']} steps, "
+             f"TP {job['tensor_parallel']} PP {job['pipeline_parallel']}, recompute {job['recompute']}"]
+    lines += [f"note: {n}" for n in job["notes"]]
+    lines += [f"timing: {result['timing']}", "",
+              "| rank | algorithm | s/step | exposed comm s/step | cross-site GB/step | cross-site TB/run | "
+              "GiB/GPU | time for the tokens | tokens x to sync's loss | time to sync's loss |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(result["rows"], 1):
+        q = r["quality"]
+        mult = f"{q['multiplier']:.2f}" if q["multiplier"] is not None else \
+            f"not reached ({100 * q.get('final_gap', 0):+.1f}% loss)" if "final_gap" in q else "unmeasured"
+        to = (">= " if r["seconds_to_sync_loss_is_lower_bound"] else "") + _duration(r["seconds_to_sync_loss"])
+        lines.append(f"| {i} | {r['algorithm']} | {r['seconds_per_step']:.4g} | {r['exposed_comm_seconds_per_step']:.4g} "
+                     f"| {r['cross_site_bytes_per_step'] / 1e9:.4g} | {r['cross_site_bytes_per_run'] / 1e12:.4g} "
+                     f"| {r['memory_total_gib']:.1f} | {_duration(r['train_seconds'])} | {mult} | {to} |")
+    lines += ["", "quality evidence (per algorithm: the measurement nearest this job):"]
+    for r in result["rows"]:
+        q = r["quality"]
+        far = f"; FAR BEYOND WHAT WAS MEASURED: {', '.join(q['far'])}, the multiplier is not extrapolated" \
+            if q["far"] else ""
+        point = f" (point {q['point']}, seeds {','.join(q['seeds'])})" if "point" in q else ""
+        lines.append(f"- {r['algorithm']}: {q['source']}{point}{far}")
+    lines += ["", "memory per GPU (GiB: weights / gradients / optimizer / outer state / compressor / "
+                  "algorithm buffers / activations):"]
+    for r in result["rows"]:
+        m = r["memory_gib"]
+        lines.append(f"- {r['algorithm']}: " + " / ".join(f"{v:.2f}" for v in m.values()))
+    warned = [(r["algorithm"], w) for r in result["rows"] for w in r["warnings"]]
+    if warned:
+        lines += ["", "warnings:"] + [f"- {a}: {w}" for a, w in warned]
+    if result["rows"]:
+        best = result["rows"][0]
+        if best["seconds_to_sync_loss_is_lower_bound"]:
+            lines += ["", f"note: {best['algorithm']}'s time to sync's loss is a lower bound: where it was measured it "
+                          f"did not reach sync's loss (see its quality evidence)"]
+        lines += ["", f"recommended ({best['algorithm']}), on every site:",
+                  f"  python pretrain_gpt.py <model and data flags> {best['pretrain_gpt_flags']}"]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    a = parser().parse_args(argv)
+    with cli.user_errors():
+        algorithms = a.algorithms.split(",")
+        unknown = [x for x in algorithms if x not in ALGORITHMS]
+        if unknown:
+            raise ValueError(f"--algorithms: {unknown[0]!r} is not one of {', '.join(ALGORITHMS)}")
+        if a.pilot_steps < 1:
+            raise ValueError(f"--pilot-steps {a.pilot_steps}: must be >= 1")
+        job = job_from_args(a)
+        start = time.monotonic()
+        log = os.path.join(tempfile.gettempdir(), f"plan-pilots-{os.getpid()}.log")
+        print(f"> {len(algorithms)} pilots on the simulated clock (their ranks' logs: {log})", file=sys.stderr)
+        result = plan(job, algorithms, a.pilot_steps, a.evidence, log)
+        result["real_seconds"] = round(time.monotonic() - start, 1)
+        print(f"> planned in {result['real_seconds']} s of real time", file=sys.stderr)
+        if a.json:
+            text = json.dumps(result, indent=1)
+            if a.json == "-":
+                print(text)
+                return
+            with open(a.json, "w") as f:
+                f.write(text + "\n")
+        print(table(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The project's measured quality evidence, for the planner (tools/plan.py).
+
+Every quality page's JSON written by tools/benchmarks/quality_frontier.py (`docs/quality*.json`,
+the model-size ladder's `docs/quality-ladder-*.json` included) is read through one loader. Each
+file says in its argv the model it trained (layers, hidden size, sequence, batch, iterations)
+and in its results the seeds; from those come the model size, the tokens per parameter and
+the seeds of every figure, which label it wherever it is shown.
+
+The figure the planner needs is a multiplier: the tokens an algorithm needs to reach sync's
+final training loss, over sync's tokens (from the logged training curves, the mean over the
+seeds both ran). An algorithm that does not reach sync's loss within the measured run has no
+multiplier (`None`), only its final gap: nothing is extrapolated.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+VOCAB = 8192  # the quality runs' SentencePiece tokenizer (data/python-docs/python_docs_sp8k.model)
+FAR_FACTOR = 10.0  # a target this many times beyond the measured model size or tokens/param is "far"
+
+
+@dataclass
+class Figure:
+    point: str        # the quality page's label
+    algorithm: str
+    multiplier: Optional[float]  # tokens to sync's final training loss / sync's tokens (None: not reached)
+    final_gap: float  # final training loss / sync's - 1 (mean over seeds)
+    seeds: List[str]
+
+
+@dataclass
+class Evidence:
+    path: str
+    params: float
+    tokens: float
+    seeds: List[str]
+    figures: Dict[str, Figure]  # by algorithm: its best-measured point
+
+    @property
+    def tokens_per_param(self) -> float:
+        return self.tokens / self.params
+
+    def label(self) -> str:
+        return (f"{os.path.basename(self.path)}: {self.params / 1e6:.2g}M params, {self.tokens / 1e6:.3g}M tokens "
+                f"({self.tokens_per_param:.3g} tokens/param), seeds {','.join(self.seeds)}")
+
+
+def algorithm_of(point: str) -> str:
+    """The algorithm a quality page's point label names (labels begin with it)."""
+    for name in ("streaming-diloco", "streaming", "a-edit", "dilocox", "diloco", "muloco", "cocodc", "dreamddp",
+                 "acco", "dpu", "edit", "sparseloco"):
+        if point.startswith(name):
+            return {"streaming": "streaming-diloco"}.get(name, name)
+    return point.split("-")[0]
+
+
+def _flag(argv: Sequence[str], name: str, default=None):
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def trained_params(argv: Sequence[str]) -> float:
+    """The quality run's model from its argv (Llama-style: swiglu, no biases, untied unless
+    said otherwise: this project's default ties the embeddings)."""
+    from tools.planning.job import Model
+
+    h = int(_flag(argv, "--hidden-size"))
+    return Model(num_layers=int(_flag(argv, "--num-layers")), hidden_size=h,
+                 num_attention_heads=int(_flag(argv, "--num-attention-heads", 1)), vocab_size=VOCAB,
+                 swiglu="--swiglu" in argv,
+                 untie_embeddings="--untie-embeddings-and-output-weights" in argv).parameter_count()
+
+
+def _tail(losses: List[float], n: int = 5) -> float:
+    """The end of a logged curve, averaged over its last few points (one point is noisy)."""
+    return statistics.fmean(losses[-n:])
+
+
+def _steps_to(losses: List[float], target: float, n: int = 5) -> Optional[float]:
+    """The fraction of the run at which a curve's running mean first reaches `target`."""
+    for i in range(n - 1, len(losses)):
+        if statistics.fmean(losses[i - n + 1:i + 1]) <= target:
+            return (i + 1) / len(losses)
+    return None
+
+
+def read_evidence(path: str) -> Evidence:
+    with open(path) as f:
+        data = json.load(f)
+    try:
+        argv, results, sync = data["argv"], data["results"], data["sync"]["sync"]
+    except (KeyError, TypeError):
+        raise ValueError(f"{path}: not a quality page's JSON (keys label, argv, sync, results)") from None
+    params = trained_params(argv)
+    tokens = float(_flag(argv, "--train-iters")) * float(_flag(argv, "--global-batch-size")) * \
+        float(_flag(argv, "--seq-length"))
+    figures: Dict[str, Figure] = {}
+    for point, by_seed in results.items():
+        seeds = sorted(s for s in by_seed if s in sync and by_seed[s].get("train") and sync[s].get("train"))
+        if not seeds:
+            continue
+        fractions, gaps = [], []
+        for seed in seeds:
+            target = _tail(sync[seed]["train"])
+            fractions.append(_steps_to(by_seed[seed]["train"], target))
+            gaps.append(_tail(by_seed[seed]["train"]) / target - 1)
+        multiplier = statistics.fmean(fractions) if all(f is not None for f in fractions) else None
+        figure = Figure(point, algorithm_of(point), multiplier, statistics.fmean(gaps), seeds)
+        best = figures.get(figure.algorithm)
+        if best is None or _better(figure, best):
+            figures[figure.algorithm] = figure
+    all_seeds = sorted({s for f in figures.values() for s in f.seeds})
+    return Evidence(path, params, tokens, all_seeds, figures)
+
+
+def _better(a: Figure, b: Figure) -> bool:
+    if (a.multiplier is None) != (b.multiplier is None):
+        return a.multiplier is not None
+    if a.multiplier is not None:
+        return a.multiplier < b.multiplier
+    return a.final_gap < b.final_gap
+
+
+def load_all(pattern: str) -> List[Evidence]:
+    """Every quality JSON the pattern finds (docs/quality*.json by default), sorted by path."""
+    out = []
+    for path in sorted(glob.glob(pattern)):
+        out.append(read_evidence(path))
+    return out
+
+
+def distance(e: Evidence, params: float, tokens_per_param: float) -> float:
+    """How far a measurement is from the user's regime: log-distance in model size and in
+    tokens per parameter, equally weighted."""
+    return math.hypot(math.log10(params / e.params), math.log10(tokens_per_param / e.tokens_per_param))
+
+
+def nearest(evidence: List[Evidence], algorithm: str, params: float, tokens_per_param: float) -> Optional[Evidence]:
+    """The file nearest the user's regime that measured the algorithm."""
+    have = [e for e in evidence if algorithm in e.figures or algorithm == "sync"]
+    return min(have, key=lambda e: distance(e, params, tokens_per_param)) if have else None
+
+
+def far_beyond(e: Evidence, params: float, tokens_per_param: float) -> List[str]:
+    """Why the user's target is far outside what this file measured (empty: it is not)."""
+    reasons = []
+    if params > FAR_FACTOR * e.params or params < e.params / FAR_FACTOR:
+        reasons.append(f"model {params / 1e9:.3g}B params vs measured {e.params / 1e6:.2g}M "
+                       f"({params / e.params:.3g}x)")
+    ratio = tokens_per_param / e.tokens_per_param
+    if ratio > FAR_FACTOR or ratio < 1 / FAR_FACTOR:
+        reasons.append(f"{tokens_per_param:.3g} tokens/param vs measured {e.tokens_per_param:.3g}")
+    return reasons

@@ -1,0 +1,277 @@
+"""The job a user asks the planner about (tools/plan.py): sites, links, model, tokens, layout.
+
+A job comes from flags or from a TOML file in the leaderboard's scenario format
+(tools/benchmarks/scenarios/, read by megatron_lsgd.training.scenario), extended by two
+tables the simulated clock does not read:
+
+    [model]                      # a Megatron shape, or params = 7e9
+    num_layers = 32
+    hidden_size = 4096
+    num_attention_heads = 32
+    num_query_groups = 8         # default: num_attention_heads
+    ffn_hidden_size = 14336      # default: 4 x hidden (8/3 x hidden with swiglu)
+    vocab_size = 32000
+    swiglu = true
+    untie_embeddings = true
+    [job]
+    tokens_per_step = 4194304    # the whole job's, every site together
+    total_tokens = 2e12
+    seq_length = 4096
+    micro_batch_size = 1
+    tensor_parallel = 8          # per site
+    pipeline_parallel = 1
+    recompute = "selective"      # none, selective or full
+
+A leaderboard scenario file is a job as it stands: its target_params is the model and
+sites x tokens_per_microbatch the tokens per step. What the clock needs is written back as a
+plain scenario file (`scenario_toml`), so the planner's pilots and the board's read the same
+kind of file through the same loader.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+MODEL_KEYS = {"params", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "vocab_size", "swiglu", "untie_embeddings"}
+JOB_KEYS = {"tokens_per_step", "total_tokens", "seq_length", "micro_batch_size", "tensor_parallel",
+            "pipeline_parallel", "recompute"}
+RECOMPUTE = ("none", "selective", "full")
+DEFAULT_SEQ = 4096
+
+
+@dataclass
+class Model:
+    """A GPT's shape (Llama-style when swiglu), or only its parameter count."""
+    params: Optional[float] = None
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    vocab_size: int = 32000
+    swiglu: bool = True
+    untie_embeddings: bool = True
+
+    @property
+    def has_shape(self) -> bool:
+        return self.num_layers is not None and self.hidden_size is not None
+
+    def parameter_count(self) -> float:
+        """Given, or counted from the shape: attention (q, k, v, output), the MLP, two norms
+        per layer, the final norm, the word embedding and, untied, the output layer."""
+        if not self.has_shape:
+            return float(self.params)
+        h, layers = self.hidden_size, self.num_layers
+        heads = self.num_attention_heads or max(1, h // 128)
+        groups = self.num_query_groups or heads
+        kv = h // heads * groups
+        ffn = self.ffn_hidden_size or (int(8 * h / 3) if self.swiglu else 4 * h)
+        attention = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.swiglu else 2) * h * ffn
+        per_layer = attention + mlp + 2 * h
+        embeddings = self.vocab_size * h * (2 if self.untie_embeddings else 1)
+        return float(layers * per_layer + h + embeddings)
+
+    def layers_for_memory(self) -> int:
+        """Layers, or a guess from the count (a Llama-like aspect: hidden ~ 128 x layers)."""
+        if self.num_layers:
+            return self.num_layers
+        return max(2, round((self.params / (12 * 128 ** 2)) ** (1 / 3)))
+
+    def hidden_for_memory(self) -> int:
+        return self.hidden_size or 128 * self.layers_for_memory()
+
+
+@dataclass
+class Job:
+    sites: int
+    gpus_per_site: List[int]
+    rate_mbit: List[float]
+    latency_ms: List[float]
+    site_factors: List[float]
+    model: Model
+    tokens_per_step: float
+    total_tokens: float
+    sustained_tflops: Optional[float] = None  # per GPU; or
+    step_seconds: Optional[float] = None      # a measured compute time of one step (every site alike)
+    hbm_gbyte_s: float = 3000.0
+    intra_site_gbit: float = 3200.0
+    gpu_memory_gb: float = 80.0
+    seq_length: int = DEFAULT_SEQ
+    micro_batch_size: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    recompute: str = "selective"
+    description: str = ""
+    source: str = "flags"
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def params(self) -> float:
+        return self.model.parameter_count()
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.total_tokens / self.tokens_per_step))
+
+    def dp_intra(self, site: int = 0) -> int:
+        return self.gpus_per_site[site] // (self.tensor_parallel * self.pipeline_parallel)
+
+    def validate(self) -> None:
+        """Each error names the flag or key (the TOML keys have the flags' names)."""
+        where = self.source
+        if self.sites < 2:
+            raise ValueError(f"{where}: sites = {self.sites}: the planner compares cross-site algorithms, give >= 2")
+        for name, values in (("--gpus-per-site", self.gpus_per_site), ("--rate-mbit", self.rate_mbit),
+                             ("--latency-ms", self.latency_ms), ("--site-factors", self.site_factors)):
+            if len(values) != self.sites:
+                raise ValueError(f"{where}: {name} has {len(values)} values for {self.sites} sites")
+        if any(g < 1 for g in self.gpus_per_site):
+            raise ValueError(f"{where}: --gpus-per-site {self.gpus_per_site}: every site needs >= 1 GPU")
+        if len(set(self.gpus_per_site)) > 1:
+            raise ValueError(f"{where}: --gpus-per-site {self.gpus_per_site}: sites of different sizes are not "
+                             f"supported (the same model layout runs on every site); give a slowdown with "
+                             f"--site-factors instead")
+        if any(r <= 0 for r in self.rate_mbit):
+            raise ValueError(f"{where}: --rate-mbit {self.rate_mbit}: every link needs a rate > 0")
+        if any(f <= 0 for f in self.site_factors):
+            raise ValueError(f"{where}: --site-factors {self.site_factors}: slowdowns must be > 0 (1 = nominal)")
+        if self.model.params is None and not self.model.has_shape:
+            raise ValueError(f"{where}: give the model: --params, or --num-layers and --hidden-size")
+        if self.params <= 0:
+            raise ValueError(f"{where}: --params {self.model.params}: must be > 0")
+        if (self.sustained_tflops is None) == (self.step_seconds is None):
+            raise ValueError(f"{where}: give exactly one of --sustained-tflops (per GPU, achieved) and "
+                             f"--step-seconds (a measured compute time of one step)")
+        for name, value in (("--tokens-per-step", self.tokens_per_step), ("--total-tokens", self.total_tokens),
+                            ("--sustained-tflops", self.sustained_tflops), ("--step-seconds", self.step_seconds),
+                            ("--gpu-memory-gb", self.gpu_memory_gb)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{where}: {name} {value}: must be a finite number > 0")
+        if self.total_tokens < self.tokens_per_step:
+            raise ValueError(f"{where}: --total-tokens {self.total_tokens:g} is less than one step's "
+                             f"--tokens-per-step {self.tokens_per_step:g}")
+        per_site = self.tokens_per_step / self.sites
+        if per_site < self.seq_length * self.micro_batch_size:
+            raise ValueError(f"{where}: --tokens-per-step {self.tokens_per_step:g} gives each site {per_site:g} "
+                             f"tokens, less than one micro-batch (--seq-length x --micro-batch-size)")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"{where}: --recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        for name, value in (("--tensor-parallel", self.tensor_parallel), ("--pipeline-parallel", self.pipeline_parallel)):
+            if value < 1:
+                raise ValueError(f"{where}: {name} {value}: must be >= 1")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.gpus_per_site[0] % model_parallel:
+            raise ValueError(f"{where}: --gpus-per-site {self.gpus_per_site[0]} is not a multiple of "
+                             f"--tensor-parallel x --pipeline-parallel = {model_parallel}")
+        if self.model.num_layers and self.model.num_layers % self.pipeline_parallel:
+            raise ValueError(f"{where}: --num-layers {self.model.num_layers} is not a multiple of "
+                             f"--pipeline-parallel {self.pipeline_parallel}")
+
+    def scenario_toml(self) -> str:
+        """The simulated clock's scenario for this job (the leaderboard's format): one trained
+        micro-batch per site per step stands for the site's share of a step's tokens."""
+        lines = [f"# written by tools/plan.py for: {self.description or 'the job on its command line'}",
+                 f"description = {json.dumps(self.description or 'planned job')}", f"sites = {self.sites}", "",
+                 "[compute]"]
+        if self.step_seconds is not None:
+            lines += [f"microbatch_seconds = {self.step_seconds!r}",
+                      f"optimizer_step_seconds = {16 * self.params / self.gpus_per_site[0] / (self.hbm_gbyte_s * 1e9)!r}"]
+        else:
+            lines += [f"target_params = {self.params!r}",
+                      f"tokens_per_microbatch = {self.tokens_per_step / self.sites!r}",
+                      f"gpus_per_replica = {self.gpus_per_site[0]}",
+                      f"sustained_tflops = {self.sustained_tflops!r}",
+                      f"hbm_gbyte_s = {self.hbm_gbyte_s!r}"]
+        lines += [f"intra_site_gbit = {self.intra_site_gbit!r}", f"site_factors = {self.site_factors!r}", "",
+                  "[link]", f"rate_mbit = {self.rate_mbit!r}", f"latency_ms = {self.latency_ms!r}",
+                  f"target_params = {self.params!r}"]
+        return "\n".join(lines) + "\n"
+
+
+def _spread(values: List[float], sites: int) -> List[float]:
+    """One value for every site, or one per site as given."""
+    return list(values) * sites if len(values) == 1 else list(values)
+
+
+def job_from_toml(path: str, overrides: Optional[Dict] = None) -> Job:
+    """A job file (a leaderboard scenario, optionally with [model] and [job]); every error
+    names the file and the key. `overrides`: values given as flags, which win."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as err:
+        raise ValueError(f"--job {path}: cannot read it ({err.strerror})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"--job {path}: not valid TOML ({err})") from None
+    where = f"--job {path}"
+    known = {"description", "sites", "compute", "link", "model", "job"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    tables = {name: data.get(name, {}) for name in ("compute", "link", "model", "job")}
+    from megatron_lsgd.training.scenario import COMPUTE_KEYS, LINK_KEYS
+    for name, keys in (("compute", COMPUTE_KEYS), ("link", LINK_KEYS), ("model", MODEL_KEYS), ("job", JOB_KEYS)):
+        if not isinstance(tables[name], dict):
+            raise ValueError(f"{where}: [{name}] must be a table")
+        typos = sorted(set(tables[name]) - keys)
+        if typos:
+            raise ValueError(f"{where} [{name}]: unknown key(s) {', '.join(typos)} (known: {', '.join(sorted(keys))})")
+    compute, link, model_t, job_t = tables["compute"], tables["link"], tables["model"], tables["job"]
+    sites = data.get("sites")
+    if not isinstance(sites, int) or isinstance(sites, bool):
+        raise ValueError(f"{where}: sites = {sites!r} must be a whole number >= 2")
+
+    def listed(table: dict, key: str, default) -> List[float]:
+        value = table.get(key, default)
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{where}: {key} = {value!r} must be a number or a list of numbers")
+        return _spread([float(v) for v in values], sites)
+
+    def number(table: dict, key: str, kind=float, default=None):
+        value = table.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ValueError(f"{where}: {key} = {value!r} must be a {'whole ' if kind is int else ''}number")
+        return kind(value)
+
+    model = Model(params=number(model_t, "params") or number(compute, "target_params") or number(link, "target_params"),
+                  num_layers=number(model_t, "num_layers", int), hidden_size=number(model_t, "hidden_size", int),
+                  num_attention_heads=number(model_t, "num_attention_heads", int),
+                  num_query_groups=number(model_t, "num_query_groups", int),
+                  ffn_hidden_size=number(model_t, "ffn_hidden_size", int),
+                  vocab_size=number(model_t, "vocab_size", int, 32000),
+                  swiglu=bool(model_t.get("swiglu", True)), untie_embeddings=bool(model_t.get("untie_embeddings", True)))
+    tokens_mb = number(compute, "tokens_per_microbatch")
+    tokens_per_step = number(job_t, "tokens_per_step") or (tokens_mb * sites if tokens_mb else None)
+    if tokens_per_step is None:
+        raise ValueError(f"{where}: give [job] tokens_per_step (or [compute] tokens_per_microbatch)")
+    seq = number(job_t, "seq_length", int, DEFAULT_SEQ)
+    values = dict(
+        sites=sites, gpus_per_site=[int(g) for g in listed(compute, "gpus_per_replica", 1)],
+        rate_mbit=listed(link, "rate_mbit", 0.0), latency_ms=listed(link, "latency_ms", 0.0),
+        site_factors=listed(compute, "site_factors", 1.0), model=model, tokens_per_step=tokens_per_step,
+        total_tokens=number(job_t, "total_tokens") or 20 * model.parameter_count() if (model.params or model.has_shape)
+        else 0.0,
+        sustained_tflops=number(compute, "sustained_tflops"), step_seconds=number(compute, "microbatch_seconds"),
+        hbm_gbyte_s=number(compute, "hbm_gbyte_s", float, 3000.0),
+        intra_site_gbit=number(compute, "intra_site_gbit", float, 3200.0),
+        seq_length=seq, micro_batch_size=number(job_t, "micro_batch_size", int, 1),
+        tensor_parallel=number(job_t, "tensor_parallel", int, 1),
+        pipeline_parallel=number(job_t, "pipeline_parallel", int, 1),
+        recompute=str(job_t.get("recompute", "selective")), description=str(data.get("description", "")),
+        source=where)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    job = Job(**values)
+    if "total_tokens" not in job_t and not (overrides or {}).get("total_tokens"):
+        job.notes.append(f"total tokens not given: 20 tokens per parameter assumed ({job.total_tokens:.3g})")
+    job.validate()
+    return job
