@@ -159,3 +159,20 @@ def test_pilot_pace_equals_the_boards_pilot():
     assert paces["sync"].seconds_per_step == pytest.approx(sync["seconds"] / sync["steps"], rel=0.02)
     assert paces["diloco"].seconds_per_step == pytest.approx(diloco["seconds"] / diloco["steps"], rel=0.02)
     assert paces["diloco"].steps == 100  # one whole round of the board's H
+
+
+def test_a_step_is_a_global_batch_of_the_jobs_tokens_not_an_update(monkeypatch):
+    """acco/dpu's adaptive accumulation puts several global batches in one update: the pace is
+    per global batch consumed (a pilot of 10 updates that read 80 batches: seconds / 80)."""
+    from tools.benchmarks import leaderboard
+    from tools.planning import pilots
+
+    path = os.path.join(SCENARIOS, "3site-1gbit-straggler.toml")
+    scenario = load_scenario(path)
+    gbs = pilots.MICRO_BATCH * scenario.sites
+    cell = {"seconds": 40.0, "samples": 80 * gbs, "traffic": {"bytes": 800.0}, "comm": {"exposed_seconds": 8.0}}
+    monkeypatch.setattr(leaderboard, "run_cell", lambda argv, sites: cell)
+    pace = pilots.run_pilot("acco", path, scenario, 10)
+    assert pace.seconds_per_step == pytest.approx(0.5) and pace.exposed_seconds_per_step == pytest.approx(0.1)
+    assert pace.cross_site_bytes_per_step == pytest.approx(10.0 * scenario.bytes_scale_for(
+        pilots.TRAINED_PARAMS_GUESS))

@@ -24,7 +24,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_lsgd.training.scenario import Scenario  # noqa: E402
-from tools.benchmarks.leaderboard_setup import (LAYERS, TRAINED_PARAMS_GUESS, cell_argv,  # noqa: E402
+from tools.benchmarks.leaderboard_setup import (LAYERS, MICRO_BATCH, TRAINED_PARAMS_GUESS, cell_argv,  # noqa: E402
                                                 recommended, recommended_interval)
 
 
@@ -59,10 +59,14 @@ def run_pilot(algorithm: str, scenario_path: str, scenario: Scenario, steps: int
     cell = run_cell(argv, scenario.sites)
     scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
     comm = cell.get("comm") or {}
+    # A step of the job is one global batch of its tokens. acco and dpu add micro-batches while
+    # they wait (adaptive accumulation), so an update can hold several: count global batches
+    # consumed, not updates (for every other algorithm the two are equal).
+    batches = cell["samples"] / (MICRO_BATCH * scenario.sites) if cell.get("samples") else steps
     return Pace(algorithm=algorithm, settings=recommended(algorithm, scenario) + list(extra), steps=steps,
-                seconds_per_step=cell["seconds"] / steps,
-                exposed_seconds_per_step=comm.get("exposed_seconds", 0.0) / steps,
-                cross_site_bytes_per_step=cell["traffic"]["bytes"] * scale / steps, stats=cell.get("stats") or {})
+                seconds_per_step=cell["seconds"] / batches,
+                exposed_seconds_per_step=comm.get("exposed_seconds", 0.0) / batches,
+                cross_site_bytes_per_step=cell["traffic"]["bytes"] * scale / batches, stats=cell.get("stats") or {})
 
 
 def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario, minimum_steps: int,
