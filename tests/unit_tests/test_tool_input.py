@@ -22,3 +22,16 @@ def test_a_damaged_cache_cell_is_one_error_line(tmp_path, capsys, content):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cached result ") and str(cell) in lines[0], err
     assert "delete it to compute the run again" in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("compute", ["site_factors = [1.0, 0.0]", "microbatch_seconds = 0"])
+def test_a_scenario_of_an_impossible_machine_is_refused(tmp_path, compute):
+    """A site that computes in no time (a zero slowdown factor or micro-batch time) was
+    accepted without a word; it is refused naming the file and the field."""
+    from megatron_lsgd.training.scenario import load_scenario
+
+    path = tmp_path / "s.toml"
+    path.write_text(f"sites = 2\n[compute]\n{compute}\n")
+    with pytest.raises(ValueError) as exc:
+        load_scenario(str(path))
+    assert str(path) in str(exc.value) and compute.split()[0] in str(exc.value) and "> 0" in str(exc.value)
