@@ -4,13 +4,15 @@ becomes one `WriteError` that names the file, and what was half-written is remov
 Used by every writer of the project (checkpoints, --json-log, Hugging Face exports,
 preprocessed datasets), so a full disk reads the same everywhere. Some writers hide the
 OSError: torch's zip writer turns a failed write into `RuntimeError: unexpected pos ...`
-with the OSError only as its context, so `os_error_in` looks through the chain.
+with the OSError only as its context, so `os_error_in` looks through the chain; the
+safetensors writer (Rust) raises a `SafetensorError` that names the OS error in its text.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -23,13 +25,23 @@ class WriteError(OSError):
     """Writing an output file failed; the message names the file and what to do."""
 
 
+# Writers in Rust (safetensors) raise their own error class; the OS error is only in its
+# message, as Rust's io::Error prints it: "... (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 def os_error_in(err: BaseException) -> Optional[OSError]:
     """`err` itself if it is an OSError, else the first OSError it was raised from or
-    during (None when there is none: then it is not an I/O failure)."""
+    during, or that a Rust writer's message reports (None when there is none: then it is
+    not an I/O failure)."""
     seen = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, OSError):
             return err
+        rust = _RUST_OS_ERROR.search(str(err))
+        if rust:
+            code = int(rust.group(1))
+            return OSError(code, os.strerror(code))
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None

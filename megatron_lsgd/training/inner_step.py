@@ -147,6 +147,10 @@ class InnerStep:
         self._empty_cache(2)
         return ok, norm
 
+    @property
+    def current_lr(self) -> float:
+        return self.scheduler.current_lr
+
     def trial_apply(self, out, *, grads=None, groups=None, samples: Optional[int] = None
                     ) -> Tuple[bool, Optional[float]]:
         samples = self._last_microbatches * self.samples_per_microbatch if samples is None else samples

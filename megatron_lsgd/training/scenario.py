@@ -148,12 +148,12 @@ def _number(table: dict, key: str, where: str, default=None, positive: bool = Fa
     return float(value)
 
 
-def _per_site(table: dict, key: str, where: str, sites: int, default: float) -> List[float]:
+def _per_site(table: dict, key: str, where: str, sites: int, default: float, positive: bool = False) -> List[float]:
     value = table.get(key, default)
     values = value if isinstance(value, list) else [value] * sites
     if len(values) != sites:
         raise ValueError(f"{where}: {key} has {len(values)} values for {sites} sites")
-    return [_number({key: v}, key, where) for v in values]
+    return [_number({key: v}, key, where, positive=positive) for v in values]
 
 
 def load_scenario(path: str) -> Scenario:
@@ -183,7 +183,7 @@ def load_scenario(path: str) -> Scenario:
     derived: Dict[str, str] = {}
 
     target = _number(compute, "target_params", f"{where} [compute]", positive=True)
-    mb = _number(compute, "microbatch_seconds", f"{where} [compute]")
+    mb = _number(compute, "microbatch_seconds", f"{where} [compute]", positive=True)  # no site computes in no time
     if target is not None:
         if mb is not None:
             raise ValueError(f"{where} [compute]: give microbatch_seconds or target_params, not both")
@@ -211,7 +211,7 @@ def load_scenario(path: str) -> Scenario:
         microbatch_seconds=DEFAULT_MICROBATCH_SECONDS if mb is None else mb,
         optimizer_step_seconds=DEFAULT_OPTIMIZER_STEP_SECONDS if opt is None else opt,
         intra_site_gbit=_number(compute, "intra_site_gbit", f"{where} [compute]", default=DEFAULT_INTRA_SITE_GBIT),
-        site_factors=[max(f, 0.0) for f in _per_site(compute, "site_factors", f"{where} [compute]", sites, 1.0)],
+        site_factors=_per_site(compute, "site_factors", f"{where} [compute]", sites, 1.0, positive=True),
         rate_mbit=_per_site(link, "rate_mbit", f"{where} [link]", sites, 0.0),
         latency_ms=_per_site(link, "latency_ms", f"{where} [link]", sites, 0.0),
         cpu_seconds_per_mb=_number(link, "cpu_seconds_per_mb", f"{where} [link]", default=0.0),

@@ -380,6 +380,7 @@ class Trainer:
         site_samples = step.num_microbatches * t.micro_batch_size * self.config.dims.dp_intra
         self.site_consumed_samples += site_samples
         acc.gbs = self.loop.count_job_samples(site_samples, step.same_count_on_every_site)
+        acc.lr = step.lr if step.lr is not None else self.scheduler.current_lr
         acc.iters += 1
         self.compat.after_step(self.iteration)
         if not ok:
@@ -430,10 +431,10 @@ class Trainer:
             extra = {**line.lead, **extra, **line.tail}
             extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
             print(training_log_line(self.iteration, line.of_iters, line.consumed, 1e3 * elapsed / acc.iters,
-                                    self.scheduler.current_lr, gbs, line.means, self.optimizer.loss_scale, norm,
+                                    acc.lr, gbs, line.means, self.optimizer.loss_scale, norm,
                                     acc.skipped, acc.nans, extra), flush=True)
             self.tb.scalars({**{k: v for k, v in line.means.items()},
-                             "learning-rate": self.scheduler.current_lr, "grad-norm": norm,
+                             "learning-rate": acc.lr, "grad-norm": norm,
                              "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
                              "iteration-time": elapsed / acc.iters, "tokens-per-sec": tokens_per_s,
                              "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,

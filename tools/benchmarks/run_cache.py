@@ -12,6 +12,8 @@ import platform
 import subprocess
 from typing import Callable, Dict, List, Optional
 
+from tools.benchmarks.tool_input import read_json_object
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -47,8 +49,7 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
     with is stored too (`code`, see code_version): a change to an algorithm's code changes no
     flag, and this is how a later reader tells which results predate it."""
     if os.path.exists(path) and not refresh:
-        with open(path) as f:
-            cached = json.load(f)
+        cached = read_json_object(path, "cached result", "delete it to compute the run again")
         changed = changed_arguments(cached, resolved)
         if not changed:
             return cached

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import torch.multiprocessing as mp
 
+from tools.benchmarks.tool_input import ToolInputError
+
 
 def _rank(rank: int, worker: Callable, *args) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the ranks, all at once
@@ -56,6 +58,9 @@ def run_tool(main: Callable[[], None], kept: str) -> None:
     """A tool's entry point: main(), and on Ctrl-C or SIGTERM one line saying what is `kept`, exit 130."""
     try:
         main()
+    except ToolInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         print(f"interrupted: every rank stopped; {kept}", file=sys.stderr)
         sys.exit(130)

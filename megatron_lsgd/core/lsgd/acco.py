@@ -286,6 +286,7 @@ class _JobResult:
     grad_norm: Optional[float]
     tally: Tally  # the job's inter-site bytes and rounds, settled when the compute thread has waited for it
     done: object  # event after the job's last work on the worker's stream (core/streams.py)
+    lr: float  # the scheduler's LR after the job (read on the worker, which steps it)
 
 
 class OverlappedGradientSync(Synchronizer):
@@ -342,6 +343,8 @@ class OverlappedGradientSync(Synchronizer):
         self._stash: Optional[List[torch.Tensor]] = None  # the model's shard to restore (after quiesce)
         self._configured: Optional[int] = None
         self._norm: Optional[float] = None
+        self._committed_lr: Optional[float] = None  # the LR of the last update waited for (what the log reads)
+        self._compression_stats: Dict[str, float] = {}  # the compressor's, as of the last job waited for
         self._round_counts = [0] * self.sites
         self.last_round_counts: List[int] = []
         self.rounds = 0
@@ -359,6 +362,8 @@ class OverlappedGradientSync(Synchronizer):
     # ---- the compute thread ------------------------------------------------------------------
     def train_step(self, step, data_iterator, iteration: int) -> StepResult:
         self._configured = step.num_microbatches
+        if self._job is None:  # no job in flight: this thread may read the scheduler
+            self._committed_lr = step.current_lr
         self._restore_stash()
         losses, total = [], 0
         for stage, kind in enumerate(self.stage_kinds):
@@ -370,7 +375,7 @@ class OverlappedGradientSync(Synchronizer):
             self._load_model()
         norm, self._norm = self._norm, None
         equal = self.opts.equal_counts(self.sites, self._configured)
-        return StepResult(losses, True, norm, total, same_count_on_every_site=equal)
+        return StepResult(losses, True, norm, total, same_count_on_every_site=equal, lr=self._committed_lr)
 
     def undelayed_steps(self) -> int:
         """Steps at the start whose update is waited for at the end of the step."""
@@ -440,10 +445,12 @@ class OverlappedGradientSync(Synchronizer):
         self._job_seconds[result.kind] = self._job_clock.seconds()
         self.comm.record_exposed_between(start, self.clock.mark())
         self.comm.settle(result.tally)
+        self._compression_stats = compression_error([self.compressor])  # the worker is idle now
         self._job = None
         self._round_counts = [a + b for a, b in zip(self._round_counts, result.counts)]
         if result.kind == "commit":
             self._norm = result.grad_norm
+            self._committed_lr = result.lr
             self.last_round_counts, self._round_counts = self._round_counts, [0] * self.sites
             self.rounds += 1
 
@@ -498,7 +505,7 @@ class OverlappedGradientSync(Synchronizer):
                     samples += self._n_est
                 _, norm = step.apply(grads=grads, groups=self.worker_groups, copy_to_model=False,
                                      samples=samples * per_mb)
-        return _JobResult(kind, counts, norm, tally, self.streams.record())
+        return _JobResult(kind, counts, norm, tally, self.streams.record(), step.current_lr)
 
     def _mean_across_sites(self, grads: List[torch.Tensor], count: int, stage: int) -> List[int]:
         """grads <- Σ_s n_s g_s / Σ_s n_s, identical on every site (this rank's shard); returns
@@ -577,7 +584,7 @@ class OverlappedGradientSync(Synchronizer):
             out[f"mb site{s}"] = c
         if self.opts.accumulation == "adaptive":
             out["extra mb"] = self.extra_microbatches
-        out.update(compression_error([self.compressor]))
+        out.update(self._compression_stats)  # not the compressor's own: the worker may be compressing
         return out
 
 

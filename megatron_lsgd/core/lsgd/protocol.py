@@ -87,6 +87,10 @@ class StepResult:
     # of every site's own count (exchanged where it logs and saves) instead of this rank's
     # count times the number of sites.
     same_count_on_every_site: bool = True
+    # The learning rate to log for this step, where the scheduler steps on another thread
+    # (ACCO/DPU's worker): the LR of the last update this thread has waited for, read under
+    # that handover. None: the loop reads the scheduler after the step (it owns it).
+    lr: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,11 @@ class InnerStep(Protocol):
 
     @property
     def num_microbatches(self) -> int: ...
+
+    @property
+    def current_lr(self) -> float:
+        """The learning rate of the last update apply() made (read it on the thread that
+        calls apply(), or after waiting for it)."""
 
 
 @dataclass

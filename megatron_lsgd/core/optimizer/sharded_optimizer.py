@@ -473,12 +473,10 @@ class ShardedOptimizer:
             piece.update({k: by_name[name] for k, by_name in scalars.items() if name in by_name})
             state[index] = piece
         self._load_torch_state({"state": state, "param_groups": groups})
-        if "main" in tensors:  # a bf16/fp16 source's fp32 copy; an fp32 model is its own (loaded) main copy
-            separate = [main.data_ptr() != bucket.param_shard(self.shard_index).data_ptr()
-                        for bucket, main, _ in self.main_shards]
+        if "main" in tensors:  # a bf16/fp16 source's fp32 copy (an fp32 source's model is its own main copy)
             for pc in self.pieces:
-                if separate[pc.shard]:
-                    pc.main.copy_(_piece_of(tensors["main"], self._param_names[id(pc.param)], pc.p_lo, pc.p_hi))
+                pc.main.copy_(_piece_of(tensors["main"], self._param_names[id(pc.param)], pc.p_lo, pc.p_hi))
+            self._spread_main_loaded_into_model()
         if self.grad_scaler is not None and values.get("grad_scaler"):
             self.grad_scaler.load_state_dict(values["grad_scaler"])
         if self.muon is not None:
@@ -492,10 +490,27 @@ class ShardedOptimizer:
         if "main_shards" in state:
             for (_, main, _), saved in zip(self.main_shards, state["main_shards"]):
                 main.copy_(saved)
+            self._spread_main_loaded_into_model()
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if self.muon is not None:
             self.muon.load_state_dict(state.get("muon"))
+
+
+    @torch.no_grad()
+    def _spread_main_loaded_into_model(self) -> None:
+        """A loaded fp32 main copy (a bf16/fp16 checkpoint's) went, in an fp32 model, straight
+        into this rank's shard of the parameter buffer (its main shards are views of it): under
+        ZeRO-1 every other rank's shard still holds the weights rounded to bf16/fp16, so the
+        site's ranks would start from different weights. Gather the shards inside the site.
+        A separate main copy (bf16/fp16 models, ACCO/DPU's) stays apart from the model, whose
+        loaded weights are already the same on every rank."""
+        if not self.sharded:
+            return
+        for bucket, main, _ in self.main_shards:
+            shard = bucket.param_shard(self.shard_index)
+            if main.data_ptr() == shard.data_ptr():
+                all_gather_flat(bucket.param_data, shard.clone(), group=self.pgs.dp_intra)
 
 
 def _adamw_kernel(groups: List[dict]) -> Dict[str, bool]:

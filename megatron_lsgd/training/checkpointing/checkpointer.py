@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -288,6 +288,10 @@ def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -
     if cfg.load_rng and not meta["has_rng"]:
         why = " (convert.py does not convert RNG states; dropout draws differ)" if by_parameter else ""
         raise CheckpointError(f"checkpoint {source} holds no RNG state{why}: pass --no-load-rng or --finetune")
+    changed = _changed_flags(meta, trainer, ["optimizer"])
+    if cfg.load_optim and changed:
+        raise CheckpointError(f"checkpoint {source} was saved with {changed[0]}: its optimizer state "
+                              f"does not apply; pass --no-load-optim")
     if by_parameter:  # converted: the state is by parameter, any DP_intra loads it; sites stay
         if cfg.load_optim and saved["sites"] != d.sites:
             raise CheckpointError(f"checkpoint {source} holds the optimizer state of {saved['sites']} sites, this "
@@ -309,6 +313,18 @@ def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -
                               f"this run uses {trainer.config.lsgd.algorithm}: its synchronizer state does not "
                               f"apply; pass --no-load-optim")
     return same_dp
+
+
+def _changed_flags(meta: Dict, trainer, names: List[str]) -> List[str]:
+    """'--flag saved, this run has now' for each of `names` whose value the checkpoint recorded
+    (its args) and this run changed; a refused resume names the flag that actually differs."""
+    saved, raw = meta.get("args") or {}, trainer.config.raw_args
+    out = []
+    for name in names:
+        if raw is not None and name in saved and hasattr(raw, name) and saved[name] != getattr(raw, name):
+            flag = "--" + name.replace("_", "-")
+            out.append(f"{flag} {saved[name]}, this run has {flag} {getattr(raw, name)}")
+    return out
 
 
 @torch.no_grad()
@@ -389,8 +405,10 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         try:
             trainer.optimizer.load_state_dict(rank_state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"optimizer state in {iter_dir} does not fit this run's parameter shards "
-                                  f"(different --ddp-bucket-size?): {err}") from err
+            changed = _changed_flags(meta, trainer, ["ddp_bucket_size"])
+            why = f" (saved with {', '.join(changed)})" if changed else ""
+            raise CheckpointError(f"optimizer state in {iter_dir} does not fit this run's parameter shards"
+                                  f"{why}: {err}") from err
         try:
             trainer.synchronizer.load_state_dict(rank_state["synchronizer"])
         except ValueError as err:  # a synchronizer's saved state that does not fit this run's flags

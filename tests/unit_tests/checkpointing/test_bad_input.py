@@ -139,3 +139,12 @@ def test_pickled_objects_are_refused_at_save_and_load(tmp_path):
                                               r"object \(tests.unit_tests.checkpointing.test_bad_input._Anchor\)") as err:
         load_file(path)
     assert "weights_only" not in str(err.value)  # never advise loading it anyway
+
+
+def test_a_refused_resume_names_the_flag_that_differs(ckpt, monkeypatch, capsys):
+    """An optimizer changed between save and resume is named as such (it was reported as a
+    possible --ddp-bucket-size mismatch)."""
+    code, err = _load(ckpt, monkeypatch, capsys, "--optimizer", "sgd")
+    assert code == 2 and "--optimizer adam, this run has --optimizer sgd" in err and "bucket" not in err, err
+    assert "--no-load-optim" in err
+

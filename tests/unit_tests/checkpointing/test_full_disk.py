@@ -59,11 +59,14 @@ def test_json_log_on_a_full_device(monkeypatch, capsys):
     assert "error: cannot write --json-log /dev/full: [Errno 28] No space left on device (the disk is full" in err
 
 
-def test_hf_export_on_a_full_disk_leaves_no_partial_directory(ckpt, tmp_path, capsys):
+@pytest.mark.parametrize("room", [0, 64 * 1024])
+def test_hf_export_on_a_full_disk_leaves_no_partial_directory(ckpt, tmp_path, capsys, room):
+    """room 0: config.json fails (Python's OSError); 64 KB: config.json is written and the
+    disk fills under the safetensors writer, whose error (`SafetensorError`) is no OSError."""
     from tools.checkpoint.convert import main
 
     target = str(tmp_path / "hf")
-    with no_room_for_files():
+    with no_room_for_files(room):
         code = main(["--model-type", "GPT", "--loader", "lsgd", "--saver", "hf", "--load-dir", ckpt,
                      "--save-dir", target])
     err = capsys.readouterr().err

@@ -9,11 +9,12 @@ the union of the slots the two stages' schedules give them.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
-from megatron_lsgd.core.lsgd.dreamddp.profile import Profile
+from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, read_profile_file
 from megatron_lsgd.core.lsgd.dreamddp.scheduler import schedule, slot_exposed
 
 
@@ -108,3 +109,36 @@ def format_plan(plan: Plan, profile: Profile, header: str) -> str:
 def contiguous_count(num_units: int, interval: int) -> int:
     """Contiguous assignments of L units to H slots (possibly empty blocks): C(L+H-1, H-1)."""
     return math.comb(num_units + interval - 1, interval - 1)
+
+
+SCHEDULE_FLAG = "--lsgd-dreamddp-schedule"
+
+
+def read_schedule_file(path: str) -> Tuple[Dict, Plan, int]:
+    """A profiling run's dreamddp_profile.json as a pinned schedule: (its profile as
+    read_profile_file gives it, the plan it ran, the iteration its first period began).
+    ValueError naming the flag, the file and the field."""
+    profile = read_profile_file(path, SCHEDULE_FLAG)
+    with open(path) as f:
+        doc = json.load(f)
+    where = f"{SCHEDULE_FLAG} {path}"
+    if not isinstance(doc, dict) or "schedule" not in doc or "origin_iteration" not in doc:
+        raise ValueError(f"{where}: holds a profile but no schedule (field 'schedule' / 'origin_iteration'): give "
+                         f"the dreamddp_profile.json a profiling run wrote, or pass it as --lsgd-dreamddp-profile")
+    if doc.get("reprofiles", 0):
+        raise ValueError(f"{where}: written after {doc['reprofiles']} re-profiles (field 'reprofiles'): it holds only "
+                         f"the last schedule, not the ones the run used before it, so it cannot reproduce that run")
+    try:
+        q = doc["schedule"]
+        stages = [StagePlan([str(n) for n in s["names"]], [[str(n) for n in slot] for slot in s["slots"]],
+                            s["searched"], s["filled"], [float(x) / 1e3 for x in s["predicted_exposed_ms"]],
+                            int(s["nodes"])) for s in q["stages"]]
+        plan = Plan(int(q["interval"]), str(q["method"]), bool(q["bubble_fill"]), stages)
+        origin = int(doc["origin_iteration"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{where}: field 'schedule' is damaged ({type(err).__name__}: {err})") from None
+    if origin < 0 or plan.interval < 1 or any(len(st.slots) != plan.interval for st in stages):
+        raise ValueError(f"{where}: field 'schedule' is damaged (interval {plan.interval}, origin {origin}, slots "
+                         f"per stage {[len(st.slots) for st in stages]})")
+    return profile, plan, origin
+

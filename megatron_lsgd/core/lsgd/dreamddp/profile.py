@@ -111,9 +111,8 @@ class Profile:
                            "collectives": u.collectives, "comm_ms": 1e3 * self.comm_s(u)} for u in self.units]}
 
 
-def read_profile_file(path: str) -> Dict:
+def read_profile_file(path: str, flag: str = "--lsgd-dreamddp-profile") -> Dict:
     """The parts of a profile JSON a run takes from it; ValueError naming the flag."""
-    flag = "--lsgd-dreamddp-profile"
     try:
         with open(path) as f:
             d = json.load(f)

@@ -34,7 +34,9 @@ paper's pruning rules, then bubble filling), printed, written with the profile t
 dreamddp_profile.json next to the logs, and a new period starts. A unit whose last average
 lies H iterations back when its new slot has not come yet is averaged in that iteration as
 well (deadlines.py), so across the switch, as within a schedule, every unit is averaged at
-least once in any H consecutive iterations.
+least once in any H consecutive iterations. `--lsgd-dreamddp-schedule` replays that file
+instead: no timing, the switch at its recorded iteration, its schedule as written, so a
+run of the same seed trains exactly as the one that wrote it.
 Warm-up steps (--lsgd-warmup-iters) average gradients instead, as in the other
 local-SGD algorithms. When --train-iters is reached the whole model is averaged once, so
 every site ends with the same model. Checkpoints hold the profile, the schedule, the
@@ -56,7 +58,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.dreamddp.deadlines import Deadlines
-from megatron_lsgd.core.lsgd.dreamddp.plan import Plan, StagePlan, build_plan, format_plan
+from megatron_lsgd.core.lsgd.dreamddp.plan import (Plan, StagePlan, build_plan, format_plan,
+                                                   read_schedule_file)
 from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile,
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
                                                       fastest_sample, probe_link, read_profile_file, stage_of)
@@ -79,6 +82,11 @@ class DreamDDPOptions(OptionGroup):
                                     "take the per-unit backward times, tails and link fit from this JSON (the "
                                     "dreamddp_profile.json of an earlier run) instead of profiling", type=str,
                                     metavar="JSON")
+    schedule: Optional[str] = option("--lsgd-dreamddp-schedule", None,
+                                     "run the schedule of an earlier run (its dreamddp_profile.json) instead of "
+                                     "profiling: the equal-number schedule until the iteration that run switched, "
+                                     "then its schedule, so two runs of one seed train alike", type=str,
+                                     metavar="JSON")
     scheduler: str = option("--lsgd-dreamddp-scheduler", "dfs",
                             "dfs: the paper's depth-first search (least exposed time over contiguous "
                             "assignments); equal: consecutive blocks of equal size (the paper's PLSGD-ENP)",
@@ -105,6 +113,8 @@ class DreamDDPOptions(OptionGroup):
                              f"--lsgd-interval {config.rounds.interval} (a new schedule starts with a new period)")
         if not self.reprofile_tolerance > 0:
             raise ValueError(f"--lsgd-dreamddp-reprofile-tolerance must be > 0 (got {self.reprofile_tolerance})")
+        if self.schedule is not None:
+            self._check_schedule_file(config, run)
         if self.profile is not None:
             parsed = read_profile_file(self.profile)
             layers = run.num_layers if run is not None else None
@@ -119,6 +129,27 @@ class DreamDDPOptions(OptionGroup):
             if stages is not None and len(parsed["tails_ms"]) != stages:
                 raise ValueError(f"--lsgd-dreamddp-profile {self.profile}: written for {len(parsed['tails_ms'])} "
                                  f"pipeline stages, this run has --pipeline-model-parallel-size {stages}")
+
+    def _check_schedule_file(self, config, run) -> None:
+        for flag, given in (("--lsgd-dreamddp-profile", self.profile is not None),
+                            ("--lsgd-dreamddp-reprofile-interval", self.reprofile_interval > 0)):
+            if given:  # a profile would be scheduled anew; a re-profile reads the real clock again
+                raise ValueError(f"--lsgd-dreamddp-schedule and {flag} exclude each other: a pinned schedule is "
+                                 f"neither rescheduled nor re-profiled")
+        _, plan, _ = read_schedule_file(self.schedule)
+        where = f"--lsgd-dreamddp-schedule {self.schedule}"
+        if plan.interval != config.rounds.interval:
+            raise ValueError(f"{where}: written for --lsgd-interval {plan.interval}, this run has "
+                             f"{config.rounds.interval}")
+        if run is not None and run.pipeline_stages is not None and len(plan.stages) != run.pipeline_stages:
+            raise ValueError(f"{where}: written for {len(plan.stages)} pipeline stages, this run has "
+                             f"--pipeline-model-parallel-size {run.pipeline_stages}")
+        if run is not None and run.num_layers is not None:
+            names = {n for st in plan.stages for n in st.names}
+            wanted = {"embedding", "output"} | {f"layers.{i}" for i in range(run.num_layers)}
+            if not names <= wanted or not names >= wanted - {"output"}:
+                raise ValueError(f"{where}: its units {sorted(names)} are not this model's (--num-layers "
+                                 f"{run.num_layers})")
 
 
 @register
@@ -165,6 +196,8 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         self.origin = self.warmup_iters  # first iteration of the first period
         self.deadlines: Optional[Deadlines] = Deadlines(self.names, self.warmup_iters)  # when each unit was averaged
         self.profile_steps_done = 0
+        # --lsgd-dreamddp-schedule: the iteration from which the file's schedule runs
+        self._pinned_origin = read_schedule_file(self.opts.schedule)[2] if self.opts.schedule is not None else 0
         self.samples: List[Dict] = []  # profiling: (step ordinal, iteration, timings)
         self.monitor: List[Dict] = []  # re-profiling window
         self.monitor_exposed_s = 0.0
@@ -210,6 +243,8 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
             return
         if self.profiling and self.opts.profile is not None:
             self._plan_from_file(iteration)
+        if self.profiling and self.opts.schedule is not None and iteration >= self._pinned_origin:
+            self._pinned_plan(iteration)
         self.slot = -1
         chosen = set(self._to_average(iteration))
         self.queue = [n for n in self.names if n in chosen]
@@ -219,8 +254,9 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         self.averaged = []
         self.handles = []
         monitoring = not self.profiling and self.opts.reprofile_interval > 0 and not self.in_warmup(iteration)
-        self.timing = self.profiling or monitoring
-        self.blocking_sample = self.profiling
+        profiling = self.profiling and self.opts.schedule is None  # a pinned schedule measures nothing
+        self.timing = profiling or monitoring
+        self.blocking_sample = profiling
         if self.timing:
             self.recorder.arm()
             self.recorder.begin_step()
@@ -282,7 +318,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         self.history.append((iteration, tuple(self.averaged)))
         if self.deadlines is not None:
             self.deadlines.averaged(iteration, self.averaged)
-        if self.profiling:
+        if self.profiling and self.opts.schedule is None:
             self.profile_steps_done += 1
             if self.profile_steps_done >= self.opts.profile_steps:
                 self._finish_profile(iteration)
@@ -345,9 +381,24 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         profile.source = self.opts.profile
         self._adopt(profile, iteration, link_samples=None, header=f"profile read from {self.opts.profile}")
 
-    def _adopt(self, profile: Profile, origin: int, link_samples, header: str) -> None:
+    def _pinned_plan(self, iteration: int) -> None:
+        """--lsgd-dreamddp-schedule: the run that wrote the file switched to its schedule here."""
+        parsed, plan, origin = read_schedule_file(self.opts.schedule)
+        sizes, ranges = self._local_sizes()
+        backward = {n: parsed["backward_ms"][n] / 1e3 for n in self.names}
+        local = LocalMeasurement(backward, sizes, ranges, parsed["tails_ms"][self.stage] / 1e3,
+                                 parsed["latency_ms"] / 1e3, parsed["ms_per_MB"] / 1e3 / 2**20, self.tied)
+        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
+                                self.device)  # for the printout and a checkpoint; the plan is the file's
+        profile.source = self.opts.schedule
+        self._adopt(profile, origin, link_samples=None, plan=plan,
+                    header=f"schedule read from {self.opts.schedule} (pinned: the schedule of the run that wrote it, "
+                           f"not rescheduled)")
+
+    def _adopt(self, profile: Profile, origin: int, link_samples, header: str, plan: Optional[Plan] = None) -> None:
         self.profile = profile
-        self.plan = build_plan(profile, self.interval, self.opts.scheduler, not self.opts.no_bubble_fill)
+        self.plan = plan if plan is not None else build_plan(profile, self.interval, self.opts.scheduler,
+                                                             not self.opts.no_bubble_fill)
         self.origin = max(self.warmup_iters, origin)
         self._announce(header + f"; periods start at iteration {self.origin + 1}", link_samples)
 
@@ -437,7 +488,9 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         note = "restored from the checkpoint"
         if self.opts.profile is not None:
             note += f" (--lsgd-dreamddp-profile {self.opts.profile} is not read: a resumed run keeps its schedule)"
-        if (self.plan.interval, self.plan.method, self.plan.bubble_fill) != \
+        if self.opts.schedule is not None:  # the interval was checked against the file at start-up
+            note += f" (--lsgd-dreamddp-schedule {self.opts.schedule}: the checkpoint's schedule runs on)"
+        elif (self.plan.interval, self.plan.method, self.plan.bubble_fill) != \
                 (self.interval, self.opts.scheduler, not self.opts.no_bubble_fill):
             self.plan = build_plan(self.profile, self.interval, self.opts.scheduler, not self.opts.no_bubble_fill)
             note += "; recomputed from the checkpoint's profile for this run's --lsgd-interval / scheduler flags"
