@@ -49,7 +49,7 @@ class Interval:
     sums: Dict[str, torch.Tensor] = field(default_factory=dict)
     iters: int = 0
     gbs: Optional[int] = 0  # the global batch of the last step (None: sites computed different counts)
-    lr: float = 0.0  # the learning rate of the last step (what the log line reports)
+    lr: Optional[float] = None  # the last step's learning rate where another thread owns the scheduler
     skipped: int = 0
     nans: int = 0
     norm_sum: float = 0.0

@@ -380,7 +380,7 @@ class Trainer:
         site_samples = step.num_microbatches * t.micro_batch_size * self.config.dims.dp_intra
         self.site_consumed_samples += site_samples
         acc.gbs = self.loop.count_job_samples(site_samples, step.same_count_on_every_site)
-        acc.lr = step.lr if step.lr is not None else self.scheduler.current_lr
+        acc.lr = step.lr  # None: the loop owns the scheduler and reads it when it logs (after any meeting)
         acc.iters += 1
         self.compat.after_step(self.iteration)
         if not ok:
@@ -423,6 +423,7 @@ class Trainer:
         result.tokens_per_second = tokens_per_s
         if self.pgs.rank == self.loop.line_rank:
             norm = acc.norm_sum / acc.norm_count if acc.norm_count else None
+            lr = acc.lr if acc.lr is not None else self.scheduler.current_lr
             extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
                      "exposed comm ms": f"{exposed_ms:.1f}"}
             if self.config.compat.log_throughput:  # Megatron's field: model FLOP/s per rank
@@ -431,10 +432,10 @@ class Trainer:
             extra = {**line.lead, **extra, **line.tail}
             extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
             print(training_log_line(self.iteration, line.of_iters, line.consumed, 1e3 * elapsed / acc.iters,
-                                    acc.lr, gbs, line.means, self.optimizer.loss_scale, norm,
+                                    lr, gbs, line.means, self.optimizer.loss_scale, norm,
                                     acc.skipped, acc.nans, extra), flush=True)
             self.tb.scalars({**{k: v for k, v in line.means.items()},
-                             "learning-rate": acc.lr, "grad-norm": norm,
+                             "learning-rate": lr, "grad-norm": norm,
                              "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
                              "iteration-time": elapsed / acc.iters, "tokens-per-sec": tokens_per_s,
                              "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
