@@ -102,7 +102,7 @@ def test_every_committed_quality_page_loads():
     assert pages
     for page in pages:
         e = read_evidence(page)
-        assert 1e6 < e.params < 1e8 and e.tokens > 0 and e.figures
+        assert 1e5 < e.params < 1e8 and e.tokens > 0 and e.figures  # the ladder's rung S: 0.26M
 
 
 @pytest.mark.parametrize("argv, names", [
@@ -176,3 +176,18 @@ def test_a_step_is_a_global_batch_of_the_jobs_tokens_not_an_update(monkeypatch):
     assert pace.seconds_per_step == pytest.approx(0.5) and pace.exposed_seconds_per_step == pytest.approx(0.1)
     assert pace.cross_site_bytes_per_step == pytest.approx(10.0 * scenario.bytes_scale_for(
         pilots.TRAINED_PARAMS_GUESS))
+
+
+def test_a_page_that_states_its_model_size_is_taken_at_its_word(tmp_path):
+    """The ladder's pages state their parameters (another tokenizer than the one argv's estimate
+    assumes): the evidence uses the stated count."""
+    argv = ["--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "256",
+            "--global-batch-size", "16", "--train-iters", "1262", "--swiglu"]
+    page = {"argv": argv, "sync": {"sync": {"1": {"train": [5.0, 4.0]}}},
+            "results": {"diloco-H30-avg": {"1": {"train": [5.1, 4.2]}}}}
+    path = tmp_path / "quality-ladder-S.json"
+    path.write_text(json.dumps(page))
+    estimated = read_evidence(str(path)).params
+    path.write_text(json.dumps({**page, "model_parameters": {"total": 258288, "non_embedding": 55536}}))
+    e = read_evidence(str(path))
+    assert e.params == 258288 != estimated and e.tokens_per_param == pytest.approx(1262 * 16 * 256 / 258288)

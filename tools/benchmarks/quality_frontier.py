@@ -600,7 +600,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     base = os.path.splitext(args.doc)[0] + ("" if args.block == "frontier" else f"-{args.block}")
     os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
     with open(base + ".json", "w") as f:
-        json.dump({"label": label, "argv": argv_for([], seeds[0]), "sync": published(sync),
+        # the ladder's model as built (tools/planning/evidence.py reads it: the tokenizer is not in argv's terms)
+        model = {"model_parameters": ladder_parameters(LADDER[args.ladder])} if args.ladder is not None else {}
+        json.dump({"label": label, "argv": argv_for([], seeds[0]), **model, "sync": published(sync),
                    "results": published(results)}, f, indent=1)
     passes = passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length,
                          whole=args.valid_data_path is not None)

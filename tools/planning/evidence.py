@@ -97,7 +97,9 @@ def read_evidence(path: str) -> Evidence:
         argv, results, sync = data["argv"], data["results"], data["sync"]["sync"]
     except (KeyError, TypeError):
         raise ValueError(f"{path}: not a quality page's JSON (keys label, argv, sync, results)") from None
-    params = trained_params(argv)
+    # the page's own count where it states one (the ladder's, at its 4,096-piece vocabulary);
+    # else from argv at the quality runs' 8,192-piece tokenizer
+    params = float(data["model_parameters"]["total"]) if "model_parameters" in data else trained_params(argv)
     tokens = float(_flag(argv, "--train-iters")) * float(_flag(argv, "--global-batch-size")) * \
         float(_flag(argv, "--seq-length"))
     figures: Dict[str, Figure] = {}
