@@ -338,3 +338,11 @@ def test_every_ladder_and_claim_point_is_a_valid_run(rung):
     for point in qf.ladder_points() + qf.ladder_claim_points():
         build_config(parse_args(base + point.flags), 2)
     assert not {p.family for p in qf.ladder_points()} & {"claims"}
+
+
+def test_the_larger_rungs_run_the_outer_lr_carried_from_rung_s():
+    s, m = qf.rung_points("S"), qf.rung_points("M")
+    nesterov = lambda pts: {p.label for p in pts if "nesterov" in p.label}  # noqa: E731
+    assert len(nesterov(s)) == 2 * len(qf.LADDER_OUTER_LRS)
+    assert nesterov(m) == {f"diloco-H{h}-nesterov-lr{lr}" for h in (30, 100) for lr in qf.CARRIED_OUTER_LRS}
+    assert {p.label for p in m} - nesterov(m) == {p.label for p in s} - nesterov(s)

@@ -175,6 +175,14 @@ def ladder_train_iters(rung: Rung) -> int:
 # as the DiLoCo scaling-law study does. 0.1 and 0.2 were added after 0.4-1.0 ended 7-27% above
 # sync at rung S: at momentum 0.9 the steady-state step is lr / (1 - 0.9), 10x the outer lr.
 LADDER_OUTER_LRS = (0.1, 0.2, 0.4, 0.7, 1.0)
+# What rung S's sweep carried to the larger rungs (docs/quality.md: 0.4 was Nesterov's best at
+# H = 30 and second at H = 100, 2 seeds; plain averaging beat every one of them)
+CARRIED_OUTER_LRS = (0.4,)
+
+
+def rung_points(rung: str) -> List[Point]:
+    """A rung's default points: the whole outer-lr sweep at S, the carried outer lr elsewhere."""
+    return ladder_points(LADDER_OUTER_LRS if rung == "S" else CARRIED_OUTER_LRS)
 
 
 def ladder_points(outer_lrs: Sequence[float] = LADDER_OUTER_LRS) -> List[Point]:
@@ -546,8 +554,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         catalogue = ladder_points() + ladder_claim_points() if args.ladder is not None else \
             default_points(args.interval, args.num_layers)
         wanted = args.points
-        if wanted is None and args.ladder is not None:  # the ladder's own points; the claims on request
-            wanted = ",".join([pt.label for pt in ladder_points()] + [t.partition("=")[0] for t in args.point])
+        if wanted is None and args.ladder is not None:  # the rung's own points; the claims on request
+            wanted = ",".join([pt.label for pt in rung_points(args.ladder)] + [t.partition("=")[0] for t in args.point])
         points = select(catalogue + [parse_point(t) for t in args.point], wanted)
         for pt in points:
             if pt.flags == reference_flags(pt.flags):
