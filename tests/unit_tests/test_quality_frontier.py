@@ -232,6 +232,7 @@ def test_the_data_line_says_how_often_the_runs_read_the_train_split():
     # 16 x 128 read it 4.5 times, 1000 steps 1.5 times
     assert passes_note(corpus, 3000 * 16, 128) == " (1,357,726 train tokens, read 4.53 times)"
     assert passes_note(corpus, 1000 * 16, 128) == " (1,357,726 train tokens, read 1.51 times)"
+    assert passes_note(corpus, 100 * 16, 128) == " (1,357,726 train tokens, 15.1% of them read once)"
     assert passes_note(None, 1000, 128) == "" and passes_note(corpus + "-missing", 1000, 128) == ""  # mock data
 
 

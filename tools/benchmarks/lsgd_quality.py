@@ -111,7 +111,10 @@ def passes_note(data_path, samples: int, seq_length: int, whole: bool = False) -
     indexed = IndexedDataset(data_path)
     start, end = (0, len(indexed)) if whole else split_ranges(len(indexed), parse_split(SPLIT))[0]
     tokens = int(indexed.sequence_lengths[start:end].astype("int64").sum())
-    return f" ({tokens:,} train tokens, read {samples * seq_length / tokens:.2f} times)"
+    passes = samples * seq_length / tokens
+    if passes < 1:  # a share of the file, each token once ("read 0.05 times" reads as a misprint)
+        return f" ({tokens:,} train tokens, {100 * passes:.1f}% of them read once)"
+    return f" ({tokens:,} train tokens, read {passes:.2f} times)"
 
 
 def base_argv(*, num_layers: int, hidden_size: int, seq_length: int, global_batch_size: int, train_iters: int,
