@@ -156,15 +156,20 @@ def _per_site(table: dict, key: str, where: str, sites: int, default: float, pos
     return [_number({key: v}, key, where, positive=positive) for v in values]
 
 
-def load_scenario(path: str) -> Scenario:
-    """Read and check a scenario file; every error names the file and the key."""
+def read_toml(path: str, flag: str) -> Dict:
+    """A TOML file's tables; an unreadable or invalid file is a ValueError naming `flag` and the file."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as err:
-        raise ValueError(f"--simulate-scenario {path}: cannot read it ({err.strerror})") from None
+        raise ValueError(f"{flag} {path}: cannot read it ({err.strerror})") from None
     except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--simulate-scenario {path}: not valid TOML ({err})") from None
+        raise ValueError(f"{flag} {path}: not valid TOML ({err})") from None
+
+
+def load_scenario(path: str) -> Scenario:
+    """Read and check a scenario file; every error names the file and the key."""
+    data = read_toml(path, "--simulate-scenario")
     where = f"--simulate-scenario {path}"
     known = {"description", "sites", "compute", "link"}
     unknown = sorted(set(data) - known)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -202,20 +201,15 @@ def _spread(values: List[float], sites: int) -> List[float]:
 def job_from_toml(path: str, overrides: Optional[Dict] = None) -> Job:
     """A job file (a leaderboard scenario, optionally with [model] and [job]); every error
     names the file and the key. `overrides`: values given as flags, which win."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as err:
-        raise ValueError(f"--job {path}: cannot read it ({err.strerror})") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--job {path}: not valid TOML ({err})") from None
+    from megatron_lsgd.training.scenario import COMPUTE_KEYS, LINK_KEYS, read_toml  # torch: imported when used
+
+    data = read_toml(path, "--job")
     where = f"--job {path}"
     known = {"description", "sites", "compute", "link", "model", "job"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     tables = {name: data.get(name, {}) for name in ("compute", "link", "model", "job")}
-    from megatron_lsgd.training.scenario import COMPUTE_KEYS, LINK_KEYS
     for name, keys in (("compute", COMPUTE_KEYS), ("link", LINK_KEYS), ("model", MODEL_KEYS), ("job", JOB_KEYS)):
         if not isinstance(tables[name], dict):
             raise ValueError(f"{where}: [{name}] must be a table")
