@@ -347,3 +347,9 @@ def test_the_larger_rungs_run_the_outer_lr_carried_from_rung_s():
     assert len(nesterov(s)) == 2 * len(qf.LADDER_OUTER_LRS)
     assert nesterov(m) == {f"diloco-H{h}-nesterov-lr{lr}" for h in (30, 100) for lr in qf.CARRIED_OUTER_LRS}
     assert {p.label for p in m} - nesterov(m) == {p.label for p in s} - nesterov(s)
+
+
+def test_a_damaged_ladder_page_is_one_error_naming_it(tmp_path):
+    (tmp_path / "quality-ladder-S.json").write_text('{"sync": ')
+    with pytest.raises(ValueError, match=r"ladder page .*quality-ladder-S.json is damaged \(line 1"):
+        qf.ladder_summary(str(tmp_path))

@@ -90,6 +90,7 @@ PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (
 from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
+from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 from tools.benchmarks.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
                                                  plot, summarize)
 from tools.benchmarks.leaderboard_setup import (ALGORITHMS, EVALUATIONS, MICRO_BATCH, MODEL,  # noqa: E402
@@ -247,8 +248,7 @@ def older_clock_model(cache: str) -> Optional[int]:
     """The clock model of the cell cached at `cache` when it is not the current one, else None."""
     if not os.path.exists(cache):
         return None
-    with open(cache) as f:
-        model = clock_model_of(json.load(f))
+    model = clock_model_of(read_json_object(cache, "cached result", "delete it to compute the run again"))
     return model if model != CLOCK_MODEL else None
 
 

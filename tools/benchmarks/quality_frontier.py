@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
 from run_cache import SEEDS_HELP, load_or_run, positive_int, relative_flags, resolved_arguments, seed_list  # noqa: E402
 from spawned_ranks import run_tool  # noqa: E402
+from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
 
@@ -235,8 +236,8 @@ def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
         return "No rung has finished runs yet (run `quality_frontier.py --ladder S ...`)."
     data = {}
     for r in rungs:
-        with open(os.path.splitext(ladder_page(r.name, docs_dir))[0] + ".json") as f:
-            data[r.name] = json.load(f)
+        data[r.name] = read_json_object(os.path.splitext(ladder_page(r.name, docs_dir))[0] + ".json",
+                                        "ladder page", "write it again with --ladder RUNG --cached-only")
     lines = ["| rung | layers x hidden | parameters (non-embedding) | tokens per parameter | steps "
              "(outer steps at H = 30 / 100) | sync's validation loss | seeds |", "|---|---|---|---|---|---|---|"]
     for r in rungs:

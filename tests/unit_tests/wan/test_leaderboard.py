@@ -181,10 +181,9 @@ def test_a_cell_is_found_from_any_checkout_and_cache_directory(tmp_path):
         lb.cell_digest(lb_setup.cell_argv(EMULATED, "sync", 2, 100, 25, 2), EMULATED)
 
 
-def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch, capsys):
-    """A cell is named by its flags; what they resolve to catches one that leaned on a default
-    changed since, while a flag added since (not in the cell) does not throw it away. A
-    trained cell says what it cost in real time (a long board's progress) and keeps it."""
+def _counting_sync_cell(tmp_path, monkeypatch):
+    """(calls, args, sync_cell): emulated-default's sync cell, seed 1, cached under tmp_path,
+    trained by a fake run_cell whose loss counts the trainings (`calls` lists their argv)."""
     calls = []
     monkeypatch.setattr(lb, "run_cell", lambda argv, sites: calls.append(argv) or {"valid": [float(len(calls))]})
     args = argparse.Namespace(cache_dir=str(tmp_path), cached_only=False)
@@ -192,6 +191,14 @@ def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypat
     def sync_cell():
         return lb.cached_cell("emulated-default", "sync", EMULATED, "sync", 1, 2, args, 100, 25)
 
+    return calls, args, sync_cell
+
+
+def test_a_cell_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatch, capsys):
+    """A cell is named by its flags; what they resolve to catches one that leaned on a default
+    changed since, while a flag added since (not in the cell) does not throw it away. A
+    trained cell says what it cost in real time (a long board's progress) and keeps it."""
+    calls, args, sync_cell = _counting_sync_cell(tmp_path, monkeypatch)
     first = sync_cell()
     resolved = lb.resolved_arguments(lb.cell_flags(first["argv"]))
     assert first["resolved"] == resolved and resolved["lr"] == 2e-3
@@ -220,13 +227,7 @@ def test_a_cell_of_an_older_clock_model_is_trained_again_or_marked(tmp_path, mon
 
     from megatron_lsgd.core.simulation import CLOCK_MODEL
 
-    calls = []
-    monkeypatch.setattr(lb, "run_cell", lambda argv, sites: calls.append(argv) or {"valid": [float(len(calls))]})
-    args = argparse.Namespace(cache_dir=str(tmp_path), cached_only=False)
-
-    def sync_cell():
-        return lb.cached_cell("emulated-default", "sync", EMULATED, "sync", 1, 2, args, 100, 25)
-
+    calls, args, sync_cell = _counting_sync_cell(tmp_path, monkeypatch)
     first = sync_cell()
     assert first["clock_model"] == CLOCK_MODEL and sync_cell() == first and len(calls) == 1
     (path,) = tmp_path.glob("*.json")
@@ -405,3 +406,10 @@ def test_costs_are_the_wall_clock_step_of_sites_training_at_once(monkeypatch):
     assert seen["world"] == 3 and len(set(seen["ports"])) == 3
     assert wall == pytest.approx(4.4 / 40)  # the median of 4.0, 4.8 and 4.4 s over 40 steps
     assert cpu == pytest.approx(0.025)
+
+
+def test_a_damaged_cell_is_one_error_naming_it_before_its_clock_model_is_read(tmp_path):
+    cell = tmp_path / "cell.json"
+    cell.write_text('{"valid": [1.0')
+    with pytest.raises(ValueError, match=r"cached result .*cell.json is damaged"):
+        lb.older_clock_model(str(cell))
