@@ -49,28 +49,30 @@ def _one_rank_env(monkeypatch):
         monkeypatch.setenv(k, v)
 
 
+def _run_mfu(monkeypatch, argv):
+    """mfu.main(argv) as a one-rank world, its process group torn down after."""
+    from tools.benchmarks import mfu
+
+    _one_rank_env(monkeypatch)
+    try:
+        return mfu.main(argv)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_mfu_compiled_loops_report_compile_time_and_counts(monkeypatch, tmp_path):
     # --compile: both loops' layers compiled (inductor on CPU), the first step's extra time and
     # dynamo's counts reported; --no-plain: our loop alone, no ratio
     from tools.benchmarks import mfu
 
-    _one_rank_env(monkeypatch)
-    try:
-        result = mfu.main(["--preset", "smoke", "--steps", "1", "--rounds", "1", "--compile"])
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result = _run_mfu(monkeypatch, ["--preset", "smoke", "--steps", "1", "--rounds", "1", "--compile"])
     assert result["compile"] and result["fits"]
     # one graph per loop (ours in bf16 parameters, the plain loop's fp32 under autocast), no break
     assert result["compile_counts"]["graphs"] == 2 and result["compile_counts"]["graph_breaks"] == 0
     assert result["ours_first_step_extra_s"] > 0 and result["plain_first_step_extra_s"] > 0
-    _one_rank_env(monkeypatch)
-    try:
-        alone = mfu.main(["--preset", "smoke", "--steps", "1", "--rounds", "1", "--no-plain"])
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    alone = _run_mfu(monkeypatch, ["--preset", "smoke", "--steps", "1", "--rounds", "1", "--no-plain"])
     assert "plain_tokens_per_s" not in alone and "ratio" not in alone and alone["ours_tokens_per_s"] > 0
     assert alone["parameters"] == result["parameters"]
 
