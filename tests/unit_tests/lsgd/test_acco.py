@@ -121,8 +121,9 @@ def test_resumes_bit_exactly_with_an_update_in_flight(tmp_path):
 @pytest.mark.slow
 def test_communication_overlaps_compute_and_fast_sites_do_more():
     """2 sites x 1 rank over a simulated link adding 50 ms to every inter-site collective.
-    sync waits for every step's mean. dpu and acco (fixed counts, 32 and 2 x 16 micro-batches
-    per step, several times the link's delay) run the mean and the optimizer step on their
+    sync waits for every step's mean. dpu and acco (fixed counts, 64 and 2 x 32 micro-batches
+    per step: each half of acco's step computes for several times the link's delay, so a
+    shared 2-core machine's jitter cannot make the overlap look exposed) run the mean and the optimizer step on their
     worker thread while the next micro-batches compute, so most of what sync pays is
     hidden (what remains: the last update, which finish_training waits for, and the
     sites drifting apart on this shared machine). With adaptive accumulation and rank 1
@@ -133,8 +134,8 @@ def test_communication_overlaps_compute_and_fast_sites_do_more():
     base = COMMON + ["--num-sites", "2", "--global-batch-size", "128", "--train-iters", str(iters),
                      "--simulate-inter-site-latency", str(1e3 * latency)]
     configs = {"sync": ["--lsgd-algorithm", "sync"],
-               "dpu": ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"],
-               "acco": ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed"],
+               "dpu": ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed", "--global-batch-size", "256"],
+               "acco": ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed", "--global-batch-size", "256"],
                "acco-adaptive-straggler": ["--lsgd-algorithm", "acco", "--global-batch-size", "16",
                                            "--simulate-slow-ranks", "1", "--slow-factor", "4"]}
     runs = dict(zip(configs, run_distributed_many([base + flags for flags in configs.values()], 2)))
