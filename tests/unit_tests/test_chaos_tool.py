@@ -90,3 +90,7 @@ def test_a_baseline_is_kept_for_later_runs_of_the_same_job_only(tmp_path, capsys
     assert main(["--baseline-from", str(tmp_path / "nowhere"), "--", "--train-iters", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "--baseline-from" in err and "baseline.json" in err
+    for damaged, says in (('{"setup": {', "damaged"), ("[1]", "JSON list"), ('{"setup": {}}', "lacks its setup or run")):
+        (tmp_path / "baseline.json").write_text(damaged)
+        with pytest.raises(ValueError, match=says):
+            load_baseline(str(tmp_path), job_setup(args, job))

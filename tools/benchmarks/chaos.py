@@ -51,6 +51,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from tools.benchmarks.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
 from tools.benchmarks.process_tree import descendants, kill_tree, sigkill  # noqa: E402
+from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 
 
 # ---- the toy site (ft_site.py) -------------------------------------------------------------------
@@ -453,13 +454,13 @@ def save_baseline(out: str, setup: Dict, base: Dict) -> None:
 def load_baseline(directory: str, setup: Dict) -> Dict:
     """The fault-free run saved in `directory` (its baseline.json), checked to be this job's."""
     path = os.path.join(directory, "baseline.json")
+    fix = "it is written by a run without --baseline-from"
     try:
-        with open(path) as f:
-            saved = json.load(f)
+        saved = read_json_object(path, "baseline", fix)
     except OSError as err:
-        raise ValueError(f"cannot read {path} ({err.strerror}); it is written by a run without --baseline-from")
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})")
+        raise ValueError(f"cannot read {path} ({err.strerror}); {fix}")
+    if not isinstance(saved.get("setup"), dict) or not isinstance(saved.get("run"), dict):
+        raise ValueError(f"baseline {path} lacks its setup or run (not written by this tool?); {fix}")
     differ = sorted(k for k in set(setup) | set(saved.get("setup", {})) if setup.get(k) != saved["setup"].get(k))
     if differ:
         raise ValueError(f"its baseline ran another job (differs in: {', '.join(differ)})")

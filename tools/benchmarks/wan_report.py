@@ -27,12 +27,27 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tools.benchmarks.tool_input import ToolInputError, read_json_object  # noqa: E402
+
 CEILING = "ceiling"
 
 
 def read_log(path: str) -> List[dict]:
+    """The records of a JSON-lines log; a damaged line names the file and the line."""
+    records = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ToolInputError(f"log {path} line {number} is damaged ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ToolInputError(f"log {path} line {number} holds a JSON {type(record).__name__}, not an object")
+            records.append(record)
+    return records
 
 
 def summarize(records: Sequence[dict], warmup_intervals: int = 1) -> dict:
@@ -325,8 +340,8 @@ def report_from_logs(out_dir: str, warmup_intervals: int = 1) -> dict:
     """Rebuild a wan_bench run's results from what it left in `out_dir`: the scenario and the
     run labels from results.json, every figure from logs/ (so an older run gains the
     figures added since, from the same measurements)."""
-    with open(os.path.join(out_dir, "results.json"), encoding="utf-8") as f:
-        old = json.load(f)
+    old = read_json_object(os.path.join(out_dir, "results.json"), "wan_bench results",
+                           "run wan_bench again to write it")
     logs = os.path.join(out_dir, "logs")
     sites = old["scenario"]["sites"]
     ceiling = combine_ceiling([summarize(read_log(os.path.join(logs, f"{CEILING}.site{i}.jsonl")), warmup_intervals)
@@ -346,7 +361,10 @@ def main(argv=None) -> int:
         p.error("--warmup-intervals must be 0 or more")
     try:
         results = report_from_logs(a.out_dir, a.warmup_intervals)
-    except (OSError, KeyError, ValueError) as err:  # a missing file, an older or foreign layout
+    except ToolInputError as err:  # a damaged file: the message names it
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (OSError, KeyError, TypeError, ValueError) as err:  # a missing file, an older or foreign layout
         print(f"error: {a.out_dir}: not a wan_bench output directory this script can read ({err!r})",
               file=sys.stderr)
         return 2

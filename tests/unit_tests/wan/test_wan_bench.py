@@ -207,3 +207,23 @@ def test_an_old_run_is_re_reported_from_its_logs(tmp_path):
     done = subprocess.run([sys.executable, "tools/benchmarks/wan_report.py", str(tmp_path / "nothing")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("error: ") and "Traceback" not in done.stderr
+
+
+def test_a_damaged_run_directory_is_one_error_line(tmp_path, capsys):
+    """results.json of another shape, a log line cut short or not an object: one `error:` line
+    naming the file (and the line), exit 2."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (tmp_path / "results.json").write_text("[1, 2]")
+    assert wan_report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "results.json" in err and "list" in err
+    (tmp_path / "results.json").write_text(json.dumps({"scenario": {"sites": 1}, "runs": []}))
+    for bad, says in (('{"site": 0, "iter', "line 2 is damaged"), ("[3]", "line 2 holds a JSON list")):
+        (logs / "ceiling.site0.jsonl").write_text(json.dumps(fake_log(500, [1.0])[0]) + "\n" + bad + "\n")
+        assert wan_report.main([str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and "ceiling.site0.jsonl" in err and says in err, err
+    (tmp_path / "results.json").write_text(json.dumps({"scenario": [], "runs": []}))
+    assert wan_report.main([str(tmp_path)]) == 2  # a foreign layout, not a traceback
+    assert capsys.readouterr().err.count("error:") == 1
