@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 import _bootstrap  # noqa: F401
 from megatron_lsgd import cli
 from megatron_lsgd.training.scenario import load_scenario
+from megatron_lsgd.core.output_files import write_text
 from tools.benchmarks.leaderboard_setup import ALGORITHMS
 from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
 from tools.planning.job import Job, Model, job_from_toml
@@ -208,8 +209,7 @@ def plan(job: Job, algorithms: List[str], pilot_steps: int, evidence_glob: str, 
     evidence = load_all(evidence_glob)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "job.toml")
-        with open(path, "w") as f:
-            f.write(job.scenario_toml())
+        write_text(path, job.scenario_toml())
         scenario = load_scenario(path)
         say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         with ranks_output_to(log_path):
@@ -322,8 +322,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             if a.json == "-":
                 print(text)
                 return
-            with open(a.json, "w") as f:
-                f.write(text + "\n")
+            write_text(a.json, text + "\n")
         print(table(result))
 
 

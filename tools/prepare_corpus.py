@@ -134,7 +134,7 @@ def prepare(args) -> None:
     if args.overwrite or not all(os.path.exists(f) for f in jsonl.values()):
         print(f"[1/3] splitting {args.input} by document (1 in {args.heldout_every} to valid, 1 to test)", flush=True)
         counts = split_documents(args.input, jsonl, args.heldout_every, args.json_key)
-        print(f"  documents: " + ", ".join(f"{s} {counts[s]:,}" for s in SPLITS), flush=True)
+        print("  documents: " + ", ".join(f"{s} {counts[s]:,}" for s in SPLITS), flush=True)
     else:
         print("[1/3] split by document: outputs exist, kept", flush=True)
     model = out["tokenizer"] + ".model"

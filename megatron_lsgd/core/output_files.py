@@ -1,8 +1,12 @@
 """A failed write of an output file (a full disk, a quota, a file size limit, any I/O error)
 becomes one `WriteError` that names the file, and what was half-written is removed.
 
-Used by every writer of the project (checkpoints, --json-log, Hugging Face exports,
-preprocessed datasets), so a full disk reads the same everywhere. Some writers hide the
+Used by every writer of the project (checkpoints, --json-log, tensorboard, Hugging Face
+exports, preprocessed datasets, the tools' caches, pages, reports and plots), so a full disk
+reads the same everywhere; tests/unit_tests/test_writers.py finds every write call in the
+code and fails on one that does not go through here. A whole file (a cache cell, a page, a
+plot) is written by `replaced_atomically` / `write_text` / `write_json`: under a temporary
+name, renamed over the old one only when complete, so a failure leaves the earlier output. Some writers hide the
 OSError: torch's zip writer turns a failed write into `RuntimeError: unexpected pos ...`
 with the OSError only as its context, so `os_error_in` looks through the chain; the
 safetensors writer (Rust) raises a `SafetensorError` that names the OS error in its text.
@@ -13,9 +17,10 @@ from __future__ import annotations
 import errno
 import os
 import re
+import json
 import shutil
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 # Errors a user fixes by making room (or writing elsewhere), not by changing the program.
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -84,3 +89,62 @@ def written_or_removed(path: str, report_as: Optional[str] = None) -> Iterator[N
         if found is not None:
             raise write_error(found, report_as or path) from None
         raise
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # some file systems do not allow opening directories; nothing to sync then
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def replaced_atomically(path: str, durable: bool = False) -> Iterator[str]:
+    """Write `path` whole or not at all: the body writes the yielded temporary name (in the
+    same directory, with the same extension, so a writer that infers the format from it
+    still does), which replaces `path` only once the body has finished. On a failure the
+    temporary file is removed, `path` keeps its earlier content, and an I/O failure is a
+    WriteError naming `path`. `durable`: fsync the file and its directory (survives a power
+    loss, not only a crash of the process)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    stem, ext = os.path.splitext(name)
+    tmp = os.path.join(directory, f"{stem}.tmp.{os.getpid()}{ext}")
+    with written_or_removed(tmp, report_as=path):
+        yield tmp
+        if durable:
+            fsync_file(tmp)
+        os.replace(tmp, path)
+    if durable:
+        fsync_dir(directory)
+
+
+def write_text(path: str, text: str, durable: bool = False) -> None:
+    """`path` holds `text` afterwards, or its earlier content (see `replaced_atomically`)."""
+    with replaced_atomically(path, durable) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def write_json(path: str, value: Any, **dump_options) -> None:
+    """`path` holds `value` as JSON afterwards, or its earlier content."""
+    write_text(path, json.dumps(value, **dump_options))
+
+
+def save_figure(fig, path: str, **savefig_options) -> None:
+    """A matplotlib figure saved to `path` whole, or the earlier plot kept."""
+    with replaced_atomically(path) as tmp:
+        fig.savefig(tmp, **savefig_options)

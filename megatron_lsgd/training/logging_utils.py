@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import datetime
-from typing import Dict, Optional
+import threading
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional
 
 import torch
+
+from megatron_lsgd.core.output_files import os_error_in, write_error
 
 
 def print_rank(msg: str, rank: int, only: Optional[int] = 0) -> None:
@@ -41,23 +45,58 @@ def peak_cuda_memory_mb(device: torch.device) -> Dict[str, float]:
 
 
 class TensorboardWriter:
-    """SummaryWriter on the logging rank only; a no-op elsewhere or without a directory."""
+    """SummaryWriter on the logging rank only; a no-op elsewhere or without a directory.
+    The event file is a log, kept on a failure; a failed write (tensorboard's writer thread
+    hands its OSError to the next call) is a WriteError naming --tensorboard-dir."""
 
     def __init__(self, log_dir: Optional[str], enabled: bool):
         self.writer = None
+        self.log_dir = log_dir
+        self._previous_hook = None
         if log_dir and enabled:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+            self._previous_hook = threading.excepthook
+            threading.excepthook = self._quiet_writer_thread
+            with self._writing():
+                self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def _quiet_writer_thread(self, args) -> None:
+        """tensorboard's writer thread re-raises its OSError after keeping it for the next
+        call: that call reports it once, as a WriteError; the thread's own traceback would
+        be a second, raw report."""
+        if type(args.thread).__name__ == "_AsyncWriterThread" and os_error_in(args.exc_value) is not None:
+            return
+        self._previous_hook(args)
+
+    def _restore_hook(self) -> None:
+        if self._previous_hook is not None and threading.excepthook == self._quiet_writer_thread:
+            threading.excepthook = self._previous_hook
+        self._previous_hook = None
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:
+            found = os_error_in(err)
+            if found is None:
+                raise
+            self.writer = None  # closing it would raise the same error again
+            self._restore_hook()
+            raise write_error(found, f"--tensorboard-dir {self.log_dir}") from None
 
     def scalars(self, values: Dict[str, float], step: int) -> None:
         if self.writer is None:
             return
-        for k, v in values.items():
-            if v is not None:
-                self.writer.add_scalar(k, v, step)
+        with self._writing():
+            for k, v in values.items():
+                if v is not None:
+                    self.writer.add_scalar(k, v, step)
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+            with self._writing():
+                self.writer.flush()
+                self.writer.close()
+            self._restore_hook()

@@ -65,8 +65,6 @@ def _run_mfu(monkeypatch, argv):
 def test_mfu_compiled_loops_report_compile_time_and_counts(monkeypatch, tmp_path):
     # --compile: both loops' layers compiled (inductor on CPU), the first step's extra time and
     # dynamo's counts reported; --no-plain: our loop alone, no ratio
-    from tools.benchmarks import mfu
-
     result = _run_mfu(monkeypatch, ["--preset", "smoke", "--steps", "1", "--rounds", "1", "--compile"])
     assert result["compile"] and result["fits"]
     # one graph per loop (ours in bf16 parameters, the plain loop's fp32 under autocast), no break

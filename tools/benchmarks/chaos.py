@@ -49,9 +49,10 @@ if REPO not in sys.path:
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
+from megatron_lsgd.core.output_files import write_json  # noqa: E402
 from tools.benchmarks.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
 from tools.benchmarks.process_tree import descendants, kill_tree, sigkill  # noqa: E402
-from tools.benchmarks.tool_input import read_json_object  # noqa: E402
+from tools.benchmarks.tool_input import read_json_object, tool_errors  # noqa: E402
 
 
 # ---- the toy site (ft_site.py) -------------------------------------------------------------------
@@ -447,8 +448,7 @@ def job_setup(args, job: List[str]) -> Dict:
 
 
 def save_baseline(out: str, setup: Dict, base: Dict) -> None:
-    with open(os.path.join(out, "baseline.json"), "w") as f:
-        json.dump({"setup": setup, "run": base}, f)
+    write_json(os.path.join(out, "baseline.json"), {"setup": setup, "run": base})
 
 
 def load_baseline(directory: str, setup: Dict) -> Dict:
@@ -551,8 +551,7 @@ def main(argv=None) -> int:
         print(f"[chaos] baseline: {base['wall_s']:.1f} s")
     chaos = run(args, os.path.join(out, "chaos"), faults=True)
     summary = summarize(args, base, chaos)
-    with open(os.path.join(out, "chaos.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(os.path.join(out, "chaos.json"), summary, indent=1)
     for key, value in summary.items():
         print(f"{key}: {value}")
     print(f"[chaos] logs, digests and chaos.json in {out}")
@@ -561,4 +560,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with tool_errors():
+        sys.exit(main())

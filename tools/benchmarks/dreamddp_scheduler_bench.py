@@ -19,7 +19,6 @@ Writes scheduler.json, scheduler.md and scheduler.png to --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -33,6 +32,8 @@ if ROOT not in sys.path:
 
 from megatron_lsgd.core.lsgd.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,  # noqa: E402
                                                         equal_number_schedule, fill_bubbles, unrestricted_optimum)
+from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
+from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 
 TOL = 1e-12  # seconds: "equal" and "zero" exposed times
 
@@ -169,7 +170,7 @@ def plot(result: Dict, s: Dict, out_dir: str) -> str:
     b.set_title(f"{s['cases']} random profiles", fontsize=9)
     fig.tight_layout()
     path = os.path.join(out_dir, "scheduler.png")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -186,11 +187,9 @@ def main(argv=None) -> int:
     result = run(args.cases, args.seed, args.max_units, args.max_slots, args.unrestricted_max_units)
     s = summarize(result)
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "scheduler.json"), "w") as f:
-        json.dump({"summary": s, "args": vars(args)}, f, indent=1)
+    write_json(os.path.join(args.out_dir, "scheduler.json"), {"summary": s, "args": vars(args)}, indent=1)
     text = markdown(s, args)
-    with open(os.path.join(args.out_dir, "scheduler.md"), "w") as f:
-        f.write(text)
+    write_text(os.path.join(args.out_dir, "scheduler.md"), text)
     print(text)
     try:
         print("wrote", plot(result, s, args.out_dir))
@@ -200,4 +199,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with tool_errors():
+        sys.exit(main())

@@ -90,6 +90,7 @@ PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (
 from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
+from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 from tools.benchmarks.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
                                                  plot, summarize)
@@ -120,8 +121,7 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
                       iterations=result.iteration, samples=result.consumed_samples, traffic=result.traffic,
                       comm=result.comm,  # exposed communication (tools/plan.py reads it)
                       stats=result.sync_stats)
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(record, f)
+    write_json(os.path.join(out_dir, f"{rank}.json"), record)
     shutdown_distributed()
 
 
@@ -159,8 +159,7 @@ def _measure_worker(rank: int, ports: List[int], short: int, long: int, out_dir:
                                                  "--log-interval", str(10 * long), "--eval-iters", "0"])
         spent[iters] = (time.perf_counter() - wall, cpu() - used)
         shutdown_distributed()
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(spent, f)
+    write_json(os.path.join(out_dir, f"{rank}.json"), spent)
 
 
 def measure_costs(sites: int, short: int = 10, long: int = 50) -> Tuple[float, float]:
@@ -399,8 +398,7 @@ def main() -> None:
                  "cells above (median over seeds):", ""] + open_targets(board) + [""]
     if os.path.exists(targets_reading):
         sections += [included(targets_reading, args.out), ""]
-    with open(args.out, "w") as f:
-        f.write(document(names, sections, args, not_run, spent) + "\n")
+    write_text(args.out, document(names, sections, args, not_run, spent) + "\n")
     print(f"wrote {args.out} and {args.plots_dir}/*.png")
 
 

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_lsgd.core.simulation import CLOCK_MODEL
 from megatron_lsgd.training.scenario import load_scenario
+from megatron_lsgd.core.output_files import save_figure
 from tools.benchmarks.leaderboard_setup import (ACCO_FIXED, EVALUATIONS, FREE_LINK, MAX_MICROBATCHES, MICRO_BATCH,
                                                 MODEL, ROOT, SCENARIO_DIR, SEQ, SPLIT, TRAINED_PARAMS_GUESS,
                                                 board_cells, compact, recommended_interval)
@@ -235,7 +236,7 @@ def plot(name: str, cells: Dict[str, List[Dict]], path: str) -> None:
     ax.set_title(f"{name} (seed 1)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

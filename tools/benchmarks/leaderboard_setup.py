@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.training.scenario import load_scenario
+from megatron_lsgd.core.output_files import write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCENARIO_DIR = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
@@ -155,8 +156,7 @@ def free_link_copy(path: str, out_dir: str) -> str:
     link = data.get("link", {})
     lines += [f"{k} = {json.dumps(link[k])}" for k in ("bytes_scale", "target_params") if k in link]
     out = os.path.join(out_dir, f"{name}.free-link.toml")
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(out, "\n".join(lines) + "\n")
     return out
 
 

@@ -49,6 +49,7 @@ sys.path.insert(0, ROOT)
 from megatron_lsgd.core.datasets import IndexedDataset, parse_split, split_ranges  # noqa: E402
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
+from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.run_cache import positive_int  # noqa: E402
 from tools.benchmarks.spawned_ranks import run_ranks, run_tool  # noqa: E402
 
@@ -63,10 +64,9 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None
     t0 = time.perf_counter()
     result = pretrain_gpt.main(argv)
     if rank == world - 1:  # the logging rank
-        with open(out, "w") as f:
-            json.dump({"train": result.logged_losses, "valid": result.validation_losses,
-                       "comm": result.comm, "stats": result.sync_stats, "tokens_per_s": result.tokens_per_second,
-                       "seconds": time.perf_counter() - t0}, f)
+        write_json(out, {"train": result.logged_losses, "valid": result.validation_losses,
+                         "comm": result.comm, "stats": result.sync_stats, "tokens_per_s": result.tokens_per_second,
+                         "seconds": time.perf_counter() - t0})
     shutdown_distributed()
 
 
@@ -269,8 +269,8 @@ def main() -> None:
         every = args.eval_interval or args.train_iters
         results[name]["valid_iters"] = [every * (i + 1) for i in range(len(results[name]["valid"]))]
         results[name]["flags"] = configs[name]
-    with open(os.path.join(args.out_dir, "lsgd_quality.json"), "w") as f:
-        json.dump({"label": label, "argv": base, "results": results}, f, indent=1)
+    write_json(os.path.join(args.out_dir, "lsgd_quality.json"), {"label": label, "argv": base, "results": results},
+               indent=1)
 
     ref = results.get("sync")
     lines = [f"Data: {label}{passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length)}"
@@ -304,8 +304,7 @@ def main() -> None:
                          f"| {name} | not reached | - |")
     lines += ["", "Flags per run: " + "; ".join(f"{n}: `{' '.join(results[n]['flags'])}`" for n in results)]
     table = "\n".join(lines)
-    with open(os.path.join(args.out_dir, "lsgd_quality.md"), "w") as f:
-        f.write(table + "\n")
+    write_text(os.path.join(args.out_dir, "lsgd_quality.md"), table + "\n")
     print(table)
     try:
         import matplotlib
@@ -337,7 +336,7 @@ def main() -> None:
         ax.set_title("validation loss", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out_dir, "lsgd_quality.png"), dpi=120)
+    save_figure(fig, os.path.join(args.out_dir, "lsgd_quality.png"), dpi=120)
     print(f"wrote {args.out_dir}/lsgd_quality.{{md,json,png}}")
 
 

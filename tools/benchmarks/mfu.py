@@ -42,7 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_lsgd.training.compat_runtime import flops_per_sample  # noqa: E402
 from megatron_lsgd.training.initialize import shutdown_distributed  # noqa: E402
 from megatron_lsgd.training.logging_utils import peak_cuda_memory_mb  # noqa: E402
+from megatron_lsgd.core.output_files import write_json  # noqa: E402
 from tools.benchmarks.side_by_side import build, timed  # noqa: E402
+from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--group-query-attention", "--hidden-dropout", "0",
@@ -195,8 +197,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
 
 def _write(path: Optional[str], result: Dict[str, object]) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(path, result, indent=1)
 
 
 def measure(a, preset: Dict[str, object], recompute: List[str]) -> Dict[str, object]:
@@ -258,5 +259,6 @@ def measure(a, preset: Dict[str, object], recompute: List[str]) -> Dict[str, obj
 
 
 if __name__ == "__main__":
-    main()
+    with tool_errors():
+        main()
     shutdown_distributed()  # torch warns at exit about a process group left up

@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
 from run_cache import SEEDS_HELP, load_or_run, positive_int, relative_flags, resolved_arguments, seed_list  # noqa: E402
 from spawned_ranks import run_tool  # noqa: E402
+from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
@@ -451,8 +452,7 @@ def write_block(doc: str, block: str, name: str = "frontier") -> None:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: body, text, flags=re.S)
     else:
         text = text.rstrip("\n") + "\n\n" + body + "\n"
-    with open(doc, "w") as f:
-        f.write(text)
+    write_text(doc, text)
 
 
 def plot(summaries: Sequence[Summary], path: str, title: str) -> bool:
@@ -479,7 +479,7 @@ def plot(summaries: Sequence[Summary], path: str, title: str) -> bool:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     return True
 
 
@@ -608,11 +608,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     # the page's JSON and PNG; another block of the same page has its own
     base = os.path.splitext(args.doc)[0] + ("" if args.block == "frontier" else f"-{args.block}")
     os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
-    with open(base + ".json", "w") as f:
-        # the ladder's model as built (tools/planning/evidence.py reads it: the tokenizer is not in argv's terms)
-        model = {"model_parameters": ladder_parameters(LADDER[args.ladder])} if args.ladder is not None else {}
-        json.dump({"label": label, "argv": argv_for([], seeds[0]), **model, "sync": published(sync),
-                   "results": published(results)}, f, indent=1)
+    # the ladder's model as built (tools/planning/evidence.py reads it: the tokenizer is not in argv's terms)
+    model = {"model_parameters": ladder_parameters(LADDER[args.ladder])} if args.ladder is not None else {}
+    write_json(base + ".json", {"label": label, "argv": argv_for([], seeds[0]), **model, "sync": published(sync),
+                                "results": published(results)}, indent=1)
     passes = passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length,
                          whole=args.valid_data_path is not None)
     if args.ladder is not None:

@@ -12,6 +12,7 @@ import platform
 import subprocess
 from typing import Callable, Dict, List, Optional
 
+from megatron_lsgd.core.output_files import write_json
 from tools.benchmarks.tool_input import read_json_object
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,9 +67,7 @@ def load_or_run(path: str, compute: Callable[[], Optional[Dict]], refresh: bool 
     # the last bits of a CPU run depend on the machine: results from two differ in them
     result = {**result, "platform": platform_signature()}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    write_json(path, result)
     return result
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch.multiprocessing as mp
 
-from tools.benchmarks.tool_input import ToolInputError
+from tools.benchmarks.tool_input import tool_errors
 
 
 def _rank(rank: int, worker: Callable, *args) -> None:
@@ -57,10 +57,8 @@ def run_ranks(worker: Callable, args: Sequence, world: int) -> None:
 def run_tool(main: Callable[[], None], kept: str) -> None:
     """A tool's entry point: main(), and on Ctrl-C or SIGTERM one line saying what is `kept`, exit 130."""
     try:
-        main()
-    except ToolInputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        with tool_errors():
+            main()
     except KeyboardInterrupt:
         print(f"interrupted: every rank stopped; {kept}", file=sys.stderr)
         sys.exit(130)

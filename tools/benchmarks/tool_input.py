@@ -1,10 +1,16 @@
 """A benchmark tool's input that is damaged or describes something impossible (a truncated
-cache file, a field of the wrong kind) ends the tool with one `error:` line naming the file
-and what is wrong (spawned_ranks.run_tool prints it, exit 2), not a traceback."""
+cache file, a field of the wrong kind), or an output it cannot write (a full disk), ends the
+tool with one `error:` line naming the file and what is wrong (`tool_errors`, exit 2), not a
+traceback."""
 
 from __future__ import annotations
 
 import json
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from megatron_lsgd.core.output_files import WriteError
 
 
 class ToolInputError(ValueError):
@@ -24,3 +30,13 @@ def read_json_object(path: str, what: str, fix: str) -> dict:
     if not isinstance(value, dict):
         raise ToolInputError(f"{what} {path} holds a JSON {type(value).__name__}, not an object; {fix}")
     return value
+
+
+@contextmanager
+def tool_errors() -> Iterator[None]:
+    """A tool's main: a damaged input or a failed write is one `error:` line, exit 2."""
+    try:
+        yield
+    except (ToolInputError, WriteError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -53,7 +53,9 @@ sys.path.insert(0, ROOT)
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms  # noqa: E402
 from megatron_lsgd.core.lsgd.comm import InterSiteComm  # noqa: E402
 from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
+from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks import wan_bench, wan_report  # noqa: E402
+from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 from tools.wan.launch import site_env  # noqa: E402
 from tools.wan.link import LinkSpec  # noqa: E402
 from tools.wan.topology import REPO_ROOT, WanTopology  # noqa: E402
@@ -324,16 +326,20 @@ def main(argv=None) -> int:
               + ". Time per step excludes the first log interval. The bar: within 10% in both columns."]
     text = table(rows, header)
     os.makedirs(os.path.dirname(args.doc), exist_ok=True)
-    with open(args.doc, "a" if args.append else "w") as f:
-        f.write(("\n" if args.append else "") + text + "\n")
-    with open(os.path.join(args.out_dir, "validation.json"), "w") as f:
-        json.dump({"rows": rows, "microbatch_s": microbatch, "optimizer_s": optimizer, "rate_mbit": rate,
-                   "cpu_seconds_per_mb": cpu_per_mb, "delays_per_phase": delays, "slow_factor": args.slow_factor,
-                   "delay_ms": args.delay_ms, "link_rate_mbit": args.rate_mbit, "clock_model": CLOCK_MODEL}, f, indent=1)
+    earlier = ""
+    if args.append and os.path.exists(args.doc):
+        with open(args.doc, encoding="utf-8") as f:
+            earlier = f.read() + "\n"
+    write_text(args.doc, earlier + text + "\n")
+    write_json(os.path.join(args.out_dir, "validation.json"),
+               {"rows": rows, "microbatch_s": microbatch, "optimizer_s": optimizer, "rate_mbit": rate,
+                "cpu_seconds_per_mb": cpu_per_mb, "delays_per_phase": delays, "slow_factor": args.slow_factor,
+                "delay_ms": args.delay_ms, "link_rate_mbit": args.rate_mbit, "clock_model": CLOCK_MODEL}, indent=1)
     print(text)
     print(f"wrote {args.doc}; `python tools/benchmarks/leaderboard.py --cached-only` puts it in docs/leaderboard.md")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with tool_errors():
+        sys.exit(main())

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms, synchronizer_class  # noqa: E402
 from tools.benchmarks import wan_report  # noqa: E402
+from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 from tools.wan.launch import SiteJob, add_link_args, raise_on_termination, run_jobs, topology_from_args, \
     torchrun_cmd  # noqa: E402
 from tools.wan.netns import WanError  # noqa: E402
@@ -215,4 +216,5 @@ def _run(wan, jobs, a, name: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with tool_errors():
+        sys.exit(main())

@@ -28,6 +28,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from megatron_lsgd.core.output_files import WriteError, save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.tool_input import ToolInputError, read_json_object  # noqa: E402
 
 CEILING = "ceiling"
@@ -310,7 +311,7 @@ def plot(results: dict, out_dir: str, title: Optional[str] = None) -> List[str]:
 def _save(fig, out_dir: str, name: str) -> str:
     path = os.path.join(out_dir, name)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -328,11 +329,9 @@ def scenario_title(s: dict) -> str:
 
 def write_all(results: dict, out_dir: str) -> List[str]:
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(os.path.join(out_dir, "results.json"), results, indent=1)
     table = markdown_table(results)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(f"{scenario_title(results['scenario'])}\n\n{table}\n{COLUMN_NOTES}")
+    write_text(os.path.join(out_dir, "results.md"), f"{scenario_title(results['scenario'])}\n\n{table}\n{COLUMN_NOTES}")
     return [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")] + plot(results, out_dir)
 
 
@@ -368,7 +367,11 @@ def main(argv=None) -> int:
         print(f"error: {a.out_dir}: not a wan_bench output directory this script can read ({err!r})",
               file=sys.stderr)
         return 2
-    paths = write_all(results, a.out_dir)
+    try:
+        paths = write_all(results, a.out_dir)
+    except WriteError as err:  # a full disk: the message names the file; earlier files are kept
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(markdown_table(results))
     print("wrote " + ", ".join(paths))
     return 0

@@ -49,7 +49,7 @@ def main() -> None:
         algorithms = [x for x in a.algorithms.split(",") if board_pace(a.scenario, x) is not None]
         paces = run_pilots(algorithms, path, scenario, a.pilot_steps,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
-        print(f"| algorithm | planner pilot steps | planner s/step | board s/step (300-step pilot) | ratio |")
+        print("| algorithm | planner pilot steps | planner s/step | board s/step (300-step pilot) | ratio |")
         print("|---|---|---|---|---|")
         for algorithm, pace in paces.items():
             if pace is None:

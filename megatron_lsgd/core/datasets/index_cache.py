@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from typing import Dict, Optional
 
 import numpy as np
+
+from megatron_lsgd.core.output_files import replaced_atomically
 
 
 def description_hash(description: Dict) -> str:
@@ -49,17 +50,9 @@ class IndexCache:
             return None  # partial or damaged entry: rebuild and overwrite
 
     def _atomic_write(self, final_path: str, write) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=os.path.basename(final_path))
-        try:
-            with os.fdopen(fd, "wb") as f:
+        with replaced_atomically(final_path, durable=True) as tmp:
+            with open(tmp, "wb") as f:
                 write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final_path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
 
     def save(self, arrays: Dict[str, np.ndarray]) -> None:
         os.makedirs(self.dir, exist_ok=True)

@@ -10,28 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from megatron_lsgd.core.output_files import written_or_removed
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # some file systems do not allow opening directories; nothing to sync then
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+from megatron_lsgd.core.output_files import fsync_dir, fsync_file, write_text
 
 
 def fsync_tree(root: str) -> None:
@@ -42,14 +21,7 @@ def fsync_tree(root: str) -> None:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with written_or_removed(tmp, report_as=path):
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    write_text(path, text, durable=True)
 
 
 def commit_dir(partial: str, final: str) -> None:

@@ -94,3 +94,21 @@ def test_preprocessing_on_a_full_disk_names_the_output_and_keeps_the_old_one(tmp
     assert f"{out}_text_document.bin" in err or f"{out}_part" in err  # the output, not a temporary name
     assert ".tmp." not in err
     assert tree_digest(str(tmp_path)) == before  # the previous output as it was, no temporary file left
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # no raw thread traceback
+def test_tensorboard_on_a_full_disk_names_the_directory(tmp_path, monkeypatch, capsys):
+    """tensorboard writes its event file from a thread and hands the OSError to the next call:
+    one line naming --tensorboard-dir, exit 2 (the event file is a log: it is kept)."""
+    import threading
+
+    hook = threading.excepthook
+    ok = tmp_path / "tb-ok"
+    assert _run(["--train-iters", "2", "--tensorboard-dir", str(ok), "--log-interval", "1"], monkeypatch, capsys)[0] == 0
+    assert [n for n in os.listdir(ok) if n.startswith("events.out.tfevents")] and threading.excepthook is hook
+    tb = str(tmp_path / "tb")
+    with no_room_for_files(0):
+        code, out, err = _run(["--train-iters", "4", "--tensorboard-dir", tb, "--log-interval", "1"],
+                              monkeypatch, capsys)
+    assert code == 2 and err.count("error:") == 1, err
+    assert f"cannot write --tensorboard-dir {tb}: [Errno 27] File too large (the disk is full" in err

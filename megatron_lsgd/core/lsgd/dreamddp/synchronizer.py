@@ -68,6 +68,7 @@ from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
 from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup, average_grads_across_sites
+from megatron_lsgd.core.output_files import write_json
 
 PROFILE_FILE = "dreamddp_profile.json"
 
@@ -413,11 +414,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         doc = {"profile": self.profile.to_dict(), "schedule": self.plan.to_dict(), "origin_iteration": self.origin,
                "reprofiles": self.reprofiles,
                "link_probes_rank0": [{"bytes": n, "ms": 1e3 * s} for n, s in link_samples or []]}
-        path = os.path.join(out_dir, PROFILE_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, path)
+        write_json(os.path.join(out_dir, PROFILE_FILE), doc, indent=1)
 
     # ---- re-profiling on drift ---------------------------------------------------------------------
     def _check_drift(self, iteration: int) -> None:
