@@ -129,7 +129,7 @@ from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit
+from megatron_lsgd.core.lsgd.site_split import SiteSplit
 from megatron_lsgd.core.parallel_state import clone_groups
 
 ACCUMULATION = ("adaptive", "fixed")

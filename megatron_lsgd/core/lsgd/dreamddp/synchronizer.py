@@ -67,7 +67,8 @@ from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup, average_grads_across_sites
+from megatron_lsgd.core.lsgd.site_split import SiteSplit, average_grads_across_sites
+from megatron_lsgd.core.lsgd.warmup import SynchronousWarmup
 
 PROFILE_FILE = "dreamddp_profile.json"
 

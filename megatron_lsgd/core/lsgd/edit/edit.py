@@ -68,7 +68,8 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup
+from megatron_lsgd.core.lsgd.site_split import SiteSplit
+from megatron_lsgd.core.lsgd.warmup import SynchronousWarmup
 from megatron_lsgd.core.optimizer.shard_views import sum_of_squares
 
 Fault = Tuple[Optional[int], int, float]  # (site or None for every site, sync number, factor)
