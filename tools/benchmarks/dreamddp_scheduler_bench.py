@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megatron_lsgd.core.lsgd.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,  # noqa: E402
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,  # noqa: E402
                                                         equal_number_schedule, fill_bubbles, unrestricted_optimum)
 
 TOL = 1e-12  # seconds: "equal" and "zero" exposed times

@@ -12,8 +12,8 @@ import argparse
 import os
 from typing import Dict, List, Optional
 
-from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, dreamddp, streaming, sync  # noqa: F401  (register themselves)
-from megatron_lsgd.core.lsgd.edit import a_edit, edit  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd.algorithms import acco, cocodc, diloco, dilocox, dreamddp, streaming, sync  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd.algorithms.edit import a_edit, edit  # noqa: F401  (register themselves)
 from megatron_lsgd.core.lsgd.config import COMPRESSIONS, SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.options import OptionGroup, dest_of
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class

@@ -57,13 +57,13 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lsgd.core.lsgd.dreamddp.deadlines import Deadlines
-from megatron_lsgd.core.lsgd.dreamddp.plan import (Plan, StagePlan, build_plan, format_plan,
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.deadlines import Deadlines
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.plan import (Plan, StagePlan, build_plan, format_plan,
                                                    read_schedule_file)
-from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile,
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile,
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
                                                       fastest_sample, probe_link, read_profile_file, stage_of)
-from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
