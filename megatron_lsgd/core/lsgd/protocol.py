@@ -241,6 +241,9 @@ class Synchronizer:
     # True when its state is organised by pipeline stage (fragments or schedules made of a
     # stage's units): tools/checkpoint/convert.py then keeps the pipeline-parallel size.
     state_follows_pipeline: ClassVar[bool] = False
+    # True when its outer rounds run through SiteMembership (quorum, commit or roll back), so
+    # --lsgd-fault-tolerance torchft can run it (its settings that cannot: refused_with_fault_tolerance).
+    supports_fault_tolerance: ClassVar[bool] = False
 
     @classmethod
     def refused_with_fault_tolerance(cls, config: LsgdConfig) -> List[Tuple[str, str]]:

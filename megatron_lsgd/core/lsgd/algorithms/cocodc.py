@@ -179,6 +179,7 @@ class CoCoDC(StreamingDiLoCo):
 
     name = "cocodc"
     Options = CoCoDCOptions
+    supports_fault_tolerance = True
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)

@@ -111,6 +111,7 @@ class DiLoCo(LocalSGDBase):
     """H local steps, then a blocking mean of the pseudo-gradient and an outer Nesterov step"""
 
     name = "diloco"
+    supports_fault_tolerance = True
 
     def end_round(self) -> None:
         deltas = self.outer.pseudo_gradient(self.views)

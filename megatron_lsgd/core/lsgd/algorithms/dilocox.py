@@ -136,6 +136,7 @@ class DiLoCoX(LocalSGDBase):
     name = "dilocox"
     Options = DiLoCoXOptions
     requires_multiple_sites = True
+    supports_fault_tolerance = True
 
     @classmethod
     def refused_with_fault_tolerance(cls, config) -> List:

@@ -187,6 +187,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
     state_follows_pipeline = True  # a fragment is the stage's units of it (its key names them)
+    supports_fault_tolerance = True
 
     @classmethod
     def refused_with_fault_tolerance(cls, config) -> List:
