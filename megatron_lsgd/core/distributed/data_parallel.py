@@ -176,6 +176,15 @@ class DistributedDataParallel(nn.Module):
             out.append(self.buffer.bucket_grad(b, storage)[lo:hi])
         return out
 
+    @property
+    def active_grad_storage(self) -> int:
+        """The gradient storage backward accumulates into now (ParamAndGradBuffer's double buffering)."""
+        return self.buffer.active_grad_storage
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the active gradient storage in place (every bucket, padding included)."""
+        self.buffer.grad_data.mul_(factor)
+
     def add_grad_storage(self) -> int:
         """Another gradient storage for double buffering (ParamAndGradBuffer.add_grad_storage)."""
         return self.buffer.add_grad_storage()

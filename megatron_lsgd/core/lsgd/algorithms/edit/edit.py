@@ -244,7 +244,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
         pgs = ctx.pgs
         tied_pp = pgs.dims.pp > 1 and "embedding" in self.stat_keys
         self.lends_embedding = tied_pp and pgs.is_first_stage and any(
-            getattr(p, "shared_embedding", False) for p in self.plans[0].unit.parameters())
+            ctx.is_tied_embedding(p) for p in self.plans[0].unit.parameters())
         self.borrows_embedding = tied_pp and any(g.borrowed for p in self.plans for g in p.groups)
 
     # ---- plan: units -> penalty groups ----------------------------------------------------
@@ -252,7 +252,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
         opt, pgs = self.ctx.optimizer, self.ctx.pgs
 
         def tied_copy(p) -> bool:
-            return getattr(p, "shared_embedding", False) and not pgs.is_first_stage
+            return self.ctx.is_tied_embedding(p) and not pgs.is_first_stage
 
         def group(stat, part, borrowed) -> _Group:
             whole = opt.views([part])
