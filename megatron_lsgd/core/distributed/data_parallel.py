@@ -196,10 +196,6 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("use_grad_storage with intra-site reductions in flight")
         self.buffer.use_grad_storage(index)
 
-    def local_param_shards(self) -> List[torch.Tensor]:
-        shard = self.pgs.dp_intra_rank if self.config.use_distributed_optimizer else 0
-        return [b.param_shard(shard) for b in self.buffer.buckets]
-
 
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
