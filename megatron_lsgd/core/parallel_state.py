@@ -64,13 +64,6 @@ class ParallelDims:
     def rank_of(self, tp: int, dp_intra: int, pp: int, site: int) -> int:
         return tp + self.tp * (dp_intra + self.dp_intra * (pp + self.pp * site))
 
-    def all_coords(self):
-        for site in range(self.sites):
-            for pp in range(self.pp):
-                for dpi in range(self.dp_intra):
-                    for tp in range(self.tp):
-                        yield RankCoords(tp=tp, dp_intra=dpi, pp=pp, site=site)
-
 
 @dataclass(frozen=True)
 class RankCoords:
@@ -181,10 +174,6 @@ class ProcessGroups:
     def next_stage_rank(self) -> Optional[int]:
         c = self.coords
         return None if self.is_last_stage else self.dims.rank_of(c.tp, c.dp_intra, c.pp + 1, c.site)
-
-    @property
-    def in_embedding_group(self) -> bool:
-        return self.is_first_stage or self.is_last_stage
 
 
 def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: Optional[str] = None,

@@ -18,7 +18,7 @@ from megatron_lsgd.core.datasets.config import DataConfig
 from megatron_lsgd.core.distributed.data_parallel import DDPConfig
 from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.config import LsgdConfig, RunFacts
-from megatron_lsgd.core.lsgd.fault_tolerance.options import SUPPORTED_ALGORITHMS, FaultToleranceOptions
+from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions
 from megatron_lsgd.core.lsgd.options import finite_float
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
@@ -315,7 +315,7 @@ def _check_fault_tolerance(ft: FaultToleranceOptions, args: argparse.Namespace, 
         ("--lsgd-warmup-iters", "a synchronous warm-up averages gradients across sites every step, outside any "
                                 "quorum", lsgd.rounds.warmup_iters > 0),
         ("--simulate-clock", "the simulated clock models a fixed set of sites", simulation.active)) if given]
-    if ft.enabled and lsgd.algorithm in SUPPORTED_ALGORITHMS:  # the algorithm's own refusals
+    if ft.enabled and catalog.synchronizer_class(lsgd.algorithm).supports_fault_tolerance:  # its own refusals
         refused += catalog.synchronizer_class(lsgd.algorithm).refused_with_fault_tolerance(lsgd)
     ft.validate(algorithm=lsgd.algorithm, num_sites=dims.sites, refused=refused, need_site=True)
     if ft.enabled:

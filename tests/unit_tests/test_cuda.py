@@ -116,7 +116,7 @@ def test_peak_cuda_memory_is_reported():
 
 
 def test_the_acco_worker_thread_computes_on_the_ranks_gpu_on_a_stream_of_its_own():
-    from megatron_lsgd.core.lsgd.acco import _Worker
+    from megatron_lsgd.core.lsgd.algorithms.acco import _Worker
     from megatron_lsgd.core.streams import streams_for
 
     last = torch.device("cuda", torch.cuda.device_count() - 1)  # not the thread default (0) on multi-GPU hosts
@@ -127,7 +127,7 @@ def test_the_acco_worker_thread_computes_on_the_ranks_gpu_on_a_stream_of_its_own
 
 
 def test_two_events_order_a_hand_over_between_the_compute_and_the_worker_stream():
-    from megatron_lsgd.core.lsgd.acco import _Worker
+    from megatron_lsgd.core.lsgd.algorithms.acco import _Worker
     from megatron_lsgd.core.streams import streams_for
 
     streams = streams_for(GPU)

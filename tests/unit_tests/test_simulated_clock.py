@@ -71,7 +71,7 @@ def test_a_pass_places_each_units_backward_in_it():
 
 
 def test_dreamddps_profiler_sees_each_units_share_of_the_backward():
-    from megatron_lsgd.core.lsgd.dreamddp.profile import BackwardRecorder
+    from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import BackwardRecorder
 
     clock = sim(microbatch=0.3)
     recorder = BackwardRecorder(["head", "layer"], clock, None)

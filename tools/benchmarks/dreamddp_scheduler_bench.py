@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megatron_lsgd.core.lsgd.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,  # noqa: E402
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,  # noqa: E402
                                                         equal_number_schedule, fill_bubbles, unrestricted_optimum)
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.tool_input import tool_errors  # noqa: E402

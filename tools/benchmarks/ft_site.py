@@ -74,7 +74,7 @@ def initial_params() -> torch.Tensor:
 class FlatOptimizer:
     """The optimizer surface a synchronizer touches, over one flat fp32 shard."""
 
-    sharded = False  # one rank per site: nothing to split across a site (sync.SiteSplit)
+    sharded = False  # one rank per site: nothing to split across a site (site_split.SiteSplit)
 
     def __init__(self, shard: torch.Tensor):
         self.shard = shard

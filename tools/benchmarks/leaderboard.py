@@ -49,7 +49,7 @@ a cell of an older model is trained again, and --cached-only keeps it but its ta
 made under the older model, so times of two models never mix unmarked. A change to an algorithm's
 code is in neither: move its cells out of the cache to train them again. Each cell records the
 commit it was trained at (`code`, "+changes" when the library differed from it: run_cache.py),
-so `git diff <code> -- megatron_lsgd/core/lsgd/acco.py` tells whether a cell predates a change.
+so `git diff <code> -- megatron_lsgd/core/lsgd/algorithms/acco.py` tells whether a cell predates a change.
 
 Modules: leaderboard_setup.py says what a cell trains (model, data, recommended settings,
 variants, ceilings), this file trains and caches the cells, leaderboard_report.py judges them

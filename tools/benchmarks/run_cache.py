@@ -166,7 +166,7 @@ def platform_signature() -> str:
 
 def code_version() -> Optional[str]:
     """The commit of this checkout, with "+changes" when the library differs from it; None
-    outside a git checkout. `git diff <commit> -- megatron_lsgd/core/lsgd/acco.py` then says
+    outside a git checkout. `git diff <commit> -- megatron_lsgd/core/lsgd/algorithms/acco.py` then says
     whether a cached result predates a change of acco."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()

@@ -42,10 +42,6 @@ class LinkSpec:
     def bytes_per_second(self) -> float:
         return self.rate_mbit * 1e6 / 8
 
-    def ideal_transfer_seconds(self, nbytes: int) -> float:
-        """One bulk transfer between two sites on an idle link (no protocol overhead)."""
-        return nbytes / self.bytes_per_second + self.delay_ms / 1e3
-
     def _tbf(self, dev: str, parent: List[str]) -> List[str]:
         # burst: at least one 64 KB GSO packet, else tbf must split every packet.
         burst = max(65536, int(self.bytes_per_second / 250))

@@ -17,10 +17,6 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
-def blending_indices(weights: Sequence[float], size: int):
-    return build_blending_indices(normalize_weights(weights), size)
-
-
 class BlendedDataset(torch.utils.data.Dataset):
     def __init__(self, datasets: Sequence[torch.utils.data.Dataset], weights: Sequence[float], size: int):
         if len(datasets) != len(weights):

@@ -176,6 +176,15 @@ class DistributedDataParallel(nn.Module):
             out.append(self.buffer.bucket_grad(b, storage)[lo:hi])
         return out
 
+    @property
+    def active_grad_storage(self) -> int:
+        """The gradient storage backward accumulates into now (ParamAndGradBuffer's double buffering)."""
+        return self.buffer.active_grad_storage
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the active gradient storage in place (every bucket, padding included)."""
+        self.buffer.grad_data.mul_(factor)
+
     def add_grad_storage(self) -> int:
         """Another gradient storage for double buffering (ParamAndGradBuffer.add_grad_storage)."""
         return self.buffer.add_grad_storage()
@@ -186,10 +195,6 @@ class DistributedDataParallel(nn.Module):
         if self._pending:
             raise RuntimeError("use_grad_storage with intra-site reductions in flight")
         self.buffer.use_grad_storage(index)
-
-    def local_param_shards(self) -> List[torch.Tensor]:
-        shard = self.pgs.dp_intra_rank if self.config.use_distributed_optimizer else 0
-        return [b.param_shard(shard) for b in self.buffer.buckets]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

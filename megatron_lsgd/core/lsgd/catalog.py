@@ -1,25 +1,42 @@
 """The built-in synchronizers and their command line.
 
-Importing this module registers every built-in algorithm. `add_arguments` puts
-`--lsgd-algorithm`, the shared option groups and one group per algorithm on a parser (so
-`--help` shows each algorithm's flags together); `config_from_args` builds the LsgdConfig
-and validates it as a whole, with every message naming its flag.
+Importing this module registers every built-in algorithm (it imports every module of
+`algorithms/`). `add_arguments` puts `--lsgd-algorithm`, the shared option groups and one
+group per algorithm on a parser (so `--help` shows each algorithm's flags together);
+`config_from_args` builds the LsgdConfig and validates it as a whole, with every message
+naming its flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import pkgutil
 from typing import Dict, List, Optional
 
-from megatron_lsgd.core.lsgd import acco, cocodc, diloco, dilocox, dreamddp, streaming, sync  # noqa: F401  (register themselves)
-from megatron_lsgd.core.lsgd.edit import a_edit, edit  # noqa: F401  (register themselves)
+from megatron_lsgd.core.lsgd import algorithms
 from megatron_lsgd.core.lsgd.config import COMPRESSIONS, SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.options import OptionGroup, dest_of
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
-__all__ = ["add_arguments", "arguments_it_ignores", "config_from_args", "registered_algorithms", "synchronizer_class",
-           "validate"]
+__all__ = ["add_arguments", "arguments_it_ignores", "config_from_args", "fault_tolerant_algorithms",
+           "registered_algorithms", "synchronizer_class", "validate"]
+
+
+def _discover() -> None:
+    """Import every module of the algorithms package (its subpackages' too), so each
+    algorithm registers itself (`@register`): a new one is its module and nothing else here."""
+    for module in pkgutil.walk_packages(algorithms.__path__, algorithms.__name__ + "."):
+        importlib.import_module(module.name)
+
+
+_discover()
+
+
+def fault_tolerant_algorithms() -> List[str]:
+    """The algorithms --lsgd-fault-tolerance torchft can run (`supports_fault_tolerance`)."""
+    return [n for n in registered_algorithms() if synchronizer_class(n).supports_fault_tolerance]
 
 
 def _summary(cls: type) -> str:

@@ -213,6 +213,33 @@ class SyncContext:
         the world and site groups are NCCL on GPUs; comm stages what dp_inter needs elsewhere)."""
         return self.comm.devices.run
 
+    # ---- model facts (what the synchronizer may know of the model it serves) --------------------
+    @property
+    def layer_indices(self) -> List[int]:
+        """The global indices of this stage's transformer layers (its `layers.<i>` units), in
+        forward order."""
+        return [int(u.name.split(".", 1)[1]) for u in self.units if u.name.startswith("layers.")]
+
+    def model_layers(self) -> Tuple[int, bool]:
+        """(global transformer layers, tied embeddings) of the model the synchronizer serves."""
+        for m in self.models:
+            cfg = getattr(getattr(m, "module", m), "config", None)
+            if cfg is not None and hasattr(cfg, "num_layers"):
+                return int(cfg.num_layers), not getattr(cfg, "untie_embeddings_and_output_weights", False)
+        layers = self.layer_indices
+        return (max(layers) + 1 if layers else 1), False
+
+    @staticmethod
+    def is_tied_embedding(param) -> bool:
+        """Whether `param` is the word embedding tied between the first and the last pipeline
+        stage (either stage's copy; the last stage's gradient is reduced with the first's)."""
+        return getattr(param, "shared_embedding", False)
+
+    @property
+    def uses_muon(self) -> bool:
+        """Whether --optimizer muon steps the hidden matrices (it assembles each over tp)."""
+        return getattr(self.optimizer, "muon", None) is not None
+
 
 class Synchronizer:
     name: ClassVar[str] = ""
@@ -241,6 +268,9 @@ class Synchronizer:
     # True when its state is organised by pipeline stage (fragments or schedules made of a
     # stage's units): tools/checkpoint/convert.py then keeps the pipeline-parallel size.
     state_follows_pipeline: ClassVar[bool] = False
+    # True when its outer rounds run through SiteMembership (quorum, commit or roll back), so
+    # --lsgd-fault-tolerance torchft can run it (its settings that cannot: refused_with_fault_tolerance).
+    supports_fault_tolerance: ClassVar[bool] = False
 
     @classmethod
     def refused_with_fault_tolerance(cls, config: LsgdConfig) -> List[Tuple[str, str]]:

@@ -1,6 +1,7 @@
 """Name -> synchronizer class. Algorithms register themselves (`@register`); `catalog.py`
-imports every built-in one. This module imports only the protocol, so the protocol,
-the registry and the algorithms read top-down with no import circle."""
+imports every module of `algorithms/`, so every built-in one registers. This module imports
+only the protocol, so the protocol, the registry and the algorithms read top-down with no
+import circle."""
 
 from __future__ import annotations
 

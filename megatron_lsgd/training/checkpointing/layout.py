@@ -13,7 +13,6 @@ The `_PPP` suffix appears only with pipeline parallelism, as in Megatron.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 
@@ -66,9 +65,3 @@ def read_tracker(load_dir: str) -> str:
     if not text.isdigit():
         raise CheckpointError(f"tracker {path} should hold an iteration number or 'release', found {text[:80]!r}")
     return iteration_dir_name(int(text))
-
-
-def tracker_iteration(load_dir: str) -> Optional[int]:
-    """The iteration the tracker points to, None for 'release'."""
-    name = read_tracker(load_dir)
-    return None if name == RELEASE else int(name[len("iter_"):])

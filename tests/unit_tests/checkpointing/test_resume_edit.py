@@ -19,7 +19,7 @@ import re
 
 import pytest
 
-from megatron_lsgd.core.lsgd.edit.a_edit import VIRTUAL_CLOCK_ENV
+from megatron_lsgd.core.lsgd.algorithms.edit.a_edit import VIRTUAL_CLOCK_ENV
 from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
 from tests.unit_tests.checkpointing.launch import TINY, assert_same, kill, load_tree, run, start_forked, wait_for
 from tests.unit_tests.checkpointing.test_resume_exact import _check_resumed, _tracker

@@ -38,7 +38,7 @@ def test_a_fast_site_follows_the_jobs_lr_schedule_and_logs_its_own_cap(tmp_path)
     now follows the job's agreed progress, which reaches 12 only at the end."""
     import re
 
-    from megatron_lsgd.core.lsgd.edit.a_edit import VIRTUAL_CLOCK_ENV
+    from megatron_lsgd.core.lsgd.algorithms.edit.a_edit import VIRTUAL_CLOCK_ENV
     from tests.unit_tests.checkpointing.launch import TINY
     from tests.unit_tests.checkpointing.test_resume_edit import run_env
 

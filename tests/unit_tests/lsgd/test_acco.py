@@ -192,7 +192,7 @@ def test_the_mean_across_sites_weighs_each_site_by_its_micro_batches(accumulatio
     import threading
     from types import SimpleNamespace
 
-    from megatron_lsgd.core.lsgd.acco import OverlappedGradientSync, OverlapOptions
+    from megatron_lsgd.core.lsgd.algorithms.acco import OverlappedGradientSync, OverlapOptions
 
     counts = [3, 1]
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron_lsgd.core.lsgd.acco import AccoOptions, DpuOptions
+from megatron_lsgd.core.lsgd.algorithms.acco import AccoOptions, DpuOptions
 from megatron_lsgd.training.arguments import build_config, parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -1,4 +1,4 @@
-"""acco/dpu's stream discipline (core/lsgd/acco.py, core/streams.py), checked on CPU with a
+"""acco/dpu's stream discipline (core/lsgd/algorithms/acco.py, core/streams.py), checked on CPU with a
 recording double of the device streams in one spawned rank (one site: the worker still runs
 every optimizer step): the worker runs on a stream of its own; before a job reads the
 gradients, the worker's stream waits for an event the compute stream recorded after the

@@ -180,7 +180,7 @@ def test_settings_bounded_by_the_model_are_checked_against_it(tmp_path):
     """The run's facts (RunFacts: layers, stages) reach every algorithm's validation."""
     with pytest.raises(ValueError, match="--lsgd-fragments 3 is more than the model's 2 layers"):
         config(["--num-sites", "2", "--lsgd-algorithm", "cocodc", "--lsgd-interval", "6", "--lsgd-fragments", "3"])
-    from megatron_lsgd.core.lsgd.dreamddp.profile import PROFILE_FORMAT
+    from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import PROFILE_FORMAT
 
     profile = tmp_path / "profile.json"
     units = ["embedding", "layers.0", "layers.1", "layers.2", "output"]  # a 3-layer model's

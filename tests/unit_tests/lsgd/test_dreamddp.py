@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, port: int, layout_args, out_dir: str) -> None
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import pretrain_gpt
-    from megatron_lsgd.core.lsgd.dreamddp.plan import build_plan
+    from megatron_lsgd.core.lsgd.algorithms.dreamddp.plan import build_plan
     from megatron_lsgd.core.clock import Clock
 
     _register_reference()
@@ -231,7 +231,7 @@ def _small_worker(rank: int, world: int, port: int, profile_path: str, out_dir: 
 def test_one_site_is_plain_training_and_drift_reschedules(tmp_path):
     import json
 
-    from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, UnitProfile
+    from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import Profile, UnitProfile
 
     units = [UnitProfile(n, 0, 1e-3, 0, 0) for n in ("embedding", "layers.0", "layers.1", "output")]
     path = tmp_path / "free_link.json"
@@ -287,7 +287,7 @@ def test_bad_flags_name_the_flag(extra, message):
 
 
 def test_profile_file_must_fit_the_model(tmp_path):
-    from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, UnitProfile
+    from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import Profile, UnitProfile
 
     units = [UnitProfile(n, 0, 1e-3, 1024, 1) for n in ("embedding", "layers.0", "layers.1", "output")]
     path = tmp_path / "p.json"
@@ -313,7 +313,7 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path):
     uninterrupted one bit for bit."""
     import json
 
-    from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, UnitProfile, read_profile_file
+    from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import Profile, UnitProfile, read_profile_file
     from megatron_lsgd.training.checkpointing.checkpointer import HOLD_ENV
     from tests.unit_tests.checkpointing.launch import TINY, kill, read, run, start_forked, wait_for
     from tests.unit_tests.checkpointing.test_resume_exact import ITERS, _check_resumed, _tracker

@@ -13,9 +13,9 @@ from typing import Dict, List, Sequence, Set, Tuple
 
 import pytest
 
-from megatron_lsgd.core.lsgd.dreamddp.deadlines import Deadlines
-from megatron_lsgd.core.lsgd.dreamddp.plan import build_plan
-from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, UnitProfile
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.deadlines import Deadlines
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.plan import build_plan
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import Profile, UnitProfile
 
 FORWARD = ["embedding", "layers.0", "layers.1", "output"]
 NAMES = list(reversed(FORWARD))  # backward order, as the synchronizer keeps them

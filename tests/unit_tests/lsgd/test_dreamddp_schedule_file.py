@@ -66,7 +66,7 @@ def test_a_schedule_file_that_does_not_fit_is_refused(tmp_path):
              for n in ("output", "layers.1", "layers.0", "embedding")]
     profile = {"format": 1, "source": "x", "measured_steps": [], "link": {"latency_ms": 1, "ms_per_MB": 1},
                "tied_embeddings": False, "stages": [{"stage": 0, "tail_ms": 0}], "units": units}
-    from megatron_lsgd.core.lsgd.dreamddp.profile import PROFILE_FORMAT
+    from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import PROFILE_FORMAT
     profile["format"] = PROFILE_FORMAT
     names = [u["name"] for u in units]
     stage = {"names": names, "slots": [names[:2], names[2:], []], "searched": [], "filled": [],

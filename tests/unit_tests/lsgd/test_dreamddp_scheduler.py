@@ -11,13 +11,13 @@ import random
 
 import pytest
 
-from megatron_lsgd.core.lsgd.dreamddp.plan import build_plan, contiguous_count, format_plan
-from megatron_lsgd.core.lsgd.dreamddp.profile import (Profile, UnitProfile, fit_link, global_index, global_name,
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.plan import build_plan, contiguous_count, format_plan
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import (Profile, UnitProfile, fit_link, global_index, global_name,
                                                       fastest_sample, probe_sizes, read_profile_file, stage_of)
-from megatron_lsgd.core.lsgd.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,
                                                         equal_number_schedule, fill_bubbles, schedule, slot_end,
                                                         slot_exposed, total_exposed)
-from megatron_lsgd.core.lsgd.dreamddp.synchronizer import drifted
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.synchronizer import drifted
 from tools.benchmarks.dreamddp_scheduler_bench import random_problem
 
 

@@ -130,7 +130,7 @@ def test_edit_and_a_edit_evaluate_the_synced_model_at_a_sync_boundary(monkeypatc
     would only move in the next forward, and a-edit's too (here its sites take one virtual
     second per step and meet every 2 s, so it syncs where edit with H = 2 does). The loop
     evaluates after iterations 2, 4 and 6; quiesce() carries the due sync out first."""
-    from megatron_lsgd.core.lsgd.edit.a_edit import VIRTUAL_CLOCK_ENV
+    from megatron_lsgd.core.lsgd.algorithms.edit.a_edit import VIRTUAL_CLOCK_ENV
 
     monkeypatch.setenv(VIRTUAL_CLOCK_ENV, "1,1")  # read by a-edit only
     base = COMMON + LAYOUTS["sites2"][1] + ["--eval-iters", "1", "--eval-interval", "2", "--lsgd-outer-lr", "1",

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from megatron_lsgd.core.lsgd.edit.a_edit import allocate_quota
-from megatron_lsgd.core.lsgd.edit.edit import parse_faults
-from megatron_lsgd.core.lsgd.edit.penalty import Penalty, SiteStats, clip_coefficient, parse_parts, softmax_neg
+from megatron_lsgd.core.lsgd.algorithms.edit.a_edit import allocate_quota
+from megatron_lsgd.core.lsgd.algorithms.edit.edit import parse_faults
+from megatron_lsgd.core.lsgd.algorithms.edit.penalty import Penalty, SiteStats, clip_coefficient, parse_parts, softmax_neg
 from megatron_lsgd.core.lsgd.protocol import Meeting, Progress, stop_at_meeting
 from megatron_lsgd.training.arguments import build_config, parse_args
 

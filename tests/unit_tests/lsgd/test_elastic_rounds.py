@@ -20,11 +20,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lsgd.core.lsgd.cocodc import CoCoDC
+from megatron_lsgd.core.lsgd.algorithms.cocodc import CoCoDC
 from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
-from megatron_lsgd.core.lsgd.dilocox import DiLoCoX
+from megatron_lsgd.core.lsgd.algorithms.dilocox import DiLoCoX
 from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
-from megatron_lsgd.core.lsgd.streaming import StreamingDiLoCo
+from megatron_lsgd.core.lsgd.algorithms.streaming import StreamingDiLoCo
 from tests.unit_tests.checkpointing.launch import assert_same
 from tests.unit_tests.lsgd.fakes import active, lsgd_config, make_context, scripted_membership
 from tests.unit_tests.lsgd.test_streaming import active as active_streaming

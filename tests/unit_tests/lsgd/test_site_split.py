@@ -1,4 +1,4 @@
-"""The split of inter-site traffic across a site's DP_intra ranks (sync.SiteSplit), for every
+"""The split of inter-site traffic across a site's DP_intra ranks (site_split.SiteSplit), for every
 algorithm: 2 sites x DP_intra 2 without ZeRO-1 (every rank of a site holds the same copy)
 must put on each rank's link half of the site's bytes, as ZeRO-1's shards do, and every
 replica must end bit-identical. One spawn runs every configuration back to back."""

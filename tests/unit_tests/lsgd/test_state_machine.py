@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_lsgd.core.lsgd.config import OuterOptions
-from megatron_lsgd.core.lsgd.diloco import DiLoCo
-from megatron_lsgd.core.lsgd.dilocox import DiLoCoX
+from megatron_lsgd.core.lsgd.algorithms.diloco import DiLoCo
+from megatron_lsgd.core.lsgd.algorithms.dilocox import DiLoCoX
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from tests.unit_tests.lsgd.fakes import active, lsgd_config, make_context, whole_views
 

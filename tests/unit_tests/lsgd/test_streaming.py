@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from megatron_lsgd.core.lsgd import catalog
-from megatron_lsgd.core.lsgd.cocodc import CoCoDC, choose_fragment, syncs_per_round
+from megatron_lsgd.core.lsgd.algorithms.cocodc import CoCoDC, choose_fragment, syncs_per_round
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.compressors import build_compressor
 from megatron_lsgd.core.lsgd.config import CompressionOptions
-from megatron_lsgd.core.lsgd.diloco import DiLoCo
+from megatron_lsgd.core.lsgd.algorithms.diloco import DiLoCo
 from megatron_lsgd.core.lsgd.means import SideValues
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.reduction import ReductionQueue, run_blocking
-from megatron_lsgd.core.lsgd.streaming import StreamingDiLoCo
+from megatron_lsgd.core.lsgd.algorithms.streaming import StreamingDiLoCo
 from megatron_lsgd.core.optimizer.shard_views import BucketExtent, PieceView, ShardRange, ShardViews
 from megatron_lsgd.training.arguments import build_config, parse_args
 from tests.unit_tests.lsgd.fakes import lsgd_config, make_context, one_rank_per_site_groups

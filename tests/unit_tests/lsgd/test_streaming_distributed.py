@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lsgd.core.lsgd.cocodc import CoCoDC
+from megatron_lsgd.core.lsgd.algorithms.cocodc import CoCoDC
 from tests.unit_tests.harness import spawn
 
 ITERS = 10

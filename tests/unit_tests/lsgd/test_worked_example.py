@@ -29,7 +29,7 @@ def example_source() -> str:
 def register_example() -> None:
     from megatron_lsgd.core.lsgd.registry import registered_algorithms
 
-    if "local-avg" not in registered_algorithms():  # as its own module, like a file in core/lsgd would be
+    if "local-avg" not in registered_algorithms():  # as its own module, like a file in core/lsgd/algorithms would be
         module = types.ModuleType("local_avg_example")
         sys.modules[module.__name__] = module
         exec(compile(example_source(), DOC, "exec", dont_inherit=True), module.__dict__)

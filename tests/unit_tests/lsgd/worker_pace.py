@@ -10,7 +10,7 @@ import os
 import time
 
 import pretrain_gpt
-from megatron_lsgd.core.lsgd.acco import OverlappedGradientSync
+from megatron_lsgd.core.lsgd.algorithms.acco import OverlappedGradientSync
 
 
 def _slow_worker() -> None:

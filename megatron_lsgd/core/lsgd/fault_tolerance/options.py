@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 
 MODES = ("none", "torchft")
-# Algorithms whose outer round runs through SiteMembership (quorum, commit or roll back).
-SUPPORTED_ALGORITHMS = ("diloco", "dilocox", "streaming-diloco", "cocodc")
 INSTALL_HINT = 'pip install -e ".[ft]" (torchft==0.2.0)'
 
 
@@ -17,8 +16,8 @@ class FaultToleranceOptions(OptionGroup):
     title = "fault tolerance: elastic sites (docs/fault_tolerance.md)"
     mode: str = option("--lsgd-fault-tolerance", "none",
                        "torchft: each site is a torchft replica group and a torchrun job of its own (--lsgd-site); "
-                       "a site may fail and rejoin while the others keep training (diloco, dilocox, "
-                       "streaming-diloco, cocodc)", choices=MODES)
+                       "a site may fail and rejoin while the others keep training "
+                       f"({', '.join(catalog.fault_tolerant_algorithms())})", choices=MODES)
     min_sites: int = option("--lsgd-min-sites", 1,
                             "fewest sites a round may commit with; below it training waits for sites to return")
     lighthouse: str = option("--lsgd-lighthouse", "",
@@ -56,9 +55,10 @@ class FaultToleranceOptions(OptionGroup):
             if changed:
                 raise ValueError(f"{changed[0]} needs --lsgd-fault-tolerance torchft")
             return
-        if algorithm not in SUPPORTED_ALGORITHMS:
+        supported = catalog.fault_tolerant_algorithms()
+        if algorithm not in supported:
             raise ValueError(f"--lsgd-fault-tolerance {self.mode} does not support --lsgd-algorithm {algorithm} "
-                             f"(supported: {', '.join(SUPPORTED_ALGORITHMS)})")
+                             f"(supported: {', '.join(supported)})")
         if num_sites < 2:
             raise ValueError(f"--lsgd-fault-tolerance {self.mode} needs --num-sites >= 2 (got {num_sites})")
         if not 1 <= self.min_sites <= num_sites:

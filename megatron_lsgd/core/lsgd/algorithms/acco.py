@@ -129,7 +129,7 @@ from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit
+from megatron_lsgd.core.lsgd.site_split import SiteSplit
 from megatron_lsgd.core.parallel_state import clone_groups
 
 ACCUMULATION = ("adaptive", "fixed")
@@ -314,10 +314,10 @@ class OverlappedGradientSync(Synchronizer):
         # Groups of the worker thread's own, gloo on GPUs (see the module docstring's ordering rule).
         ctx.comm.use_dedicated_group(ctx.pgs.dims, timeout)
         # --optimizer muon assembles its matrices over tp too, inside the worker's step
-        kinds = ("dp_intra", "model_parallel", "site") + (("tp",) if getattr(ctx.optimizer, "muon", None) else ())
+        kinds = ("dp_intra", "model_parallel", "site") + (("tp",) if ctx.uses_muon else ())
         self.worker_groups = clone_groups(ctx.pgs, kinds, timeout, worker_group_backend(ctx.device)) \
             if dist.is_initialized() else ctx.pgs
-        self.storages = (self.model.buffer.active_grad_storage, self.model.add_grad_storage())
+        self.storages = (self.model.active_grad_storage, self.model.add_grad_storage())
         self.computing = 0  # index into self.storages: where compute accumulates
         self.views = ctx.optimizer.views()  # the whole model: one fragment
         # Without ZeRO-1 every rank of a site holds the whole reduced gradient: each sends its
@@ -414,7 +414,7 @@ class OverlappedGradientSync(Synchronizer):
             began, ended = ended, self.clock.now()
             microbatch = ended - began
         if n > minimum:  # every micro-batch's loss was divided by `minimum`: make it the mean over n
-            self.model.buffer.grad_data.mul_(minimum / n)
+            self.model.scale_grads(minimum / n)
             self.extra_microbatches += n - minimum
         return losses, n
 

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from megatron_lsgd.core.lsgd.dreamddp.profile import Profile, read_profile_file
-from megatron_lsgd.core.lsgd.dreamddp.scheduler import schedule, slot_exposed
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import Profile, read_profile_file
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import schedule, slot_exposed
 
 
 @dataclass

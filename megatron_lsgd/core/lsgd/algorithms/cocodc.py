@@ -64,7 +64,7 @@ from megatron_lsgd.core.lsgd.means import SideValues
 from megatron_lsgd.core.lsgd.options import option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.streaming import FragmentOptions, InFlight, StreamingDiLoCo
+from megatron_lsgd.core.lsgd.algorithms.streaming import FragmentOptions, InFlight, StreamingDiLoCo
 from megatron_lsgd.core.optimizer.shard_views import sum_of_squares
 
 SCHEDULES = ("adaptive", "round-robin")
@@ -179,6 +179,7 @@ class CoCoDC(StreamingDiLoCo):
 
     name = "cocodc"
     Options = CoCoDCOptions
+    supports_fault_tolerance = True
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)

@@ -62,13 +62,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.compressors import CompressorBank
-from megatron_lsgd.core.lsgd.edit.penalty import PARTS, Decision, Penalty, clip_coefficient, parse_parts
+from megatron_lsgd.core.lsgd.algorithms.edit.penalty import PARTS, Decision, Penalty, clip_coefficient, parse_parts
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup
+from megatron_lsgd.core.lsgd.site_split import SiteSplit
+from megatron_lsgd.core.lsgd.warmup import SynchronousWarmup
 from megatron_lsgd.core.optimizer.shard_views import sum_of_squares
 
 Fault = Tuple[Optional[int], int, float]  # (site or None for every site, sync number, factor)
@@ -243,7 +244,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
         pgs = ctx.pgs
         tied_pp = pgs.dims.pp > 1 and "embedding" in self.stat_keys
         self.lends_embedding = tied_pp and pgs.is_first_stage and any(
-            getattr(p, "shared_embedding", False) for p in self.plans[0].unit.parameters())
+            ctx.is_tied_embedding(p) for p in self.plans[0].unit.parameters())
         self.borrows_embedding = tied_pp and any(g.borrowed for p in self.plans for g in p.groups)
 
     # ---- plan: units -> penalty groups ----------------------------------------------------
@@ -251,7 +252,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
         opt, pgs = self.ctx.optimizer, self.ctx.pgs
 
         def tied_copy(p) -> bool:
-            return getattr(p, "shared_embedding", False) and not pgs.is_first_stage
+            return self.ctx.is_tied_embedding(p) and not pgs.is_first_stage
 
         def group(stat, part, borrowed) -> _Group:
             whole = opt.views([part])

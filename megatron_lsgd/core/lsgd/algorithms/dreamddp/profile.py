@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
-from megatron_lsgd.core.lsgd.dreamddp.scheduler import Problem
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import Problem
 
 PROFILE_FORMAT = "megatron_lsgd.dreamddp.profile/1"
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.agreement import agree_in_site
-from megatron_lsgd.core.lsgd.edit.edit import EDiT, EDiTOptions
+from megatron_lsgd.core.lsgd.algorithms.edit.edit import EDiT, EDiTOptions
 from megatron_lsgd.core.lsgd.options import option
 from megatron_lsgd.core.lsgd.protocol import Meeting, Progress, Stop, SyncContext, stop_at_meeting
 from megatron_lsgd.core.lsgd.registry import register

@@ -57,17 +57,18 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lsgd.core.lsgd.dreamddp.deadlines import Deadlines
-from megatron_lsgd.core.lsgd.dreamddp.plan import (Plan, StagePlan, build_plan, format_plan,
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.deadlines import Deadlines
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.plan import (Plan, StagePlan, build_plan, format_plan,
                                                    read_schedule_file)
-from megatron_lsgd.core.lsgd.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile,
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile,
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
                                                       fastest_sample, probe_link, read_profile_file, stage_of)
-from megatron_lsgd.core.lsgd.dreamddp.scheduler import SCHEDULERS
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup, average_grads_across_sites
+from megatron_lsgd.core.lsgd.site_split import SiteSplit, average_grads_across_sites
+from megatron_lsgd.core.lsgd.warmup import SynchronousWarmup
 from megatron_lsgd.core.output_files import write_json
 
 PROFILE_FILE = "dreamddp_profile.json"
@@ -174,7 +175,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         trainable = [u for u in ctx.units if any(p.requires_grad for p in u.parameters())]
         self.units = {u.name: u for u in trainable}
         self.names = [u.name for u in reversed(trainable)]  # backward order
-        self.num_layers = sum(1 for u in ctx.units if u.name.startswith("layers.")) * self.num_stages
+        self.num_layers = len(ctx.layer_indices) * self.num_stages
         # Without ZeRO-1 every rank of a site holds the same full copy: each then averages
         # only its 1/DP_intra part of a unit across sites (no link carries a byte twice) and
         # the site re-assembles the parts with one all-gather before the optimizer step.
@@ -183,8 +184,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         self.views = {name: self.split.mine(v) for name, v in self.full_views.items()}
         shards = ctx.optimizer.main_param_shards()
         self.device = shards[0].device if shards else torch.device("cpu")
-        self.tied = self.num_stages > 1 and any(getattr(p, "shared_embedding", False)
-                                                for u in trainable for p in u.parameters())
+        self.tied = self.num_stages > 1 and any(ctx.is_tied_embedding(p) for u in trainable for p in u.parameters())
         first_module = self.units[self.names[0]].modules[-1] if self.names else None
         self.recorder = BackwardRecorder(self.names, ctx.clock, first_module)
         if self.active:  # averages are issued from the backward: keep them off the shared dp_inter group

@@ -21,7 +21,8 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup
+from megatron_lsgd.core.lsgd.site_split import SiteSplit
+from megatron_lsgd.core.lsgd.warmup import SynchronousWarmup
 
 
 class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
@@ -110,6 +111,7 @@ class DiLoCo(LocalSGDBase):
     """H local steps, then a blocking mean of the pseudo-gradient and an outer Nesterov step"""
 
     name = "diloco"
+    supports_fault_tolerance = True
 
     def end_round(self) -> None:
         deltas = self.outer.pseudo_gradient(self.views)

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
 from megatron_lsgd.core.lsgd.compressors import compression_error
-from megatron_lsgd.core.lsgd.diloco import LocalSGDBase
+from megatron_lsgd.core.lsgd.algorithms.diloco import LocalSGDBase
 from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
@@ -136,6 +136,7 @@ class DiLoCoX(LocalSGDBase):
     name = "dilocox"
     Options = DiLoCoXOptions
     requires_multiple_sites = True
+    supports_fault_tolerance = True
 
     @classmethod
     def refused_with_fault_tolerance(cls, config) -> List:

@@ -49,7 +49,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -62,7 +62,8 @@ from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import QueuedReduce, Reduction, ReductionQueue
 from megatron_lsgd.core.lsgd.registry import register
-from megatron_lsgd.core.lsgd.sync import SiteSplit, SynchronousWarmup
+from megatron_lsgd.core.lsgd.site_split import SiteSplit
+from megatron_lsgd.core.lsgd.warmup import SynchronousWarmup
 
 
 # ---- options ------------------------------------------------------------------------------------
@@ -122,17 +123,6 @@ class StreamingDiLoCoOptions(FragmentOptions):
             raise ValueError(f"--lsgd-fragment-update-alpha must be in [0, 1] (got {self.alpha})")
 
 
-# ---- helpers ------------------------------------------------------------------------------------
-def model_layers(ctx: SyncContext) -> Tuple[int, bool]:
-    """(global transformer layers, tied embeddings) of the model the synchronizer serves."""
-    for m in ctx.models:
-        cfg = getattr(getattr(m, "module", m), "config", None)
-        if cfg is not None and hasattr(cfg, "num_layers"):
-            return int(cfg.num_layers), not getattr(cfg, "untie_embeddings_and_output_weights", False)
-    layers = [int(u.name.split(".", 1)[1]) for u in ctx.units if u.name.startswith("layers.")]
-    return (max(layers) + 1 if layers else 1), False
-
-
 @dataclass
 class InFlight:
     """One fragment's sync between its start and its landing."""
@@ -186,6 +176,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
     state_follows_pipeline = True  # a fragment is the stage's units of it (its key names them)
+    supports_fault_tolerance = True
 
     @classmethod
     def refused_with_fault_tolerance(cls, config) -> List:
@@ -200,7 +191,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.interval = cfg.rounds.interval
         self.num_fragments = algo.fragments
         self.tau = algo.sync_delay
-        num_layers, tied = model_layers(ctx)
+        num_layers, tied = ctx.model_layers()
         groups = partition(ctx.units, num_layers, self.num_fragments, algo.partition, tied)
         opt = ctx.optimizer
         self.fragment_units = [[u.name for u in g] for g in groups]

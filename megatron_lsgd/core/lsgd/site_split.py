@@ -1,0 +1,90 @@
+"""The split of a site's cross-site traffic over its DP_intra ranks (`SiteSplit`,
+`gather_parts`) and the blocking mean of gradients across sites built on it
+(`average_grads_across_sites`: the `sync` algorithm's step and every local-SGD
+algorithm's synchronous warm-up)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_lsgd.core.distributed.collectives import all_gather_flat
+from megatron_lsgd.core.lsgd.compressors import CompressorBank
+from megatron_lsgd.core.lsgd.protocol import SyncContext
+from megatron_lsgd.core.lsgd.reduction import run_blocking
+
+
+class SiteSplit:
+    """Who sends what across sites when every rank of a site holds the same copy.
+
+    Without ZeRO-1 the DP_intra ranks of a site hold identical, already site-reduced
+    gradients and parameters. Each then exchanges across sites only its 1/DP_intra part of
+    any fragment (`mine`: ShardViews.part) and the site puts the parts back together
+    (`gather`: one all-gather over dp_intra), so a site's WAN bytes are spread over its
+    DP_intra links, as ZeRO-1's shards spread them. Under ZeRO-1 (or with DP_intra = 1)
+    the shards already split the traffic and both are identities. Every synchronizer that
+    sends something across sites goes through this."""
+
+    def __init__(self, pgs, sharded: bool):
+        dims = pgs.dims
+        self.parts = dims.dp_intra
+        self.index = pgs.dp_intra_rank
+        self.group = pgs.dp_intra
+        self.active = self.parts > 1 and not sharded
+
+    def mine(self, views):
+        """The part of `views` this rank sends across sites."""
+        return views.part(self.index, self.parts) if self.active else views
+
+    def gather(self, tensors, group=None) -> None:
+        """Every rank of the site gets every rank's part of `tensors` (whole ranges)."""
+        if self.active and tensors:
+            gather_parts(tensors, self.parts, self.index, self.group if group is None else group)
+
+
+def gather_parts(tensors, parts: int, index: int, group) -> None:
+    """Inverse of ShardViews.part inside the site: every rank contributes its part of each
+    tensor (padded to the ceil-sized chunk), one all-gather, everyone copies the whole back.
+    Shared by every synchronizer that splits a site's cross-site traffic over its DP_intra
+    ranks without ZeRO-1 (sync, edit, acco, dreamddp)."""
+    chunks = [-(-t.numel() // parts) for t in tensors]
+    send = torch.zeros(sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
+    offset = 0
+    for t, chunk in zip(tensors, chunks):
+        lo, hi = min(t.numel(), index * chunk), min(t.numel(), (index + 1) * chunk)
+        send[offset:offset + hi - lo] = t[lo:hi]
+        offset += chunk
+    recv = torch.empty(parts * send.numel(), dtype=send.dtype, device=send.device)
+    all_gather_flat(recv, send, group=group)
+    whole = recv.view(parts, -1)
+    offset = 0
+    for t, chunk in zip(tensors, chunks):
+        t.copy_(whole[:, offset:offset + chunk].reshape(-1)[:t.numel()])
+        offset += chunk
+
+
+def average_grads_across_sites(ctx: SyncContext, compressors: Optional[CompressorBank] = None) -> None:
+    """Blocking mean of this rank's gradient shards over dp_inter (also used for the
+    synchronous warm-up steps of the local-SGD algorithms, always uncompressed).
+
+    Under ZeRO-1 each rank owns a different shard, so the site's traffic is already split
+    over its DP_intra links. Without ZeRO-1 every rank of the site holds the same, already
+    reduced, full gradient: each then averages only its 1/DP_intra part across sites and
+    the site all-gathers the parts, instead of every rank sending everything."""
+    comm = ctx.comm
+    if comm.num_sites == 1:
+        return
+    views = ctx.optimizer.views()
+    split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
+    mine = split.mine(views)
+    if compressors is None:
+        handles = [comm.all_reduce_mean(grad, async_op=True) for grad in mine.grad]
+        for h in handles:
+            h.wait()
+    elif mine.ranges:  # every rank of a dp_inter group has the same part index: all skip together
+        compressor = compressors.for_views(mine, mine.grad[0].device)
+        for grad, mean in zip(mine.grad, run_blocking(compressor.reduce(mine.grad))):
+            grad.copy_(mean)
+    split.gather(views.grad)
+    comm.rounds += 1
