@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak host memory of tools/checkpoint/convert.py against model size; prints a Markdown table.
 
-    python tools/benchmarks/convert_memory.py                    # 12 and 120 layers (~3 GB on disk at most)
+    python tools/benchmarks/convert_memory.py                    # 12 and 120 layers (5.5 GB on disk at most)
     python tools/benchmarks/convert_memory.py --quick            # 4 and 40 layers of a smaller model
     python tools/benchmarks/convert_memory.py --root /tmp/old    # also the convert.py of another checkout
 
@@ -160,9 +160,10 @@ def table(rows: List[Dict], roots: List[str]) -> str:
                  f"{first['largest_file'] / mib:.0f}"]
         cells += [f"{per_root[r]['peak'] / mib:.0f} ({per_root[r]['seconds']:.0f} s)" for r in roots]
         lines.append("| " + " | ".join(cells) + " |")
-    imports = ", ".join(f"{rows[0]['import'] / mib:.0f} MiB" for _ in roots[:1])
     lines.append("")
-    lines.append(f"import only (torch + the converter's modules): {imports}")
+    imports = {r["root"]: r["import"] for r in rows}
+    lines.append("import only (torch + the converter's modules), per column: "
+                 + ", ".join(f"{imports[r] / mib:.0f} MiB" for r in roots))
     return "\n".join(lines)
 
 

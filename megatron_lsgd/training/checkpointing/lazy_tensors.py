@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -55,11 +55,6 @@ class LazyTensors(Mapping):
 
     def shape(self, name: str) -> Shape:
         return self._shapes[name]
-
-    def keep(self, names) -> "LazyTensors":
-        """The same tensors, only `names` (in this mapping's order)."""
-        wanted = set(names)
-        return LazyTensors({n: s for n, s in self._shapes.items() if n in wanted}, self._produce)
 
 
 def shape_of(tensors: Mapping, name: str) -> Shape:
@@ -130,6 +125,3 @@ class OpenFiles:
         self._torch.clear()
         self._safetensors.clear()
         self._read = 0
-
-    def open_paths(self) -> List[str]:
-        return sorted(self._torch) + sorted(self._safetensors)
