@@ -7,10 +7,14 @@
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver lsgd --load-dir hf_in --save-dir ckpt \\
         --target-tensor-parallel-size 2
 
-A loader plugin (`loader_<name>.py` beside this file) builds a layout-free FullModel
-(megatron_lsgd/training/checkpointing/full_model.py); a saver plugin writes it. Megatron
-streams tensors through a queue between two processes; this tool holds the full model in
-CPU memory once, which is simpler and fine up to a few tens of billions of parameters.
+A loader plugin (`loader_<name>.py` beside this file) describes a layout-free FullModel
+(megatron_lsgd/training/checkpointing/full_model.py); a saver plugin writes it. The tool
+streams: the loader reads only the source's structure (memory-mapped torch files,
+safetensors headers), and the saver makes and writes one target file at a time (a TP x PP
+slot's model or optimizer file of one site, or one Hugging Face shard, --max-shard-size),
+reading from the source only the tensors that file needs and releasing them before the
+next. Host memory is bounded by the largest target file plus the source pages it is made
+from and one full tensor, not by the model (tools/benchmarks/convert_memory.py measures it).
 
 lsgd -> lsgd also reshards the optimizer state (Adam moments and step counts, the fp32
 main weights of bf16/fp16 models, ZeRO-1 shards, Muon momentum, the loss scaler), the LR
@@ -19,8 +23,7 @@ anchors and outer momentum), for every site: the result resumes with --no-load-r
 DP_intra, with or without --use-distributed-optimizer (RNG states are not converted). A
 synchronizer state that cannot be mapped to parameters (error feedback, values in
 flight) is refused naming the algorithm; --model-only converts the weights alone (resume
-with --no-load-optim --no-load-rng). The full state is held in CPU memory, about 4-6x the
-fp32 model per site. See docs/checkpointing.md.
+with --no-load-optim --no-load-rng). See docs/checkpointing.md.
 
 The source is never written: --save-dir may not be --load-dir, lie inside it or contain it,
 and must be empty or new unless --overwrite is given.
@@ -124,6 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     saver.add_arguments(parser)
     args = parser.parse_args(argv)
     from megatron_lsgd.training.checkpointing.errors import CheckpointError
+    from megatron_lsgd.training.checkpointing.lazy_tensors import numel_of
     from megatron_lsgd.training.checkpointing.lock import SaveLock
 
     # What the lsgd loader reads: the optimizer state too when an lsgd checkpoint is the target.
@@ -143,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if lock is not None:
             lock.release()
-    n = sum(t.numel() for t in model.params.values())
+    n = numel_of(model.params)
     print(f"converted {args.loader}:{args.load_dir} -> {args.saver}:{where} ({n:,} parameters)")
     if getattr(model, "resume", None) is not None:
         print(RESHARDED_NOTE.format(sites=len(model.resume.sites)))

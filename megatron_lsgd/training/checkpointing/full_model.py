@@ -1,10 +1,12 @@
 """A layout-free model: full (unsplit) tensors under single-rank names plus the config.
 
-This is what tools/checkpoint/convert.py passes from a loader to a saver. `read_lsgd`
-merges the TP slices and pipeline stages of a checkpoint (site 0, the model replica
-every site starts from after a sync), and with `with_optimizer` every site's model and
-optimizer/synchronizer state (resume_state.py); `write_lsgd` splits for a target TP x PP
-layout and commits the checkpoint atomically.
+This is what tools/checkpoint/convert.py passes from a loader to a saver. Its tensors are
+lazy (lazy_tensors.py): a name's full tensor is made from the source when a saver asks
+for it, so the model is never held whole. `read_lsgd` describes a checkpoint's merged TP
+slices and pipeline stages (site 0, the model replica every site starts from after a
+sync), and with `with_optimizer` every site's model and optimizer/synchronizer state
+(resume_state.py); `write_lsgd` writes a target TP x PP layout one file at a time and
+commits the checkpoint atomically.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from collections.abc import Mapping
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -27,11 +30,12 @@ from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree, 
 from megatron_lsgd.training.checkpointing.compat import config_from_dict, model_config_dict
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 from megatron_lsgd.training.checkpointing.model_io import partition_info
-from megatron_lsgd.training.checkpointing.resume_state import (BY_PARAMETER, ResumeState, check_target_layout,
-                                                               pad_rows, read_resume_state, read_site_models,
-                                                               split_site)
+from megatron_lsgd.training.checkpointing.lazy_tensors import LazyTensors, shape_of
+from megatron_lsgd.training.checkpointing.resume_state import (BY_PARAMETER, CheckpointFiles, ResumeState,
+                                                               check_target_layout, optimizer_file, pad_rows,
+                                                               padded_rows, read_resume_state, site_model)
 from megatron_lsgd.training.checkpointing.safe_io import save_file
-from megatron_lsgd.training.checkpointing.stage_split import merge_layout, split_layout
+from megatron_lsgd.training.checkpointing.stage_split import split_slot
 
 VOCAB_PARAMS = (SHARED_EMBEDDING_NAME, "output_layer.weight")
 
@@ -39,7 +43,7 @@ VOCAB_PARAMS = (SHARED_EMBEDDING_NAME, "output_layer.weight")
 @dataclass
 class FullModel:
     config: TransformerConfig
-    params: Dict[str, torch.Tensor]
+    params: Mapping  # name -> full tensor; a loader's are made on access (LazyTensors)
     args: Dict = field(default_factory=dict)  # training args of the source (tokenizer flags, ...)
     iteration: int = 0
     consumed_samples: int = 0
@@ -50,6 +54,9 @@ class FullModel:
     # Every site's model and optimizer/synchronizer state, when converted with them
     # (None: model weights only; `params` is then site 0's model).
     resume: Optional[ResumeState] = None
+    # Closes the source files the loader opened for the tensors made so far (lazy_tensors.py):
+    # the saver calls it after each file it writes.
+    release: Callable[[], None] = lambda: None
 
 
 def _single_rank_pgs() -> ProcessGroups:
@@ -63,6 +70,7 @@ def to_module(full: FullModel) -> GPTModel:
     model = GPTModel(full.config, _single_rank_pgs(), RNGStatesTracker(torch.device("cpu")))
     for name, p in model.global_named_parameters():
         p.copy_(full.params[name])
+    full.release()
     return model.eval()
 
 
@@ -82,14 +90,15 @@ def check_complete(full: FullModel, source: str) -> None:
         raise CheckpointError(f"{source} does not match its model config: missing {missing or 'none'}, "
                               f"unexpected {unexpected or 'none'}")
     for name, (shape, _) in specs.items():
-        if tuple(full.params[name].shape) != shape:
-            raise CheckpointError(f"{source}: {name} has shape {tuple(full.params[name].shape)}, the config "
-                                  f"implies {shape}")
+        found = shape_of(full.params, name)
+        if tuple(found) != shape:
+            raise CheckpointError(f"{source}: {name} has shape {tuple(found)}, the config implies {shape}")
 
 
 def read_lsgd(load_dir: str, with_optimizer: bool = False) -> FullModel:
     """Site 0's model; with `with_optimizer` also every site's model and optimizer and
-    synchronizer state (an error if the checkpoint holds none)."""
+    synchronizer state (an error if the checkpoint holds none). Tensors are read from the
+    memory-mapped files when used (lazy_tensors.py); `release()` closes them."""
     from megatron_lsgd.training.checkpointing.checkpointer import find_checkpoint, read_metadata
 
     iter_dir = find_checkpoint(load_dir)
@@ -100,15 +109,12 @@ def read_lsgd(load_dir: str, with_optimizer: bool = False) -> FullModel:
     if with_optimizer and not has_optimizer:
         raise CheckpointError(f"--load-dir {load_dir} holds no optimizer state (saved with --no-save-optim, or "
                               f"converted with --model-only): pass --model-only to convert the model weights alone")
-    resume = read_resume_state(iter_dir, meta) if with_optimizer else None
-    if resume is not None:
-        params = resume.sites[0].params
-    else:
-        models, partition = read_site_models(iter_dir, meta, 0)
-        params = merge_layout(models, partition, meta["layout"]["tp"], meta["layout"]["pp"])
+    src = CheckpointFiles(iter_dir, meta)
+    resume = read_resume_state(src) if with_optimizer else None
+    params = resume.sites[0].params if resume is not None else site_model(src, 0)[0]
     full = FullModel(config_from_dict(meta["model_config"]), params, meta.get("args", {}), meta["iteration"],
                      meta["consumed_samples"], tokenizer=dict(meta.get("tokenizer") or {}),
-                     source_has_optimizer=has_optimizer, resume=resume)
+                     source_has_optimizer=has_optimizer, resume=resume, release=src.files.release)
     check_complete(full, iter_dir)
     return full
 
@@ -118,63 +124,56 @@ def _pad_vocab(full: FullModel, multiple: int) -> None:
     padded = -(-vocab // multiple) * multiple
     if padded == vocab:
         return
-    for name in VOCAB_PARAMS:
-        if name in full.params:
-            t = full.params[name]
-            full.params[name] = torch.cat([t, t.new_zeros(padded - vocab, *t.shape[1:])])
+    full.params = padded_rows(full.params, VOCAB_PARAMS, padded)
     if full.resume is not None:
         pad_rows(full.resume, VOCAB_PARAMS, padded)
     full.config.padded_vocab_size = padded
 
 
-def _model_files(params: Dict[str, torch.Tensor], specs, tp: int, pp: int, config: TransformerConfig) -> Dict:
-    """(tp_rank, pp_rank) -> model file content (global names, local slices)."""
-    partition = {name: info for name, (_, info) in specs.items()}
-    ordered = {name: params[name] for name in specs}
-    split = split_layout(ordered, partition, tp, pp, config.num_layers,
-                         not config.untie_embeddings_and_output_weights)
-    return {slot: {"params": local, "partition": {name: partition[name] for name in local}}
-            for slot, local in split.items()}
-
-
-def split_for_layout(full: FullModel, tp: int, pp: int) -> Dict[Tuple[int, int], Dict]:
-    """(tp_rank, pp_rank) -> model file content (global names, local slices) of site 0."""
-    full.config.validate(tp, pp)
-    _pad_vocab(full, tp)
-    return _model_files(full.params, param_specs(full.config), tp, pp, full.config)
-
-
-def _target_files(full: FullModel, pieces: Dict, tp: int, pp: int) -> Iterator[Tuple[str, Dict]]:
-    """(relative path, content) of every model (and optimizer) file of the target layout,
-    one site at a time (the split copies of one site are held at once, not of all);
-    `pieces`: site 0's model files (split_for_layout)."""
-    if full.resume is None:
-        for (t, p), state in pieces.items():
-            yield os.path.join(layout.mp_rank_dir_name(t, p, pp), layout.model_file_name(0)), state
-        return
+def _target_files(full: FullModel, tp: int, pp: int) -> Iterator[Tuple[str, Callable[[], Dict]]]:
+    """(relative path, a function making its content) of every model (and optimizer) file of
+    the target layout: one file is made at a time, from the source tensors it needs."""
     specs = param_specs(full.config)
     partition = {name: info for name, (_, info) in specs.items()}
     tied = not full.config.untie_embeddings_and_output_weights
+    n = full.config.num_layers
+
+    def model_file(params: Mapping, slot):
+        def make():
+            ordered = LazyTensors({name: shape_of(params, name) for name in specs}, params.__getitem__)
+            local = split_slot(ordered, partition, slot, tp, pp, n, tied)
+            return {"params": local, "partition": {name: partition[name] for name in local}}
+        return make
+
+    def optimizer(site, slot):
+        return lambda: optimizer_file(site, partition, slot, tp, pp, n, tied)
+
+    slots = [(t, p) for t in range(tp) for p in range(pp)]
+    if full.resume is None:
+        for slot in slots:
+            yield os.path.join(layout.mp_rank_dir_name(*slot, pp), layout.model_file_name(0)), \
+                model_file(full.params, slot)
+        return
     for s, site in enumerate(full.resume.sites):
-        models = pieces if s == 0 else _model_files(site.params, specs, tp, pp, full.config)
-        optimizers = split_site(site, partition, tp, pp, full.config.num_layers, tied)
-        for (t, p), state in models.items():
-            mp_dir = layout.mp_rank_dir_name(t, p, pp)
-            yield os.path.join(mp_dir, layout.model_file_name(s)), state
-            yield os.path.join(mp_dir, layout.optimizer_file_name(s)), optimizers[(t, p)]
+        for slot in slots:
+            mp_dir = layout.mp_rank_dir_name(*slot, pp)
+            yield os.path.join(mp_dir, layout.model_file_name(s)), model_file(site.params, slot)
+            yield os.path.join(mp_dir, layout.optimizer_file_name(s)), optimizer(site, slot)
 
 
 def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
     """A checkpoint for TP x PP; returns its iteration directory. Model weights only (one
     site; load it with --no-load-optim --no-load-rng, or --finetune), or, when `full.resume`
     is set, every site's model with its optimizer and synchronizer state (load it with
-    --no-load-rng, at any DP_intra)."""
+    --no-load-rng, at any DP_intra). One target file is made and written at a time, and the
+    source files it was made from are released before the next (`full.release`)."""
     from megatron_lsgd.training.checkpointing.checkpointer import FORMAT, FORMAT_VERSION
 
     check_complete(full, "the converted model")
     if full.resume is not None:
         check_target_layout(full.resume, pp)
-    contents = _target_files(full, split_for_layout(full, tp, pp), tp, pp)  # (the layout is checked here)
+    full.config.validate(tp, pp)
+    _pad_vocab(full, tp)
     os.makedirs(save_dir, exist_ok=True)
     partial = os.path.join(save_dir, layout.partial_dir_name(full.iteration))
     final = os.path.join(save_dir, layout.iteration_dir_name(full.iteration))
@@ -182,9 +181,12 @@ def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
         shutil.rmtree(partial)
     with written_or_removed(partial, report_as=f"the converted checkpoint {partial}"):
         files, digests = {}, {}
-        for rel, state in contents:
+        for rel, make in _target_files(full, tp, pp):
             os.makedirs(os.path.join(partial, os.path.dirname(rel)), exist_ok=True)
+            state = make()
             files[rel], digests[rel] = save_file(state, os.path.join(partial, rel), rel)
+            del state
+            full.release()
         args = dict(full.args)
         args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         if full.tokenizer_files:  # carried along; point the args at the copy

@@ -13,12 +13,72 @@ Layout facts the mapping relies on:
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from collections.abc import Mapping
+from functools import partial
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
+from megatron_lsgd.training.checkpointing.lazy_tensors import LazyTensors, shape_of
+
+Shape = Tuple[int, ...]
+
+
+def _same_shape(*shapes: Shape) -> Shape:
+    return tuple(shapes[0])
+
+
+class Recipe(NamedTuple):
+    """How one tensor of one side is made from tensors of the other: the input names, the
+    function, and the output's shape from the inputs' (ValueError when they do not fit), so
+    shapes are known and checked before any value is read."""
+    inputs: Tuple[str, ...]
+    fn: Callable[..., torch.Tensor]
+    shape: Callable[..., Shape] = _same_shape
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _take(fn: Callable, index: int, *xs: torch.Tensor) -> torch.Tensor:
+    return fn(*xs)[index]
+
+
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    return x.t()
+
+
+def _transposed_shape(s: Shape) -> Shape:
+    if len(s) != 2:
+        raise ValueError(f"a matrix was expected, found shape {tuple(s)}")
+    return (s[1], s[0])
+
+
+def made_from(recipes: Dict[str, Recipe], source: Mapping) -> LazyTensors:
+    """The tensors `recipes` make from `source`, each made when asked for; their shapes come
+    from the inputs' shapes (no values), so a source whose shapes do not fit is an error
+    before anything is written."""
+    shapes = {}
+    for name, recipe in recipes.items():
+        found = [tuple(shape_of(source, i)) for i in recipe.inputs]
+        try:
+            shapes[name] = tuple(recipe.shape(*found))
+        except ValueError as err:
+            listed = ", ".join(f"{i} {s}" for i, s in zip(recipe.inputs, found))
+            raise CheckpointError(f"{name} cannot be made from {listed}: {err}") from None
+
+    def produce(name: str) -> torch.Tensor:
+        recipe = recipes[name]
+        return recipe.fn(*[source[i] for i in recipe.inputs])
+    return LazyTensors(shapes, produce)
+
+
+def mapped(tensors: Mapping, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> LazyTensors:
+    """`tensors` with `fn(name, tensor)` applied to each when it is made (same shapes)."""
+    return LazyTensors({n: shape_of(tensors, n) for n in tensors}, lambda n: fn(n, tensors[n]))
 
 
 def family(config: TransformerConfig) -> str:
@@ -58,6 +118,37 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: TransformerC
     return fused.reshape(-1, *rest)
 
 
+def _qkv_rows(c: TransformerConfig) -> Tuple[int, int]:
+    """(rows of q, rows of k and of v)."""
+    return c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
+
+
+def _split_qkv_shape(c: TransformerConfig, index: int, s: Shape) -> Shape:
+    q, kv = _qkv_rows(c)
+    if s[0] != q + 2 * kv:
+        raise ValueError(f"{q + 2 * kv} rows (query heads and key/value groups x kv_channels) were expected")
+    return ((q, kv, kv)[index], *s[1:])
+
+
+def _fuse_qkv_shape(c: TransformerConfig, q: Shape, k: Shape, v: Shape) -> Shape:
+    rows_q, rows_kv = _qkv_rows(c)
+    if (q[0], k[0], v[0]) != (rows_q, rows_kv, rows_kv) or not q[1:] == k[1:] == v[1:]:
+        raise ValueError(f"q with {rows_q} rows and k, v with {rows_kv} rows each, of one width, were expected")
+    return (rows_q + 2 * rows_kv, *q[1:])
+
+
+def _chunk2_shape(index: int, s: Shape) -> Shape:
+    if s[0] % 2:
+        raise ValueError("an even number of rows ([gate; up]) was expected")
+    return (s[0] // 2, *s[1:])
+
+
+def _cat_shape(*shapes: Shape) -> Shape:
+    if any(s[1:] != shapes[0][1:] for s in shapes):
+        raise ValueError("tensors of one width were expected")
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
 # ---- Llama ------------------------------------------------------------------------------------
 _LLAMA_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
                 "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
@@ -78,26 +169,33 @@ def llama_config(c: TransformerConfig) -> Dict:
             "initializer_range": c.init_method_std, "torch_dtype": "float32"}
 
 
-def to_llama(params: Dict[str, torch.Tensor], c: TransformerConfig) -> Dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": params["embedding.word_embeddings.weight"],
-           "model.norm.weight": params["final_layernorm.weight"]}
+def _chunk2(x: torch.Tensor):
+    return x.chunk(2, dim=0)
+
+
+def to_llama(params: Mapping, c: TransformerConfig) -> Dict[str, Recipe]:
+    """HF name -> how it is made from our tensors (only `params`' names are read)."""
+    out = {"model.embed_tokens.weight": Recipe(("embedding.word_embeddings.weight",), _same),
+           "model.norm.weight": Recipe(("final_layernorm.weight",), _same)}
     if c.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = params["output_layer.weight"]
+        out["lm_head.weight"] = Recipe(("output_layer.weight",), _same)
+    split = partial(_split_qkv, c=c)
     for i in range(c.num_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         for a, b in _LLAMA_LAYER.items():
             if ours + a in params:
-                out[hf + b] = params[ours + a]
+                out[hf + b] = Recipe((ours + a,), _same)
         for suffix in ("weight", "bias"):
             key = f"{ours}self_attention.linear_qkv.{suffix}"
             if key in params:
-                q, k, v = _split_qkv(params[key], c)
-                out.update({f"{hf}self_attn.q_proj.{suffix}": q, f"{hf}self_attn.k_proj.{suffix}": k,
-                            f"{hf}self_attn.v_proj.{suffix}": v})
+                for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                    out[f"{hf}self_attn.{proj}.{suffix}"] = Recipe((key,), partial(_take, split, j),
+                                                                   partial(_split_qkv_shape, c, j))
             key = f"{ours}mlp.linear_fc1.{suffix}"
             if key in params:
-                gate, up = params[key].chunk(2, dim=0)
-                out.update({f"{hf}mlp.gate_proj.{suffix}": gate, f"{hf}mlp.up_proj.{suffix}": up})
+                for j, proj in enumerate(("gate_proj", "up_proj")):
+                    out[f"{hf}mlp.{proj}.{suffix}"] = Recipe((key,), partial(_take, _chunk2, j),
+                                                             partial(_chunk2_shape, j))
     return out
 
 
@@ -115,7 +213,18 @@ def _check_heads(hidden: int, heads: int, groups: int, head_dim, names: Tuple[st
         raise CheckpointError(f"config.json: {n_name} {heads} is not a multiple of {g_name} {groups}")
 
 
-def from_llama(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig, Dict[str, torch.Tensor]]:
+def _needs(hf: Mapping, *names: str) -> Tuple[str, ...]:
+    for name in names:
+        if name not in hf:
+            raise KeyError(name)
+    return names
+
+
+def _cat(*xs: torch.Tensor) -> torch.Tensor:
+    return torch.cat(xs)
+
+
+def from_llama(cfg: Dict, hf: Mapping) -> Tuple[TransformerConfig, LazyTensors]:
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
         raise CheckpointError(f"rope scaling {rope or cfg.get('rope_scaling')} is not supported (plain rope only)")
@@ -134,23 +243,24 @@ def from_llama(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfi
         norm_epsilon=cfg.get("rms_norm_eps", 1e-6), swiglu=True, add_bias_linear=bool(cfg.get("attention_bias")),
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.get("initializer_range", 0.02))
-    params = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-              "final_layernorm.weight": hf["model.norm.weight"]}
+    params = {"embedding.word_embeddings.weight": Recipe(_needs(hf, "model.embed_tokens.weight"), _same),
+              "final_layernorm.weight": Recipe(_needs(hf, "model.norm.weight"), _same)}
     if c.untie_embeddings_and_output_weights:
-        params["output_layer.weight"] = hf["lm_head.weight"]
+        params["output_layer.weight"] = Recipe(_needs(hf, "lm_head.weight"), _same)
+    fuse, fuse_shape = partial(_fuse_qkv, c=c), partial(_fuse_qkv_shape, c)
     for i in range(c.num_layers):
         ours, p = f"layers.{i}.", f"model.layers.{i}."
         for a, b in _LLAMA_LAYER.items():
             if a.endswith("bias") and not c.add_bias_linear:
                 continue
-            params[ours + a] = hf[p + b]
+            params[ours + a] = Recipe(_needs(hf, p + b), _same)
         for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
-            params[f"{ours}self_attention.linear_qkv.{suffix}"] = _fuse_qkv(
-                hf[f"{p}self_attn.q_proj.{suffix}"], hf[f"{p}self_attn.k_proj.{suffix}"],
-                hf[f"{p}self_attn.v_proj.{suffix}"], c)
-            params[f"{ours}mlp.linear_fc1.{suffix}"] = torch.cat(
-                [hf[f"{p}mlp.gate_proj.{suffix}"], hf[f"{p}mlp.up_proj.{suffix}"]])
-    return c, params
+            params[f"{ours}self_attention.linear_qkv.{suffix}"] = Recipe(_needs(
+                hf, f"{p}self_attn.q_proj.{suffix}", f"{p}self_attn.k_proj.{suffix}",
+                f"{p}self_attn.v_proj.{suffix}"), fuse, fuse_shape)
+            params[f"{ours}mlp.linear_fc1.{suffix}"] = Recipe(_needs(
+                hf, f"{p}mlp.gate_proj.{suffix}", f"{p}mlp.up_proj.{suffix}"), _cat, _cat_shape)
+    return c, made_from(params, hf)
 
 
 # ---- GPT-2 ------------------------------------------------------------------------------------
@@ -179,19 +289,43 @@ _GPT2_TOP = [("embedding.word_embeddings.weight", "transformer.wte.weight"),
              ("final_layernorm.weight", "transformer.ln_f.weight"), ("final_layernorm.bias", "transformer.ln_f.bias")]
 
 
-def to_gpt2(params: Dict[str, torch.Tensor], c: TransformerConfig) -> Dict[str, torch.Tensor]:
-    out = {hf: params[ours] for ours, hf in _GPT2_TOP}
+def _c_attn(qkv: torch.Tensor, c: TransformerConfig, transposed: bool) -> torch.Tensor:
+    q, k, v = _split_qkv(qkv, c)
+    out = torch.cat([q, k, v])
+    return out.t() if transposed else out
+
+
+def _c_attn_shape(c: TransformerConfig, transposed: bool, s: Shape) -> Shape:
+    _split_qkv_shape(c, 0, s)
+    return _transposed_shape(s) if transposed else tuple(s)
+
+
+def to_gpt2(params: Mapping, c: TransformerConfig) -> Dict[str, Recipe]:
+    """HF name -> how it is made from our tensors (only `params`' names are read)."""
+    out = {hf: Recipe((ours,), _same) for ours, hf in _GPT2_TOP}
     for i in range(c.num_layers):
         for ours, hf, transposed in _gpt2_pairs(i):
-            out[hf] = params[ours].t() if transposed else params[ours]
-        q, k, v = _split_qkv(params[f"layers.{i}.self_attention.linear_qkv.weight"], c)
-        out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-        q, k, v = _split_qkv(params[f"layers.{i}.self_attention.linear_qkv.bias"], c)
-        out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([q, k, v])
+            out[hf] = Recipe((ours,), _transposed, _transposed_shape) if transposed else Recipe((ours,), _same)
+        for suffix, transposed in (("weight", True), ("bias", False)):
+            out[f"transformer.h.{i}.attn.c_attn.{suffix}"] = Recipe(
+                (f"layers.{i}.self_attention.linear_qkv.{suffix}",), partial(_c_attn, c=c, transposed=transposed),
+                partial(_c_attn_shape, c, transposed))
     return out
 
 
-def from_gpt2(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig, Dict[str, torch.Tensor]]:
+def _fuse_c_attn(w: torch.Tensor, c: TransformerConfig, transposed: bool) -> torch.Tensor:
+    return _fuse_qkv(*(w.t() if transposed else w).chunk(3), c)
+
+
+def _fuse_c_attn_shape(c: TransformerConfig, transposed: bool, s: Shape) -> Shape:
+    s = _transposed_shape(s) if transposed else tuple(s)
+    if s[0] % 3:
+        raise ValueError("[q; k; v] rows divisible by 3 were expected")
+    part = (s[0] // 3, *s[1:])
+    return _fuse_qkv_shape(c, part, part, part)
+
+
+def from_gpt2(cfg: Dict, hf: Mapping) -> Tuple[TransformerConfig, LazyTensors]:
     act = cfg.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise CheckpointError(f"GPT-2 activation {act!r} is not supported (tanh-approximated GELU only)")
@@ -199,7 +333,8 @@ def from_gpt2(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig
             or not cfg.get("scale_attn_weights", True):
         raise CheckpointError("GPT-2 attention scaling variants are not supported")
     # Checkpoints saved from GPT2Model (or the original release) lack the "transformer." prefix.
-    hf = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v for k, v in hf.items()}
+    named = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): k for k in hf}
+    hf = LazyTensors({n: shape_of(hf, k) for n, k in named.items()}, lambda n, src=hf: src[named[n]])
     hidden, n_head = cfg["n_embd"], cfg["n_head"]
     _check_heads(hidden, n_head, n_head, None, ("n_embd", "n_head", "n_head"))
     c = TransformerConfig(
@@ -210,15 +345,16 @@ def from_gpt2(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig
         norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5), swiglu=False, add_bias_linear=True,
         untie_embeddings_and_output_weights=False, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=cfg.get("initializer_range", 0.02))
-    params = {ours: hf[name] for ours, name in _GPT2_TOP}
+    params = {ours: Recipe(_needs(hf, name), _same) for ours, name in _GPT2_TOP}
     for i in range(c.num_layers):
         for ours, name, transposed in _gpt2_pairs(i):
-            params[ours] = hf[name].t() if transposed else hf[name]
-        w = hf[f"transformer.h.{i}.attn.c_attn.weight"].t()
-        params[f"layers.{i}.self_attention.linear_qkv.weight"] = _fuse_qkv(*w.chunk(3), c)
-        b = hf[f"transformer.h.{i}.attn.c_attn.bias"]
-        params[f"layers.{i}.self_attention.linear_qkv.bias"] = _fuse_qkv(*b.chunk(3), c)
-    return c, params
+            params[ours] = Recipe(_needs(hf, name), _transposed, _transposed_shape) if transposed \
+                else Recipe(_needs(hf, name), _same)
+        for suffix, transposed in (("weight", True), ("bias", False)):
+            params[f"layers.{i}.self_attention.linear_qkv.{suffix}"] = Recipe(
+                _needs(hf, f"transformer.h.{i}.attn.c_attn.{suffix}"),
+                partial(_fuse_c_attn, c=c, transposed=transposed), partial(_fuse_c_attn_shape, c, transposed))
+    return c, made_from(params, hf)
 
 
 # HF-side tensors that are buffers, not weights, and may appear in old checkpoints.
@@ -228,17 +364,30 @@ IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq"
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight", "transformer.wte.weight")
 
 
-def to_hf(params: Dict[str, torch.Tensor], c: TransformerConfig,
-          tokenizer: Optional[Dict] = None) -> Tuple[Dict, Dict[str, torch.Tensor]]:
-    """HF config.json and tensors. `tokenizer` ({"vocab_size", "eod", "bos"}, recorded at save
-    time) trims the padded vocabulary to the true one and sets bos/eos_token_id."""
+def _one_plus(name: str, v: torch.Tensor) -> torch.Tensor:
+    return v + 1 if name.endswith("layernorm.weight") else v
+
+
+def _rows(vocab: int, fn: Callable, *xs: torch.Tensor) -> torch.Tensor:
+    return fn(*xs)[:vocab]
+
+
+def _rows_shape(vocab: int, shape: Callable, *shapes: Shape) -> Shape:
+    s = shape(*shapes)
+    return (min(vocab, s[0]), *s[1:])
+
+
+def to_hf(params: Mapping, c: TransformerConfig, tokenizer: Optional[Dict] = None) -> Tuple[Dict, LazyTensors]:
+    """HF config.json and tensors (each made from `params` when asked for). `tokenizer`
+    ({"vocab_size", "eod", "bos"}, recorded at save time) trims the padded vocabulary to the
+    true one and sets bos/eos_token_id."""
     kind = family(c)
     if c.apply_layernorm_1p:  # stored centred on zero; Hugging Face multiplies by the weight itself
-        params = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in params.items()}
+        params = mapped(params, _one_plus)
     if kind == "llama":
-        config, tensors = llama_config(c), to_llama(params, c)
+        config, recipes = llama_config(c), to_llama(params, c)
     else:
-        config, tensors = gpt2_config(c), to_gpt2(params, c)
+        config, recipes = gpt2_config(c), to_gpt2(params, c)
     tokenizer = tokenizer or {}
     vocab = tokenizer.get("vocab_size")
     if vocab is not None:
@@ -246,15 +395,16 @@ def to_hf(params: Dict[str, torch.Tensor], c: TransformerConfig,
             raise CheckpointError(f"the tokenizer's vocabulary ({vocab}) is larger than the model's embedding "
                                   f"({c.padded_vocab_size} rows)")
         for name in _VOCAB_TENSORS:
-            if name in tensors:
-                tensors[name] = tensors[name][:vocab]
+            if name in recipes:
+                r = recipes[name]
+                recipes[name] = Recipe(r.inputs, partial(_rows, vocab, r.fn), partial(_rows_shape, vocab, r.shape))
         config["vocab_size"] = vocab
     if "eod" in tokenizer:
         config["eos_token_id"] = tokenizer["eod"]
         config["bos_token_id"] = tokenizer.get("bos")
         if kind == "gpt2" and config["bos_token_id"] is None:
             config["bos_token_id"] = tokenizer["eod"]  # GPT-2's convention: <|endoftext|> both starts and ends
-    return config, tensors
+    return config, made_from(recipes, params)
 
 
 def hf_tokenizer_info(cfg: Dict) -> Dict:
@@ -269,7 +419,12 @@ def hf_tokenizer_info(cfg: Dict) -> Dict:
     return info
 
 
-def from_hf(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig, Dict[str, torch.Tensor]]:
+def _fp32(name: str, v: torch.Tensor) -> torch.Tensor:
+    return v.float().contiguous()
+
+
+def from_hf(cfg: Dict, hf: Mapping) -> Tuple[TransformerConfig, LazyTensors]:
+    """Our config and tensors (fp32, each made from `hf` when asked for)."""
     kind = cfg.get("model_type")
     convert = {"llama": (from_llama, to_llama), "gpt2": (from_gpt2, to_gpt2)}.get(kind)
     if convert is None:
@@ -286,4 +441,4 @@ def from_hf(cfg: Dict, hf: Dict[str, torch.Tensor]) -> Tuple[TransformerConfig, 
     if extra:
         raise CheckpointError(f"the Hugging Face {kind} checkpoint holds tensors this model has no place for: "
                               f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
-    return config, {k: v.float().contiguous() for k, v in params.items()}
+    return config, mapped(params, _fp32)

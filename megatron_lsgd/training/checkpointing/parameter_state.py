@@ -22,7 +22,9 @@ every rank of the loading run takes its pieces (`ShardedOptimizer.load_parameter
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -93,43 +95,77 @@ def _first_difference(a, b, where: str = "") -> Optional[str]:
 
 
 # ---- gathering one (TP rank, stage, site) from its ranks' files ------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """Values [lo, hi) of a parameter's flattened state are tensor `path` of data-parallel
+    rank `dp`'s file, flattened, [a:b] of it (the whole tensor when a is None)."""
+    dp: int
+    path: Tuple
+    a: Optional[int]
+    b: Optional[int]
+    lo: int
+    hi: int
+
+
+def resolve(state, path: Tuple):
+    for key in path:
+        state = state[key]
+    return state
+
+
 class _Gather:
-    """Per-key, per-parameter tensors filled piece by piece, with a record of what was filled."""
+    """Where the values of each per-key, per-parameter tensor lie in the ranks' files (no
+    value is read), in the order first met, with the check that they cover every value."""
 
     def __init__(self, shapes: Dict[str, Tuple[int, ...]]):
         self.shapes = shapes
-        self.tensors: Dict[str, Dict[str, torch.Tensor]] = {}
-        self.filled: Dict[str, Dict[str, torch.Tensor]] = {}
+        self.pieces: Dict[str, Dict[str, List[Piece]]] = {}
 
     def key(self, key: str) -> None:
-        self.tensors.setdefault(key, {})
-        self.filled.setdefault(key, {})
+        self.pieces.setdefault(key, {})
 
-    def put(self, key: str, name: str, lo: int, hi: int, values: torch.Tensor) -> None:
+    def put(self, key: str, name: str, lo: int, hi: int, dp: int, path: Tuple, a: Optional[int] = None,
+            b: Optional[int] = None) -> None:
         if name not in self.shapes:
             raise CheckpointError(f"optimizer state for {name}, which the model file does not hold")
         self.key(key)
-        if name not in self.tensors[key]:
-            shape = self.shapes[name]
-            self.tensors[key][name] = torch.zeros(shape, dtype=torch.float32)
-            self.filled[key][name] = torch.zeros(shape, dtype=torch.bool)
-        self.tensors[key][name].view(-1)[lo:hi] = values.detach().reshape(-1).float().cpu()
-        self.filled[key][name].view(-1)[lo:hi] = True
+        self.pieces[key].setdefault(name, []).append(Piece(dp, path, a, b, lo, hi))
 
     def check_complete(self, where: str) -> None:
-        for key, by_name in self.filled.items():
-            for name, mask in by_name.items():
-                if not bool(mask.all()):
-                    raise CheckpointError(f"{where}: the ranks' files hold {int(mask.sum())} of the {mask.numel()} "
-                                          f"values of {key} for {name} (a rank file is missing or from another "
-                                          f"layout)")
+        for key, by_name in self.pieces.items():
+            for name, pieces in by_name.items():
+                n = math.prod(self.shapes[name])
+                covered, end = 0, 0
+                for lo, hi in sorted((max(0, min(p.lo, n)), max(0, min(p.hi, n))) for p in pieces):
+                    lo = max(lo, end)
+                    if hi > lo:
+                        covered += hi - lo
+                        end = hi
+                if covered < n:
+                    raise CheckpointError(f"{where}: the ranks' files hold {covered} of the {n} values of {key} for "
+                                          f"{name} (a rank file is missing or from another layout)")
+
+
+def gather_values(pieces: List[Piece], shape: Tuple[int, ...], rank_state: Callable[[int], Dict]) -> torch.Tensor:
+    """One parameter's state (fp32, shaped like its local TP slice) from its pieces;
+    `rank_state(dp)`: data-parallel rank dp's file."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    flat = out.view(-1)
+    for p in pieces:
+        values = resolve(rank_state(p.dp), p.path)
+        if p.a is not None:
+            values = values[p.a:p.b]
+        flat[p.lo:p.hi] = values.detach().reshape(-1).float().cpu()
+    return out
 
 
 def from_rank_states(rank_states: List[Dict], shapes: Dict[str, Tuple[int, ...]], algorithm: str,
                      where: str) -> Dict:
-    """The by-parameter form of one (TP rank, stage, site) from its DP_intra ranks' saved
-    states ({"optimizer", "synchronizer", "synchronizer_layout"}); `shapes`: each parameter's
-    local slice shape (from the stage's model file)."""
+    """Where the by-parameter form of one (TP rank, stage, site) lies in its DP_intra ranks'
+    saved states ({"optimizer", "synchronizer", "synchronizer_layout"}; memory-mapped: no
+    value is read here): {"pieces": {key: {name: [Piece]}}, "values": ...}; `gather_values`
+    makes a tensor from its pieces. `shapes`: each parameter's local slice shape (from the
+    stage's model file)."""
     gather = _Gather(shapes)
     hparams: Dict[str, Dict] = {}
     scalars: Dict[str, Dict] = {}
@@ -154,21 +190,21 @@ def from_rank_states(rank_states: List[Dict], shapes: Dict[str, Tuple[int, ...]]
                 hparams[name] = group_hparams
                 for key, value in torch_state["state"].get(i, {}).items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        gather.put(f"torch/{key}", name, lo, hi, value)
+                        gather.put(f"torch/{key}", name, lo, hi, dp, ("optimizer", "optimizer", "state", i, key))
                     else:
                         scalars.setdefault(key, {})[name] = value
         if "main_shards" in opt:
             gather.key("main")
             for shard, pieces in enumerate(layout["main"]):
                 for name, p_lo, p_hi, s_lo, s_hi in pieces:
-                    gather.put("main", name, p_lo, p_hi, opt["main_shards"][shard][s_lo:s_hi])
+                    gather.put("main", name, p_lo, p_hi, dp, ("optimizer", "main_shards", shard), s_lo, s_hi)
         if "muon" in opt:
             gather.key("muon")
-            for (name, lo, hi), buf in zip(layout["muon"], opt["muon"]["momentum"]):
-                gather.put("muon", name, lo, hi, buf)
+            for j, (name, lo, hi) in enumerate(layout["muon"][:len(opt["muon"]["momentum"])]):
+                gather.put("muon", name, lo, hi, dp, ("optimizer", "muon", "momentum", j))
         scalers.append(opt.get("grad_scaler"))
         rest, rank_paths = _split_synchronizer(state["synchronizer"], state["synchronizer_layout"], layout,
-                                               gather, algorithm, f"{where} (data-parallel rank {dp})")
+                                               gather, algorithm, f"{where} (data-parallel rank {dp})", dp)
         rests.append(rest)
         paths.append(rank_paths)
     gather.check_complete(where)
@@ -177,11 +213,11 @@ def from_rank_states(rank_states: List[Dict], shapes: Dict[str, Tuple[int, ...]]
     for dp in range(1, len(rank_states)):
         _check_same(values, {"grad_scaler": scalers[dp], "synchronizer": rests[dp], "synchronizer_paths": paths[dp]},
                     algorithm, f"{where}: data-parallel ranks 0 and {dp}")
-    return {"tensors": gather.tensors, "values": values}
+    return {"pieces": gather.pieces, "values": values}
 
 
 def _split_synchronizer(state: Dict, owned: Dict[str, List[List[int]]], layout: Dict, gather: _Gather,
-                        algorithm: str, where: str) -> Tuple[Dict, List[str]]:
+                        algorithm: str, where: str, dp: int) -> Tuple[Dict, List[str]]:
     """Move the per-parameter entries into `gather`; return the rest (checked to hold no
     values that depend on the layout) and the entries' paths."""
     rest = state
@@ -196,7 +232,8 @@ def _split_synchronizer(state: Dict, owned: Dict[str, List[List[int]]], layout: 
                 for name, p_lo, p_hi, s_lo, s_hi in layout["main"][shard]:
                     a, b = max(lo, s_lo), min(hi, s_hi)
                     if a < b:
-                        gather.put(key, name, p_lo + a - s_lo, p_lo + b - s_lo, tensors[shard][a:b])
+                        gather.put(key, name, p_lo + a - s_lo, p_lo + b - s_lo, dp,
+                                   ("synchronizer", *path.split("/"), shard), a, b)
         rest = set_path(rest, path, None)
     found = _valued_tensor(rest, "")
     if found:

@@ -11,16 +11,17 @@ a converted checkpoint converts again.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_lsgd.training.checkpointing import layout
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
-from megatron_lsgd.training.checkpointing.parameter_state import from_rank_states, merge_values
-from megatron_lsgd.training.checkpointing.safe_io import load_file
-from megatron_lsgd.training.checkpointing.stage_split import Slot, merge_layout, split_layout
+from megatron_lsgd.training.checkpointing.lazy_tensors import LazyTensors, OpenFiles, detached, shape_of
+from megatron_lsgd.training.checkpointing.parameter_state import from_rank_states, gather_values, merge_values
+from megatron_lsgd.training.checkpointing.stage_split import Slot, merge_plan, merge_slices, split_slot
 
 BY_PARAMETER = "by_parameter"  # metadata.json "optimizer_layout" of a converted checkpoint
 # metadata.json fields carried as they are: the LR schedule, each site's position, the algorithm.
@@ -30,8 +31,8 @@ CARRIED = ("scheduler", "site_schedulers", "site_iterations", "site_consumed_sam
 
 @dataclass
 class SiteState:
-    params: Dict[str, torch.Tensor]  # the site's full model
-    tensors: Dict[str, Dict[str, torch.Tensor]]  # key -> name -> full tensor (parameter_state.py)
+    params: Mapping  # the site's full model: name -> full tensor (made on access, lazy_tensors.py)
+    tensors: Dict[str, Mapping]  # key -> name -> full tensor (parameter_state.py), made on access
     values: Dict
 
 
@@ -56,65 +57,141 @@ def check_target_layout(state: ResumeState, pp: int) -> None:
             f"--model-only (the optimizer and synchronizer start fresh)")
 
 
-def read_file(iter_dir: str, meta: Dict, rel: str) -> Dict:
-    return load_file(os.path.join(iter_dir, rel), meta["files"].get(rel), meta.get("sha256", {}).get(rel))
+class CheckpointFiles:
+    """The files of one checkpoint iteration, opened memory-mapped through `files` (kept
+    until `files.release()`), each checked against metadata.json's size and checksum."""
+
+    def __init__(self, iter_dir: str, meta: Dict, files: Optional[OpenFiles] = None):
+        self.iter_dir, self.meta = iter_dir, meta
+        self.files = files or OpenFiles()
+        self.tp, self.pp = meta["layout"]["tp"], meta["layout"]["pp"]
+
+    def read(self, rel: str) -> Dict:
+        return self.files.torch_file(os.path.join(self.iter_dir, rel), self.meta["files"].get(rel),
+                                     self.meta.get("sha256", {}).get(rel))
+
+    def slots(self) -> List[Slot]:
+        return [(t, p) for p in range(self.pp) for t in range(self.tp)]
+
+    def model_rel(self, slot: Slot, site: int) -> str:
+        return os.path.join(layout.mp_rank_dir_name(slot[0], slot[1], self.pp), layout.model_file_name(site))
 
 
-def read_site_models(iter_dir: str, meta: Dict, site: int) -> Tuple[Dict[Slot, Dict[str, torch.Tensor]],
-                                                                      Dict[str, list]]:
-    """One site's model files: {(tp_rank, pp_rank): {name: local slice}} and the partition info."""
-    tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
-    pieces, partition = {}, {}
-    for p in range(pp):
-        for t in range(tp):
-            state = read_file(iter_dir, meta, os.path.join(layout.mp_rank_dir_name(t, p, pp),
-                                                           layout.model_file_name(site)))
-            pieces[(t, p)] = state["params"]
-            partition.update(state["partition"])
-    return pieces, partition
+def _merged_shape(shapes: List[Tuple[int, ...]], info: list) -> Tuple[int, ...]:
+    is_tp, dim, _ = info
+    if not is_tp or len(shapes) == 1:
+        return tuple(shapes[0])
+    out = list(shapes[0])
+    out[dim] = sum(s[dim] for s in shapes)
+    return tuple(out)
 
 
-def read_resume_state(iter_dir: str, meta: Dict) -> ResumeState:
-    """Every site's model and its optimizer/synchronizer state, full tensors by name."""
-    tp, pp, sites = meta["layout"]["tp"], meta["layout"]["pp"], meta["layout"]["sites"]
+def _lazy_merged(names_by_slot: Dict[Slot, Dict[str, Tuple[int, ...]]], partition: Dict[str, list], tp: int, pp: int,
+                 local: Callable[[Slot, str], torch.Tensor], files: OpenFiles, tag) -> LazyTensors:
+    """Full tensors by name from the TP slices and stages that hold them (stage_split's rule),
+    each made on access from `local(slot, name)`."""
+    plan = merge_plan({slot: list(names) for slot, names in names_by_slot.items()}, tp, pp)
+    shapes = {name: _merged_shape([names_by_slot[slot][name] for slot in slots], partition[name])
+              for name, slots in plan.items()}
+
+    def produce(name: str) -> torch.Tensor:
+        def make():
+            files.settle()
+            slices = [local(slot, name) for slot in plan[name]]
+            files.read(sum(t.numel() * t.element_size() for t in slices))
+            return merge_slices(slices, partition[name])
+        return files.recent((tag, name), make)
+    return LazyTensors(shapes, produce)
+
+
+def site_model(src: CheckpointFiles, site: int) -> Tuple[LazyTensors, Dict[str, list]]:
+    """One site's model, full tensors by name (made on access), and the partition info."""
+    shapes, partition = {}, {}
+    for slot in src.slots():
+        state = src.read(src.model_rel(slot, site))
+        shapes[slot] = {name: tuple(v.shape) for name, v in state["params"].items()}
+        partition.update(state["partition"])
+    src.files.release()
+
+    def local(slot: Slot, name: str) -> torch.Tensor:
+        return src.read(src.model_rel(slot, site))["params"][name]
+    return _lazy_merged(shapes, partition, src.tp, src.pp, local, src.files, ("model", site)), partition
+
+
+def _site_state(src: CheckpointFiles, site: int) -> SiteState:
+    meta = src.meta
     algorithm = meta.get("lsgd_algorithm", "sync")
-    out = []
-    for site in range(sites):
-        models, partition = read_site_models(iter_dir, meta, site)
-        parts: Dict[Slot, Dict] = {}
-        for (t, p), params in models.items():
-            mp_dir = layout.mp_rank_dir_name(t, p, pp)
-            where = os.path.join(iter_dir, mp_dir, f"(site {site})")
-            if meta.get("optimizer_layout") == BY_PARAMETER:
-                parts[(t, p)] = read_file(iter_dir, meta, os.path.join(mp_dir, layout.optimizer_file_name(site)))
-            else:
-                ranks = [read_file(iter_dir, meta, os.path.join(mp_dir, layout.rank_file_name(site, dp)))
-                         for dp in range(meta["layout"]["dp_intra"])]
-                shapes = {name: tuple(v.shape) for name, v in params.items()}
-                parts[(t, p)] = from_rank_states(ranks, shapes, algorithm, where)
-        keys = sorted({k for part in parts.values() for k in part["tensors"]})
-        tensors = {k: merge_layout({slot: part["tensors"].get(k, {}) for slot, part in parts.items()}, partition,
-                                   tp, pp) for k in keys}
-        values = merge_values([parts[slot]["values"] for slot in sorted(parts)], algorithm,
-                              f"{iter_dir} (site {site})")
-        out.append(SiteState(merge_layout(models, partition, tp, pp), tensors, values))
-    return ResumeState(out, {k: meta[k] for k in CARRIED if k in meta}, source_pp=pp)
+    params, partition = site_model(src, site)
+    by_parameter = meta.get("optimizer_layout") == BY_PARAMETER
+    parts: Dict[Slot, Dict] = {}
+    for slot in src.slots():
+        t, p = slot
+        mp_dir = layout.mp_rank_dir_name(t, p, src.pp)
+        if by_parameter:
+            state = src.read(os.path.join(mp_dir, layout.optimizer_file_name(site)))
+            pieces = {key: {name: None for name in by_name} for key, by_name in state["tensors"].items()}
+            shapes = {key: {name: tuple(v.shape) for name, v in by_name.items()}
+                      for key, by_name in state["tensors"].items()}
+            parts[slot] = {"pieces": pieces, "shapes": shapes, "values": detached(state["values"])}
+        else:
+            where = os.path.join(src.iter_dir, mp_dir, f"(site {site})")
+            ranks = [src.read(os.path.join(mp_dir, layout.rank_file_name(site, dp)))
+                     for dp in range(meta["layout"]["dp_intra"])]
+            local_shapes = {name: tuple(v.shape) for name, v in src.read(src.model_rel(slot, site))["params"].items()}
+            part = from_rank_states(ranks, local_shapes, algorithm, where)
+            shapes = {key: {name: local_shapes[name] for name in by_name} for key, by_name in part["pieces"].items()}
+            parts[slot] = {"pieces": part["pieces"], "shapes": shapes, "values": detached(part["values"])}
+        src.files.release()
+
+    def local_of(key: str):
+        def local(slot: Slot, name: str) -> torch.Tensor:
+            t, p = slot
+            mp_dir = layout.mp_rank_dir_name(t, p, src.pp)
+            if by_parameter:
+                return src.read(os.path.join(mp_dir, layout.optimizer_file_name(site)))["tensors"][key][name]
+            return gather_values(parts[slot]["pieces"][key][name], parts[slot]["shapes"][key][name],
+                                 lambda dp: src.read(os.path.join(mp_dir, layout.rank_file_name(site, dp))))
+        return local
+
+    keys = sorted({k for part in parts.values() for k in part["pieces"]})
+    tensors = {k: _lazy_merged({slot: part["shapes"].get(k, {}) for slot, part in parts.items()}, partition,
+                               src.tp, src.pp, local_of(k), src.files, (k, site)) for k in keys}
+    values = merge_values([parts[slot]["values"] for slot in sorted(parts)], algorithm,
+                          f"{src.iter_dir} (site {site})")
+    return SiteState(params, tensors, values)
+
+
+def read_resume_state(src: CheckpointFiles) -> ResumeState:
+    """Every site's model and its optimizer/synchronizer state, full tensors by name, each
+    made from the source files when asked for (the index of what lies where is read here:
+    the files' structure, no tensor values)."""
+    sites = [_site_state(src, site) for site in range(src.meta["layout"]["sites"])]
+    return ResumeState(sites, {k: src.meta[k] for k in CARRIED if k in src.meta}, source_pp=src.pp)
+
+
+def padded_rows(tensors: Mapping, names, padded: int) -> Mapping:
+    """`tensors` with zero rows added to `names` up to `padded` rows (a vocabulary padded for
+    a new TP size)."""
+    grow = [n for n in names if n in tensors and shape_of(tensors, n)[0] < padded]
+    if not grow:
+        return tensors
+    shapes = {n: (padded, *shape_of(tensors, n)[1:]) if n in grow else shape_of(tensors, n) for n in tensors}
+
+    def produce(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]) if name in grow else t
+    return LazyTensors(shapes, produce)
 
 
 def pad_rows(state: ResumeState, names, padded: int) -> None:
     """Zero rows for a vocabulary padded to a new TP size (the model's rows are padded alike)."""
     for site in state.sites:
-        for by_name in [site.params] + list(site.tensors.values()):
-            for name in names:
-                if name in by_name and by_name[name].shape[0] < padded:
-                    t = by_name[name]
-                    by_name[name] = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
+        site.params = padded_rows(site.params, names, padded)
+        site.tensors = {k: padded_rows(by_name, names, padded) for k, by_name in site.tensors.items()}
 
 
-def split_site(site: SiteState, partition: Dict[str, list], tp: int, pp: int, num_layers: int, tied: bool
-               ) -> Dict[Slot, Dict]:
-    """{(tp_rank, pp_rank): the optimizer file of this site} for a target layout."""
-    per_key = {k: split_layout(by_name, partition, tp, pp, num_layers, tied) for k, by_name in site.tensors.items()}
-    return {(t, p): {"tensors": {k: split[(t, p)] for k, split in per_key.items()}, "values": site.values}
-            for t in range(tp) for p in range(pp)}
-
+def optimizer_file(site: SiteState, partition: Dict[str, list], slot: Slot, tp: int, pp: int, num_layers: int,
+                   tied: bool) -> Dict:
+    """The optimizer file of target `slot` (tp_rank, pp_rank) of this site."""
+    return {"tensors": {k: split_slot(by_name, partition, slot, tp, pp, num_layers, tied)
+                        for k, by_name in site.tensors.items()}, "values": site.values}

@@ -80,8 +80,10 @@ def file_sha256(path: str) -> str:
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
-def load_file(path: str, expected_size: Optional[int] = None, expected_sha256: Optional[str] = None) -> Any:
-    """Load one checkpoint file, checking its size and (when recorded) its checksum first."""
+def load_file(path: str, expected_size: Optional[int] = None, expected_sha256: Optional[str] = None,
+              mmap: bool = False) -> Any:
+    """Load one checkpoint file, checking its size and (when recorded) its checksum first.
+    `mmap`: the tensors are views of the memory-mapped file, read when used (convert.py)."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
     size = os.path.getsize(path)
@@ -96,7 +98,7 @@ def load_file(path: str, expected_size: Optional[int] = None, expected_sha256: O
                 f"(sha256 {expected_sha256[:16]}..., found {found[:16]}...): it was modified or corrupted since. "
                 f"Restore it, or load an earlier iteration; --no-verify-checkpoint-checksums skips this check")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:  # weights_only refused a pickled object: not ours
         found = _UNSUPPORTED_GLOBAL.search(str(err))
         what = f" ({found.group(1)})" if found else ""

@@ -4,11 +4,14 @@ Used alike for the model's weights and for every optimizer tensor laid out like 
 (parameter_state.py), so both are merged and split by the same rule: a parameter's TP
 slices are merged with its partition info ([tensor_parallel, dim, stride]); a name held by
 several stages (the tied embedding's copy on the last stage) is taken from the first.
+convert.py merges one parameter at a time and writes one target slot at a time
+(`merge_plan`, `merge_slices`, `split_slot`), so no layout is ever held whole.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from collections.abc import Mapping
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 
@@ -18,23 +21,24 @@ from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices, take_
 Slot = Tuple[int, int]  # (tp_rank, pp_rank)
 
 
-def merge_layout(pieces: Dict[Slot, Dict[str, torch.Tensor]], partition: Dict[str, list], tp: int, pp: int
-                 ) -> Dict[str, torch.Tensor]:
-    """{(tp_rank, pp_rank): {name: local slice}} -> {name: full tensor}."""
-    slices: Dict[str, Dict[int, torch.Tensor]] = {}
+def merge_plan(names: Dict[Slot, Iterable[str]], tp: int, pp: int) -> Dict[str, List[Slot]]:
+    """{(tp_rank, pp_rank): names held} -> {name: the slots its TP slices are taken from, in
+    TP order}, names in the order first met (stages, then TP ranks)."""
+    slices: Dict[str, Dict[int, Slot]] = {}
     owner: Dict[str, int] = {}  # the stage a name is taken from
     for p in range(pp):
         for t in range(tp):
-            for name, value in pieces.get((t, p), {}).items():
+            for name in names.get((t, p), ()):
                 if owner.setdefault(name, p) != p:
                     continue  # the last stage's copy of the tied embedding: stage 0 holds it
-                slices.setdefault(name, {})[t] = value
-    out = {}
-    for name, by_rank in slices.items():
-        is_tp, dim, stride = partition[name]
-        ordered = [by_rank[t] for t in sorted(by_rank)]
-        out[name] = merge_tp_slices(ordered, dim, stride) if is_tp and len(ordered) > 1 else ordered[0]
-    return out
+                slices.setdefault(name, {})[t] = (t, p)
+    return {name: [by_rank[t] for t in sorted(by_rank)] for name, by_rank in slices.items()}
+
+
+def merge_slices(ordered: List[torch.Tensor], info: list) -> torch.Tensor:
+    """A parameter's full tensor from its TP slices in TP order ([tensor_parallel, dim, stride])."""
+    is_tp, dim, stride = info
+    return merge_tp_slices(ordered, dim, stride) if is_tp and len(ordered) > 1 else ordered[0]
 
 
 def stages_of(name: str, num_layers: int, pp: int, tied: bool) -> List[int]:
@@ -49,14 +53,18 @@ def stages_of(name: str, num_layers: int, pp: int, tied: bool) -> List[int]:
     return [pp - 1]  # final norm, output layer
 
 
-def split_layout(full: Dict[str, torch.Tensor], partition: Dict[str, list], tp: int, pp: int, num_layers: int,
-                 tied: bool) -> Dict[Slot, Dict[str, torch.Tensor]]:
-    """{name: full tensor} -> {(tp_rank, pp_rank): {name: local slice}} (contiguous copies)."""
-    out: Dict[Slot, Dict[str, torch.Tensor]] = {(t, p): {} for t in range(tp) for p in range(pp)}
-    for name, value in full.items():
+def split_slot(full: Mapping, partition: Dict[str, list], slot: Slot, tp: int, pp: int, num_layers: int,
+               tied: bool) -> Dict[str, torch.Tensor]:
+    """{name: full tensor} -> {name: local slice} of target `slot` (tp_rank, pp_rank): the
+    names its stage holds, in `full`'s order, each a contiguous copy of its own (each full
+    tensor is made, by a lazy mapping, only for the slots that need it)."""
+    t, p = slot
+    out: Dict[str, torch.Tensor] = {}
+    for name in full:
+        if p not in stages_of(name, num_layers, pp, tied):
+            continue
+        value = full[name]
         is_tp, dim, stride = partition[name]
-        for t in range(tp):
-            local = take_tp_slice(value, dim, stride, tp, t) if is_tp else value
-            for p in stages_of(name, num_layers, pp, tied):
-                out[(t, p)][name] = local.clone().contiguous()
+        local = take_tp_slice(value, dim, stride, tp, t) if is_tp else value
+        out[name] = local.clone().contiguous()
     return out
