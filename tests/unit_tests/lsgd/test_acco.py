@@ -143,7 +143,9 @@ def test_communication_overlaps_compute_and_fast_sites_do_more():
     assert exposed["sync"] >= 0.9 * iters * latency  # every step waits for its mean
     for name in ("dpu", "acco"):
         assert runs[name][0]["comm"]["bytes_sent"] > 0
-        assert exposed[name] < 0.5 * exposed["sync"], exposed
+        # serialised, dpu would wait as sync does (1x) and acco twice (2 collectives a step);
+        # overlapped, ~0.2x on a quiet machine: the bound leaves room for a loaded one
+        assert exposed[name] < 0.6 * exposed["sync"], exposed
     fast, slow = runs["acco-adaptive-straggler"]
     assert fast["sync_stats"]["extra mb"] > 0
     assert fast["consumed"][1] > slow["consumed"][1]  # site 0 read more of its stream
