@@ -77,6 +77,10 @@ def read_site_models(iter_dir: str, meta: Dict, site: int) -> Tuple[Dict[Slot, D
 def read_resume_state(iter_dir: str, meta: Dict) -> ResumeState:
     """Every site's model and its optimizer/synchronizer state, full tensors by name."""
     tp, pp, sites = meta["layout"]["tp"], meta["layout"]["pp"], meta["layout"]["sites"]
+    if meta["layout"].get("site_dp"):
+        raise CheckpointError(f"{iter_dir} was saved by sites of different data-parallel sizes "
+                              f"({','.join(map(str, meta['layout']['site_dp']))}): converting such a checkpoint is "
+                              f"not supported yet; resume it with the same --site-data-parallel-sizes")
     algorithm = meta.get("lsgd_algorithm", "sync")
     out = []
     for site in range(sites):
