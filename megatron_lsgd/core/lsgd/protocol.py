@@ -241,6 +241,11 @@ class Synchronizer:
     # True when its state is organised by pipeline stage (fragments or schedules made of a
     # stage's units): tools/checkpoint/convert.py then keeps the pipeline-parallel size.
     state_follows_pipeline: ClassVar[bool] = False
+    # Sites of different data-parallel sizes (--site-data-parallel-sizes): None when the
+    # algorithm supports them (its means weighted by each site's tokens, exchanged lane by
+    # lane: sync.SiteSplit), else why not, in a few words (the run's one error line).
+    unequal_sites_refusal: ClassVar[Optional[str]] = \
+        "its cross-site exchange is not cut into lanes for sites of different sizes yet"
 
     @classmethod
     def refused_with_fault_tolerance(cls, config: LsgdConfig) -> List[Tuple[str, str]]:
