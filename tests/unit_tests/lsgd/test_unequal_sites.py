@@ -22,7 +22,10 @@
     weights (1/2, 1/2) would not: the test fails with them;
   * the same diloco run without ZeRO-1 (site 0's replicas then split what they send);
   * a checkpoint: the diloco run paused at iteration 3 (--exit-interval) and resumed with
-    --load reproduces the uninterrupted run bit for bit, each site from its own files.
+    --load reproduces the uninterrupted run bit for bit, each site from its own files; the
+    converter takes its model and refuses its optimizer state;
+- the same with two pipeline stages (6 ranks): sync against one site of DP 3, diloco's
+  replicas equal at the end.
 """
 
 from __future__ import annotations
@@ -200,7 +203,7 @@ def _assert_same_training(a, b, rtol=1e-6):
 
 
 @pytest.mark.slow
-def test_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path):
+def test_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     argvs = {
         "dp3": COMMON + ["--lsgd-algorithm", "sync"],
@@ -228,3 +231,25 @@ def test_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path):
     for site in (0, 1):
         pa, pb = merge_full_params(runs["resumed"], site=site), merge_full_params(runs["diloco"], site=site)
         assert all(torch.equal(pa[n], pb[n]) for n in pa), f"site {site} resumed differently"
+    # tools/checkpoint/convert.py: the model converts, the optimizer state of unequal sites is refused
+    from tools.checkpoint.convert import main as convert
+
+    base = ["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", ckpt]
+    assert convert(base + ["--save-dir", str(tmp_path / "model"), "--model-only"]) == 0
+    assert convert(base + ["--save-dir", str(tmp_path / "full")]) == 2
+    assert "saved by sites of different data-parallel sizes (2,1): converting such a checkpoint is not supported" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_unequal_sites_with_two_pipeline_stages():
+    """Lanes and the loop's numbers per pipeline stage: sync on sites DP 2 + DP 1 (PP 2, 6 ranks)
+    trains like one site of DP 3, diloco ends with every replica of both sites equal."""
+    pp2 = COMMON + ["--pipeline-model-parallel-size", "2"] + ZERO1
+    dp3, sync, diloco = run_distributed_many([pp2 + ["--lsgd-algorithm", "sync"], pp2 + UNEQUAL,
+                                              pp2 + UNEQUAL + ["--lsgd-algorithm", "diloco", "--lsgd-interval", "2"]],
+                                             6)
+    assert_replicas_identical(sync)
+    _assert_same_training(sync, dp3)
+    assert_replicas_identical(diloco)
+    assert diloco[-1]["sync_stats"]["outer rounds"] == 3
