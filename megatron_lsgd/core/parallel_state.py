@@ -4,6 +4,14 @@ World = TP x PP x DP with DP = DP_intra x S (S sites). Rank order, fastest-varyi
 tp, dp_intra, pp, site. A site is therefore a contiguous block of ranks, which is what
 node-major `torchrun` placement gives when each site is one (or more) whole nodes.
 
+Sites may have different data-parallel sizes (`--site-data-parallel-sizes`, `site_dp`):
+site s then has DP_s ranks per (tp, pp) and starts after the TP x PP x DP_t ranks of the
+sites before it. What crosses sites is cut into L = lcm(DP_s) *lanes* (a bucket is padded
+to a multiple of L): lane j is the j-th L-th of every bucket, held on site s by its
+dp_intra rank j // (L / DP_s), and one dp_inter group per lane joins those holders. A rank
+of a site with DP_s < L takes part in L / DP_s lanes (`ProcessGroups.inter_lanes`). With
+equal sites L = DP_intra and lane j is dp_intra rank j everywhere: the groups of before.
+
 Nothing in the model reaches for global state: layers receive the `ProcessGroups` object
 (or the one group they need) from their constructor.
 """
@@ -11,6 +19,7 @@ Nothing in the model reaches for global state: layers receive the `ProcessGroups
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -21,25 +30,86 @@ import torch.distributed as dist
 class ParallelDims:
     tp: int = 1
     pp: int = 1
-    dp_intra: int = 1
+    dp_intra: int = 1  # every site's DP size; 0 when the sites differ (see site_dp)
     sites: int = 1
+    site_dp: Tuple[int, ...] = ()  # per-site DP sizes when they differ (--site-data-parallel-sizes)
+
+    @property
+    def heterogeneous(self) -> bool:
+        return bool(self.site_dp)
+
+    @property
+    def site_sizes(self) -> Tuple[int, ...]:
+        """Every site's data-parallel size, in site order."""
+        return self.site_dp if self.site_dp else (self.dp_intra,) * self.sites
+
+    def dp_of(self, site: int) -> int:
+        return self.site_dp[site] if self.site_dp else self.dp_intra
+
+    def dp_offset(self, site: int) -> int:
+        """Data-parallel index (site-major) of the site's first replica."""
+        return sum(self.site_dp[:site]) if self.site_dp else site * self.dp_intra
+
+    def ranks_of_site(self, site: int) -> int:
+        return self.tp * self.pp * self.dp_of(site)
+
+    def site_part(self, samples: int, site: int) -> int:
+        """A site's part of the job's `samples` (samples // S when the sites are equal)."""
+        return samples * self.dp_of(site) // self.dp
+
+    def site_share(self, site: int) -> float:
+        """The site's share of every global batch (its replicas' share of all replicas)."""
+        return self.dp_of(site) / self.dp
+
+    @property
+    def lanes(self) -> int:
+        """L: what crosses sites is cut into L lanes (lcm of the sites' DP sizes)."""
+        sizes = self.site_sizes
+        out = 1
+        for d in sizes:
+            out = out * d // math.gcd(out, d)
+        return out
+
+    def lanes_of(self, site: int, dp_intra_rank: int) -> List[int]:
+        """The lanes a replica holds: L / DP_s consecutive ones."""
+        per = self.lanes // self.dp_of(site)
+        return list(range(dp_intra_rank * per, (dp_intra_rank + 1) * per))
 
     @property
     def dp(self) -> int:
-        return self.dp_intra * self.sites
+        return sum(self.site_dp) if self.site_dp else self.dp_intra * self.sites
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int, pp: int, sites: int) -> "ParallelDims":
-        """Derive DP_intra from the world size, with messages that name the flag to fix."""
+    def from_world(cls, world_size: int, tp: int, pp: int, sites: int,
+                   site_dp: Optional[Sequence[int]] = None) -> "ParallelDims":
+        """Derive DP_intra from the world size, with messages that name the flag to fix.
+        `site_dp`: per-site data-parallel sizes (--site-data-parallel-sizes); equal sizes give
+        the same dims as without them."""
         for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                             ("--num-sites", sites)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1 (got {value})")
         model_parallel = tp * pp
+        if site_dp is not None:
+            sizes = tuple(int(d) for d in site_dp)
+            given = ",".join(str(d) for d in sizes)
+            if len(sizes) != sites:
+                raise ValueError(f"--site-data-parallel-sizes {given} names {len(sizes)} sites but --num-sites is "
+                                 f"{sites}: give one size per site")
+            if any(d < 1 for d in sizes):
+                raise ValueError(f"--site-data-parallel-sizes {given}: every site needs at least one "
+                                 f"data-parallel rank")
+            if sum(sizes) * model_parallel != world_size:
+                raise ValueError(
+                    f"--site-data-parallel-sizes {given} sum to {sum(sizes)} data-parallel ranks, x TP {tp} x PP {pp} "
+                    f"= {sum(sizes) * model_parallel} ranks, but the world has {world_size}")
+            if len(set(sizes)) == 1:
+                return cls(tp=tp, pp=pp, dp_intra=sizes[0], sites=sites)
+            return cls(tp=tp, pp=pp, dp_intra=0, sites=sites, site_dp=sizes)
         if world_size % model_parallel:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel size "
@@ -49,10 +119,27 @@ class ParallelDims:
         if dp % sites:
             raise ValueError(
                 f"data-parallel size {dp} (= world {world_size} / (TP {tp} x PP {pp})) is not divisible by "
-                f"--num-sites {sites}: every site needs the same number of data-parallel ranks")
+                f"--num-sites {sites}: give every site the same number of data-parallel ranks, or each its own "
+                f"with --site-data-parallel-sizes")
         return cls(tp=tp, pp=pp, dp_intra=dp // sites, sites=sites)
 
+    def site_of_rank(self, rank: int) -> int:
+        if not self.site_dp:
+            return rank // (self.tp * self.pp * self.dp_intra)
+        start = 0
+        for site in range(self.sites):
+            start += self.ranks_of_site(site)
+            if rank < start:
+                return site
+        raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
+
     def coords(self, rank: int) -> "RankCoords":
+        if self.site_dp:
+            site = self.site_of_rank(rank)
+            rest = rank - self.tp * self.pp * self.dp_offset(site)
+            d = self.dp_of(site)
+            return RankCoords(tp=rest % self.tp, dp_intra=(rest // self.tp) % d, pp=rest // (self.tp * d),
+                              site=site)
         tp_rank = rank % self.tp
         rest = rank // self.tp
         dp_intra_rank = rest % self.dp_intra
@@ -62,6 +149,8 @@ class ParallelDims:
         return RankCoords(tp=tp_rank, dp_intra=dp_intra_rank, pp=pp_rank, site=site)
 
     def rank_of(self, tp: int, dp_intra: int, pp: int, site: int) -> int:
+        if self.site_dp:
+            return self.tp * self.pp * self.dp_offset(site) + tp + self.tp * (dp_intra + self.dp_of(site) * pp)
         return tp + self.tp * (dp_intra + self.dp_intra * (pp + self.pp * site))
 
 
@@ -79,13 +168,14 @@ def enumerate_group_ranks(dims: ParallelDims) -> Dict[str, List[Tuple[int, ...]]
     groups: Dict[str, List[Tuple[int, ...]]] = {k: [] for k in (
         "tp", "pp", "dp", "dp_intra", "dp_inter", "model_parallel", "embedding", "site")}
     for site in range(dims.sites):
+        dp_site = dims.dp_of(site)
         for pp in range(dims.pp):
-            for dpi in range(dims.dp_intra):
+            for dpi in range(dp_site):
                 groups["tp"].append(tuple(r(t, dpi, pp, site) for t in range(dims.tp)))
         for pp in range(dims.pp):
             for tp in range(dims.tp):
-                groups["dp_intra"].append(tuple(r(tp, d, pp, site) for d in range(dims.dp_intra)))
-        for dpi in range(dims.dp_intra):
+                groups["dp_intra"].append(tuple(r(tp, d, pp, site) for d in range(dp_site)))
+        for dpi in range(dp_site):
             for tp in range(dims.tp):
                 groups["pp"].append(tuple(r(tp, dpi, p, site) for p in range(dims.pp)))
                 stages = sorted({0, dims.pp - 1})
@@ -93,13 +183,15 @@ def enumerate_group_ranks(dims: ParallelDims) -> Dict[str, List[Tuple[int, ...]]
             groups["model_parallel"].append(tuple(
                 r(t, dpi, p, site) for p in range(dims.pp) for t in range(dims.tp)))
         groups["site"].append(tuple(
-            r(t, d, p, site) for p in range(dims.pp) for d in range(dims.dp_intra) for t in range(dims.tp)))
+            r(t, d, p, site) for p in range(dims.pp) for d in range(dp_site) for t in range(dims.tp)))
+    lanes = dims.lanes
     for pp in range(dims.pp):
         for tp in range(dims.tp):
             groups["dp"].append(tuple(
-                r(tp, d, pp, s) for s in range(dims.sites) for d in range(dims.dp_intra)))
-            for dpi in range(dims.dp_intra):
-                groups["dp_inter"].append(tuple(r(tp, dpi, pp, s) for s in range(dims.sites)))
+                r(tp, d, pp, s) for s in range(dims.sites) for d in range(dims.dp_of(s))))
+            for lane in range(lanes):  # equal sites: lane j = dp_intra rank j on every site
+                groups["dp_inter"].append(tuple(
+                    r(tp, lane // (lanes // dims.dp_of(s)), pp, s) for s in range(dims.sites)))
     return groups
 
 
@@ -109,7 +201,8 @@ class ProcessGroups:
 
     - tp: tensor-parallel peers; pp: pipeline stages; dp: all data-parallel replicas;
     - dp_intra: replicas inside this site (gradients reduced and ZeRO-1 sharded here);
-    - dp_inter: same (tp, pp, dp_intra) coordinate on every site (what crosses sites);
+    - dp_inter: same (tp, pp, dp_intra) coordinate on every site (what crosses sites); with
+      sites of different DP sizes, the first of this rank's lanes (`inter_lanes`: every one);
     - model_parallel: tp x pp (for global norms); embedding: first and last stage (tied
       word embeddings); site: every rank of this site (cheap intra-site agreement).
     """
@@ -131,6 +224,9 @@ class ProcessGroups:
     # each site is a world of its own (fault tolerance: no group crosses sites, dp and
     # dp_inter are None and cross-site traffic goes through the torchft group).
     world_offset: int = 0
+    # (lane, dp_inter group) for every lane this rank holds, in lane order (module docstring);
+    # one entry, (dp_intra rank, dp_inter), when the sites are equal.
+    inter_lanes: List[Tuple[int, Optional[dist.ProcessGroup]]] = field(default_factory=list)
 
     def world_rank(self, rank: int) -> int:
         """A global rank as a rank of the torch.distributed world (point-to-point peers)."""
@@ -153,9 +249,14 @@ class ProcessGroups:
         return self.coords.site
 
     @property
+    def dp_intra_size(self) -> int:
+        """This site's data-parallel size (the same on every site unless --site-data-parallel-sizes)."""
+        return self.dims.dp_of(self.coords.site)
+
+    @property
     def dp_rank(self) -> int:
         """Index among all data-parallel replicas (site-major), used to pick samples."""
-        return self.coords.site * self.dims.dp_intra + self.coords.dp_intra
+        return self.dims.dp_offset(self.coords.site) + self.coords.dp_intra
 
     @property
     def is_first_stage(self) -> bool:
@@ -185,6 +286,8 @@ def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: O
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before building process groups")
     world = dist.get_world_size()
+    if only_site is not None and dims.heterogeneous:
+        raise ValueError("sites of different data-parallel sizes cannot each be a world of their own yet")
     expected = dims.world_size if only_site is None else dims.world_size // dims.sites
     if world != expected:
         raise ValueError(f"parallel layout {dims} needs {expected} ranks {'per site ' if only_site is not None else ''}"
@@ -198,7 +301,9 @@ def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: O
         seen = set()
         backend = {"backend": inter_site_backend} if kind == "dp_inter" and inter_site_backend else {}
         for ranks in all_ranks:
-            if ranks in seen:  # pp == 1: embedding group {0} == {pp-1}; create each once
+            # pp == 1: embedding group {0} == {pp-1}; create each once (but every lane: with
+            # DP sizes like 2 and 3 two lanes can join the same ranks, each is still its own)
+            if ranks in seen and kind != "dp_inter":
                 continue
             seen.add(ranks)
             if only_site is not None:
@@ -211,6 +316,11 @@ def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: O
                 continue
             group = dist.new_group(list(ranks), **kwargs, **backend)
             if rank in ranks:
+                if kind == "dp_inter":  # in lane order; the first is the rank's dp_inter
+                    lane = len(pgs.inter_lanes)
+                    pgs.inter_lanes.append((dims.lanes_of(pgs.coords.site, pgs.coords.dp_intra)[lane], group))
+                    if lane:
+                        continue
                 setattr(pgs, kind, group)
                 pgs.group_ranks[kind] = ranks
     return pgs

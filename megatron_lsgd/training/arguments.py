@@ -126,6 +126,11 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-sites", type=int, default=1,
                    help="split data parallelism into S sites joined by slow links (ranks of a site are contiguous)")
+    g.add_argument("--site-data-parallel-sizes", default=None, metavar="DP_0,DP_1,...",
+                   help="data-parallel size of each site, comma-separated, one per --num-sites (sum x TP x PP = "
+                        "world size; default: the world split evenly). Site s gets DP_s / DP of every global "
+                        "batch and weight DP_s / DP in every mean across sites (sync and diloco only; "
+                        "docs/heterogeneous_sites.md)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="ZeRO-1: shard the inner optimizer state over the data-parallel ranks of a site")
@@ -324,14 +329,47 @@ def _check_fault_tolerance(ft: FaultToleranceOptions, args: argparse.Namespace, 
         checkpoint.load = os.path.join(checkpoint.load, site_dir) if checkpoint.load else checkpoint.load
 
 
+def _site_dp_sizes(text: Optional[str]) -> Optional[List[int]]:
+    """--site-data-parallel-sizes "4,2" -> [4, 2] (None when not given)."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--site-data-parallel-sizes {text!r}: give one whole number per site, comma-separated "
+                         f"(e.g. 4,2)") from None
+
+
+def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig, simulation: SimulationOptions) -> None:
+    """Sites of different data-parallel sizes: what supports them (docs/heterogeneous_sites.md)."""
+    if not dims.heterogeneous:
+        return
+    given = f"--site-data-parallel-sizes {','.join(map(str, dims.site_dp))}"
+    why = catalog.synchronizer_class(lsgd.algorithm).unequal_sites_refusal
+    if why is not None:
+        raise ValueError(f"{given} (sites of different sizes) is supported by --lsgd-algorithm sync and diloco "
+                         f"only; {lsgd.algorithm}: {why}")
+    for flag, reason, given_flag in (
+            ("--lsgd-compression", "compressed means are not weighted by tokens, nor cut into lanes, yet",
+             lsgd.compression.enabled),
+            ("--simulate-clock/--simulate-scenario", "the simulated clock models sites of equal size",
+             simulation.active)):
+        if given_flag:
+            raise ValueError(f"{given} (sites of different sizes) cannot be combined with {flag}: {reason}")
+
+
 def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Validate everything once; raise ValueError with a message naming the flag.
     `world_size`: the torch.distributed world's, i.e. one site's under fault tolerance."""
     fault_tolerance = FaultToleranceOptions.from_args(args)
+    if fault_tolerance.enabled and getattr(args, "site_data_parallel_sizes", None) is not None:
+        raise ValueError("--site-data-parallel-sizes cannot be combined with --lsgd-fault-tolerance: elastic sites, "
+                         "each its own job, have one data-parallel size each for now")
     if fault_tolerance.enabled:  # each site is a world of its own
         world_size *= args.num_sites
     dims = ParallelDims.from_world(world_size, args.tensor_model_parallel_size,
-                                   args.pipeline_model_parallel_size, args.num_sites)
+                                   args.pipeline_model_parallel_size, args.num_sites,
+                                   _site_dp_sizes(getattr(args, "site_data_parallel_sizes", None)))
     normalize_megatron_args(args, dims)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
@@ -342,9 +380,11 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     global_batch = args.global_batch_size or args.micro_batch_size * dims.dp
     per_step = args.micro_batch_size * dims.dp
     if global_batch % per_step:
+        layout = f"the sum of --site-data-parallel-sizes {','.join(map(str, dims.site_dp))}" if dims.heterogeneous \
+            else f"{dims.dp_intra} per site x {dims.sites} sites"
         raise ValueError(
             f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {args.micro_batch_size} x "
-            f"data-parallel size {dims.dp} (= {dims.dp_intra} per site x {dims.sites} sites) = {per_step}")
+            f"data-parallel size {dims.dp} (= {layout}) = {per_step}")
     train_iters, train_samples = _training_length(args, global_batch)
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         raise ValueError(f"--exit-duration-in-mins must be > 0 (got {args.exit_duration_in_mins:g})")
@@ -443,6 +483,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     simulation = SimulationOptions.from_args(args)
     simulation.validate()  # reads and checks the scenario file
     _check_fault_tolerance(fault_tolerance, args, lsgd, simulation, checkpoint, dims)
+    _check_unequal_sites(dims, lsgd, simulation)
     scenario_sites = load_scenario(simulation.scenario).sites if simulation.scenario is not None else dims.sites
     if scenario_sites != dims.sites:
         raise ValueError(f"--simulate-scenario {simulation.scenario}: it describes {scenario_sites} sites, "

@@ -120,17 +120,17 @@ class InnerStep:
         dims = self.pgs.dims
         if dims.pp > 1:
             dist.all_reduce(count, group=self.pgs.pp)
-        if dims.dp_intra > 1:
+        if self.pgs.dp_intra_size > 1:
             dist.all_reduce(count, group=self.pgs.dp_intra)
         return count
 
     def reduce_in_site(self) -> None:
         self.model.finish_grad_sync()
-        self.clock.intra_site(self._grad_bytes, self.pgs.dims.dp_intra, self.pgs.site, self._grad_device)
+        self.clock.intra_site(self._grad_bytes, self.pgs.dp_intra_size, self.pgs.site, self._grad_device)
         if self._site_tokens is not None:
             # Backward summed token losses; the reduction averaged them over dp_intra. One
             # scale makes the gradient the site's per-token mean: x dp_intra / tokens.
-            factor = self.pgs.dims.dp_intra / max(float(self._site_tokens.item()), 1.0)
+            factor = self.pgs.dp_intra_size / max(float(self._site_tokens.item()), 1.0)
             for bucket in self.model.buckets:
                 bucket.grad_data.mul_(factor)
 

@@ -54,10 +54,11 @@ class LockstepLoop:
         every site computed as many; otherwise it becomes the sum of every site's own
         position, taken (settle_job_samples) where the loop logs or saves. Returns the
         step's global batch when known (None: sites differed)."""
-        sites = self.trainer.config.dims.sites
+        tr = self.trainer
+        job = site_samples * tr.config.dims.dp // tr.pgs.dp_intra_size  # S x site_samples when sites are equal
         if same_on_every_site and not self._job_samples_stale:
-            self.trainer.consumed_samples += site_samples * sites
-            return site_samples * sites
+            tr.consumed_samples += job
+            return job
         self._job_samples_stale = True
         return None
 

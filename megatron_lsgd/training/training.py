@@ -30,7 +30,7 @@ from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
 from megatron_lsgd.core.lsgd.devices import InterSiteDevices, backend_device
-from megatron_lsgd.core.lsgd.membership import AllSites, JobFinished
+from megatron_lsgd.core.lsgd.membership import AllSites, JobFinished, UnequalSites
 from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
@@ -99,10 +99,13 @@ class Trainer:
         if config.fault_tolerance.enabled:  # elastic sites: torchft's group, quorum per round (elastic.py)
             comm, self.membership = elastic_site(config, pgs, self.clock, devices)
         else:
-            comm = InterSiteComm(pgs.dp_inter, config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
+            dims = config.dims
+            weight = dims.site_share(pgs.site_rank) if dims.heterogeneous else None  # tokens-weighted means
+            comm = InterSiteComm(pgs.dp_inter, dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                                  config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
-                                 devices=devices, clock=self.clock)
-            self.membership = AllSites(pgs.dp_inter, config.dims.sites, devices)
+                                 devices=devices, clock=self.clock, site_weight=weight)
+            self.membership = UnequalSites(pgs.dp, dims.sites, devices, pgs.dp_intra_rank == 0, weight) \
+                if dims.heterogeneous else AllSites(pgs.dp_inter, dims.sites, devices)
         units = model.sync_units()
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units,
@@ -229,13 +232,13 @@ class Trainer:
             stacked = torch.stack([d[key].float() for d in losses])
             if stacked.dim() == 2:  # (loss sum, tokens) per micro-batch (--calculate-per-token-loss)
                 pair = stacked.sum(0)
-                if self.config.dims.dp_intra > 1:
+                if self.pgs.dp_intra_size > 1:
                     dist.all_reduce(pair, group=self.pgs.dp_intra)
                 out[key] = (pair[0] / pair[1].clamp(min=1)).reshape(1)
                 continue
             value = stacked.mean().reshape(1)
-            if self.config.dims.dp_intra > 1:
-                value /= self.config.dims.dp_intra
+            if self.pgs.dp_intra_size > 1:
+                value /= self.pgs.dp_intra_size
                 dist.all_reduce(value, group=self.pgs.dp_intra)
             out[key] = value
         return out
@@ -377,7 +380,7 @@ class Trainer:
         self.iteration += 1
         self._report_compile()
         # This site's position advances by its own micro-batches; the loop counts the job's.
-        site_samples = step.num_microbatches * t.micro_batch_size * self.config.dims.dp_intra
+        site_samples = step.num_microbatches * t.micro_batch_size * self.pgs.dp_intra_size
         self.site_consumed_samples += site_samples
         acc.gbs = self.loop.count_job_samples(site_samples, step.same_count_on_every_site)
         acc.lr = step.lr  # None: the loop owns the scheduler and reads it when it logs (after any meeting)
@@ -602,7 +605,8 @@ def _pretrain(args, clock: Clock, signals: RunSignals, train_valid_test_datasets
         _exit_on_bad_input(err)
     if dist.get_rank() == 0:
         d = config.dims
-        print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x DP {d.dp_intra} per site x "
+        per_site = f"DP {','.join(map(str, d.site_dp))} on its" if d.heterogeneous else f"DP {d.dp_intra} per site x"
+        print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x {per_site} "
               f"{d.sites} sites | algorithm {config.lsgd.algorithm} | micro-batches per step "
               f"{config.num_microbatches} | device {device}", flush=True)
     lock = None

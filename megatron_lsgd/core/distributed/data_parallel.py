@@ -33,12 +33,15 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.pgs = pgs
         self.config = config
-        self.dp_intra_size = pgs.dims.dp_intra
+        self.dp_intra_size = pgs.dp_intra_size
         num_shards = self.dp_intra_size if config.use_distributed_optimizer else 1
         params = [p for p in module.parameters() if p.requires_grad]
         params.reverse()  # roughly the order backward produces gradients
+        # Sites of different DP sizes: every site pads its buckets to the lanes that cross
+        # sites (parallel_state), so the buckets and their lanes are the same everywhere.
         self.buffer = ParamAndGradBuffer(params, bucket_size=config.bucket_size, num_shards=num_shards,
-                                         grad_dtype=config.grad_dtype)
+                                         grad_dtype=config.grad_dtype,
+                                         pad_multiple=pgs.dims.lanes if pgs.dims.heterogeneous else None)
         self.is_last_microbatch = True
         self._pending = {}  # bucket index -> (work, scratch)
         self._bucket_remaining = {}

@@ -16,7 +16,7 @@ here; a buffer that never calls these behaves exactly as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ def _needs_model_parallel_reduce(p: nn.Parameter) -> bool:
 
 class ParamAndGradBuffer:
     def __init__(self, params: List[nn.Parameter], *, bucket_size: int, num_shards: int,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, pad_multiple: Optional[int] = None):
         if not params:
             raise ValueError("no trainable parameters on this rank")
         dtypes = {p.dtype for p in params}
@@ -98,7 +98,10 @@ class ParamAndGradBuffer:
             for p in bucket_params:
                 self.param_offsets[id(p)] = (offset, offset + p.numel())
                 offset += p.numel()
-            padded = -(-(offset - start) // num_shards) * num_shards
+            # a multiple of the shard count, or of pad_multiple (sites of different DP sizes:
+            # the lanes that cross sites, a multiple of every site's shard count)
+            multiple = pad_multiple or num_shards
+            padded = -(-(offset - start) // multiple) * multiple
             offset = start + padded
             self.buckets.append(Bucket(index, bucket_params, start, offset, num_shards, deferred=deferred))
 

@@ -123,8 +123,12 @@ class InterSiteWork:
 class InterSiteComm:
     def __init__(self, group, num_sites: int, link: Optional[SimulatedLink] = None,
                  timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None,
-                 devices: Optional[InterSiteDevices] = None, clock: Optional[Clock] = None):
+                 devices: Optional[InterSiteDevices] = None, clock: Optional[Clock] = None,
+                 site_weight: Optional[float] = None):
         self.group = group
+        # This site's weight in every mean across sites: its share of the round's tokens when
+        # sites differ in size (--site-data-parallel-sizes); None: 1 / S, the plain mean.
+        self.site_weight = site_weight
         self.clock = clock or Clock()
         # Where payloads may live and where the group takes them (devices.py); default: the host.
         self.devices = devices or InterSiteDevices.on(torch.device("cpu"))
@@ -241,11 +245,26 @@ class InterSiteComm:
         work = collective(out_buf, in_buf)
         return self.staging.land(work, [(output, out_buf)] if stage_out else [], [in_buf] if stage_in else [])
 
+    @contextlib.contextmanager
+    def on_group(self, group):
+        """Collectives issued inside the block go to `group` (one lane's dp_inter when sites
+        differ in size: parallel_state; None: this comm's own), counted, timed and checked as
+        any other. The group is read when a collective is issued, so a handle may be waited
+        for after the block."""
+        previous = self.group
+        if group is not None:
+            self.group = group
+        try:
+            yield self
+        finally:
+            self.group = previous
+
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
-        """Average `tensor` across sites in place (scaled first: gloo has no AVG)."""
+        """Average `tensor` across sites in place (scaled first: gloo has no AVG); with
+        `site_weight`, the weighted mean: each site scales by its own weight, then a sum."""
         if self.num_sites == 1:
             return InterSiteWork(self, None)
-        tensor.mul_(1.0 / self.num_sites)
+        tensor.mul_(1.0 / self.num_sites if self.site_weight is None else self.site_weight)
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
         work = self._launch("all_reduce_mean", lambda out, _: dist.all_reduce(out, group=self.group, async_op=True),
                             tensor)

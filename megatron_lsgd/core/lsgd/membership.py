@@ -118,6 +118,29 @@ class AllSites(SiteMembership):
             self.devices.all_reduce(what, tensor, self.group)
 
 
+class UnequalSites(AllSites):
+    """Every site, every round, when sites have different data-parallel sizes
+    (--site-data-parallel-sizes). A rank may then hold several dp_inter lanes, so the loop's
+    values go over `group` = the rank's `dp` group (every replica of its (tp, pp) on every
+    site), where each value is already the same on all replicas of a site: only the site's
+    first replica (`lead`) contributes, scaled by `weight` (the site's share of the round's
+    tokens) for a mean and unscaled for a sum. The mean is thus weighted by tokens, as the
+    synchronizers' means are."""
+
+    def __init__(self, group, num_sites: int, devices, lead: bool, weight: float):
+        super().__init__(group, num_sites, devices)
+        self.lead, self.weight = lead, weight
+
+    def mean_over_sites(self, tensor: torch.Tensor) -> None:
+        tensor.mul_(self.weight) if self.lead else tensor.zero_()
+        self._all_reduce("the loop's mean over sites", tensor)
+
+    def sum_over_sites(self, tensor: torch.Tensor) -> None:
+        if not self.lead:
+            tensor.zero_()
+        self._all_reduce("the loop's sum over sites", tensor)
+
+
 class Finished:
     """Work that is already done (a blocking reduction's result, seen as a ticket's work)."""
 

@@ -271,6 +271,11 @@ class Synchronizer:
     # True when its outer rounds run through SiteMembership (quorum, commit or roll back), so
     # --lsgd-fault-tolerance torchft can run it (its settings that cannot: refused_with_fault_tolerance).
     supports_fault_tolerance: ClassVar[bool] = False
+    # Sites of different data-parallel sizes (--site-data-parallel-sizes): None when the
+    # algorithm supports them (its means weighted by each site's tokens, exchanged lane by
+    # lane: site_split.SiteSplit), else why not, in a few words (the run's one error line).
+    unequal_sites_refusal: ClassVar[Optional[str]] = \
+        "its cross-site exchange is not cut into lanes for sites of different sizes yet"
 
     @classmethod
     def refused_with_fault_tolerance(cls, config: LsgdConfig) -> List[Tuple[str, str]]:

@@ -5,7 +5,7 @@ algorithm's synchronous warm-up)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -24,14 +24,52 @@ class SiteSplit:
     (`gather`: one all-gather over dp_intra), so a site's WAN bytes are spread over its
     DP_intra links, as ZeRO-1's shards spread them. Under ZeRO-1 (or with DP_intra = 1)
     the shards already split the traffic and both are identities. Every synchronizer that
-    sends something across sites goes through this."""
+    sends something across sites goes through this.
+
+    Sites of different data-parallel sizes (--site-data-parallel-sizes): what a rank sends
+    (its shard, or its part) is cut further into the lanes it holds (parallel_state: L =
+    lcm of the sites' DP sizes, buckets padded to a multiple of L), each exchanged on its
+    lane's dp_inter group (`lanes_of`, `mean`), so both sides of every group hold the same
+    range of every bucket although their shards differ. A site's traffic is still spread
+    over its ranks and nothing is gathered on one rank. The comm weights every mean by the
+    site's share of the round's tokens (InterSiteComm.site_weight)."""
 
     def __init__(self, pgs, sharded: bool):
-        dims = pgs.dims
-        self.parts = dims.dp_intra
+        self.parts = pgs.dp_intra_size
         self.index = pgs.dp_intra_rank
         self.group = pgs.dp_intra
         self.active = self.parts > 1 and not sharded
+        # [dp_inter group of each lane this rank holds]; empty when the sites are equal
+        self.lanes = [group for _, group in pgs.inter_lanes] if pgs.dims.heterogeneous else []
+
+    def lanes_of(self, tensors) -> List[Tuple[object, List[torch.Tensor]]]:
+        """`tensors` (the ranges of `mine`) cut into this rank's lanes: [(lane's dp_inter group,
+        [consecutive 1/lanes of each tensor, as views])]; [(None, tensors)] when the sites are
+        equal (None: the comm's own group)."""
+        if not self.lanes:
+            return [(None, list(tensors))]
+        k = len(self.lanes)
+        for t in tensors:
+            if t.numel() % k:
+                raise ValueError(f"a range of {t.numel()} values cannot be cut into {k} lanes: buckets must be "
+                                 f"padded to the lanes (DistributedDataParallel does this for whole shards)")
+        return [(group, [t.reshape(-1)[j * (t.numel() // k):(j + 1) * (t.numel() // k)] for t in tensors])
+                for j, group in enumerate(self.lanes)]
+
+    def mean(self, comm, tensors, reduce: Callable[[List[torch.Tensor]], List[torch.Tensor]]
+             ) -> List[torch.Tensor]:
+        """The mean across sites of `tensors` (this rank's part): `reduce(tensors)` -> means,
+        run on `comm` once (sites equal) or once per lane on the lane's group, the lanes'
+        means put back together in the tensors' shapes."""
+        if not self.lanes:
+            return reduce(tensors)
+        out = [torch.empty_like(t) for t in tensors]
+        for (group, chunks), (_, dests) in zip(self.lanes_of(tensors), self.lanes_of(out)):
+            with comm.on_group(group):
+                means = reduce(chunks)
+            for dest, m in zip(dests, means):
+                dest.copy_(m.reshape(-1))
+        return out
 
     def mine(self, views):
         """The part of `views` this rank sends across sites."""
@@ -71,7 +109,8 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
     Under ZeRO-1 each rank owns a different shard, so the site's traffic is already split
     over its DP_intra links. Without ZeRO-1 every rank of the site holds the same, already
     reduced, full gradient: each then averages only its 1/DP_intra part across sites and
-    the site all-gathers the parts, instead of every rank sending everything."""
+    the site all-gathers the parts, instead of every rank sending everything. Sites of
+    different sizes: the mean is weighted by each site's tokens, lane by lane (SiteSplit)."""
     comm = ctx.comm
     if comm.num_sites == 1:
         return
@@ -79,12 +118,16 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
     split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
     mine = split.mine(views)
     if compressors is None:
-        handles = [comm.all_reduce_mean(grad, async_op=True) for grad in mine.grad]
+        handles = []
+        for group, grads in split.lanes_of(mine.grad):
+            with comm.on_group(group):
+                handles += [comm.all_reduce_mean(grad, async_op=True) for grad in grads]
         for h in handles:
             h.wait()
     elif mine.ranges:  # every rank of a dp_inter group has the same part index: all skip together
         compressor = compressors.for_views(mine, mine.grad[0].device)
-        for grad, mean in zip(mine.grad, run_blocking(compressor.reduce(mine.grad))):
+        means = split.mean(comm, mine.grad, lambda grads: run_blocking(compressor.reduce(grads)))
+        for grad, mean in zip(mine.grad, means):
             grad.copy_(mean)
     split.gather(views.grad)
     comm.rounds += 1

@@ -66,8 +66,12 @@ class ShardedOptimizer:
         self.config = config
         self.pgs = pgs
         self.grad_scaler: Optional[object] = grad_scaler
-        self.sharded = any(m.config.use_distributed_optimizer for m in models) and pgs.dims.dp_intra > 1
+        self.sharded = any(m.config.use_distributed_optimizer for m in models) and pgs.dp_intra_size > 1
         self.shard_index = pgs.dp_intra_rank if self.sharded else 0
+        # Sites of different DP sizes hold different shards of the same buckets: the gradient
+        # norm is then summed lane by lane (parallel_state), in one order on every site, so
+        # sites that apply the same mean gradient stay bit-identical (0: sites are equal).
+        self._norm_lanes = pgs.dims.lanes if pgs.dims.heterogeneous else 0
 
         # One fp32 main tensor per bucket shard (a view when the model is already fp32).
         self.main_shards: List[Tuple[object, torch.Tensor, torch.Tensor]] = []  # (bucket, main, grad)
@@ -196,6 +200,14 @@ class ShardedOptimizer:
         device = self.main_shards[0][2].device
         piece_grads = self._piece_grads(grads)
         grads = [g for g, pc in zip(piece_grads, self.pieces) if pc.counts_in_norm]
+        if self._norm_lanes:
+            sq = self._lane_squares(piece_grads, device)
+            if self.sharded:
+                dist.all_reduce(sq, group=groups.dp_intra)  # each lane is one rank's: exact
+            sq = sq.sum().reshape(1)
+            if self.pgs.dims.tp * self.pgs.dims.pp > 1:
+                dist.all_reduce(sq, group=groups.model_parallel)
+            return math.sqrt(sq.item())
         sq = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
             sq += torch.stack([g.float().pow(2).sum() for g in grads]).sum()
@@ -204,6 +216,24 @@ class ShardedOptimizer:
         if self.pgs.dims.tp * self.pgs.dims.pp > 1:
             dist.all_reduce(sq, group=groups.model_parallel)
         return math.sqrt(sq.item())
+
+    def _lane_squares(self, piece_grads: Sequence[torch.Tensor], device) -> torch.Tensor:
+        """Sum of squares of the counted gradients per lane (L values; 0 for lanes this rank
+        does not hold): each lane's pieces, cut at lane boundaries, summed in bucket order,
+        which is the same on every site whatever its shards."""
+        lanes = self._norm_lanes
+        out = torch.zeros(lanes, dtype=torch.float32, device=device)
+        for g, pc in zip(piece_grads, self.pieces):
+            if not pc.counts_in_norm:
+                continue
+            bucket = self.main_shards[pc.shard][0]
+            width = bucket.numel // lanes
+            start = bucket.shard_range(self.shard_index)[0] + pc.lo  # the piece's place in its bucket
+            end = start + (pc.hi - pc.lo)
+            for lane in range(start // width, (end - 1) // width + 1):
+                lo, hi = max(start, lane * width), min(end, (lane + 1) * width)
+                out[lane] += g[lo - start:hi - start].float().pow(2).sum()
+        return out
 
     @torch.no_grad()
     def step(self, lr: Union[float, Dict[str, float]], *, grads: Optional[Sequence[torch.Tensor]] = None,
@@ -337,7 +367,7 @@ class ShardedOptimizer:
         sizes. Cost per rank: (DP_intra - 1) x sum over extents of the largest piece, which
         is about the extent's size when it spans several shards and at most DP_intra x its
         size when it sits inside one shard (a full-model gather moves every bucket)."""
-        dp = self.pgs.dims.dp_intra
+        dp = self.pgs.dp_intra_size
         me = self.shard_index
         plan = []  # (bucket, [(lo, hi) per rank], padded length)
         for e in extents:

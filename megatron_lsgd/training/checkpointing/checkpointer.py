@@ -213,7 +213,8 @@ def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration:
         "site_iterations": site_iterations,  # each site's own steps (differ in non-lockstep runs)
         "site_schedulers": site_schedulers,  # each site's own LR schedule position
         "ended": bool(getattr(trainer, "ended", False)),
-        "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites},
+        "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites,
+                   **({"site_dp": list(d.site_dp)} if d.heterogeneous else {})},
         "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
         "lsgd_algorithm": trainer.config.lsgd.algorithm,
         "has_optimizer": not cfg.no_save_optim, "has_rng": True,
@@ -272,6 +273,12 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
     return os.path.join(load_dir, layout.read_tracker(load_dir))
 
 
+def _dp_words(site_dp, dp_intra: int, sites: int) -> str:
+    if site_dp:
+        return f"data-parallel sizes {','.join(map(str, site_dp))} on its {sites} sites"
+    return f"{dp_intra} data-parallel ranks per site x {sites} sites"
+
+
 def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -> bool:
     """Raise on anything that would make the load partial or wrong; return whether each site
     loads its own model, schedule and position (the data-parallel layout matches, or a
@@ -280,7 +287,11 @@ def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -
     saved = meta["layout"]
     check_layout(saved, d.tp, d.pp, source)
     check_model_config(meta["model_config"], trainer.config.model, source)
-    same_dp = saved["dp_intra"] == d.dp_intra and saved["sites"] == d.sites
+    same_dp = saved["dp_intra"] == d.dp_intra and saved["sites"] == d.sites and \
+        list(saved.get("site_dp", [])) == list(d.site_dp)
+    if saved.get("site_dp") and meta.get("optimizer_layout") == BY_PARAMETER:
+        raise CheckpointError(f"checkpoint {source}: a converted checkpoint of sites with different data-parallel "
+                              f"sizes is not supported yet")
     by_parameter = meta.get("optimizer_layout") == BY_PARAMETER
     if cfg.load_optim and not meta["has_optimizer"]:
         raise CheckpointError(f"checkpoint {source} holds no optimizer state (saved with --no-save-optim or "
@@ -300,8 +311,8 @@ def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -
         return cfg.load_optim
     if (cfg.load_optim or cfg.load_rng) and not same_dp:
         raise CheckpointError(
-            f"checkpoint {source} was saved with {saved['dp_intra']} data-parallel ranks per site x "
-            f"{saved['sites']} sites, this run has {d.dp_intra} x {d.sites}: optimizer shards and RNG states are "
+            f"checkpoint {source} was saved with {_dp_words(saved.get('site_dp'), saved['dp_intra'], saved['sites'])}, "
+            f"this run has {_dp_words(d.site_dp, d.dp_intra, d.sites)}: optimizer shards and RNG states are "
             f"per rank: convert it for this layout first (tools/checkpoint/convert.py reshards the optimizer "
             f"state), or pass --no-load-optim --no-load-rng (or --finetune) to load the model only")
     if cfg.load_optim and meta["use_distributed_optimizer"] != trainer.config.ddp.use_distributed_optimizer:
@@ -430,7 +441,7 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         trainer.consumed_samples = int(meta["consumed_samples"])
         site_samples = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
         trainer.site_consumed_samples = int(site_samples[pgs.site_rank]) if site_samples and per_site \
-            else trainer.consumed_samples // pgs.dims.sites
+            else pgs.dims.site_part(trainer.consumed_samples, pgs.site_rank)
         if not cfg.load_optim:  # the schedule continues at the loaded position
             trainer.scheduler.num_steps = trainer.consumed_samples if trainer.scheduler.by_samples \
                 else trainer.iteration
@@ -438,7 +449,8 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
         trainer.consumed_valid_samples = int(meta.get("consumed_valid_samples", 0))
-        trainer.valid_iterator = build_data_iterator(trainer.valid_ds, trainer.consumed_valid_samples // pgs.dims.sites,
+        trainer.valid_iterator = build_data_iterator(trainer.valid_ds,
+                                                     pgs.dims.site_part(trainer.consumed_valid_samples, pgs.site_rank),
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers,
                                                      cyclic=True)
     rng = "no"

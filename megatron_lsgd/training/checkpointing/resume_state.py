@@ -165,6 +165,11 @@ def read_resume_state(src: CheckpointFiles) -> ResumeState:
     """Every site's model and its optimizer/synchronizer state, full tensors by name, each
     made from the source files when asked for (the index of what lies where is read here:
     the files' structure, no tensor values)."""
+    site_dp = src.meta["layout"].get("site_dp")
+    if site_dp:
+        raise CheckpointError(f"{src.iter_dir} was saved by sites of different data-parallel sizes "
+                              f"({','.join(map(str, site_dp))}): converting such a checkpoint is not supported "
+                              f"yet; resume it with the same --site-data-parallel-sizes")
     sites = [_site_state(src, site) for site in range(src.meta["layout"]["sites"])]
     return ResumeState(sites, {k: src.meta[k] for k in CARRIED if k in src.meta}, source_pp=src.pp)
 

@@ -77,7 +77,8 @@ class FakeOptimizer:
 
 def one_rank_per_site_groups() -> SimpleNamespace:
     """The process groups a synchronizer reads, for one rank per site and no peers."""
-    return SimpleNamespace(site=None, dims=ParallelDims(), dp_intra_rank=0, dp_intra=None)
+    return SimpleNamespace(site=None, dims=ParallelDims(), dp_intra_rank=0, dp_intra=None, dp_intra_size=1,
+                           inter_lanes=[])
 
 
 def make_context(config: LsgdConfig, shards: List[torch.Tensor], layout=None) -> SyncContext:

@@ -18,7 +18,7 @@ from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.devices import (InterSiteDevices, WrongDevice, backend_device,
                                              choose_inter_site_backend)
 from megatron_lsgd.core.lsgd.means import quantized_mean
-from megatron_lsgd.core.lsgd.membership import AllSites
+from megatron_lsgd.core.lsgd.membership import AllSites, UnequalSites
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.parallel_state import ParallelDims, build_process_groups
 from tests.unit_tests.harness import free_port, spawn
@@ -56,7 +56,14 @@ def test_the_loops_own_inter_site_all_reduces_are_checked():
     import megatron_lsgd.training.meeting_loop as meeting
     import megatron_lsgd.training.training as trainer
     source = "".join(inspect.getsource(m) for m in (trainer, lockstep, meeting))
-    assert "AllSites(pgs.dp_inter, config.dims.sites, devices)" in source
+    assert "AllSites(pgs.dp_inter, dims.sites, devices)" in source
+    # sites of different sizes: the weighted form (over the dp group) takes the same path
+    assert "UnequalSites(pgs.dp, dims.sites, devices," in source
+    unequal = UnequalSites(None, 2, nccl, lead=True, weight=2 / 3)
+    with pytest.raises(WrongDevice, match="^the loop's mean over sites: a tensor on cpu"):
+        unequal.mean_over_sites(torch.ones(2))
+    with pytest.raises(WrongDevice, match="^the loop's sum over sites: a tensor on cpu"):
+        unequal.sum_over_sites(torch.ones(1, dtype=torch.int64))
     assert not re.search(r"dist\.\w+\((?:[^()]|\([^()]*\))*dp_inter", source)
     assert not re.search(r"\.all_reduce\((?:[^()]|\([^()]*\))*dp_inter", source)
 

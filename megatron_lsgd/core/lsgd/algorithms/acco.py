@@ -593,6 +593,8 @@ class DelayedParameterUpdate(OverlappedGradientSync):
     """Delayed parameter update: each step's gradients are reduced and applied while the next ones are computed"""
 
     name = "dpu"
+    unequal_sites_refusal = ("its worker thread's process groups and its per-site micro-batch counts assume equal "
+                             "sites")
     Options = DpuOptions
     stage_kinds = ("commit",)
 
@@ -605,5 +607,7 @@ class Acco(OverlappedGradientSync):
     """ACCO: reduce + optimizer step overlap the next gradients, with an estimate stage so none is stale"""
 
     name = "acco"
+    unequal_sites_refusal = ("its worker thread's process groups and its per-site micro-batch counts assume "
+                             "equal sites")
     Options = AccoOptions
     stage_kinds = ("estimate", "commit")

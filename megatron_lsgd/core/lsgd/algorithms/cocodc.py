@@ -178,6 +178,8 @@ class CoCoDC(StreamingDiLoCo):
     """Streaming DiLoCo with Taylor delay compensation and adaptive fragment transmission"""
 
     name = "cocodc"
+    unequal_sites_refusal = ("its fragment means overlap inner steps on a group of its own, which is not cut into "
+                             "lanes yet")
     Options = CoCoDCOptions
     supports_fault_tolerance = True
 

@@ -5,7 +5,8 @@ restarts from the new anchor (Douillard et al., DiLoCo; DESIGN.md §4.1).
 Each rank handles only its own ZeRO-1 shard: the whole model is one fragment
 (`optimizer.views()`), its mean runs on dp_inter through the fragment's compressor (fp32
 by default, any `--lsgd-compression` with error feedback), and the site's all-gather in
-copy_main_to_model_params() spreads the result inside the site. Without ZeRO-1 each rank
+copy_main_to_model_params() spreads the result inside the site. Sites of different sizes:
+the mean is weighted by each site's tokens and runs lane by lane (`SiteSplit.mean`). Without ZeRO-1 each rank
 of a site takes 1/DP_intra of the model instead (`SiteSplit`), and `publish` gathers the
 parts inside the site. With one site there is
 nothing to average and the synchronizer does nothing, so S = 1 is plain Megatron.
@@ -112,10 +113,13 @@ class DiLoCo(LocalSGDBase):
 
     name = "diloco"
     supports_fault_tolerance = True
+    unequal_sites_refusal = None  # weighted by tokens, lane by lane (SiteSplit)
 
     def end_round(self) -> None:
         deltas = self.outer.pseudo_gradient(self.views)
-        mean = self.ctx.membership.reduce(lambda: run_blocking(self.compressor.reduce(deltas)), undo=[self.compressor])
+        mean = self.ctx.membership.reduce(
+            lambda: self.split.mean(self.ctx.comm, deltas, lambda ds: run_blocking(self.compressor.reduce(ds))),
+            undo=[self.compressor])
         if mean is not None:  # None: not committed (a site failed mid-round); the anchor stays
             self.outer.step(self.views, mean)
         self.restart_from_anchor()

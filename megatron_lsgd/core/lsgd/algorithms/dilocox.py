@@ -134,6 +134,9 @@ class DiLoCoX(LocalSGDBase):
     """DiLoCo with one-round-delay overlap, compressed pseudo-gradients, adaptive rank and H"""
 
     name = "dilocox"
+    unequal_sites_refusal = ("its one-round-late compressed mean (int4/low rank) runs between inner steps on a "
+                             "group of its own, which is not cut into lanes, and its compressed means are not "
+                             "weighted by tokens yet")
     Options = DiLoCoXOptions
     requires_multiple_sites = True
     supports_fault_tolerance = True

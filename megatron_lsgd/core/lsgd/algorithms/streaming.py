@@ -173,6 +173,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     """Streaming DiLoCo: one fragment synced per H/K inner steps, its all-reduce overlapping tau steps"""
 
     name = "streaming-diloco"
+    unequal_sites_refusal = ("its fragment means overlap inner steps on a group of its own, which is not cut into "
+                             "lanes yet")
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
     state_follows_pipeline = True  # a fragment is the stage's units of it (its key names them)

@@ -21,6 +21,7 @@ class SyncEveryStep(Synchronizer):
     """Average gradients across sites every step (fully synchronous)"""
 
     name = "sync"
+    unequal_sites_refusal = None  # weighted by tokens, lane by lane (SiteSplit)
     uses = frozenset({"compression"})
 
     def __init__(self, ctx: SyncContext):

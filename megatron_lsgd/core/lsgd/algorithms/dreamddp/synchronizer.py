@@ -159,6 +159,8 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
     """Average each layer across sites right after its backward, in iterations a profiled schedule picks"""
 
     name = "dreamddp"
+    unequal_sites_refusal = ("its per-layer averages, launched from backward, run on one dp_inter group, not cut "
+                             "into lanes yet")
     state_follows_pipeline = True  # the plan schedules each stage's units
     Options = DreamDDPOptions
     uses = frozenset({"rounds"})

@@ -118,6 +118,8 @@ class AEDiT(EDiT):
     """EDiT synced by wall-clock interval: fast sites take more steps, nobody waits for a straggler"""
 
     name = "a-edit"
+    unequal_sites_refusal = ("its sites take their own numbers of steps, so a site's weight would be its tokens at "
+                             "each meeting, which is not implemented")
     Options = AEDiTOptions
     lockstep = False
     requires_multiple_sites = True

@@ -193,6 +193,8 @@ class EDiT(SynchronousWarmup, Synchronizer):
     """Layer-wise parameter sync in the forward pass every H steps, with prefetch and the pseudo-gradient penalty"""
 
     name = "edit"
+    unequal_sites_refusal = ("its per-unit syncs in the forward pass and the penalty's per-site norms assume one "
+                             "dp_inter group with the same shard on every site")
     Options = EDiTOptions
     uses = frozenset({"rounds", "outer", "compression"})
     uses_unit_forward_hooks = True

@@ -1,0 +1,255 @@
+"""Sites of different data-parallel sizes (--site-data-parallel-sizes, docs/heterogeneous_sites.md).
+
+- the layout: site offsets, the lanes that cross sites and their dp_inter groups (pure);
+- bad input and unsupported combinations: one error naming the flag (build_config; one run
+  in process for the exit code and the single `error:` line);
+- the token-weighted mean across sites against a hand computation, on 3 spawned ranks whose
+  ZeRO-1 shards differ between the sites (SiteSplit's lanes), and the loop's weighted mean
+  and sum (UnequalSites);
+- equivalence runs (one spawn of 3 ranks, several runs back to back):
+  * sync with sites DP 2 + DP 1 == one site of DP 3: the weighted mean of the sites' gradients,
+    2/3 x (site 0's two replicas' mean) + 1/3 x (site 1's), is the mean over the 3 replicas,
+    and each global data-parallel index reads what it reads in one DP-3 group;
+  * diloco (H 2, AdamW inner, Nesterov outer) with sites DP 2 + DP 1 == diloco on 3 sites of
+    DP 1, on data whose replicas 0 and 1 read the same samples (twin_replica_data.py). Why
+    it holds: in the 3-site run sites 0 and 1 start equal and read the same data, so they
+    stay bit-identical and their pseudo-gradients are one and the same Δ_a; the outer mean is
+    (Δ_a + Δ_a + Δ_b) / 3. In the 2-site run site 0's two replicas read those same samples,
+    so its site-reduced gradient (g + g) / 2 is g exactly, it follows site 0's trajectory of
+    the 3-site run (AdamW is elementwise, so ZeRO-1 shards do not change it) and its Δ is
+    Δ_a; site 1 is site 2 of the 3-site run. Its weighted mean 2/3 Δ_a + 1/3 Δ_b is the
+    same mean, so the outer steps, anchors and losses agree (to float rounding). Equal
+    weights (1/2, 1/2) would not: the test fails with them;
+  * the same diloco run without ZeRO-1 (site 0's replicas then split what they send);
+  * a checkpoint: the diloco run paused at iteration 3 (--exit-interval) and resumed with
+    --load reproduces the uninterrupted run bit for bit, each site from its own files; the
+    converter takes its model and refuses its optimizer state;
+- the same with two pipeline stages (6 ranks): sync against one site of DP 3, diloco's
+  replicas equal at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
+from megatron_lsgd.training.arguments import build_config, parse_args
+from tests.unit_tests.harness import (assert_replicas_identical, free_port, logged_losses, merge_full_params,
+                                      run_distributed_many, spawn)
+from tests.unit_tests.lsgd import twin_replica_data
+from tests.unit_tests.test_arguments import BASE
+
+FLAG = "--site-data-parallel-sizes"
+
+
+# ---- layout --------------------------------------------------------------------------------------
+def test_sites_of_two_and_one_replica():
+    d = ParallelDims.from_world(3, 1, 1, 2, [2, 1])
+    assert d.heterogeneous and d.dp == 3 and d.lanes == 2 and d.site_sizes == (2, 1)
+    assert [(c.site, c.dp_intra) for c in map(d.coords, range(3))] == [(0, 0), (0, 1), (1, 0)]
+    groups = enumerate_group_ranks(d)
+    assert groups["dp_intra"] == [(0, 1), (2,)] and groups["site"] == [(0, 1), (2,)]
+    assert groups["dp"] == [(0, 1, 2)]
+    # lane 0 joins the holders of every bucket's first half, lane 1 of its second half
+    assert groups["dp_inter"] == [(0, 2), (1, 2)]
+    assert d.lanes_of(0, 1) == [1] and d.lanes_of(1, 0) == [0, 1]
+    assert d.site_part(30, 0) == 20 and d.site_part(30, 1) == 10 and d.site_share(0) == 2 / 3
+
+
+def test_lanes_with_model_parallelism():
+    d = ParallelDims.from_world(12, 2, 1, 2, [4, 2])
+    for r in range(12):
+        c = d.coords(r)
+        assert d.rank_of(c.tp, c.dp_intra, c.pp, c.site) == r
+    assert d.lanes == 4
+    # one group per (tp, lane): site 0's replica j, site 1's replica j // 2
+    assert enumerate_group_ranks(d)["dp_inter"] == [(0, 8), (2, 8), (4, 10), (6, 10), (1, 9), (3, 9), (5, 11), (7, 11)]
+    d = ParallelDims.from_world(10, 1, 2, 2, [2, 3])  # L = 6: lanes may join the same ranks, each its own
+    assert d.lanes == 6 and len(enumerate_group_ranks(d)["dp_inter"]) == 12
+
+
+def test_equal_sizes_are_the_plain_layout():
+    assert ParallelDims.from_world(8, 1, 2, 2, [2, 2]) == ParallelDims.from_world(8, 1, 2, 2)
+    d = ParallelDims.from_world(8, 1, 2, 2)
+    assert not d.heterogeneous and d.lanes == 2 and d.site_part(30, 1) == 15
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def _config(extra, world):
+    return build_config(parse_args(BASE + extra), world)
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--num-sites", "2", FLAG, "2,1,1"], 4, f"{FLAG} 2,1,1 names 3 sites but --num-sites is 2"),
+    (["--num-sites", "2", FLAG, "2,2"], 3, f"{FLAG} 2,2 sum to 4 data-parallel ranks"),
+    (["--num-sites", "2", FLAG, "3,0"], 3, f"{FLAG} 3,0: every site needs at least one"),
+    (["--num-sites", "2", FLAG, "2;1"], 3, f"{FLAG} '2;1': give one whole number per site"),
+    (["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "8"], 3,
+     f"is not divisible by --micro-batch-size 2 x data-parallel size 3 (= the sum of {FLAG} 2,1)"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "dilocox"], 3,
+     f"{FLAG} 2,1 (sites of different sizes) is supported by --lsgd-algorithm sync and diloco only; dilocox:"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-compression", "int8"], 3, "cannot be combined with --lsgd-compression"),
+    (["--num-sites", "2", FLAG, "2,1", "--simulate-clock"], 3, "cannot be combined with --simulate-clock"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
+     f"{FLAG} cannot be combined with --lsgd-fault-tolerance"),
+])
+def test_bad_sizes_and_unsupported_combinations_name_the_flag(extra, world, message):
+    batch = [] if "--global-batch-size" in extra else ["--global-batch-size", "12"]
+    with pytest.raises(ValueError) as err:
+        _config(extra + batch, world)
+    assert message in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("algorithm", ["streaming-diloco", "cocodc", "edit", "a-edit", "dreamddp", "acco", "dpu"])
+def test_every_other_algorithm_refuses_with_its_reason(algorithm):
+    with pytest.raises(ValueError) as err:
+        _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
+    text = str(err.value)
+    assert f"sync and diloco only; {algorithm}: " in text and "\n" not in text
+
+
+def test_sync_and_diloco_build():
+    for algorithm in ("sync", "diloco"):
+        c = _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
+        assert c.dims.site_dp == (2, 1) and c.num_microbatches == 2
+
+
+def test_a_bad_value_is_one_error_line(monkeypatch, capsys):
+    from tests.unit_tests.checkpointing.single import run_single
+
+    code = run_single([FLAG, "0"], monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and f"{FLAG} 0: every site needs at least one" in lines[-1]
+
+
+# ---- the weighted mean, by hand ------------------------------------------------------------------
+def _weighted_mean_ranks(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from megatron_lsgd.core.lsgd.comm import InterSiteComm
+    from megatron_lsgd.core.lsgd.membership import UnequalSites
+    from megatron_lsgd.core.lsgd.site_split import SiteSplit
+    from megatron_lsgd.core.parallel_state import build_process_groups
+    from tests.unit_tests.harness import join_as_rank
+
+    join_as_rank(rank, 3, port)
+    dist.init_process_group("gloo")
+    dims = ParallelDims.from_world(3, 1, 1, 2, [2, 1])
+    pgs = build_process_groups(dims)
+    site = pgs.site_rank
+    # Two buckets of 4 and 8 values; the same full vectors on every replica of a site. Under
+    # ZeRO-1 site 0's replica r holds half r of each bucket, site 1's replica all of it.
+    full = {0: [torch.tensor([3., 6., 9., 12.]), torch.tensor([0., 3., 6., 9., 12., 15., 18., 21.])],
+            1: [torch.tensor([0., 3., 0., -3.]), torch.tensor([30., 0., 0., 0., 0., 0., 0., 3.])]}[site]
+    if site == 0:
+        r = pgs.dp_intra_rank
+        mine = [t[r * t.numel() // 2:(r + 1) * t.numel() // 2].clone() for t in full]
+    else:
+        mine = [t.clone() for t in full]
+    comm = InterSiteComm(pgs.dp_inter, 2, site_weight=dims.site_share(site), rank=pgs.rank, site=site)
+    split = SiteSplit(pgs, sharded=True)
+    assert len(split.lanes) == (1 if site == 0 else 2)
+
+    def exact(tensors):
+        for t in tensors:
+            comm.all_reduce_mean(t)
+        return tensors
+
+    means = split.mean(comm, [t.clone() for t in mine], exact)
+    # by hand: 2/3 of site 0's value + 1/3 of site 1's
+    hand = [torch.tensor([2., 5., 6., 7.]), torch.tensor([10., 2., 4., 6., 8., 10., 12., 15.])]
+    if site == 0:
+        r = pgs.dp_intra_rank
+        hand = [t[r * t.numel() // 2:(r + 1) * t.numel() // 2] for t in hand]
+    for got, want in zip(means, hand):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # the loop's own values: a loss (the same on a site's replicas) and a sample count
+    membership = UnequalSites(pgs.dp, 2, None, pgs.dp_intra_rank == 0, dims.site_share(site))
+    loss = torch.tensor([2.0 if site == 0 else 5.0])
+    membership.mean_over_sites(loss)
+    samples = torch.tensor([8 if site == 0 else 4], dtype=torch.int64)
+    membership.sum_over_sites(samples)
+    assert abs(float(loss) - 3.0) < 1e-6 and int(samples) == 12  # 2/3 x 2 + 1/3 x 5; 8 + 4
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_weighted_mean_across_unequal_sites_is_the_hand_computation():
+    spawn(_weighted_mean_ranks, args=(free_port(),), nprocs=3, timeout=300)
+
+
+# ---- equivalence runs ----------------------------------------------------------------------------
+COMMON = ["--seq-length", "32", "--micro-batch-size", str(twin_replica_data.MICRO_BATCH), "--global-batch-size",
+          str(2 * twin_replica_data.MICRO_BATCH * twin_replica_data.REPLICAS), "--train-iters", "6",
+          "--lr", "2e-3", "--lr-decay-style", "constant", "--mock-data", "--vocab-size", "250",
+          "--make-vocab-size-divisible-by", "32", "--log-interval", "1", "--eval-iters", "0",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--adam-eps", "1e-6",
+          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ddp-bucket-size", "5000"]
+UNEQUAL = ["--num-sites", "2", FLAG, "2,1"]
+ZERO1 = ["--use-distributed-optimizer"]
+DILOCO = ["--lsgd-algorithm", "diloco", "--lsgd-interval", "2", "--lsgd-warmup-iters", "1"]
+
+
+def _assert_same_training(a, b, rtol=1e-6):
+    torch.testing.assert_close(torch.tensor(logged_losses(a), dtype=torch.float64),
+                               torch.tensor(logged_losses(b), dtype=torch.float64), rtol=rtol, atol=0)
+    for site in {r["coords"].site for r in a}:
+        pa, pb = merge_full_params(a, site=site), merge_full_params(b)
+        for name in pb:
+            torch.testing.assert_close(pa[name], pb[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    argvs = {
+        "dp3": COMMON + ["--lsgd-algorithm", "sync"],
+        "sync": COMMON + UNEQUAL + ZERO1 + ["--lsgd-algorithm", "sync"],
+        "three-sites": COMMON + ["--num-sites", "3"] + DILOCO,
+        "diloco": COMMON + UNEQUAL + ZERO1 + DILOCO,
+        "diloco-plain": COMMON + UNEQUAL + DILOCO,
+        "paused": COMMON + UNEQUAL + ZERO1 + DILOCO + ["--save", ckpt, "--exit-interval", "3"],
+        "resumed": COMMON + UNEQUAL + ZERO1 + DILOCO + ["--save", ckpt, "--load", ckpt],
+    }
+    runs = dict(zip(argvs, run_distributed_many(list(argvs.values()), 3, setup_module=twin_replica_data.MODULE)))
+    losses = logged_losses(runs["dp3"])
+    assert len(losses) == 6 and losses[-1] < losses[0], "the reference run should learn"
+    for name in ("sync", "diloco", "diloco-plain", "resumed"):
+        assert_replicas_identical(runs[name])  # every replica of both sites ends on the same model
+    _assert_same_training(runs["sync"], runs["dp3"])
+    _assert_same_training(runs["diloco"], runs["three-sites"])
+    _assert_same_training(runs["diloco-plain"], runs["three-sites"])
+    assert runs["diloco"][-1]["sync_stats"]["outer rounds"] == 3
+    # the job counts its samples: 12 per step, 8 of them site 0's (4 per replica), 4 site 1's
+    assert [r["consumed"] for r in runs["diloco"]] == [(72, 48), (72, 48), (72, 24)]
+    # paused at 3, resumed from each site's own files: the uninterrupted run, bit for bit
+    assert logged_losses(runs["paused"]) == logged_losses(runs["diloco"])[:3]
+    assert logged_losses(runs["resumed"]) == logged_losses(runs["diloco"])[3:]
+    for site in (0, 1):
+        pa, pb = merge_full_params(runs["resumed"], site=site), merge_full_params(runs["diloco"], site=site)
+        assert all(torch.equal(pa[n], pb[n]) for n in pa), f"site {site} resumed differently"
+    # tools/checkpoint/convert.py: the model converts, the optimizer state of unequal sites is refused
+    from tools.checkpoint.convert import main as convert
+
+    base = ["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", ckpt]
+    assert convert(base + ["--save-dir", str(tmp_path / "model"), "--model-only"]) == 0
+    assert convert(base + ["--save-dir", str(tmp_path / "full")]) == 2
+    assert "saved by sites of different data-parallel sizes (2,1): converting such a checkpoint is not supported" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_unequal_sites_with_two_pipeline_stages():
+    """Lanes and the loop's numbers per pipeline stage: sync on sites DP 2 + DP 1 (PP 2, 6 ranks)
+    trains like one site of DP 3, diloco ends with every replica of both sites equal."""
+    pp2 = COMMON + ["--pipeline-model-parallel-size", "2"] + ZERO1
+    dp3, sync, diloco = run_distributed_many([pp2 + ["--lsgd-algorithm", "sync"], pp2 + UNEQUAL,
+                                              pp2 + UNEQUAL + ["--lsgd-algorithm", "diloco", "--lsgd-interval", "2"]],
+                                             6)
+    assert_replicas_identical(sync)
+    _assert_same_training(sync, dp3)
+    assert_replicas_identical(diloco)
+    assert diloco[-1]["sync_stats"]["outer rounds"] == 3
