@@ -26,7 +26,11 @@ is never hit), none after the first site finished. Reported (and written to
   run's): the share of the fault-free pace that became kept progress;
 - the final validation loss against the fault-free run's (pretrain);
 - digests: SHA-256 of every rank's anchor and outer momentum at every committed round
-  (--lsgd-ft-digests), compared across sites rank by rank; all must agree.
+  (--lsgd-ft-digests), compared across sites rank by rank; all must agree;
+- heals per fault (one is the killed site's own); for the toy, per fault until the next:
+  survivors healed, a survivor with two rounds not committed, and whether the restarted
+  site's first quorum held every site; and --out-dir/timeline.txt, every site's quorums
+  (id, sites, heal) and rounds not committed around the kills, in time order.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ if REPO not in sys.path:
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
-from megatron_lsgd.core.output_files import write_json  # noqa: E402
+from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
 from tools.benchmarks.process_tree import descendants, kill_tree, sigkill  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object, tool_errors  # noqa: E402
@@ -124,6 +128,66 @@ def run_toy_job(args, out_dir: str, faults: bool, log=print) -> Dict:
     return {"wall_s": wall, "codes": codes, "kills": kills, "records": records, "late": late}
 
 
+def fault_costs(records: Dict[int, List[Dict]], kills: List[Dict], sites: int) -> Dict:
+    """What each fault cost the sites that were not killed, from the sites' logs: for each kill,
+    until the next one, the survivors' heals (`rejoined` lines) and their rounds not committed
+    (`was not committed` lines); and whether the restarted site's first quorum held every
+    site (ft_site's quorum records). One heal per fault is the killed site's own."""
+    heals = sum("rejoined at committed round" in r.get("log", "") for recs in records.values() for r in recs)
+    per_fault = []
+    for i, kill in enumerate(kills):
+        end = kills[i + 1]["t"] if i + 1 < len(kills) else float("inf")
+        survivor_heals = not_committed = 0
+        for s, recs in records.items():
+            if s == kill["site"]:
+                continue
+            window = [r.get("log", "") for r in recs if kill["t"] <= r.get("t", 0) < end]
+            survivor_heals += sum("rejoined at committed round" in line for line in window)
+            not_committed = max(not_committed, sum("was not committed" in line for line in window))
+        recs = records[kill["site"]]
+        begun = starts(recs)
+        after = recs[begun[kill["starts_before"] + 1]:] if len(begun) > kill["starts_before"] + 1 else []
+        first = next((r for r in after if r.get("ft") == "quorum"), None)
+        per_fault.append({"site": kill["site"], "survivor_heals": survivor_heals,
+                          "survivor_rounds_not_committed": not_committed,
+                          "first_quorum_sites": first["sites"] if first else None})
+    joined = [f for f in per_fault if f["first_quorum_sites"] is not None]
+    return {"heals": heals, "heals_per_fault": round(heals / len(kills), 2) if kills else None,
+            "survivor_heals": sum(f["survivor_heals"] for f in per_fault),
+            "faults_with_a_survivor_healed": sum(f["survivor_heals"] > 0 for f in per_fault),
+            "faults_with_a_survivor_two_rounds_not_committed":
+                sum(f["survivor_rounds_not_committed"] > 1 for f in per_fault),
+            "restarted_first_quorum_held_every_site": f"{sum(len(f['first_quorum_sites']) == sites for f in joined)}"
+                                                      f" of {len(joined)}"}
+
+
+def timeline(records: Dict[int, List[Dict]], kills: List[Dict]) -> List[str]:
+    """Every site's quorum and round events and the kills, in time order (one line each)."""
+    events = [(k["t"], f"chaos  killed site {k['site']}") for k in kills]
+    for s, recs in records.items():
+        for r in recs:
+            what = r.get("ft")
+            if what == "quorum":
+                line = (f"quorum id {r['id']} sites {_ids(r['sites'])} at committed {r['committed']}"
+                        f"{' HEALED' if r['healed'] else ''} (asked {r['t'] - r['asked']:.2f} s before)")
+            elif what == "quorum_asked":
+                line = f"asks for a quorum at committed {r['committed']}"
+            elif what == "not_committed":
+                line = f"round {r['attempted']} NOT COMMITTED (sites {_ids(r['sites'])}: {r['why'][:60]})"
+            elif r.get("log", "").startswith('{"started"'):
+                line = "started (its manager is up)"
+            else:
+                continue
+            events.append((r["t"], f"site{s}  {line}"))
+    events.sort(key=lambda e: e[0])
+    t0 = events[0][0] if events else 0.0
+    return [f"{t - t0:9.3f}  {line}" for t, line in events]
+
+
+def _ids(sites) -> str:
+    return ",".join(map(str, sites))
+
+
 def summarize_toy(args, base: Dict, chaos: Dict) -> Dict:
     records = chaos["records"]
     # digests: every site's record of every committed round (a restarted site's killed process included)
@@ -167,6 +231,7 @@ def summarize_toy(args, base: Dict, chaos: Dict) -> Dict:
         "sites_finished": finished, "job_finished": all_ok, "rounds_committed": committed, "rounds_attempted_by_unkilled_site": attempted,
         "baseline_rounds": base_final["round"], "goodput": round(goodput, 3),
         "rejoin_s": {"mean": round(sum(rejoin) / len(rejoin), 2), "max": round(max(rejoin), 2)} if rejoin else None,
+        **fault_costs(records, chaos["kills"], args.sites),
         "digest_rounds_checked": len(by_round), "digest_disagreements": disagree,
         "final_anchor_max_abs_diff_vs_baseline": max(
             abs(a - b) for a, b in zip(finals[finished[0]][-1]["anchor"], base_final["anchor"])) if finished else None,
@@ -417,6 +482,7 @@ def summarize_pretrain(args, base: Dict, chaos: Dict) -> Dict:
         all(c == 0 for k, c in chaos["codes"].items() if k not in chaos["late"]) and not digests["disagreements"]
     rejoin = [k["rejoined_s"] for k in chaos["kills"] if k.get("rejoined_s") is not None]
     goodput = (committed / attempted) * (base["wall_s"] / chaos["wall_s"]) if attempted else 0.0
+    heals = sum(text.count("rejoined at committed round") for text in chaos["texts"].values())
     base_loss, loss = final_validation(base["texts"]), final_validation(chaos["texts"])
     return {
         "target": "pretrain", "sites": args.sites, "min_sites": args.min_sites, "kill": args.kill,
@@ -429,6 +495,7 @@ def summarize_pretrain(args, base: Dict, chaos: Dict) -> Dict:
         "baseline_rounds": max((r["round"] for r in base_finals), default=0),
         "goodput": round(goodput, 3),
         "rejoin_s": {"mean": round(sum(rejoin) / len(rejoin), 2), "max": round(max(rejoin), 2)} if rejoin else None,
+        "heals": heals, "heals_per_fault": round(heals / len(chaos["kills"]), 2) if chaos["kills"] else None,
         "final_validation_loss": loss, "baseline_final_validation_loss": base_loss,
         "digest_rounds_checked": digests["rounds_checked"], "digest_records_compared": digests["records_compared"],
         "digest_disagreements": digests["disagreements"],
@@ -551,6 +618,8 @@ def main(argv=None) -> int:
         print(f"[chaos] baseline: {base['wall_s']:.1f} s")
     chaos = run(args, os.path.join(out, "chaos"), faults=True)
     summary = summarize(args, base, chaos)
+    if args.target == "toy":  # who met whom around each kill (docs/fault_tolerance.md, "One heal per fault")
+        write_text(os.path.join(out, "timeline.txt"), "\n".join(timeline(chaos["records"], chaos["kills"])) + "\n")
     write_json(os.path.join(out, "chaos.json"), summary, indent=1)
     for key, value in summary.items():
         print(f"{key}: {value}")

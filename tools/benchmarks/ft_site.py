@@ -127,6 +127,10 @@ def run_site(spec: SiteSpec) -> None:
         logf.write(json.dumps({"log": msg, "t": time.time()}) + "\n")
         logf.flush()
 
+    def trace(record: dict) -> None:  # TorchftMembership's quorum and round events (chaos.py's timeline)
+        logf.write(json.dumps(record) + "\n")
+        logf.flush()
+
     membership, world = AllSites(), False
     if spec.lighthouse:
         from torch.distributed import TCPStore
@@ -142,7 +146,7 @@ def run_site(spec: SiteSpec) -> None:
         options.validate(algorithm="diloco", num_sites=spec.num_sites)
         membership = TorchftMembership(comm, options, site=spec.site, group_rank=0, group_world_size=1,
                                        store_addr="127.0.0.1", store_port=store.port, device=torch.device("cpu"),
-                                       log=log, log_every=1.0, poll_s=0.2)
+                                       log=log, log_every=1.0, poll_s=0.2, trace=trace)
     else:  # the same job without fault tolerance: one gloo world over the sites
         import torch.distributed as dist
 
