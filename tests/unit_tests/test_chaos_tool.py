@@ -109,8 +109,9 @@ def test_what_each_fault_cost_the_survivors_and_the_timeline():
     lost = {"log": "site 0: round 4 was not committed (lost site 2: x); rolled back", "t": 0}
     records = {
         0: [started(0), dict(lost, t=11), dict(lost, t=12)],  # two rounds lost to the fault at t=10
-        1: [started(0), dict(lost, t=11), dict(healed, t=13), dict(lost, t=21)],  # healed: a second heal
-        2: [started(0), started(12), quorum(12.5, [1, 2], healed=True), dict(healed, t=12.5)],
+        1: [started(0), quorum(1, [0, 1, 2]), dict(lost, t=11), quorum(13, [0, 1], healed=True), dict(healed, t=13),
+            dict(lost, t=21)],  # healed after taking part: a second heal for the fault at t=10
+        2: [started(0), started(12), quorum(12.5, [1, 2], healed=True), dict(healed, t=12.5)],  # its own
     }
     kills = [{"site": 2, "t": 10.0, "starts_before": 0}, {"site": 0, "t": 20.0, "starts_before": 0}]
     costs = fault_costs(records, kills, sites=3)
@@ -118,6 +119,11 @@ def test_what_each_fault_cost_the_survivors_and_the_timeline():
     assert costs["survivor_heals"] == 1 and costs["faults_with_a_survivor_healed"] == 1
     assert costs["faults_with_a_survivor_two_rounds_not_committed"] == 1
     assert costs["restarted_first_quorum_held_every_site"] == "0 of 1"  # site 0's restart never came
+    assert costs["survivors_failed_apart_s"] is None  # no round-failure records (ft_site writes them)
+    records[0].append({"ft": "not_committed", "attempted": 4, "sites": [0, 1, 2], "why": "closed", "t": 11.0})
+    records[1].append({"ft": "not_committed", "attempted": 4, "sites": [0, 1, 2], "why": "timed out", "t": 14.5})
+    assert fault_costs(records, kills, sites=3)["survivors_failed_apart_s"] == \
+        {"median": 3.5, "max": 3.5, "over_1s": 1, "faults": 1}
     lines = timeline(records, kills)
     assert lines[0].split()[1:] == ["site0", "started", "(its", "manager", "is", "up)"]
     assert any("chaos  killed site 2" in line for line in lines)

@@ -72,7 +72,7 @@ def training(records: List[Dict], earlier: int) -> bool:
 
 def run_toy_job(args, out_dir: str, faults: bool, log=print) -> Dict:
     os.makedirs(out_dir, exist_ok=True)
-    lh = start_lighthouse(args.min_sites)
+    lh = start_lighthouse(args.min_sites, heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=args.join_ms)
     go = os.path.join(out_dir, "go")
     rng = random.Random(args.seed)
 
@@ -130,52 +130,77 @@ def run_toy_job(args, out_dir: str, faults: bool, log=print) -> Dict:
 
 def fault_costs(records: Dict[int, List[Dict]], kills: List[Dict], sites: int) -> Dict:
     """What each fault cost the sites that were not killed, from the sites' logs: for each kill,
-    until the next one, the survivors' heals (`rejoined` lines) and their rounds not committed
-    (`was not committed` lines); and whether the restarted site's first quorum held every
-    site (ft_site's quorum records). One heal per fault is the killed site's own."""
+    until the next one, the survivors' heals (a quorum that healed a site which had already
+    been in one since it started) and their rounds not committed (`was not committed`
+    lines); and whether the restarted site's first quorum held every site (ft_site's quorum
+    records). One heal per fault is the killed site's own, at its first quorum."""
     heals = sum("rejoined at committed round" in r.get("log", "") for recs in records.values() for r in recs)
+    survivor_healed: Dict[int, List[float]] = {}  # site -> when it was healed after taking part
+    for s, recs in records.items():
+        joined = False
+        for r in recs:
+            if r.get("log", "").startswith('{"started"'):
+                joined = False
+            elif r.get("ft") == "quorum":
+                if r["healed"] and joined:
+                    survivor_healed.setdefault(s, []).append(r["t"])
+                joined = True
     per_fault = []
     for i, kill in enumerate(kills):
         end = kills[i + 1]["t"] if i + 1 < len(kills) else float("inf")
         survivor_heals = not_committed = 0
+        learned: Dict[int, float] = {}  # survivor -> when its round failed
         for s, recs in records.items():
             if s == kill["site"]:
                 continue
             window = [r.get("log", "") for r in recs if kill["t"] <= r.get("t", 0) < end]
-            survivor_heals += sum("rejoined at committed round" in line for line in window)
+            survivor_heals += sum(kill["t"] <= t < end for t in survivor_healed.get(s, []))
             not_committed = max(not_committed, sum("was not committed" in line for line in window))
+            failed = [r["t"] for r in recs if r.get("ft") == "not_committed" and kill["t"] <= r["t"] < end]
+            if failed:
+                learned[s] = failed[0]
         recs = records[kill["site"]]
         begun = starts(recs)
         after = recs[begun[kill["starts_before"] + 1]:] if len(begun) > kill["starts_before"] + 1 else []
         first = next((r for r in after if r.get("ft") == "quorum"), None)
         per_fault.append({"site": kill["site"], "survivor_heals": survivor_heals,
                           "survivor_rounds_not_committed": not_committed,
-                          "first_quorum_sites": first["sites"] if first else None})
+                          "first_quorum_sites": first["sites"] if first else None,
+                          "learned_apart_s": max(learned.values()) - min(learned.values())
+                          if len(learned) == sites - 1 else None})
     joined = [f for f in per_fault if f["first_quorum_sites"] is not None]
+    apart = sorted(f["learned_apart_s"] for f in per_fault if f["learned_apart_s"] is not None)
     return {"heals": heals, "heals_per_fault": round(heals / len(kills), 2) if kills else None,
             "survivor_heals": sum(f["survivor_heals"] for f in per_fault),
             "faults_with_a_survivor_healed": sum(f["survivor_heals"] > 0 for f in per_fault),
             "faults_with_a_survivor_two_rounds_not_committed":
                 sum(f["survivor_rounds_not_committed"] > 1 for f in per_fault),
             "restarted_first_quorum_held_every_site": f"{sum(len(f['first_quorum_sites']) == sites for f in joined)}"
-                                                      f" of {len(joined)}"}
+                                                      f" of {len(joined)}",
+            # between the first and the last survivor whose round failed (each fault with every survivor's)
+            "survivors_failed_apart_s": {"median": round(apart[len(apart) // 2], 3), "max": round(apart[-1], 3),
+                                         "over_1s": sum(a > 1.0 for a in apart), "faults": len(apart)}
+            if apart else None}
 
 
 def timeline(records: Dict[int, List[Dict]], kills: List[Dict]) -> List[str]:
-    """Every site's quorum and round events and the kills, in time order (one line each)."""
+    """The kills and every site's starts, rounds not committed, and quorums that differ from
+    its previous one (id or sites) or healed it, in time order (one line each)."""
     events = [(k["t"], f"chaos  killed site {k['site']}") for k in kills]
     for s, recs in records.items():
+        last = None
         for r in recs:
             what = r.get("ft")
             if what == "quorum":
+                if (r["id"], r["sites"]) == last and not r["healed"]:
+                    continue
+                last = (r["id"], r["sites"])
                 line = (f"quorum id {r['id']} sites {_ids(r['sites'])} at committed {r['committed']}"
                         f"{' HEALED' if r['healed'] else ''} (asked {r['t'] - r['asked']:.2f} s before)")
-            elif what == "quorum_asked":
-                line = f"asks for a quorum at committed {r['committed']}"
             elif what == "not_committed":
                 line = f"round {r['attempted']} NOT COMMITTED (sites {_ids(r['sites'])}: {r['why'][:60]})"
             elif r.get("log", "").startswith('{"started"'):
-                line = "started (its manager is up)"
+                line, last = "started (its manager is up)", None
             else:
                 continue
             events.append((r["t"], f"site{s}  {line}"))
@@ -556,6 +581,15 @@ def main(argv=None) -> int:
                    help="most sites down at once (default: --sites minus --min-sites, so the floor is never hit)")
     p.add_argument("--timeout", type=float, default=5.0, help="--lsgd-ft-timeout of the sites")
     p.add_argument("--max-minutes", type=float, default=5.0, help="give up (and fail) after this long, per run")
+    p.add_argument("--join-ms", type=int, default=0,
+                   help="the lighthouse's join timeout (ms; default 5000 pretrain, 3000 toy): how long a quorum "
+                        "waits for a live site that has not asked yet, counted from the first site that asked. "
+                        "Above a round's wall time, or a site restarted mid-round, which waits at the lighthouse, "
+                        "has spent it when the survivors come: the first one meets it, the other is left out "
+                        "and healed a round later (docs/fault_tolerance.md, \"One heal per fault\")")
+    p.add_argument("--heartbeat-ms", type=int, default=0,
+                   help="the lighthouse's heartbeat timeout (ms; default 2000 pretrain, 1000 toy): a dead site "
+                        "delays a quorum this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="")
     p.add_argument("--baseline-from", default="", metavar="DIR",
@@ -567,8 +601,6 @@ def main(argv=None) -> int:
                      help="site: SIGKILL the site's torchrun and every rank, then start it again; rank: SIGKILL one "
                           "rank, torchrun (--max-restarts) restarts the site's ranks")
     pre.add_argument("--max-restarts", type=int, default=100, help="torchrun's, for --kill rank")
-    pre.add_argument("--join-ms", type=int, default=5000, help="the lighthouse's join timeout (ms)")
-    pre.add_argument("--heartbeat-ms", type=int, default=2000, help="the lighthouse's heartbeat timeout (ms)")
     toy = p.add_argument_group("toy target")
     toy.add_argument("--interval", type=int, default=4, help="H")
     toy.add_argument("--steps", type=int, default=400, help="inner steps of the job (every site)")
@@ -585,6 +617,8 @@ def main(argv=None) -> int:
         print("error: pretrain_gpt.py flags after -- need --target pretrain", file=sys.stderr)
         return 2
     args.max_down = args.max_down or args.sites - args.min_sites
+    args.join_ms = args.join_ms or (3000 if args.target == "toy" else 5000)
+    args.heartbeat_ms = args.heartbeat_ms or (1000 if args.target == "toy" else 2000)
     if args.target == "toy":
         run, summarize = run_toy_job, summarize_toy
     else:
