@@ -374,8 +374,20 @@ class TorchftMembership(SiteMembership):
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _collective_failed(self, err: Exception) -> None:
-        """A cross-site collective failed (a peer died or timed out): the round will not commit."""
+        """A cross-site collective failed (a peer died or timed out): the round will not commit
+        (reported to the Manager), and this site's group is aborted at once. A ring collective
+        fails first at the dead site's neighbours; the others wait on a live neighbour that
+        has stopped sending, until --lsgd-ft-timeout. Closing this site's connections fails
+        their collective now, so every survivor asks the lighthouse for the next quorum
+        together (one quorum of the survivors; a restarted site is healed once, in the first
+        quorum it joins) instead of one survivor a timeout later, left out of the restarted
+        site's quorum and healed a round after it. The next quorum rebuilds the group (a
+        round not committed bumps torchft's quorum id)."""
         self.manager.report_error(err)
+        try:
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 (already broken or gone: the next quorum rebuilds it)
+            pass
 
     def _emit(self, event: str, **fields) -> None:
         if self._trace is not None:
