@@ -111,7 +111,8 @@ def test_what_each_fault_cost_the_survivors_and_the_timeline():
         0: [started(0), dict(lost, t=11), dict(lost, t=12)],  # two rounds lost to the fault at t=10
         1: [started(0), quorum(1, [0, 1, 2]), dict(lost, t=11), quorum(13, [0, 1], healed=True), dict(healed, t=13),
             dict(lost, t=21)],  # healed after taking part: a second heal for the fault at t=10
-        2: [started(0), started(12), quorum(12.5, [1, 2], healed=True), dict(healed, t=12.5)],  # its own
+        # its own heal, logged just after the next kill (the tool kills when it reads the logs)
+        2: [started(0), started(12), quorum(20.5, [1, 2], healed=True), dict(healed, t=20.5)],
     }
     kills = [{"site": 2, "t": 10.0, "starts_before": 0}, {"site": 0, "t": 20.0, "starts_before": 0}]
     costs = fault_costs(records, kills, sites=3)
@@ -127,4 +128,4 @@ def test_what_each_fault_cost_the_survivors_and_the_timeline():
     lines = timeline(records, kills)
     assert lines[0].split()[1:] == ["site0", "started", "(its", "manager", "is", "up)"]
     assert any("chaos  killed site 2" in line for line in lines)
-    assert any("site2  quorum id 1 sites 1,2 at committed 3 HEALED" in line for line in lines)
+    assert any("site2  quorum id 1 sites 1,2 at committed 3 HEALED (asked 1.00 s before)" in line for line in lines)
