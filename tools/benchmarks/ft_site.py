@@ -214,7 +214,10 @@ def start_lighthouse(min_sites: int, heartbeat_timeout_ms: int = 1000, join_time
     """A torchft lighthouse in this process (loopback, a free port). A site that has stopped
     heartbeating (dead) is dropped after `heartbeat_timeout_ms`; a live one that reaches the
     round's quorum late is waited for up to `join_timeout_ms` (shorter, and a loaded machine
-    splits the sites: the late one is left out of the round and heals at the next)."""
+    splits the sites: the late one is left out of the round and heals at the next). The
+    window counts from the first site that asks: keep it above a round's wall time, or a
+    site restarted mid-round has spent it when the others come (docs/fault_tolerance.md,
+    "One heal per fault")."""
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind="[::]:0", min_replicas=min_sites, join_timeout_ms=join_timeout_ms,
