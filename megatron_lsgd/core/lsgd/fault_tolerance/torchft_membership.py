@@ -13,10 +13,12 @@ for the streaming family a round is one fragment's sync, as in torchft's Streami
 - `start` / `finish` (`reduce` is both at once): the round's one reduction over the sites
   present, issued right after the quorum and finished before the next one (a quorum may
   rebuild the group under it). A collective that fails (a peer died, a timeout) is
-  reported to the Manager instead of raised; `should_commit` (agreed by every rank of the
-  site) then says whether the round is kept. Not kept: the state in `undo` is put back as
-  it was when the reduction was issued and None is returned, so the synchronizer leaves
-  its anchor as it was; the next quorum names the site that was lost, in one line.
+  reported to the Manager instead of raised, and the site's group is aborted so that the
+  sites still waiting on it fail now, not a timeout later (one heal per fault);
+  `should_commit` (agreed by every rank of the site) then says whether the round is kept.
+  Not kept: the state in `undo` is put back as it was when the reduction was issued and
+  None is returned, so the synchronizer leaves its anchor as it was; the next quorum
+  names the site that was lost, in one line.
 - `job_finished`: when the job reaches its budget every site takes one last quorum, in
   which a site that missed the job's last rounds (restarting, or left out) receives the
   final state and stops (`JobFinished`) instead of waiting for peers that are gone.
