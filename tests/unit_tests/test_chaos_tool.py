@@ -94,3 +94,38 @@ def test_a_baseline_is_kept_for_later_runs_of_the_same_job_only(tmp_path, capsys
         (tmp_path / "baseline.json").write_text(damaged)
         with pytest.raises(ValueError, match=says):
             load_baseline(str(tmp_path), job_setup(args, job))
+
+
+def test_what_each_fault_cost_the_survivors_and_the_timeline():
+    from tools.benchmarks.chaos import fault_costs, timeline
+
+    def started(t):
+        return {"log": '{"started": 0}', "t": t}
+
+    def quorum(t, sites, healed=False):
+        return {"ft": "quorum", "id": 1, "sites": sites, "committed": 3, "healed": healed, "asked": t - 1, "t": t}
+
+    healed = {"log": "site 1 rejoined at committed round 3: ...", "t": 0}
+    lost = {"log": "site 0: round 4 was not committed (lost site 2: x); rolled back", "t": 0}
+    records = {
+        0: [started(0), dict(lost, t=11), dict(lost, t=12)],  # two rounds lost to the fault at t=10
+        1: [started(0), quorum(1, [0, 1, 2]), dict(lost, t=11), quorum(13, [0, 1], healed=True), dict(healed, t=13),
+            dict(lost, t=21)],  # healed after taking part: a second heal for the fault at t=10
+        # its own heal, logged just after the next kill (the tool kills when it reads the logs)
+        2: [started(0), started(12), quorum(20.5, [1, 2], healed=True), dict(healed, t=20.5)],
+    }
+    kills = [{"site": 2, "t": 10.0, "starts_before": 0}, {"site": 0, "t": 20.0, "starts_before": 0}]
+    costs = fault_costs(records, kills, sites=3)
+    assert costs["heals"] == 2 and costs["heals_per_fault"] == 1.0
+    assert costs["survivor_heals"] == 1 and costs["faults_with_a_survivor_healed"] == 1
+    assert costs["faults_with_a_survivor_two_rounds_not_committed"] == 1
+    assert costs["restarted_first_quorum_held_every_site"] == "0 of 1"  # site 0's restart never came
+    assert costs["survivors_failed_apart_s"] is None  # no round-failure records (ft_site writes them)
+    records[0].append({"ft": "not_committed", "attempted": 4, "sites": [0, 1, 2], "why": "closed", "t": 11.0})
+    records[1].append({"ft": "not_committed", "attempted": 4, "sites": [0, 1, 2], "why": "timed out", "t": 14.5})
+    assert fault_costs(records, kills, sites=3)["survivors_failed_apart_s"] == \
+        {"median": 3.5, "max": 3.5, "over_1s": 1, "faults": 1}
+    lines = timeline(records, kills)
+    assert lines[0].split()[1:] == ["site0", "started", "(its", "manager", "is", "up)"]
+    assert any("chaos  killed site 2" in line for line in lines)
+    assert any("site2  quorum id 1 sites 1,2 at committed 3 HEALED (asked 1.00 s before)" in line for line in lines)

@@ -26,7 +26,11 @@ is never hit), none after the first site finished. Reported (and written to
   run's): the share of the fault-free pace that became kept progress;
 - the final validation loss against the fault-free run's (pretrain);
 - digests: SHA-256 of every rank's anchor and outer momentum at every committed round
-  (--lsgd-ft-digests), compared across sites rank by rank; all must agree.
+  (--lsgd-ft-digests), compared across sites rank by rank; all must agree;
+- heals per fault (one is the killed site's own); for the toy, per fault until the next:
+  survivors healed, a survivor with two rounds not committed, and whether the restarted
+  site's first quorum held every site; and --out-dir/timeline.txt, every site's quorums
+  (id, sites, heal) and rounds not committed around the kills, in time order.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ if REPO not in sys.path:
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
-from megatron_lsgd.core.output_files import write_json  # noqa: E402
+from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
 from tools.benchmarks.process_tree import descendants, kill_tree, sigkill  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object, tool_errors  # noqa: E402
@@ -68,7 +72,7 @@ def training(records: List[Dict], earlier: int) -> bool:
 
 def run_toy_job(args, out_dir: str, faults: bool, log=print) -> Dict:
     os.makedirs(out_dir, exist_ok=True)
-    lh = start_lighthouse(args.min_sites)
+    lh = start_lighthouse(args.min_sites, heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=args.join_ms)
     go = os.path.join(out_dir, "go")
     rng = random.Random(args.seed)
 
@@ -124,6 +128,91 @@ def run_toy_job(args, out_dir: str, faults: bool, log=print) -> Dict:
     return {"wall_s": wall, "codes": codes, "kills": kills, "records": records, "late": late}
 
 
+def fault_costs(records: Dict[int, List[Dict]], kills: List[Dict], sites: int) -> Dict:
+    """What each fault cost the sites that were not killed, from the sites' logs: for each kill,
+    until the next one, the survivors' heals (a quorum that healed a site which had already
+    been in one since it started) and their rounds not committed (`was not committed`
+    lines); and whether the restarted site's first quorum held every site (ft_site's quorum
+    records). One heal per fault is the killed site's own, at its first quorum."""
+    heals = sum("rejoined at committed round" in r.get("log", "") for recs in records.values() for r in recs)
+    survivor_healed: Dict[int, List[float]] = {}  # site -> when it was healed after taking part
+    for s, recs in records.items():
+        joined = False
+        for r in recs:
+            if r.get("log", "").startswith('{"started"'):
+                joined = False
+            elif r.get("ft") == "quorum":
+                if r["healed"] and joined:
+                    survivor_healed.setdefault(s, []).append(r["t"])
+                joined = True
+    per_fault = []
+    for i, kill in enumerate(kills):
+        end = kills[i + 1]["t"] if i + 1 < len(kills) else float("inf")
+        survivor_heals = not_committed = 0
+        learned: Dict[int, float] = {}  # survivor -> when its round failed
+        for s, recs in records.items():
+            if s == kill["site"]:
+                continue
+            window = [r.get("log", "") for r in recs if kill["t"] <= r.get("t", 0) < end]
+            survivor_heals += sum(kill["t"] <= t < end for t in survivor_healed.get(s, []))
+            not_committed = max(not_committed, sum("was not committed" in line for line in window))
+            failed = [r["t"] for r in recs if r.get("ft") == "not_committed" and kill["t"] <= r["t"] < end]
+            if failed:
+                learned[s] = failed[0]
+        recs = records[kill["site"]]
+        begun = starts(recs)
+        after = recs[begun[kill["starts_before"] + 1]:] if len(begun) > kill["starts_before"] + 1 else []
+        first = next((r for r in after if r.get("ft") == "quorum"), None)
+        per_fault.append({"site": kill["site"], "survivor_heals": survivor_heals,
+                          "survivor_rounds_not_committed": not_committed,
+                          "first_quorum_sites": first["sites"] if first else None,
+                          "learned_apart_s": max(learned.values()) - min(learned.values())
+                          if len(learned) == sites - 1 else None})
+    joined = [f for f in per_fault if f["first_quorum_sites"] is not None]
+    apart = sorted(f["learned_apart_s"] for f in per_fault if f["learned_apart_s"] is not None)
+    return {"heals": heals, "heals_per_fault": round(heals / len(kills), 2) if kills else None,
+            "survivor_heals": sum(f["survivor_heals"] for f in per_fault),
+            "faults_with_a_survivor_healed": sum(f["survivor_heals"] > 0 for f in per_fault),
+            "faults_with_a_survivor_two_rounds_not_committed":
+                sum(f["survivor_rounds_not_committed"] > 1 for f in per_fault),
+            "restarted_first_quorum_held_every_site": f"{sum(len(f['first_quorum_sites']) == sites for f in joined)}"
+                                                      f" of {len(joined)}",
+            # between the first and the last survivor whose round failed (each fault with every survivor's)
+            "survivors_failed_apart_s": {"median": round(apart[len(apart) // 2], 3), "max": round(apart[-1], 3),
+                                         "over_1s": sum(a > 1.0 for a in apart), "faults": len(apart)}
+            if apart else None}
+
+
+def timeline(records: Dict[int, List[Dict]], kills: List[Dict]) -> List[str]:
+    """The kills and every site's starts, rounds not committed, and quorums that differ from
+    its previous one (id or sites) or healed it, in time order (one line each)."""
+    events = [(k["t"], f"chaos  killed site {k['site']}") for k in kills]
+    for s, recs in records.items():
+        last = None
+        for r in recs:
+            what = r.get("ft")
+            if what == "quorum":
+                if (r["id"], r["sites"]) == last and not r["healed"]:
+                    continue
+                last = (r["id"], r["sites"])
+                line = (f"quorum id {r['id']} sites {_ids(r['sites'])} at committed {r['committed']}"
+                        f"{' HEALED' if r['healed'] else ''} (asked {r['t'] - r['asked']:.2f} s before)")
+            elif what == "not_committed":
+                line = f"round {r['attempted']} NOT COMMITTED (sites {_ids(r['sites'])}: {r['why'][:60]})"
+            elif r.get("log", "").startswith('{"started"'):
+                line, last = "started (its manager is up)", None
+            else:
+                continue
+            events.append((r["t"], f"site{s}  {line}"))
+    events.sort(key=lambda e: e[0])
+    t0 = events[0][0] if events else 0.0
+    return [f"{t - t0:9.3f}  {line}" for t, line in events]
+
+
+def _ids(sites) -> str:
+    return ",".join(map(str, sites))
+
+
 def summarize_toy(args, base: Dict, chaos: Dict) -> Dict:
     records = chaos["records"]
     # digests: every site's record of every committed round (a restarted site's killed process included)
@@ -167,6 +256,7 @@ def summarize_toy(args, base: Dict, chaos: Dict) -> Dict:
         "sites_finished": finished, "job_finished": all_ok, "rounds_committed": committed, "rounds_attempted_by_unkilled_site": attempted,
         "baseline_rounds": base_final["round"], "goodput": round(goodput, 3),
         "rejoin_s": {"mean": round(sum(rejoin) / len(rejoin), 2), "max": round(max(rejoin), 2)} if rejoin else None,
+        **fault_costs(records, chaos["kills"], args.sites),
         "digest_rounds_checked": len(by_round), "digest_disagreements": disagree,
         "final_anchor_max_abs_diff_vs_baseline": max(
             abs(a - b) for a, b in zip(finals[finished[0]][-1]["anchor"], base_final["anchor"])) if finished else None,
@@ -417,6 +507,7 @@ def summarize_pretrain(args, base: Dict, chaos: Dict) -> Dict:
         all(c == 0 for k, c in chaos["codes"].items() if k not in chaos["late"]) and not digests["disagreements"]
     rejoin = [k["rejoined_s"] for k in chaos["kills"] if k.get("rejoined_s") is not None]
     goodput = (committed / attempted) * (base["wall_s"] / chaos["wall_s"]) if attempted else 0.0
+    heals = sum(text.count("rejoined at committed round") for text in chaos["texts"].values())
     base_loss, loss = final_validation(base["texts"]), final_validation(chaos["texts"])
     return {
         "target": "pretrain", "sites": args.sites, "min_sites": args.min_sites, "kill": args.kill,
@@ -429,6 +520,7 @@ def summarize_pretrain(args, base: Dict, chaos: Dict) -> Dict:
         "baseline_rounds": max((r["round"] for r in base_finals), default=0),
         "goodput": round(goodput, 3),
         "rejoin_s": {"mean": round(sum(rejoin) / len(rejoin), 2), "max": round(max(rejoin), 2)} if rejoin else None,
+        "heals": heals, "heals_per_fault": round(heals / len(chaos["kills"]), 2) if chaos["kills"] else None,
         "final_validation_loss": loss, "baseline_final_validation_loss": base_loss,
         "digest_rounds_checked": digests["rounds_checked"], "digest_records_compared": digests["records_compared"],
         "digest_disagreements": digests["disagreements"],
@@ -489,6 +581,15 @@ def main(argv=None) -> int:
                    help="most sites down at once (default: --sites minus --min-sites, so the floor is never hit)")
     p.add_argument("--timeout", type=float, default=5.0, help="--lsgd-ft-timeout of the sites")
     p.add_argument("--max-minutes", type=float, default=5.0, help="give up (and fail) after this long, per run")
+    p.add_argument("--join-ms", type=int, default=0,
+                   help="the lighthouse's join timeout (ms; default 5000 pretrain, 3000 toy): how long a quorum "
+                        "waits for a live site that has not asked yet, counted from the first site that asked. "
+                        "Above a round's wall time, or a site restarted mid-round, which waits at the lighthouse, "
+                        "has spent it when the survivors come: the first one meets it, the other is left out "
+                        "and healed a round later (docs/fault_tolerance.md, \"One heal per fault\")")
+    p.add_argument("--heartbeat-ms", type=int, default=0,
+                   help="the lighthouse's heartbeat timeout (ms; default 2000 pretrain, 1000 toy): a dead site "
+                        "delays a quorum this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="")
     p.add_argument("--baseline-from", default="", metavar="DIR",
@@ -500,8 +601,6 @@ def main(argv=None) -> int:
                      help="site: SIGKILL the site's torchrun and every rank, then start it again; rank: SIGKILL one "
                           "rank, torchrun (--max-restarts) restarts the site's ranks")
     pre.add_argument("--max-restarts", type=int, default=100, help="torchrun's, for --kill rank")
-    pre.add_argument("--join-ms", type=int, default=5000, help="the lighthouse's join timeout (ms)")
-    pre.add_argument("--heartbeat-ms", type=int, default=2000, help="the lighthouse's heartbeat timeout (ms)")
     toy = p.add_argument_group("toy target")
     toy.add_argument("--interval", type=int, default=4, help="H")
     toy.add_argument("--steps", type=int, default=400, help="inner steps of the job (every site)")
@@ -518,6 +617,8 @@ def main(argv=None) -> int:
         print("error: pretrain_gpt.py flags after -- need --target pretrain", file=sys.stderr)
         return 2
     args.max_down = args.max_down or args.sites - args.min_sites
+    args.join_ms = args.join_ms or (3000 if args.target == "toy" else 5000)
+    args.heartbeat_ms = args.heartbeat_ms or (1000 if args.target == "toy" else 2000)
     if args.target == "toy":
         run, summarize = run_toy_job, summarize_toy
     else:
@@ -551,6 +652,8 @@ def main(argv=None) -> int:
         print(f"[chaos] baseline: {base['wall_s']:.1f} s")
     chaos = run(args, os.path.join(out, "chaos"), faults=True)
     summary = summarize(args, base, chaos)
+    if args.target == "toy":  # who met whom around each kill (docs/fault_tolerance.md, "One heal per fault")
+        write_text(os.path.join(out, "timeline.txt"), "\n".join(timeline(chaos["records"], chaos["kills"])) + "\n")
     write_json(os.path.join(out, "chaos.json"), summary, indent=1)
     for key, value in summary.items():
         print(f"{key}: {value}")

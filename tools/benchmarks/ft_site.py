@@ -127,6 +127,10 @@ def run_site(spec: SiteSpec) -> None:
         logf.write(json.dumps({"log": msg, "t": time.time()}) + "\n")
         logf.flush()
 
+    def trace(record: dict) -> None:  # TorchftMembership's quorum and round events (chaos.py's timeline)
+        logf.write(json.dumps(record) + "\n")
+        logf.flush()
+
     membership, world = AllSites(), False
     if spec.lighthouse:
         from torch.distributed import TCPStore
@@ -142,7 +146,7 @@ def run_site(spec: SiteSpec) -> None:
         options.validate(algorithm="diloco", num_sites=spec.num_sites)
         membership = TorchftMembership(comm, options, site=spec.site, group_rank=0, group_world_size=1,
                                        store_addr="127.0.0.1", store_port=store.port, device=torch.device("cpu"),
-                                       log=log, log_every=1.0, poll_s=0.2)
+                                       log=log, log_every=1.0, poll_s=0.2, trace=trace)
     else:  # the same job without fault tolerance: one gloo world over the sites
         import torch.distributed as dist
 
@@ -210,7 +214,10 @@ def start_lighthouse(min_sites: int, heartbeat_timeout_ms: int = 1000, join_time
     """A torchft lighthouse in this process (loopback, a free port). A site that has stopped
     heartbeating (dead) is dropped after `heartbeat_timeout_ms`; a live one that reaches the
     round's quorum late is waited for up to `join_timeout_ms` (shorter, and a loaded machine
-    splits the sites: the late one is left out of the round and heals at the next)."""
+    splits the sites: the late one is left out of the round and heals at the next). The
+    window counts from the first site that asks: keep it above a round's wall time, or a
+    site restarted mid-round has spent it when the others come (docs/fault_tolerance.md,
+    "One heal per fault")."""
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind="[::]:0", min_replicas=min_sites, join_timeout_ms=join_timeout_ms,

@@ -140,4 +140,5 @@ def scripted_membership(fail=(), present=()) -> TorchftMembership:
     m.healed_rounds, m._failed, m._failure, m._healing, m._open = [], None, "", False, None
     m.finished = m.received_final = False
     m._digests, m._digested = None, -1
+    m._trace = None
     return m

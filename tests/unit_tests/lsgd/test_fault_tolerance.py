@@ -72,7 +72,7 @@ def by_round(records):
 
 
 def _run(tmp_path, num_sites, min_sites, steps, kills=None, restart=False, compression="none", lighthouse=True,
-         step_seconds=0.05, lighthouse_min=None, timeout_s=180):
+         step_seconds=0.05, lighthouse_min=None, timeout_s=180, site_timeout_s=5.0):
     """Run the sites to the end; with `restart`, a killed site is started again (a fresh
     process) while the others are held before their next inner step until it is up.
     Returns every site's records and last exit codes."""
@@ -93,7 +93,7 @@ def _run(tmp_path, num_sites, min_sites, steps, kills=None, restart=False, compr
         return SiteSpec(site=site, num_sites=num_sites, steps=steps, interval=2, out_dir=out,
                         lighthouse=lh.address() if lh else "", min_sites=min_sites, compression=compression,
                         step_seconds=step_seconds, kill_at_step=kill, go_file=go, pause_file=pause, world_port=port,
-                        timeout_s=5.0)
+                        timeout_s=site_timeout_s)
 
     procs = {}
     try:
@@ -158,6 +158,42 @@ def test_a_site_killed_mid_round_is_rolled_back_then_heals(tmp_path):
     # Every site's anchors agree at every committed round.
     assert by_round(s0) == by_round(s1)
     assert max(after) == max(by_round(s0))
+
+
+def quorums(records):
+    return [r for r in records if r.get("ft") == "quorum"]
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_one_heal_per_fault_every_survivor_meets_the_restarted_site(tmp_path):
+    # 3 sites in a ring, floor 2: site 0 dies mid-round (after step 5). Its ring neighbour
+    # learns at once; the other survivor waits on that live neighbour, which stops sending.
+    # Were it left to its --lsgd-ft-timeout (20 s here, far longer than a restart), the
+    # restarted site's first quorum would hold it and one survivor only (the lighthouse's
+    # join window, counted from the first survivor's arrival, long spent), and the other
+    # survivor would be healed a round later: two heals for one fault. The survivor that
+    # sees the failure aborts its group, so both fail together, meet in one quorum, and the
+    # restarted site meets both of them in its first.
+    records, codes = _run(tmp_path, num_sites=3, min_sites=2, steps=24, kills={0: 5}, restart=True,
+                          site_timeout_s=20.0)
+    assert codes == {0: 0, 1: 0, 2: 0}
+    s0, s1, s2 = records
+    failed = {}
+    for s, survivor in ((1, s1), (2, s2)):
+        assert not any("rejoined" in line for line in logs(survivor)), logs(survivor)  # never healed
+        lost = [r for r in survivor if r.get("ft") == "not_committed"]
+        assert len(lost) == 1, logs(survivor)  # one round not committed, the one site 0 died in
+        failed[s] = lost[0]["t"]
+    assert abs(failed[1] - failed[2]) < 5.0, failed  # together, not one of them a timeout later
+    restarted = s0[starts(s0)[1]:]
+    first = quorums(restarted)[0]
+    assert first["healed"] and first["sites"] == [0, 1, 2], quorums(restarted)
+    assert sum("rejoined" in line for line in logs(restarted)) == 1
+    # ... and the survivors' own quorum of that id holds the same three
+    for survivor in (s1, s2):
+        assert [q["sites"] for q in quorums(survivor) if q["id"] == first["id"]][0] == [0, 1, 2]
+    assert by_round(s1) == by_round(s2) and all(by_round(s1)[k] == d for k, d in by_round(restarted).items())
 
 
 @needs_torchft
@@ -324,3 +360,48 @@ def test_a_round_that_does_not_commit_returns_nothing_and_puts_the_error_feedbac
 
     survivor = _membership(commit=True)
     assert survivor.reduce(unconfigured, undo=[buf]) is None and "not initialized" in survivor._failure
+
+
+class _Group:
+    """The site's torchft group, counting aborts (a real one closes its connections)."""
+
+    def __init__(self):
+        self.aborts = 0
+
+    def abort(self):
+        self.aborts += 1
+
+    def allreduce(self, tensors, opts):
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_failed_collective_aborts_the_sites_group_at_once():
+    # A survivor that sees a collective fail closes its connections, so a survivor waiting on
+    # it (a ring neighbour that is alive) fails now, not after --lsgd-ft-timeout, and both
+    # reach the next quorum together (docs/fault_tolerance.md, "One heal per fault").
+    def broken():
+        raise RuntimeError("Connection closed by peer")
+
+    issued = _membership(commit=True)
+    issued.pg = _Group()
+    assert issued.reduce(broken) is None and issued.pg.aborts == 1
+
+    def waiting():  # issued fine, fails while the site waits for it
+        def wait():
+            raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+        return SimpleNamespace(done=False, result=None, poll=lambda: False, wait=wait)
+
+    waited = _membership(commit=True)
+    waited.pg = _Group()
+    assert waited.finish(waited.start(waiting)) is None and waited.pg.aborts == 1 and "Timed out" in waited._failure
+
+    mean = _membership(commit=True)  # a mean over the sites outside the round's reduction
+    mean.pg = _Group()
+    mean.manager.num_participants = lambda: 2
+    value = torch.ones(2)
+    mean.mean_over_sites(value)
+    assert value.tolist() == [1, 1] and mean.pg.aborts == 1 and mean.manager.error is not None
+
+    kept = _membership(commit=False)  # a peer said no, nothing failed here: the group is left alone
+    kept.pg = _Group()
+    assert kept.reduce(lambda: "m") is None and kept.pg.aborts == 0

@@ -13,10 +13,12 @@ for the streaming family a round is one fragment's sync, as in torchft's Streami
 - `start` / `finish` (`reduce` is both at once): the round's one reduction over the sites
   present, issued right after the quorum and finished before the next one (a quorum may
   rebuild the group under it). A collective that fails (a peer died, a timeout) is
-  reported to the Manager instead of raised; `should_commit` (agreed by every rank of the
-  site) then says whether the round is kept. Not kept: the state in `undo` is put back as
-  it was when the reduction was issued and None is returned, so the synchronizer leaves
-  its anchor as it was; the next quorum names the site that was lost, in one line.
+  reported to the Manager instead of raised, and the site's group is aborted so that the
+  sites still waiting on it fail now, not a timeout later (one heal per fault);
+  `should_commit` (agreed by every rank of the site) then says whether the round is kept.
+  Not kept: the state in `undo` is put back as it was when the reduction was issued and
+  None is returned, so the synchronizer leaves its anchor as it was; the next quorum
+  names the site that was lost, in one line.
 - `job_finished`: when the job reaches its budget every site takes one last quorum, in
   which a site that missed the job's last rounds (restarting, or left out) receives the
   final state and stops (`JobFinished`) instead of waiting for peers that are gone.
@@ -56,10 +58,10 @@ def _sites(sites: Sequence[int]) -> str:
 
 class _RoundTicket:
     """The reduction of an elastic round: the work's own poll/wait/done/result, except that a
-    failure is reported to the Manager (the round then does not commit), never raised."""
+    failure is reported (`failed(err)`: the round then does not commit), never raised."""
 
-    def __init__(self, manager, work, saved):
-        self.manager, self.work, self.saved = manager, work, saved
+    def __init__(self, failed: Callable[[Exception], None], work, saved):
+        self.report, self.work, self.saved = failed, work, saved
         self.failed = work is None
         self.decision: Optional[bool] = None  # set by finish: committed or not
 
@@ -86,7 +88,7 @@ class _RoundTicket:
             call()
         except Exception as err:  # a peer died or timed out (gloo/nccl, InterSiteTimeout, torchft's own)
             self.failed = True
-            self.manager.report_error(err)
+            self.report(err)
             abandon = getattr(self.work, "abandon", None)  # e.g. a queue that must drop the broken reduction
             if abandon is not None:
                 abandon()
@@ -98,7 +100,7 @@ class TorchftMembership(SiteMembership):
     def __init__(self, comm: ElasticComm, options: FaultToleranceOptions, *, site: int, group_rank: int,
                  group_world_size: int, store_addr: str, store_port: int, device: torch.device,
                  log: Callable[[str], None] = print, log_every: float = 10.0, poll_s: float = 0.5,
-                 hostname: Optional[str] = None):
+                 hostname: Optional[str] = None, trace: Optional[Callable[[Dict], None]] = None):
         require_torchft(options.mode)
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
@@ -116,6 +118,9 @@ class TorchftMembership(SiteMembership):
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
         self.log_every, self.poll_s = log_every, poll_s
+        # `trace`: a record per quorum asked and formed, and per round not committed (quorum id,
+        # sites, committed rounds, heal, times), for a timeline of who met whom around a fault
+        self._trace = trace if group_rank == 0 else None
         timeout = timedelta(seconds=options.timeout_s)
         # `device` is the inter-site group's (--inter-site-backend): NCCL where it is a GPU.
         self.pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -227,12 +232,17 @@ class TorchftMembership(SiteMembership):
     def _form_quorum(self) -> None:
         """A quorum, who is in it, and a line for what changed since the last one."""
         before = self.present
+        asked = time.time()
+        self._emit("quorum_asked", committed=self.committed_rounds)
         self._quorum()
         present = self._gather_present()
         if present is None:  # a site died right after the quorum: this round will not commit
             present = list(before)
         self.present = present
         self.comm.set_sites(self.pg, self.manager.num_participants())
+        self._emit("quorum", id=getattr(self.manager, "_quorum_id", None), sites=self.present,
+                   committed=self.committed_rounds, healed=self._healing, asked=asked,
+                   errored=self.manager.errored() is not None)
         if self._healing:
             self._healing = False
             self.healed_rounds.append(self.committed_rounds)
@@ -256,8 +266,8 @@ class TorchftMembership(SiteMembership):
             try:
                 work = issue()
             except Exception as err:  # as in _RoundTicket: reported, the round will not commit
-                self.manager.report_error(err)
-        self._open = _RoundTicket(self.manager, work, saved)
+                self._collective_failed(err)
+        self._open = _RoundTicket(self._collective_failed, work, saved)
         return self._open
 
     def finish(self, ticket: _RoundTicket) -> Optional[object]:
@@ -275,6 +285,7 @@ class TorchftMembership(SiteMembership):
                 for u, state in ticket.saved:
                     u.load_state_dict(state)
                 self._note_failure()
+                self._emit("not_committed", attempted=self.rounds_attempted, sites=self.present, why=self._failure)
                 self._stop_if_failing()
         return ticket.result if ticket.decision else None
 
@@ -338,7 +349,7 @@ class TorchftMembership(SiteMembership):
         try:
             self.pg.allreduce([work], opts).wait()
         except Exception as err:  # as in reduce: a peer died or timed out
-            self.manager.report_error(err)
+            self._collective_failed(err)
             return
         tensor.copy_(work)
 
@@ -364,6 +375,26 @@ class TorchftMembership(SiteMembership):
         self.manager.shutdown(wait=False)
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _collective_failed(self, err: Exception) -> None:
+        """A cross-site collective failed (a peer died or timed out): the round will not commit
+        (reported to the Manager), and this site's group is aborted at once. A ring collective
+        fails first at the dead site's neighbours; the others wait on a live neighbour that
+        has stopped sending, until --lsgd-ft-timeout. Closing this site's connections fails
+        their collective now, so every survivor asks the lighthouse for the next quorum
+        together (one quorum of the survivors; a restarted site is healed once, in the first
+        quorum it joins) instead of one survivor a timeout later, left out of the restarted
+        site's quorum and healed a round after it. The next quorum rebuilds the group (a
+        round not committed bumps torchft's quorum id)."""
+        self.manager.report_error(err)
+        try:
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 (already broken or gone: the next quorum rebuilds it)
+            pass
+
+    def _emit(self, event: str, **fields) -> None:
+        if self._trace is not None:
+            self._trace({"ft": event, "site": self.site, **fields, "t": time.time()})
+
     def _quorum(self, timeout: Optional[timedelta] = None) -> None:
         """A blocking quorum, with a line every `log_every` seconds while it waits."""
         done = threading.Event()
@@ -401,6 +432,6 @@ class TorchftMembership(SiteMembership):
         try:
             self.pg.allgather([out], [mine], AllgatherOptions()).wait()
         except Exception as err:  # as in reduce: reported, the round will not commit
-            self.manager.report_error(err)
+            self._collective_failed(err)
             return None
         return sorted(int(t.item()) for t in out)
