@@ -39,6 +39,7 @@ from megatron_lsgd.core.lsgd.config import CompressionOptions, LsgdConfig, Outer
 from megatron_lsgd.core.lsgd.membership import AllSites  # noqa: E402
 from megatron_lsgd.core.lsgd.protocol import SyncContext  # noqa: E402
 from megatron_lsgd.core.optimizer.shard_views import BucketExtent, PieceView, ShardRange, ShardViews  # noqa: E402
+from megatron_lsgd.core.parallel_state import ParallelDims  # noqa: E402
 
 NUMEL = 8
 
@@ -153,7 +154,8 @@ def run_site(spec: SiteSpec) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.world_port}", rank=spec.site,
                                 world_size=spec.num_sites, timeout=timedelta(seconds=60))
         comm, world = InterSiteComm(dist.group.WORLD, spec.num_sites, site=spec.site), True
-    pgs = SimpleNamespace(site=None, dims=SimpleNamespace(dp_intra=1), dp_intra_rank=0, dp_intra=None)  # one rank
+    pgs = SimpleNamespace(site=None, dims=ParallelDims(), dp_intra_rank=0,
+                          dp_intra=None, dp_intra_size=1, inter_lanes=[])  # one rank per site, sites equal
     ctx = SyncContext(pgs=pgs, config=cfg, models=[], optimizer=optimizer, comm=comm, membership=membership)
     sync = catalog.synchronizer_class("diloco")(ctx)
 
