@@ -103,16 +103,17 @@ def test_what_each_fault_cost_the_survivors_and_the_timeline():
         return {"log": '{"started": 0}', "t": t}
 
     def quorum(t, sites, healed=False):
-        return {"ft": "quorum", "id": 1, "sites": sites, "committed": 3, "healed": healed, "asked": t - 1, "t": t}
+        return [{"ft": "quorum_asked", "committed": 3, "t": t - 1},
+                {"ft": "quorum", "id": 1, "sites": sites, "committed": 3, "healed": healed, "t": t}]
 
     healed = {"log": "site 1 rejoined at committed round 3: ...", "t": 0}
     lost = {"log": "site 0: round 4 was not committed (lost site 2: x); rolled back", "t": 0}
     records = {
         0: [started(0), dict(lost, t=11), dict(lost, t=12)],  # two rounds lost to the fault at t=10
-        1: [started(0), quorum(1, [0, 1, 2]), dict(lost, t=11), quorum(13, [0, 1], healed=True), dict(healed, t=13),
+        1: [started(0), *quorum(1, [0, 1, 2]), dict(lost, t=11), *quorum(13, [0, 1], healed=True), dict(healed, t=13),
             dict(lost, t=21)],  # healed after taking part: a second heal for the fault at t=10
         # its own heal, logged just after the next kill (the tool kills when it reads the logs)
-        2: [started(0), started(12), quorum(20.5, [1, 2], healed=True), dict(healed, t=20.5)],
+        2: [started(0), started(12), *quorum(20.5, [1, 2], healed=True), dict(healed, t=20.5)],
     }
     kills = [{"site": 2, "t": 10.0, "starts_before": 0}, {"site": 0, "t": 20.0, "starts_before": 0}]
     costs = fault_costs(records, kills, sites=3)

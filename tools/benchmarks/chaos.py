@@ -188,15 +188,18 @@ def timeline(records: Dict[int, List[Dict]], kills: List[Dict]) -> List[str]:
     its previous one (id or sites) or healed it, in time order (one line each)."""
     events = [(k["t"], f"chaos  killed site {k['site']}") for k in kills]
     for s, recs in records.items():
-        last = None
+        last = asked = None
         for r in recs:
             what = r.get("ft")
+            if what == "quorum_asked":
+                asked = r["t"]
             if what == "quorum":
                 if (r["id"], r["sites"]) == last and not r["healed"]:
                     continue
                 last = (r["id"], r["sites"])
                 line = (f"quorum id {r['id']} sites {_ids(r['sites'])} at committed {r['committed']}"
-                        f"{' HEALED' if r['healed'] else ''} (asked {r['t'] - r['asked']:.2f} s before)")
+                        f"{' HEALED' if r['healed'] else ''}"
+                        + (f" (asked {r['t'] - asked:.2f} s before)" if asked is not None else ""))
             elif what == "not_committed":
                 line = f"round {r['attempted']} NOT COMMITTED (sites {_ids(r['sites'])}: {r['why'][:60]})"
             elif r.get("log", "").startswith('{"started"'):

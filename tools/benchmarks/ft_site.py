@@ -129,7 +129,7 @@ def run_site(spec: SiteSpec) -> None:
         logf.flush()
 
     def trace(record: dict) -> None:  # TorchftMembership's quorum and round events (chaos.py's timeline)
-        logf.write(json.dumps(record) + "\n")
+        logf.write(json.dumps({**record, "t": time.time()}) + "\n")
         logf.flush()
 
     membership, world = AllSites(), False

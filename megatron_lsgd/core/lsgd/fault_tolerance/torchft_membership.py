@@ -232,7 +232,6 @@ class TorchftMembership(SiteMembership):
     def _form_quorum(self) -> None:
         """A quorum, who is in it, and a line for what changed since the last one."""
         before = self.present
-        asked = time.time()
         self._emit("quorum_asked", committed=self.committed_rounds)
         self._quorum()
         present = self._gather_present()
@@ -241,7 +240,7 @@ class TorchftMembership(SiteMembership):
         self.present = present
         self.comm.set_sites(self.pg, self.manager.num_participants())
         self._emit("quorum", id=getattr(self.manager, "_quorum_id", None), sites=self.present,
-                   committed=self.committed_rounds, healed=self._healing, asked=asked,
+                   committed=self.committed_rounds, healed=self._healing,
                    errored=self.manager.errored() is not None)
         if self._healing:
             self._healing = False
@@ -393,7 +392,7 @@ class TorchftMembership(SiteMembership):
 
     def _emit(self, event: str, **fields) -> None:
         if self._trace is not None:
-            self._trace({"ft": event, "site": self.site, **fields, "t": time.time()})
+            self._trace({"ft": event, "site": self.site, **fields})  # the receiver stamps the time
 
     def _quorum(self, timeout: Optional[timedelta] = None) -> None:
         """A blocking quorum, with a line every `log_every` seconds while it waits."""
