@@ -119,7 +119,7 @@ class TorchftMembership(SiteMembership):
         self.log = log if group_rank == 0 else (lambda _msg: None)  # one line per site
         self.log_every, self.poll_s = log_every, poll_s
         # `trace`: a record per quorum asked and formed, and per round not committed (quorum id,
-        # sites, committed rounds, heal, times), for a timeline of who met whom around a fault
+        # sites, committed rounds, heal; the receiver stamps the time), for a timeline of who met whom
         self._trace = trace if group_rank == 0 else None
         timeout = timedelta(seconds=options.timeout_s)
         # `device` is the inter-site group's (--inter-site-backend): NCCL where it is a GPU.
