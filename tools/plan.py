@@ -39,7 +39,7 @@ from tools.benchmarks.leaderboard_setup import ALGORITHMS
 from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
 from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
-from tools.planning.pilots import Pace, run_pilots
+from tools.planning.pilots import Pace, Pilot, grid, run_pilots
 
 EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "docs", "quality*.json")
 COMPRESSED = {"dilocox": "int4"}  # leaderboard_setup.recommended's compression per algorithm
@@ -71,8 +71,12 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--recompute", choices=["none", "selective", "full"], help="activation recomputation")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, for the warning")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated")
-    p.add_argument("--pilot-steps", type=int, default=10,
-                   help="at least this many steps per pilot, in whole intervals of the algorithm")
+    p.add_argument("--pilot-steps", type=int, default=None,
+                   help="at least this many steps per pilot, in whole intervals of the algorithm (default: the "
+                        "leaderboard's pilot length for round-based algorithms, whose pace then is the board's; "
+                        "50 for the others)")
+    p.add_argument("--grid", action="store_true",
+                   help="also run each round-based algorithm at half and twice its recommended H (a row each)")
     p.add_argument("--evidence", default=EVIDENCE, help="glob of quality JSON files (quality_frontier.py's)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': stdout, no table)")
     return p
@@ -205,7 +209,8 @@ def warnings_for(job: Job, pace: Pace, memory_total: float, sync_pace: Optional[
     return out
 
 
-def plan(job: Job, algorithms: List[str], pilot_steps: int, evidence_glob: str, log_path: str) -> Dict:
+def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_glob: str, log_path: str,
+         with_grid: bool = False) -> Dict:
     evidence = load_all(evidence_glob)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "job.toml")
@@ -213,13 +218,15 @@ def plan(job: Job, algorithms: List[str], pilot_steps: int, evidence_glob: str, 
         scenario = load_scenario(path)
         say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         with ranks_output_to(log_path):
-            paces = run_pilots(algorithms, path, scenario, pilot_steps, progress=say)
+            pilots = grid(algorithms, scenario) if with_grid else [Pilot(a) for a in algorithms]
+            paces = run_pilots(algorithms, path, scenario, pilot_steps, progress=say, pilots=pilots)
     microbatches = max(1, round(job.tokens_per_step / job.sites / job.seq_length / job.micro_batch_size
                                 / job.dp_intra()))
     rows = []
-    for algorithm, pace in paces.items():
+    for label, pace in paces.items():
         if pace is None:
             continue
+        algorithm = pace.algorithm
         mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(), algorithm,
                              COMPRESSED.get(algorithm, "none"), outer_momentum=False, seq=job.seq_length,
                              micro_batch=job.micro_batch_size, hidden=job.model.hidden_for_memory(),
@@ -229,7 +236,7 @@ def plan(job: Job, algorithms: List[str], pilot_steps: int, evidence_glob: str, 
         train_seconds = pace.seconds_per_step * job.steps
         # without a measured multiplier only a lower bound: the tokens' time (x 1)
         to_loss = train_seconds * (q["multiplier"] if q["multiplier"] is not None else 1.0)
-        rows.append({"algorithm": algorithm, "flags": settings_flags(pace), "pilot_steps": pace.steps,
+        rows.append({"algorithm": algorithm, "label": label, "flags": settings_flags(pace), "pilot_steps": pace.steps,
                      "seconds_per_step": pace.seconds_per_step,
                      "exposed_comm_seconds_per_step": pace.exposed_seconds_per_step,
                      "cross_site_bytes_per_step": pace.cross_site_bytes_per_step,
@@ -257,6 +264,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
+def _first_per_algorithm(rows: List[Dict]) -> List[Dict]:
+    """One row per algorithm (a grid's rows share their evidence and memory)."""
+    seen, out = set(), []
+    for r in rows:
+        if r["algorithm"] not in seen:
+            seen.add(r["algorithm"])
+            out.append(r)
+    return out
+
+
 def table(result: Dict) -> str:
     job = result["job"]
     lines = [f"job: {job['sites']} sites x {job['gpus_per_site'][0]} GPUs, links {job['rate_mbit']} Mbit/s "
@@ -273,11 +290,12 @@ def table(result: Dict) -> str:
         mult = f"{q['multiplier']:.2f}" if q["multiplier"] is not None else \
             f"not reached ({100 * q.get('final_gap', 0):+.1f}% loss)" if "final_gap" in q else "unmeasured"
         to = (">= " if r["seconds_to_sync_loss_is_lower_bound"] else "") + _duration(r["seconds_to_sync_loss"])
-        lines.append(f"| {i} | {r['algorithm']} | {r['seconds_per_step']:.4g} | {r['exposed_comm_seconds_per_step']:.4g} "
+        lines.append(f"| {i} | {r['label']} | {r['seconds_per_step']:.4g} | {r['exposed_comm_seconds_per_step']:.4g} "
                      f"| {r['cross_site_bytes_per_step'] / 1e9:.4g} | {r['cross_site_bytes_per_run'] / 1e12:.4g} "
                      f"| {r['memory_total_gib']:.1f} | {_duration(r['train_seconds'])} | {mult} | {to} |")
-    lines += ["", "quality evidence (per algorithm: the measurement nearest this job):"]
-    for r in result["rows"]:
+    lines += ["", "quality evidence (per algorithm: the measurement nearest this job; a grid row's H is its "
+                  "pace's, its multiplier the measured point's):"]
+    for r in _first_per_algorithm(result["rows"]):
         q = r["quality"]
         far = f"; FAR BEYOND WHAT WAS MEASURED: {', '.join(q['far'])}, the multiplier is not extrapolated" \
             if q["far"] else ""
@@ -285,18 +303,18 @@ def table(result: Dict) -> str:
         lines.append(f"- {r['algorithm']}: {q['source']}{point}{far}")
     lines += ["", "memory per GPU (GiB: weights / gradients / optimizer / outer state / compressor / "
                   "algorithm buffers / activations):"]
-    for r in result["rows"]:
+    for r in _first_per_algorithm(result["rows"]):
         m = r["memory_gib"]
         lines.append(f"- {r['algorithm']}: " + " / ".join(f"{v:.2f}" for v in m.values()))
-    warned = [(r["algorithm"], w) for r in result["rows"] for w in r["warnings"]]
+    warned = [(r["label"], w) for r in result["rows"] for w in r["warnings"]]
     if warned:
         lines += ["", "warnings:"] + [f"- {a}: {w}" for a, w in warned]
     if result["rows"]:
         best = result["rows"][0]
         if best["seconds_to_sync_loss_is_lower_bound"]:
-            lines += ["", f"note: {best['algorithm']}'s time to sync's loss is a lower bound: where it was measured it "
+            lines += ["", f"note: {best['label']}'s time to sync's loss is a lower bound: where it was measured it "
                           f"did not reach sync's loss (see its quality evidence)"]
-        lines += ["", f"recommended ({best['algorithm']}), on every site:",
+        lines += ["", f"recommended ({best['label']}), on every site:",
                   f"  python pretrain_gpt.py <model and data flags> {best['pretrain_gpt_flags']}"]
     return "\n".join(lines)
 
@@ -308,13 +326,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         unknown = [x for x in algorithms if x not in ALGORITHMS]
         if unknown:
             raise ValueError(f"--algorithms: {unknown[0]!r} is not one of {', '.join(ALGORITHMS)}")
-        if a.pilot_steps < 1:
+        if a.pilot_steps is not None and a.pilot_steps < 1:
             raise ValueError(f"--pilot-steps {a.pilot_steps}: must be >= 1")
         job = job_from_args(a)
         start = time.monotonic()
         log = os.path.join(tempfile.gettempdir(), f"plan-pilots-{os.getpid()}.log")
-        print(f"> {len(algorithms)} pilots on the simulated clock (their ranks' logs: {log})", file=sys.stderr)
-        result = plan(job, algorithms, a.pilot_steps, a.evidence, log)
+        print(f"> pilots on the simulated clock (their ranks' logs: {log})", file=sys.stderr)
+        result = plan(job, algorithms, a.pilot_steps, a.evidence, log, with_grid=a.grid)
         result["real_seconds"] = round(time.monotonic() - start, 1)
         print(f"> planned in {result['real_seconds']} s of real time", file=sys.stderr)
         if a.json:

@@ -95,7 +95,7 @@ from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 from tools.benchmarks.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
                                                  plot, summarize)
 from tools.benchmarks.leaderboard_setup import (ALGORITHMS, EVALUATIONS, MICRO_BATCH, MODEL,  # noqa: E402
-                                                SCENARIO_DIR, Run, cell_argv, data_args, free_link_copy,
+                                                PILOT_STEPS, SCENARIO_DIR, Run, cell_argv, data_args, free_link_copy,
                                                 has_slow_site, scenario_runs)
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, seed_list)
@@ -326,7 +326,7 @@ def main() -> None:
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: every file)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--seeds", type=seed_list, default=seed_list("3"), help=SEEDS_HELP)
-    p.add_argument("--steps", type=positive_int, default=300,
+    p.add_argument("--steps", type=positive_int, default=PILOT_STEPS,
                    help="sync's steps (its training time is every algorithm's budget) and each pilot's")
     p.add_argument("--budget-cap", type=positive_int, default=3,
                    help="an algorithm faster than sync trains the steps that fit in sync's time, at most this "

@@ -26,6 +26,9 @@ MODEL = ["--num-layers", str(LAYERS), "--hidden-size", "128", "--num-attention-h
          "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 MICRO_BATCH = 4
+# sync's steps (its training time is every algorithm's budget) and each pilot's, by default:
+# tools/plan.py's round-based pilots run as many, so that their paces are the board's.
+PILOT_STEPS = 300
 TRAINED_PARAMS_GUESS = 1_491_584  # the model above with the 8k vocabulary (each run prints its count)
 
 

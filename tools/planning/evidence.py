@@ -20,7 +20,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 VOCAB = 8192  # the quality runs' SentencePiece tokenizer (data/python-docs/python_docs_sp8k.model)
 FAR_FACTOR = 10.0  # a target this many times beyond the measured model size or tokens/param is "far"
@@ -137,10 +137,13 @@ def load_all(pattern: str) -> List[Evidence]:
     return out
 
 
-def distance(e: Evidence, params: float, tokens_per_param: float) -> float:
-    """How far a measurement is from the user's regime: log-distance in model size and in
-    tokens per parameter, equally weighted."""
-    return math.hypot(math.log10(params / e.params), math.log10(tokens_per_param / e.tokens_per_param))
+def distance(e: Evidence, params: float, tokens_per_param: float) -> Tuple[int, float]:
+    """How far a measurement is from the user's regime: first the tokens per parameter (in
+    factors of 2: the regime, which moved the gaps most, docs/quality.md), then the model size
+    (log). Every measured model is 100x or more below a user's, so size alone would pick the
+    largest toy at one token per parameter over the ladder at the user's 20."""
+    return (math.floor(abs(math.log2(tokens_per_param / e.tokens_per_param))),
+            abs(math.log10(params / e.params)))
 
 
 def nearest(evidence: List[Evidence], algorithm: str, params: float, tokens_per_param: float) -> Optional[Evidence]:

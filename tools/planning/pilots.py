@@ -1,36 +1,68 @@
 """Time per step of each algorithm on a job, from the simulated clock running the real
-synchronizers: the leaderboard's pilot (tools/benchmarks/leaderboard.py), shorter.
+synchronizers: the leaderboard's pilot (tools/benchmarks/leaderboard.py).
 
 A pilot trains the leaderboard's stand-in GPT with the leaderboard's flags for the
 algorithm (leaderboard_setup.cell_argv: the same recommended settings, the same data),
 one rank per site, on the job's scenario file, whose bytes-scale (target parameters /
-trained parameters) charges every cross-site byte as the target model's. Its pace
-(simulated training seconds / steps) is the board's pilot pace when the steps cover whole
-rounds, which is why a pilot runs a whole number of the algorithm's intervals. Nothing here
+trained parameters) charges every cross-site byte as the target model's. Nothing here
 models time: what the clock (core/simulation.py) charges is the answer, so the planner and
 the board cannot disagree, and a change to the clock's link or straggler model reaches both.
+
+Three things make the pilots cheap without changing what the clock charges:
+- a round-based algorithm's pilot is the board's pilot, PILOT_STEPS steps (its pace then is
+  the board's: a run of one round would carry its final, unhidden exchange on one round
+  instead of three, 22-80% slower for the four that overlap it); an every-step algorithm's
+  pilot is EVERY_STEP_PILOT steps (sync's pace is the same after 10; acco's and dpu's
+  adaptive accumulation waits out its first, unmeasured jobs: +3.9% and +8.0% per global
+  batch after 10 steps, +0.3% and +0.6% after 100, on 2x8gpu-1gbit-1b);
+- the pilots train sequences of PILOT_SEQ tokens: the clock charges a micro-batch at the
+  scenario's cost whatever its length, and with rotary positions the parameters (so the
+  bytes and the fragments) do not depend on it, so only the real compute shrinks;
+- every pilot runs in one set of spawned ranks, one after another (start-up, imports and
+  the data index are paid once); when one fails, the rest run in ranks of their own, so a
+  failure is reported for its pilot alone.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+import tempfile
+import time
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import Scenario  # noqa: E402
-from tools.benchmarks.leaderboard_setup import (LAYERS, MICRO_BATCH, TRAINED_PARAMS_GUESS, cell_argv,  # noqa: E402
-                                                recommended, recommended_interval)
+from tools.benchmarks.leaderboard_setup import (LAYERS, MICRO_BATCH, PILOT_STEPS, TRAINED_PARAMS_GUESS,  # noqa: E402
+                                                cell_argv, recommended, recommended_interval)
 
 
 # Algorithms whose exchange comes once per interval (leaderboard_setup.recommended gives them
 # H, or a-edit H steps' time); the others exchange every step.
 ROUND_BASED = {"diloco", "dilocox", "streaming-diloco", "cocodc", "dreamddp", "edit", "a-edit"}
+EVERY_STEP_PILOT = 50
+PILOT_SEQ = 8
+# --grid: each round-based algorithm also at these multiples of the recommended H.
+GRID_FACTORS = (0.5, 2.0)
+
+
+@dataclass
+class Pilot:
+    """One pilot to run: an algorithm with the flags that follow its recommended ones."""
+    algorithm: str
+    extra: List[str] = field(default_factory=list)
+    interval: Optional[int] = None  # H of a grid point (None: the recommended one)
+
+    @property
+    def label(self) -> str:
+        return self.algorithm if self.interval is None else f"{self.algorithm} H={self.interval}"
 
 
 @dataclass
@@ -43,51 +75,141 @@ class Pace:
     exposed_seconds_per_step: float  # waiting for cross-site communication (the clock's)
     cross_site_bytes_per_step: float  # every site's sent + received, scaled to the target model
     stats: Dict
+    label: str = ""
 
 
-def pilot_steps(algorithm: str, scenario: Scenario, minimum: int) -> int:
-    """Whole intervals of the algorithm's recommended H, at least `minimum` steps: a pace over
-    part of a round would leave out (or count twice) a round's exchange."""
-    h = recommended_interval(scenario) if algorithm in ROUND_BASED else 1
+def pilot_steps(algorithm: str, scenario: Scenario, minimum: Optional[int] = None,
+                interval: Optional[int] = None) -> int:
+    """The board's pilot length for a round-based algorithm (whole intervals of a grid
+    point's H), EVERY_STEP_PILOT steps for the others; `minimum` (--pilot-steps) instead asks
+    for at least that many steps in whole intervals."""
+    if algorithm not in ROUND_BASED:
+        return minimum or EVERY_STEP_PILOT
+    h = interval or recommended_interval(scenario)
+    if minimum is None:
+        if interval is None:
+            return PILOT_STEPS
+        minimum = PILOT_STEPS
     return max(h, math.ceil(minimum / h) * h)
 
 
-def run_pilot(algorithm: str, scenario_path: str, scenario: Scenario, steps: int, extra: Sequence[str] = ()) -> Pace:
-    from tools.benchmarks.leaderboard import run_cell  # spawns the ranks (imported late: torch.multiprocessing)
+def grid(algorithms: Sequence[str], scenario: Scenario) -> List[Pilot]:
+    """Each algorithm at its recommended settings, and each round-based one also at
+    GRID_FACTORS x its H (whole fragments; the streaming family's tau follows H as in
+    leaderboard_setup.recommended; a-edit's interval is H steps' time)."""
+    h = recommended_interval(scenario)
+    step = scenario.microbatch_seconds + scenario.optimizer_step_seconds
+    out = []
+    for algorithm in algorithms:
+        out.append(Pilot(algorithm))
+        if algorithm not in ROUND_BASED:
+            continue
+        for factor in GRID_FACTORS:
+            hh = max(LAYERS, -(-int(round(h * factor)) // LAYERS) * LAYERS)
+            if hh == h:
+                continue
+            if algorithm == "a-edit":
+                extra = ["--lsgd-aedit-interval-seconds", f"{hh * step:.4g}"]
+            else:
+                extra = ["--lsgd-interval", str(hh)]
+                if algorithm in ("streaming-diloco", "cocodc"):
+                    extra += ["--lsgd-fragment-sync-delay", str(min(5, max(1, hh // 8)))]
+            out.append(Pilot(algorithm, extra, hh))
+    return out
 
-    argv = cell_argv(scenario_path, algorithm, 1, steps, 0, scenario.sites, extra=extra)
-    cell = run_cell(argv, scenario.sites)
+
+def pace_from_cell(pilot: Pilot, scenario: Scenario, steps: int, cell: Dict) -> Pace:
     scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
     comm = cell.get("comm") or {}
     # A step of the job is one global batch of its tokens. acco and dpu add micro-batches while
     # they wait (adaptive accumulation), so an update can hold several: count global batches
     # consumed, not updates (for every other algorithm the two are equal).
     batches = cell["samples"] / (MICRO_BATCH * scenario.sites) if cell.get("samples") else steps
-    return Pace(algorithm=algorithm, settings=recommended(algorithm, scenario) + list(extra), steps=steps,
-                seconds_per_step=cell["seconds"] / batches,
+    return Pace(algorithm=pilot.algorithm, settings=recommended(pilot.algorithm, scenario) + list(pilot.extra),
+                steps=steps, seconds_per_step=cell["seconds"] / batches,
                 exposed_seconds_per_step=comm.get("exposed_seconds", 0.0) / batches,
-                cross_site_bytes_per_step=cell["traffic"]["bytes"] * scale / batches, stats=cell.get("stats") or {})
+                cross_site_bytes_per_step=cell["traffic"]["bytes"] * scale / batches, stats=cell.get("stats") or {},
+                label=pilot.label)
 
 
-def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario, minimum_steps: int,
-               progress=print) -> Dict[str, Optional[Pace]]:
-    """One pilot per algorithm; a pilot that fails is reported and left out (None)."""
-    import time
+def _argv(pilot: Pilot, scenario_path: str, scenario: Scenario, steps: int) -> List[str]:
+    # the short sequence is the pilot's, not a setting: it stays out of Pace.settings
+    return cell_argv(scenario_path, pilot.algorithm, 1, steps, 0, scenario.sites,
+                     extra=list(pilot.extra) + ["--seq-length", str(PILOT_SEQ)])
 
-    out: Dict[str, Optional[Pace]] = {}
-    for i, algorithm in enumerate(algorithms, 1):
-        steps = pilot_steps(algorithm, scenario, minimum_steps)
+
+def run_pilot(algorithm: str, scenario_path: str, scenario: Scenario, steps: int, extra: Sequence[str] = ()) -> Pace:
+    """One pilot in ranks of its own."""
+    from tools.benchmarks.leaderboard import run_cell  # spawns the ranks (imported late: torch.multiprocessing)
+
+    pilot = Pilot(algorithm, list(extra))
+    return pace_from_cell(pilot, scenario, steps, run_cell(_argv(pilot, scenario_path, scenario, steps),
+                                                           scenario.sites))
+
+
+def _pilots_worker(rank: int, world: int, runs: List, out_dir: str, announce: bool) -> None:
+    """Every pilot in turn, in this rank's one process: each joins a world of its own (a port
+    of its own) and leaves it before the next; the last rank announces each one's pace."""
+    from tools.benchmarks.leaderboard import _worker
+
+    for i, (label, port, argv, sites) in enumerate(runs):
         start = time.monotonic()
-        progress(f"> pilot {i} of {len(algorithms)}: {algorithm}, {steps} steps on the simulated clock ...")
-        try:
-            out[algorithm] = run_pilot(algorithm, scenario_path, scenario, steps)
-        except Exception as err:  # a rank's error is printed above; the other pilots go on
-            progress(f"warning: the {algorithm} pilot failed ({err}); it is left out of the table")
-            out[algorithm] = None
-            continue
-        progress(f"  {out[algorithm].seconds_per_step:.4g} simulated s per step "
-                 f"({time.monotonic() - start:.1f} s real)")
+        folder = os.path.join(out_dir, str(i))
+        os.makedirs(folder, exist_ok=True)
+        _worker(rank, world, port, argv, folder)
+        if announce and rank == world - 1:
+            record = json.load(open(os.path.join(folder, f"{rank}.json")))
+            batches = record["samples"] / (MICRO_BATCH * sites) if record.get("samples") else record["iterations"]
+            print(f"  {label}: {record['seconds'] / batches:.4g} simulated s per step "
+                  f"({time.monotonic() - start:.1f} s real)", file=sys.stderr, flush=True)
+
+
+def _finished(folder: str, world: int) -> bool:
+    return all(os.path.exists(os.path.join(folder, f"{r}.json")) for r in range(world))
+
+
+def _cell(folder: str, world: int) -> Dict:
+    records = [json.load(open(os.path.join(folder, f"{r}.json"))) for r in range(world)]
+    out = records[-1]
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in records)
     return out
 
 
-__all__ = ["Pace", "pilot_steps", "run_pilot", "run_pilots", "LAYERS"]
+def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario,
+               minimum_steps: Optional[int] = None, progress=print,
+               pilots: Optional[Sequence[Pilot]] = None) -> Dict[str, Optional[Pace]]:
+    """One pilot per algorithm (or the given `pilots`, e.g. grid()'s), keyed by label; a pilot
+    that fails is reported and left out (None)."""
+    from tools.benchmarks.spawned_ranks import run_ranks
+
+    pilots = list(pilots) if pilots is not None else [Pilot(a) for a in algorithms]
+    world = scenario.sites
+    steps = [pilot_steps(p.algorithm, scenario, minimum_steps, p.interval) for p in pilots]
+    runs = [(p.label, free_port(), _argv(p, scenario_path, scenario, n), world) for p, n in zip(pilots, steps)]
+    announce = progress is not None
+    say = progress or (lambda line: None)
+    say(f"> {len(pilots)} pilots in one set of {world} ranks: "
+        + ", ".join(f"{p.label} ({n} steps)" for p, n in zip(pilots, steps)))
+    out: Dict[str, Optional[Pace]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            run_ranks(_pilots_worker, (world, runs, d, announce), world)
+        except Exception as err:  # a rank's error is printed above; the unfinished pilots run apart
+            say(f"warning: a pilot failed ({err}); the unfinished ones run in ranks of their own")
+        for i, (pilot, n) in enumerate(zip(pilots, steps)):
+            folder = os.path.join(d, str(i))
+            if _finished(folder, world):
+                out[pilot.label] = pace_from_cell(pilot, scenario, n, _cell(folder, world))
+                continue
+            say(f"> pilot {pilot.label} again, in ranks of its own ...")
+            try:
+                run_ranks(_pilots_worker, (world, [(pilot.label, free_port(), runs[i][2], world)],
+                                           os.path.join(d, f"apart-{i}"), announce), world)
+                out[pilot.label] = pace_from_cell(pilot, scenario, n, _cell(os.path.join(d, f"apart-{i}", "0"), world))
+            except Exception as err:
+                say(f"warning: the {pilot.label} pilot failed ({err}); it is left out of the table")
+                out[pilot.label] = None
+    return out
+
+
+__all__ = ["Pace", "Pilot", "grid", "pilot_steps", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]
