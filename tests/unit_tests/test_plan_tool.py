@@ -227,3 +227,13 @@ def test_the_evidence_nearest_a_job_is_first_its_tokens_per_parameter_then_its_s
     assert nearest([toy, ladder], "diloco", 1e9, 20).path == "ladder.json"
     assert nearest([toy, ladder, larger_ladder], "diloco", 1e9, 20).path == "ladder-M.json"
     assert nearest([toy, ladder], "diloco", 1e9, 3).path == "toy.json"
+
+
+def test_a_grid_points_flags_replace_the_recommended_ones_each_once():
+    from tools.planning.pilots import merged
+
+    recommended = ["--lsgd-interval", "100", "--lsgd-fragments", "2", "--lsgd-fragment-sync-delay", "5"]
+    assert merged(recommended, ["--lsgd-interval", "50", "--lsgd-fragment-sync-delay", "6"]) == \
+        ["--lsgd-interval", "50", "--lsgd-fragments", "2", "--lsgd-fragment-sync-delay", "6"]
+    assert merged(["--lsgd-interval", "100"], ["--lsgd-compression", "int4"]) == \
+        ["--lsgd-interval", "100", "--lsgd-compression", "int4"]

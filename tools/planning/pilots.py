@@ -118,6 +118,19 @@ def grid(algorithms: Sequence[str], scenario: Scenario) -> List[Pilot]:
     return out
 
 
+def merged(flags: Sequence[str], overrides: Sequence[str]) -> List[str]:
+    """`flags` with each `--flag value` pair of `overrides` in place of its own (added when
+    absent): the flags to paste, each once."""
+    out = list(flags)
+    for i in range(0, len(overrides), 2):
+        flag, value = overrides[i], overrides[i + 1]
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
 def pace_from_cell(pilot: Pilot, scenario: Scenario, steps: int, cell: Dict) -> Pace:
     scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
     comm = cell.get("comm") or {}
@@ -125,7 +138,7 @@ def pace_from_cell(pilot: Pilot, scenario: Scenario, steps: int, cell: Dict) -> 
     # they wait (adaptive accumulation), so an update can hold several: count global batches
     # consumed, not updates (for every other algorithm the two are equal).
     batches = cell["samples"] / (MICRO_BATCH * scenario.sites) if cell.get("samples") else steps
-    return Pace(algorithm=pilot.algorithm, settings=recommended(pilot.algorithm, scenario) + list(pilot.extra),
+    return Pace(algorithm=pilot.algorithm, settings=merged(recommended(pilot.algorithm, scenario), pilot.extra),
                 steps=steps, seconds_per_step=cell["seconds"] / batches,
                 exposed_seconds_per_step=comm.get("exposed_seconds", 0.0) / batches,
                 cross_site_bytes_per_step=cell["traffic"]["bytes"] * scale / batches, stats=cell.get("stats") or {},
