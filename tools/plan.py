@@ -171,6 +171,8 @@ def pretrain_flags(job: Job, pace: Pace) -> str:
              f"--pipeline-model-parallel-size {job.pipeline_parallel}", f"--seq-length {job.seq_length}",
              f"--micro-batch-size {micro}", f"--global-batch-size {global_batch}",
              f"--train-tokens {int(job.total_tokens)}", "--use-distributed-optimizer", "--bf16"]
+    if job.unequal:
+        flags.append("--site-data-parallel-sizes " + ",".join(str(job.dp_intra(s)) for s in range(job.sites)))
     if job.tensor_parallel > 1:
         flags.append("--sequence-parallel")
     if job.recompute != "none":
@@ -209,9 +211,25 @@ def warnings_for(job: Job, pace: Pace, memory_total: float, sync_pace: Optional[
     return out
 
 
+def refusals(job: Job, algorithms: List[str]) -> Dict[str, str]:
+    """The algorithms that refuse this job's sites of different sizes, with their reasons
+    (each synchronizer's `unequal_sites_refusal`, the line pretrain_gpt.py would print)."""
+    if not job.unequal:
+        return {}
+    from megatron_lsgd.core.lsgd.catalog import synchronizer_class
+
+    return {a: synchronizer_class(a).unequal_sites_refusal for a in algorithms
+            if synchronizer_class(a).unequal_sites_refusal}
+
+
 def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_glob: str, log_path: str,
          with_grid: bool = False) -> Dict:
     evidence = load_all(evidence_glob)
+    refused = refusals(job, algorithms)
+    algorithms = [a for a in algorithms if a not in refused]
+    if not algorithms:
+        raise ValueError("--algorithms: every one refuses sites of different sizes (--gpus-per-site "
+                         f"{job.gpus_per_site}): " + "; ".join(f"{a}: {why}" for a, why in refused.items()))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "job.toml")
         write_text(path, job.scenario_toml())
@@ -220,14 +238,14 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         with ranks_output_to(log_path):
             pilots = grid(algorithms, scenario) if with_grid else [Pilot(a) for a in algorithms]
             paces = run_pilots(algorithms, path, scenario, pilot_steps, progress=say, pilots=pilots)
-    microbatches = max(1, round(job.tokens_per_step / job.sites / job.seq_length / job.micro_batch_size
-                                / job.dp_intra()))
+    microbatches = job.microbatches()
+    small = job.smallest_site  # its replicas hold the largest shards
     rows = []
     for label, pace in paces.items():
         if pace is None:
             continue
         algorithm = pace.algorithm
-        mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(), algorithm,
+        mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(small), algorithm,
                              COMPRESSED.get(algorithm, "none"), outer_momentum=False, seq=job.seq_length,
                              micro_batch=job.micro_batch_size, hidden=job.model.hidden_for_memory(),
                              heads=job.model.num_attention_heads or max(1, job.model.hidden_for_memory() // 128),
@@ -253,6 +271,7 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
                     "steps": job.steps, "tensor_parallel": job.tensor_parallel,
                     "pipeline_parallel": job.pipeline_parallel, "recompute": job.recompute, "notes": job.notes},
             "scenario": job.scenario_toml(), "evidence": [e.label() for e in evidence], "rows": rows,
+            "refused": refused,
             "timing": "simulated clock (core/simulation.py) running each real synchronizer on the leaderboard's "
                       "stand-in GPT, cross-site bytes scaled to the target"}
 
@@ -276,7 +295,8 @@ def _first_per_algorithm(rows: List[Dict]) -> List[Dict]:
 
 def table(result: Dict) -> str:
     job = result["job"]
-    lines = [f"job: {job['sites']} sites x {job['gpus_per_site'][0]} GPUs, links {job['rate_mbit']} Mbit/s "
+    gpus = job["gpus_per_site"]
+    lines = [f"job: {job['sites']} sites x {gpus[0] if len(set(gpus)) == 1 else '+'.join(map(str, gpus))} GPUs, links {job['rate_mbit']} Mbit/s "
              f"{job['latency_ms']} ms, slowdowns {job['site_factors']}, {job['params'] / 1e9:.3g}B params, "
              f"{job['tokens_per_step']:.3g} tokens/step, {job['total_tokens']:.3g} tokens = {job['steps']} steps, "
              f"TP {job['tensor_parallel']} PP {job['pipeline_parallel']}, recompute {job['recompute']}"]
@@ -301,11 +321,15 @@ def table(result: Dict) -> str:
             if q["far"] else ""
         point = f" (point {q['point']}, seeds {','.join(q['seeds'])})" if "point" in q else ""
         lines.append(f"- {r['algorithm']}: {q['source']}{point}{far}")
-    lines += ["", "memory per GPU (GiB: weights / gradients / optimizer / outer state / compressor / "
+    smallest = " on the smallest site (its replicas hold the largest shards)" if len(set(gpus)) > 1 else ""
+    lines += ["", f"memory per GPU{smallest} (GiB: weights / gradients / optimizer / outer state / compressor / "
                   "algorithm buffers / activations):"]
     for r in _first_per_algorithm(result["rows"]):
         m = r["memory_gib"]
         lines.append(f"- {r['algorithm']}: " + " / ".join(f"{v:.2f}" for v in m.values()))
+    if result.get("refused"):
+        lines += ["", "not planned (they refuse sites of different sizes, docs/heterogeneous_sites.md):"]
+        lines += [f"- {a}: {why}" for a, why in result["refused"].items()]
     warned = [(r["label"], w) for r in result["rows"] for w in r["warnings"]]
     if warned:
         lines += ["", "warnings:"] + [f"- {a}: {w}" for a, w in warned]

@@ -237,3 +237,55 @@ def test_a_grid_points_flags_replace_the_recommended_ones_each_once():
         ["--lsgd-interval", "50", "--lsgd-fragments", "2", "--lsgd-fragment-sync-delay", "6"]
     assert merged(["--lsgd-interval", "100"], ["--lsgd-compression", "int4"]) == \
         ["--lsgd-interval", "100", "--lsgd-compression", "int4"]
+
+
+def test_sites_of_different_sizes_are_planned_for_the_algorithms_that_take_them(tmp_path):
+    """16 + 8 GPUs: each site's share follows its size, so its compute per step is the
+    job's tokens over all 24 GPUs (the scenario charges what 12 + 12 would); the memory is
+    the 8-GPU site's (larger shards); dilocox refuses such sites and is listed with its reason;
+    the pasted flags carry the sizes."""
+    import plan
+
+    def job(gpus):
+        return plan.job_from_args(plan.parser().parse_args(
+            ["--sites", "2", "--gpus-per-site", gpus, "--sustained-tflops", "400", "--rate-mbit", "1000",
+             "--params", "1e9", "--tokens-per-step", "196608", "--total-tokens", "20e9"]))
+
+    unequal, even = job("16,8"), job("12")
+    for j, name in ((unequal, "u.toml"), (even, "e.toml")):
+        (tmp_path / name).write_text(j.scenario_toml())
+    u, e = load_scenario(str(tmp_path / "u.toml")), load_scenario(str(tmp_path / "e.toml"))
+    assert u.microbatch_seconds == pytest.approx(e.microbatch_seconds)
+    assert u.microbatch_seconds == pytest.approx(6 * 1e9 * 196608 / (24 * 400e12))
+    assert u.optimizer_step_seconds == pytest.approx(16 * 1e9 / 8 / 3000e9)  # the 8-GPU site's
+    assert unequal.smallest_site == 1 and unequal.microbatches() == 196608 // 4096 // 24
+    refused = plan.refusals(unequal, ["sync", "diloco", "dilocox"])
+    assert list(refused) == ["dilocox"] and "lanes" in refused["dilocox"]
+    assert plan.refusals(even, ["dilocox"]) == {}
+    from tools.planning.pilots import Pace
+    pace = Pace("diloco", ["--lsgd-interval", "100"], 300, 1.0, 0.1, 1.0, {})
+    assert "--site-data-parallel-sizes 16,8" in plan.pretrain_flags(unequal, pace)
+    assert "--site-data-parallel-sizes" not in plan.pretrain_flags(even, pace)
+
+
+def test_a_site_that_does_not_hold_whole_model_replicas_is_named():
+    import plan
+
+    with pytest.raises(ValueError, match="--gpus-per-site 6 is not a multiple"):
+        plan.job_from_args(plan.parser().parse_args(
+            ["--sites", "2", "--gpus-per-site", "16,6", "--tensor-parallel", "4", "--sustained-tflops", "400",
+             "--rate-mbit", "1000", "--params", "1e9", "--tokens-per-step", "131072"]))
+
+
+def test_a_step_that_does_not_divide_into_the_replicas_is_named_with_the_nearest_that_do(capsys):
+    """32 sequences over 16 + 8 replicas: pretrain_gpt.py would refuse the global batch, so the
+    planner says so first, with multiples of one micro-batch per replica (24 sequences)."""
+    import plan
+
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(["--sites", "2", "--gpus-per-site", "16,8", "--sustained-tflops", "400", "--rate-mbit", "1000",
+                   "--params", "1e9", "--tokens-per-step", "131072"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "--tokens-per-step 131072" in err and "24 data-parallel replicas" in err
+    assert "98304" in err and "196608" in err and len(err.splitlines()) == 1

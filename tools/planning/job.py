@@ -121,6 +121,23 @@ class Job:
     def dp_intra(self, site: int = 0) -> int:
         return self.gpus_per_site[site] // (self.tensor_parallel * self.pipeline_parallel)
 
+    @property
+    def unequal(self) -> bool:
+        """Sites of different sizes (--site-data-parallel-sizes, docs/heterogeneous_sites.md)."""
+        return len(set(self.gpus_per_site)) > 1
+
+    @property
+    def smallest_site(self) -> int:
+        """The site with the fewest GPUs: its replicas hold the largest ZeRO-1 shards (the
+        memory to plan for) and take the longest optimizer step (the lockstep's pace)."""
+        return min(range(self.sites), key=lambda s: self.gpus_per_site[s])
+
+    def microbatches(self) -> int:
+        """Micro-batches per replica per step: every replica of every site computes the same
+        number, so a site's share of the batch follows its data-parallel size."""
+        replicas = sum(self.dp_intra(s) for s in range(self.sites))
+        return max(1, round(self.tokens_per_step / self.seq_length / self.micro_batch_size / replicas))
+
     def validate(self) -> None:
         """Each error names the flag or key (the TOML keys have the flags' names)."""
         where = self.source
@@ -132,10 +149,6 @@ class Job:
                 raise ValueError(f"{where}: {name} has {len(values)} values for {self.sites} sites")
         if any(g < 1 for g in self.gpus_per_site):
             raise ValueError(f"{where}: --gpus-per-site {self.gpus_per_site}: every site needs >= 1 GPU")
-        if len(set(self.gpus_per_site)) > 1:
-            raise ValueError(f"{where}: --gpus-per-site {self.gpus_per_site}: sites of different sizes are not "
-                             f"supported (the same model layout runs on every site); give a slowdown with "
-                             f"--site-factors instead")
         if any(r <= 0 for r in self.rate_mbit):
             raise ValueError(f"{where}: --rate-mbit {self.rate_mbit}: every link needs a rate > 0")
         if any(f <= 0 for f in self.site_factors):
@@ -155,9 +168,9 @@ class Job:
         if self.total_tokens < self.tokens_per_step:
             raise ValueError(f"{where}: --total-tokens {self.total_tokens:g} is less than one step's "
                              f"--tokens-per-step {self.tokens_per_step:g}")
-        per_site = self.tokens_per_step / self.sites
+        per_site = self.tokens_per_step * min(self.gpus_per_site) / sum(self.gpus_per_site)
         if per_site < self.seq_length * self.micro_batch_size:
-            raise ValueError(f"{where}: --tokens-per-step {self.tokens_per_step:g} gives each site {per_site:g} "
+            raise ValueError(f"{where}: --tokens-per-step {self.tokens_per_step:g} gives the smallest site {per_site:g} "
                              f"tokens, less than one micro-batch (--seq-length x --micro-batch-size)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"{where}: --recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
@@ -165,26 +178,39 @@ class Job:
             if value < 1:
                 raise ValueError(f"{where}: {name} {value}: must be >= 1")
         model_parallel = self.tensor_parallel * self.pipeline_parallel
-        if self.gpus_per_site[0] % model_parallel:
-            raise ValueError(f"{where}: --gpus-per-site {self.gpus_per_site[0]} is not a multiple of "
-                             f"--tensor-parallel x --pipeline-parallel = {model_parallel}")
+        for gpus in self.gpus_per_site:
+            if gpus % model_parallel:
+                raise ValueError(f"{where}: --gpus-per-site {gpus} is not a multiple of "
+                                 f"--tensor-parallel x --pipeline-parallel = {model_parallel}")
+        replicas = sum(self.dp_intra(s) for s in range(self.sites))
+        unit = self.seq_length * self.micro_batch_size * replicas  # one micro-batch on every replica
+        if self.tokens_per_step % unit:
+            lower = max(unit, self.tokens_per_step // unit * unit)
+            raise ValueError(f"{where}: --tokens-per-step {self.tokens_per_step:g} does not divide into {replicas} "
+                             f"data-parallel replicas x --micro-batch-size {self.micro_batch_size} x --seq-length "
+                             f"{self.seq_length} (pretrain_gpt.py would refuse its global batch): give a multiple of "
+                             f"{unit:g}, e.g. {lower:g} or {lower + unit:g}")
         if self.model.num_layers and self.model.num_layers % self.pipeline_parallel:
             raise ValueError(f"{where}: --num-layers {self.model.num_layers} is not a multiple of "
                              f"--pipeline-parallel {self.pipeline_parallel}")
 
     def scenario_toml(self) -> str:
         """The simulated clock's scenario for this job (the leaderboard's format): one trained
-        micro-batch per site per step stands for the site's share of a step's tokens."""
+        micro-batch per site per step stands for the site's share of a step's tokens. Sites of
+        different sizes take shares that follow their sizes, so each site's compute per step
+        is the same (its tokens / its GPUs); the scenario is written for the smallest site,
+        whose optimizer step (the largest shard) is the slowest and so sets the lockstep."""
+        small = self.gpus_per_site[self.smallest_site]
         lines = [f"# written by tools/plan.py for: {self.description or 'the job on its command line'}",
                  f"description = {json.dumps(self.description or 'planned job')}", f"sites = {self.sites}", "",
                  "[compute]"]
         if self.step_seconds is not None:
             lines += [f"microbatch_seconds = {self.step_seconds!r}",
-                      f"optimizer_step_seconds = {16 * self.params / self.gpus_per_site[0] / (self.hbm_gbyte_s * 1e9)!r}"]
+                      f"optimizer_step_seconds = {16 * self.params / small / (self.hbm_gbyte_s * 1e9)!r}"]
         else:
             lines += [f"target_params = {self.params!r}",
-                      f"tokens_per_microbatch = {self.tokens_per_step / self.sites!r}",
-                      f"gpus_per_replica = {self.gpus_per_site[0]}",
+                      f"tokens_per_microbatch = {self.tokens_per_step * small / sum(self.gpus_per_site)!r}",
+                      f"gpus_per_replica = {small}",
                       f"sustained_tflops = {self.sustained_tflops!r}",
                       f"hbm_gbyte_s = {self.hbm_gbyte_s!r}"]
         lines += [f"intra_site_gbit = {self.intra_site_gbit!r}", f"site_factors = {self.site_factors!r}", "",
