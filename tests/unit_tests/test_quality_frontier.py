@@ -353,3 +353,21 @@ def test_a_damaged_ladder_page_is_one_error_naming_it(tmp_path):
     (tmp_path / "quality-ladder-S.json").write_text('{"sync": ')
     with pytest.raises(ValueError, match=r"ladder page .*quality-ladder-S.json is damaged \(line 1"):
         qf.ladder_summary(str(tmp_path))
+
+
+def test_the_gap_through_training_shows_when_a_gap_opens():
+    """A point level with sync for the first half and 10% behind after: 0% at 10-50%, +10%
+    from 60% on; a run whose curve has another length (another log interval) is left out."""
+    from tools.benchmarks.quality_frontier import Point, gaps_through_training
+
+    sync_curve = [4.0] * 100
+    late = [4.0] * 50 + [4.4] * 50
+    point = Point("diloco-late", "diloco", ["--lsgd-algorithm", "diloco"])
+    other = Point("other", "diloco", ["--lsgd-algorithm", "diloco", "--lsgd-interval", "7"])
+    sync = {"sync": {1: {"train": sync_curve}, 2: {"train": sync_curve}}}
+    results = {"diloco-late": {1: {"train": late}, 2: {"train": late}}, "other": {1: {"train": late[:50]}}}
+    text = gaps_through_training([point, other], results, sync, fractions=(0.1, 0.5, 0.6, 1.0))
+    row = next(line for line in text.splitlines() if line.startswith("| diloco-late"))
+    assert row == "| diloco-late | +0.00% | +0.00% | +10.00% | +10.00% | 2 |"
+    assert "| other" not in text
+    assert gaps_through_training([other], {"other": {}}, sync) == ""

@@ -355,6 +355,42 @@ def summarize(points: Sequence[Point], results: Dict[str, Dict[int, Dict]],
     return out
 
 
+THROUGH = (0.1, 0.25, 0.5, 0.6, 0.75, 0.9, 1.0)  # fractions of a run at which gaps_through_training reads
+
+
+def _loss_at(curve: Sequence[float], fraction: float) -> float:
+    """The logged training loss at `fraction` of the run: the mean over the 2% of the logged
+    points that end there (one logged loss is one batch's, noisy)."""
+    end = max(1, round(fraction * len(curve)))
+    width = max(1, round(0.02 * len(curve)))
+    return statistics.fmean(curve[max(0, end - width):end])
+
+
+def gaps_through_training(points: Sequence[Point], results: Dict[str, Dict[int, Dict]],
+                          sync: Dict[str, Dict[int, Dict]], fractions: Sequence[float] = THROUGH) -> str:
+    """When each gap opens: the point's training loss against its sync's of the same seed (the
+    same batches at the same step) at fractions of the run, median over the seeds. Empty when
+    no run logged a training curve."""
+    rows = []
+    for p in points:
+        runs = results.get(p.label) or {}
+        per_seed = []
+        for seed, r in sorted(runs.items()):
+            ref = sync[reference_of(p)].get(seed)
+            if ref and r.get("train") and ref.get("train") and len(r["train"]) == len(ref["train"]):
+                per_seed.append([100.0 * (_loss_at(r["train"], f) / _loss_at(ref["train"], f) - 1.0)
+                                 for f in fractions])
+        if per_seed:
+            cells = [statistics.median(column) for column in zip(*per_seed)]
+            rows.append(f"| {p.label} | " + " | ".join(f"{c:+.2f}%" for c in cells) + f" | {len(per_seed)} |")
+    if not rows:
+        return ""
+    head = "| point | " + " | ".join(f"{round(100 * f)}%" for f in fractions) + " | seeds |"
+    return "\n".join(["Gap of the training loss to sync's through the run (the same batches at the same step; the "
+                      "mean of the last 2% of logged losses up to each fraction of the steps; median over the seeds):",
+                      "", head, "|---|" + "---|" * (len(fractions) + 1)] + rows)
+
+
 def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = False,
                refresh: bool = False) -> Optional[Dict]:
     """One run's result, from the cache or trained now and cached (None: it failed, its error
@@ -626,6 +662,9 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"inner optimizer: {references_line(sync)}. Bytes: the logging rank's inter-site bytes sent, as "
               f"counted. " + ("Written from the cache." if args.cached_only else f"{time.perf_counter() - t0:.0f} s in all."))
     block = table(summaries, (args.header_note + " " if args.header_note else "") + header)
+    through = gaps_through_training(points, results, sync)
+    if through:
+        block += "\n\n" + through
     if failed:
         block += "\n\nNo finished run (" + ("not in the cache" if args.cached_only else "every seed failed") + \
             "): " + ", ".join(failed)
