@@ -41,7 +41,7 @@ from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
 from tools.planning.pilots import Pace, Pilot, grid, run_pilots
 
-EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "docs", "quality*.json")
+EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "results", "quality*.json")  # the quality pages' raw JSON
 COMPRESSED = {"dilocox": "int4"}  # leaderboard_setup.recommended's compression per algorithm
 
 

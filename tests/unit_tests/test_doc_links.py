@@ -73,3 +73,16 @@ def test_the_checker_sees_a_missing_file_and_a_missing_heading(tmp_path):
                     "```\n[in a fence](ignored.md)\n```\n[web](https://example.org/x.md)\n")
     assert broken_links("docs/page.md", str(tmp_path)) == ["docs/page.md: missing.md (no such file)",
                                             "docs/page.md: other.md#nope (no such heading)"]
+
+
+def test_docs_hold_only_pages_and_figures():
+    """Measured data (cells, runs, raw JSON, logs) is kept under results/, at the same path as
+    the page it belongs to (issue 51): docs/ holds prose and the figures it shows."""
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "ls-files", "docs"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = out.stdout.split()
+    assert "docs/leaderboard.md" in files
+    data = [f for f in files if not f.endswith((".md", ".png"))]
+    assert not data, "measured data belongs under results/ (the same path): " + ", ".join(data[:10])

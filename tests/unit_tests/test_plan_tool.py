@@ -98,7 +98,7 @@ def test_evidence_multiplier_provenance_and_no_extrapolation(tmp_path):
 
 
 def test_every_committed_quality_page_loads():
-    pages = glob.glob(os.path.join(ROOT, "docs", "quality*.json"))
+    pages = glob.glob(os.path.join(ROOT, "results", "quality*.json"))
     assert pages
     for page in pages:
         e = read_evidence(page)

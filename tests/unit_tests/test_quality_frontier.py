@@ -236,12 +236,20 @@ def test_the_data_line_says_how_often_the_runs_read_the_train_split():
     assert passes_note(None, 1000, 128) == "" and passes_note(corpus + "-missing", 1000, 128) == ""  # mock data
 
 
-def test_a_pages_runs_are_kept_beside_it_and_smoke_runs_apart():
+def test_a_pages_runs_are_kept_under_results_and_smoke_runs_apart(tmp_path):
     page = os.path.join(qf.ROOT, "docs", "quality-one-pass.md")
-    assert qf.default_cache_dir(page, smoke=False) == os.path.join(qf.ROOT, "docs", "runs", "quality-one-pass")
+    assert qf.default_cache_dir(page, smoke=False) == os.path.join(qf.ROOT, "results", "runs", "quality-one-pass")
     assert qf.default_cache_dir(page, smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke")
     assert qf.default_doc(smoke=False) == os.path.join(qf.ROOT, "docs", "quality.md")
     assert qf.default_doc(smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke", "quality.md")
+    # a page in docs/ keeps its raw JSON under results/ (same path), one elsewhere beside it
+    assert qf.page_json(os.path.join(qf.ROOT, "docs", "quality.md")) == os.path.join(qf.ROOT, "results", "quality.json")
+    assert qf.page_json(os.path.join(qf.ROOT, "docs", "quality.md"), "gpu-study") == \
+        os.path.join(qf.ROOT, "results", "quality-gpu-study.json")
+    assert qf.page_json(str(tmp_path / "q.md")) == str(tmp_path / "q.json")
+    assert qf.default_cache_dir(str(tmp_path / "q.md"), smoke=False) == str(tmp_path / "runs" / "q")
+    for rung in ("S", "M"):  # every committed rung's page has its JSON where the ladder's summary reads it
+        assert os.path.exists(qf.page_json(qf.ladder_page(rung)))
 
 
 def test_a_path_into_another_checkout_has_the_digest_of_the_same_path_in_this_one(tmp_path, monkeypatch):
@@ -371,3 +379,23 @@ def test_the_gap_through_training_shows_when_a_gap_opens():
     assert row == "| diloco-late | +0.00% | +0.00% | +10.00% | +10.00% | 2 |"
     assert "| other" not in text
     assert gaps_through_training([other], {"other": {}}, sync) == ""
+
+
+def test_lsgd_quality_writes_its_table_into_docs_and_its_json_under_results(tmp_path, monkeypatch):
+    """lsgd_quality.py's --out-dir in docs/ gets the table and the PNG; the raw results go to
+    the same path under results/ (the runs are faked: nothing trains)."""
+    import sys
+
+    from tools.benchmarks import lsgd_quality, run_cache
+
+    monkeypatch.setattr(run_cache, "DOCS", str(tmp_path / "docs"))
+    monkeypatch.setattr(run_cache, "RESULTS", str(tmp_path / "results"))
+    monkeypatch.setattr(lsgd_quality, "run", lambda argv, world: {
+        "train": [5.0, 4.0], "valid": [4.5], "comm": {"bytes_sent": 1000, "exposed_seconds": 0.1},
+        "tokens_per_s": 100.0})
+    pages = tmp_path / "docs" / "algorithms" / "results" / "x"
+    monkeypatch.setattr(sys, "argv", ["lsgd_quality.py", "--runs", "sync,diloco", "--out-dir", str(pages)])
+    lsgd_quality.main()
+    raw = tmp_path / "results" / "algorithms" / "results" / "x" / "lsgd_quality.json"
+    assert set(json.load(open(raw))["results"]) == {"sync", "diloco"}
+    assert "lsgd_quality.json" not in os.listdir(pages) and "lsgd_quality.md" in os.listdir(pages)

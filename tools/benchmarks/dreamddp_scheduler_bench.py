@@ -13,7 +13,9 @@ times from a latency + size x slope link whose speed relative to compute ranges 
   much restricting the search to contiguous blocks costs;
 - bubble filling: how many extra unit averages per period it adds for free.
 
-Writes scheduler.json, scheduler.md and scheduler.png to --out-dir.
+Writes scheduler.md and scheduler.png to --out-dir, and scheduler.json, the raw summary, to the
+same path under results/ when --out-dir is in docs/ (results/algorithms/results/dreamddp for
+the default), else to --out-dir too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ if ROOT not in sys.path:
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import (Problem, brute_force_schedule, dfs_schedule,  # noqa: E402
                                                         equal_number_schedule, fill_bubbles, unrestricted_optimum)
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
+from tools.benchmarks.run_cache import results_path  # noqa: E402
 from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 
 TOL = 1e-12  # seconds: "equal" and "zero" exposed times
@@ -182,12 +185,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-units", type=int, default=12)
     p.add_argument("--max-slots", type=int, default=5)
     p.add_argument("--unrestricted-max-units", type=int, default=8)
-    p.add_argument("--out-dir", default="docs/algorithms/results/dreamddp")
+    p.add_argument("--out-dir", default="docs/algorithms/results/dreamddp",
+                   help="the table and its PNG; scheduler.json under results/ when this is in docs/")
     args = p.parse_args(argv)
     result = run(args.cases, args.seed, args.max_units, args.max_slots, args.unrestricted_max_units)
     s = summarize(result)
     os.makedirs(args.out_dir, exist_ok=True)
-    write_json(os.path.join(args.out_dir, "scheduler.json"), {"summary": s, "args": vars(args)}, indent=1)
+    raw = os.path.join(results_path(args.out_dir), "scheduler.json")  # measured data: under results/
+    os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
+    write_json(raw, {"summary": s, "args": vars(args)}, indent=1)
+    print("wrote", raw)
     text = markdown(s, args)
     write_text(os.path.join(args.out_dir, "scheduler.md"), text)
     print(text)

@@ -2,7 +2,7 @@
 50-125M-parameter Llama-style model trained on docs-corpus, two sites sharing one GPU (gloo
 between them), bf16, with a token budget sized from the throughput measured first, so that the
 whole study fits --minutes. It writes its table into docs/quality.md (block `gpu-study`) with
-the date and the device.
+the date and the device, its raw results into results/quality-gpu-study.json.
 
     python tools/benchmarks/gpu_quality.py             # on a machine with a GPU, ~8 minutes
 

@@ -37,7 +37,8 @@ link to the newest archived board (docs/leaderboard/archive-<date>.md), if there
 
 Finished cells are cached as JSON under --cache-dir, named by a digest of their flags and
 scenario file, and reused; delete a file to re-run it (Ctrl-C stops every rank with one line:
-the cell under way is lost, the finished ones are kept). The default, docs/leaderboard/cells, is
+the cell under way is lost, the finished ones are kept). The default, results/leaderboard/cells
+(the measured data, outside docs/: the board and its plots are written into docs/), is
 committed with the board: it is the data the tables are written from, so a clone regenerates
 the board (--cached-only) and a later session adds seeds or scenarios to it instead of
 training hours of cells again (a board of several hours outlives one session's machine).
@@ -83,7 +84,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-CELLS_DIR = os.path.join(ROOT, "docs", "leaderboard", "cells")
+CELLS_DIR = os.path.join(ROOT, "results", "leaderboard", "cells")  # the data; the board is a page in docs/
 BOARD = os.path.join(ROOT, "docs", "leaderboard.md")
 PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (runs/ is not committed)
 
@@ -332,7 +333,7 @@ def main() -> None:
                    help="an algorithm faster than sync trains the steps that fit in sync's time, at most this "
                         "many times --steps")
     p.add_argument("--cache-dir", default=CELLS_DIR,
-                   help="finished cells (default: docs/leaderboard/cells, committed with the board it writes)")
+                   help="finished cells (default: results/leaderboard/cells, committed with the board it writes)")
     p.add_argument("--out", default=None,
                    help="the board (default: docs/leaderboard.md for the whole board, every scenario and algorithm "
                         "with 3 seeds or more; runs/leaderboard/leaderboard.md for a part of it)")

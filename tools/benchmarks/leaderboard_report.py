@@ -296,12 +296,15 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
              spent: Optional[Dict[str, List[Optional[float]]]] = None) -> str:
     """docs/leaderboard.md: the method, the scenarios, every table, and the simulator's validation."""
     validation = os.path.join(ROOT, "docs", "leaderboard", "validation.md")  # whichever board: the simulator's
+    # the cells are measured data, kept under results/ (leaderboard.py's CELLS_DIR), the board a page in docs/
+    cells = getattr(args, "cache_dir", None) or os.path.join(ROOT, "results", "leaderboard", "cells")
+    cells_link = os.path.relpath(os.path.abspath(cells), os.path.dirname(os.path.abspath(args.out)))
     head = [
         "# Leaderboard: time to a validation loss, per WAN scenario",
         "",
         "Written by `python tools/benchmarks/leaderboard.py` (resumable; see its docstring); this board by "
         f"`python tools/benchmarks/leaderboard.py {' '.join(sys.argv[1:])}`. Its cells, the data of every table, "
-        "are committed in [leaderboard/cells](leaderboard/cells/README.md): `--cached-only` rewrites this page from "
+        f"are committed in [{cells_link}]({cells_link}/README.md): `--cached-only` rewrites this page from "
         "them, and a run with more seeds or scenarios trains only the cells they lack.",
         "",
         "Every cell trains the",

@@ -3,7 +3,9 @@
 Runs each algorithm in `--sites` x `--ranks-per-site` spawned processes on the same data,
 model, seed and token budget, and writes a Markdown table (final validation loss and its
 gap to sync, inter-site bytes actually sent by the rank that logs, ratio to sync, exposed
-communication, tokens/s) plus a PNG of training and validation loss curves.
+communication, tokens/s) plus a PNG of training and validation loss curves, both into
+--out-dir, and the raw results (lsgd_quality.json) under results/ for an --out-dir in docs/
+(results/algorithms/results for the default docs/algorithms/results), into --out-dir elsewhere.
 
     python tools/benchmarks/lsgd_quality.py --data-path data/python-docs/..._text_document \\
         --tokenizer-model data/python-docs/tokenizer.model --out-dir docs/algorithms/results
@@ -50,7 +52,7 @@ from megatron_lsgd.core.datasets import IndexedDataset, parse_split, split_range
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
-from tools.benchmarks.run_cache import positive_int  # noqa: E402
+from tools.benchmarks.run_cache import positive_int, results_path  # noqa: E402
 from tools.benchmarks.spawned_ranks import run_ranks, run_tool  # noqa: E402
 
 
@@ -150,7 +152,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", default=None)
     p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--out-dir", default="docs/algorithms/results")
+    p.add_argument("--out-dir", default="docs/algorithms/results",
+                   help="the table (lsgd_quality.md) and its PNG; the raw lsgd_quality.json goes to the same path "
+                        "under results/ when this is in docs/ (default: results/algorithms/results), else here")
     p.add_argument("--sites", type=positive_int, default=2)
     p.add_argument("--ranks-per-site", type=positive_int, default=1)
     p.add_argument("--train-iters", type=positive_int, default=600)
@@ -269,8 +273,9 @@ def main() -> None:
         every = args.eval_interval or args.train_iters
         results[name]["valid_iters"] = [every * (i + 1) for i in range(len(results[name]["valid"]))]
         results[name]["flags"] = configs[name]
-    write_json(os.path.join(args.out_dir, "lsgd_quality.json"), {"label": label, "argv": base, "results": results},
-               indent=1)
+    raw = os.path.join(results_path(args.out_dir), "lsgd_quality.json")  # measured data: under results/
+    os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
+    write_json(raw, {"label": label, "argv": base, "results": results}, indent=1)
 
     ref = results.get("sync")
     lines = [f"Data: {label}{passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length)}"
@@ -337,7 +342,7 @@ def main() -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, os.path.join(args.out_dir, "lsgd_quality.png"), dpi=120)
-    print(f"wrote {args.out_dir}/lsgd_quality.{{md,json,png}}")
+    print(f"wrote {args.out_dir}/lsgd_quality.{{md,png}} and {raw}")
 
 
 if __name__ == "__main__":

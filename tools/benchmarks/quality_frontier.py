@@ -14,7 +14,9 @@ as mean and spread (min..max) over the seeds, marks each family's best point (lo
 gap over the seeds its points share; the measured default), and checks issue 24's goals
 (>= 1000x within 2%, >= 100x within 0.5%). It writes the table between `<!-- frontier:begin -->` and `<!-- frontier:end -->`
 of `--doc` (kept otherwise as is, created if missing), a PNG beside it (log x: bytes
-reduction; y: gap, with the seeds' spread) and the raw results as JSON.
+reduction; y: gap, with the seeds' spread) and the raw results as JSON: for a page in docs/,
+under results/ with the same path (docs/quality.md's is results/quality.json), beside it
+elsewhere.
 
     python tools/benchmarks/quality_frontier.py --data-path data/python-docs/python_docs_text_document \\
         --tokenizer-model data/python-docs/python_docs_sp8k.model --train-iters 3000 --seeds 1,2,3
@@ -22,7 +24,7 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON.
 The model-size ladder (docs/quality.md) is this tool with `--ladder S|M|L`: a rung's model,
 sequence, batch and budget (tokens per parameter on docs-corpus, read once; the training file
 used whole and `--valid-data-path` held out by document, see tools/prepare_corpus.py), the
-ladder's points, and its page docs/quality-ladder-RUNG.md with its cells beside it:
+ladder's points, and its page docs/quality-ladder-RUNG.md, its cells in results/runs/quality-ladder-RUNG:
 
     python tools/benchmarks/quality_frontier.py --ladder S --seeds 1,2,3 \
         --data-path data/docs-corpus/docs_corpus_train_text_document \
@@ -32,7 +34,7 @@ ladder's points, and its page docs/quality-ladder-RUNG.md with its cells beside 
 `--points` picks points by label or family (comma-separated; default all); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags, with every argument they resolve to: one made under other defaults is
-trained again; by default docs/runs/<page>, committed with the page it is the data of), so a
+trained again; by default results/runs/<page>, committed with the page it is the data of), so a
 sweep that stops is resumed by running the same command again, on any clone; move a run out
 of the cache after a change of the code that alters training (or `--refresh` the points it
 touches: each run records the commit it ran at, see run_cache.py).
@@ -61,7 +63,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
-from run_cache import SEEDS_HELP, load_or_run, positive_int, relative_flags, resolved_arguments, seed_list  # noqa: E402
+from run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags, resolved_arguments,  # noqa: E402
+                       results_path, seed_list)
 from spawned_ranks import run_tool  # noqa: E402
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object  # noqa: E402
@@ -228,16 +231,24 @@ def _median_range(values: Sequence[float]) -> str:
     return f"{statistics.median(values):+.2f}% [{min(values):+.2f}, {max(values):+.2f}]"
 
 
+def page_json(doc: str, block: str = "frontier") -> str:
+    """The raw results of a page's block: quality.json for quality.md (another block of the same
+    page has its own, quality-NAME.json), under results/ for a page in docs/ (run_cache.results_path)."""
+    base = os.path.splitext(doc)[0] + ("" if block == "frontier" else f"-{block}")
+    return results_path(base) + ".json"
+
+
 def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
     """The ladder's table from each rung's page JSON (quality-ladder-RUNG.json, written by
-    `--ladder RUNG`): per point and rung, the gap to sync of the same seed as median [min, max]
-    over the seeds run, the seeds, and per rung its model, budget, outer steps and sync's loss."""
-    rungs = [r for r in LADDER.values() if os.path.exists(os.path.splitext(ladder_page(r.name, docs_dir))[0] + ".json")]
+    `--ladder RUNG`; results/ holds those of docs/'s pages): per point and rung, the gap to sync
+    of the same seed as median [min, max] over the seeds run, the seeds, and per rung its model,
+    budget, outer steps and sync's loss."""
+    rungs = [r for r in LADDER.values() if os.path.exists(page_json(ladder_page(r.name, docs_dir)))]
     if not rungs:
         return "No rung has finished runs yet (run `quality_frontier.py --ladder S ...`)."
     data = {}
     for r in rungs:
-        data[r.name] = read_json_object(os.path.splitext(ladder_page(r.name, docs_dir))[0] + ".json",
+        data[r.name] = read_json_object(page_json(ladder_page(r.name, docs_dir)),
                                         "ladder page", "write it again with --ladder RUNG --cached-only")
     lines = ["| rung | layers x hidden | parameters (non-embedding) | tokens per parameter | steps "
              "(outer steps at H = 30 / 100) | sync's validation loss | seeds |", "|---|---|---|---|---|---|---|"]
@@ -277,13 +288,14 @@ def default_doc(smoke: bool) -> str:
 
 
 def default_cache_dir(doc: str, smoke: bool) -> str:
-    """Where a page's finished runs are kept: docs/runs/quality-one-pass for
-    docs/quality-one-pass.md, committed beside it, so the page can be regenerated and grown
-    (more seeds, more points) from any clone instead of training its hours of runs again; a
-    smoke run's, which measure nothing, under the ignored runs/."""
+    """Where a page's finished runs are kept: results/runs/quality-one-pass for
+    docs/quality-one-pass.md (runs/<page> beside a page outside docs/), committed with it, so
+    the page can be regenerated and grown (more seeds, more points) from any clone instead of
+    training its hours of runs again; a smoke run's, which measure nothing, under the ignored runs/."""
     if smoke:
         return SMOKE_DIR
-    return os.path.join(os.path.dirname(os.path.abspath(doc)), "runs", os.path.splitext(os.path.basename(doc))[0])
+    data = os.path.dirname(results_path(os.path.abspath(doc)))
+    return os.path.join(data, "runs", os.path.splitext(os.path.basename(doc))[0])
 
 
 def reference_flags(flags: Sequence[str]) -> List[str]:
@@ -535,8 +547,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="train nothing: write the ladder's table (every rung's finished page JSON) into --doc's "
                         "block `ladder` (default docs/quality.md)")
     p.add_argument("--doc", default=None,
-                   help="Markdown file whose frontier block is rewritten (PNG and JSON beside it; default "
-                        "docs/quality.md, with --smoke runs/quality_smoke/quality.md)")
+                   help="Markdown file whose frontier block is rewritten (PNG beside it, JSON too unless it is "
+                        "in docs/: then under results/, same path; default docs/quality.md, with --smoke "
+                        "runs/quality_smoke/quality.md)")
     p.add_argument("--block", default="frontier",
                    help="the named block of --doc to rewrite (between <!-- NAME:begin --> and <!-- NAME:end -->)")
     p.add_argument("--header-note", default="", help="a sentence added to the table's header (e.g. date and device)")
@@ -556,7 +569,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny, fast: checks the pipeline, measures nothing")
     p.add_argument("--cache-dir", default=None,
                    help="finished runs, reused by the next sweep with the same flags (default: runs/<name of --doc> "
-                        "in --doc's directory, committed with the page it is the data of; runs/quality_smoke with "
+                        "in --doc's directory, under results/ for a page in docs/: results/runs/quality for "
+                        "docs/quality.md, committed with the page it is the data of; runs/quality_smoke with "
                         "--smoke)")
     p.add_argument("--refresh", action="store_true",
                    help="train the selected points again even if cached (not the sync references), e.g. after a "
@@ -641,13 +655,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                  "nothing to compare against")
     summaries = summarize(points, results, sync)
     failed = [pt.label for pt in points if not results[pt.label]]
-    # the page's JSON and PNG; another block of the same page has its own
+    # the page's PNG beside it, its JSON under results/ (page_json); another block of the same page has its own
     base = os.path.splitext(args.doc)[0] + ("" if args.block == "frontier" else f"-{args.block}")
+    raw = page_json(args.doc, args.block)
     os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
     # the ladder's model as built (tools/planning/evidence.py reads it: the tokenizer is not in argv's terms)
     model = {"model_parameters": ladder_parameters(LADDER[args.ladder])} if args.ladder is not None else {}
-    write_json(base + ".json", {"label": label, "argv": argv_for([], seeds[0]), **model, "sync": published(sync),
-                                "results": published(results)}, indent=1)
+    write_json(raw, {"label": label, "argv": argv_for([], seeds[0]), **model, "sync": published(sync),
+                     "results": published(results)}, indent=1)
     passes = passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length,
                          whole=args.valid_data_path is not None)
     if args.ladder is not None:
@@ -673,7 +689,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         block += f"\n\n![frontier]({os.path.basename(png)})"
     write_block(args.doc, block, args.block)
     print(block)
-    print(f"wrote {args.doc}, {base}.json" + (f", {png}" if os.path.exists(png) else ""))
+    print(f"wrote {args.doc}, {raw}" + (f", {png}" if os.path.exists(png) else ""))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,19 @@ from megatron_lsgd.core.output_files import write_json
 from tools.benchmarks.tool_input import read_json_object
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = os.path.join(ROOT, "docs")  # pages (.md) and the figures they show
+RESULTS = os.path.join(ROOT, "results")  # measured data: cells, runs, raw JSON, logs (results/README.md)
+
+
+def results_path(path: str) -> str:
+    """Where the measured data of something written at `path` is kept: results/P for docs/P (the
+    same layout, outside docs/, which holds only pages and their figures); a path outside docs/
+    (runs/, a temporary directory) keeps its data beside it, as it is."""
+    full = os.path.abspath(path)
+    rel = os.path.relpath(full, DOCS)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return path
+    return os.path.normpath(os.path.join(RESULTS, rel))
 
 
 def relative_flags(argv: List[str]) -> List[str]:

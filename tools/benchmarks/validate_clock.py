@@ -55,6 +55,7 @@ from megatron_lsgd.core.lsgd.comm import InterSiteComm  # noqa: E402
 from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
 from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks import wan_bench, wan_report  # noqa: E402
+from tools.benchmarks.run_cache import results_path  # noqa: E402
 from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 from tools.wan.launch import site_env  # noqa: E402
 from tools.wan.link import LinkSpec  # noqa: E402
@@ -80,8 +81,8 @@ def bench(out_dir: str, args, extra: str = "") -> Dict[str, dict]:
     for item in args.algo_args:
         argv += ["--algo-args", item]
     if wan_bench.main(argv) != 0:
-        raise SystemExit(f"error: wan_bench failed; see {out_dir}/logs")
-    with open(os.path.join(out_dir, "results.json")) as f:
+        raise SystemExit(f"error: wan_bench failed; see {os.path.join(results_path(out_dir), 'logs')}")
+    with open(os.path.join(results_path(out_dir), "results.json")) as f:  # (wan_bench's data: never in docs/)
         return {r["algorithm"]: r for r in json.load(f)["runs"]}
 
 
@@ -179,7 +180,7 @@ def calibration_step(real: List[Dict[str, dict]], real_dirs: List[str], slow: bo
     if not slow:
         return statistics.median(step_seconds(r[wan_report.CEILING]) for r in real)
     return statistics.median(step_seconds(wan_report.summarize(wan_report.read_log(
-        os.path.join(d, "logs", f"{wan_report.CEILING}.site0.jsonl")))) for d in real_dirs)
+        os.path.join(results_path(d), "logs", f"{wan_report.CEILING}.site0.jsonl")))) for d in real_dirs)
 
 
 def compare(real: List[Dict[str, dict]], sim: Dict[str, dict]) -> List[dict]:
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
     if args.real_from:
         real = []
         for d in real_dirs:
-            with open(os.path.join(d, "results.json")) as f:
+            with open(os.path.join(results_path(d), "results.json")) as f:
                 real.append({r["algorithm"]: r for r in json.load(f)["runs"]})
     else:
         real = [bench(d, args) for d in real_dirs]
@@ -331,7 +332,7 @@ def main(argv=None) -> int:
         with open(args.doc, encoding="utf-8") as f:
             earlier = f.read() + "\n"
     write_text(args.doc, earlier + text + "\n")
-    write_json(os.path.join(args.out_dir, "validation.json"),
+    write_json(os.path.join(results_path(args.out_dir), "validation.json"),
                {"rows": rows, "microbatch_s": microbatch, "optimizer_s": optimizer, "rate_mbit": rate,
                 "cpu_seconds_per_mb": cpu_per_mb, "delays_per_phase": delays, "slow_factor": args.slow_factor,
                 "delay_ms": args.delay_ms, "link_rate_mbit": args.rate_mbit, "clock_model": CLOCK_MODEL}, indent=1)

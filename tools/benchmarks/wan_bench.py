@@ -14,8 +14,10 @@ numbers of steps, A-EDiT, get that token budget as `--train-samples` and stop wh
 used; acco/dpu's adaptive accumulation adds micro-batches to its updates, so it trains on
 more tokens). The table's headline is progress: updates/s against the ceiling, and the
 wall-clock time to sync's final loss; tokens/s (work done) stands beside them. Writes
-results.json, results.md and updates_per_s.png, tokens_per_s.png, loss_vs_wall.png,
-loss_vs_tokens.png to --out-dir, plus each run's logs (`wan_report.py OUT_DIR` re-reports them).
+results.md and updates_per_s.png, tokens_per_s.png, loss_vs_wall.png, loss_vs_tokens.png to
+--out-dir, and results.json plus each run's logs (`wan_report.py OUT_DIR` re-reports them) to
+--out-dir too, or, for an --out-dir in docs/, to the same path under results/ (measured data is
+kept outside docs/: docs/benchmarks/default's is in results/benchmarks/default).
 
 Default scenario: 2 sites x 1 rank, 100 Mbit/s, 20 ms one-way, a 7.2M-parameter Llama
 (4 layers, hidden 256, GQA, SwiGLU, RMSNorm, RoPE) on the bundled Python-docs corpus.
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms, synchronizer_class  # noqa: E402
 from tools.benchmarks import wan_report  # noqa: E402
+from tools.benchmarks.run_cache import results_path  # noqa: E402
 from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 from tools.wan.launch import SiteJob, add_link_args, raise_on_termination, run_jobs, topology_from_args, \
     torchrun_cmd  # noqa: E402
@@ -79,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slow-ranks", default="", help="global ranks made slower (--simulate-slow-ranks)")
     p.add_argument("--slow-factor", type=float, default=2.0)
     p.add_argument("--slow-mode", choices=["consistent", "random"], default="consistent")
-    p.add_argument("--out-dir", default=None, help="default: runs/wan_bench/<date-time>")
+    p.add_argument("--out-dir", default=None, help="default: runs/wan_bench/<date-time> (one in docs/ keeps its "
+                                                   "results.json and logs under results/, same path)")
     p.add_argument("--timeout-per-run", type=float, default=1800.0)
     a = p.parse_args(argv)
     runs: Dict[str, str] = {}  # label -> algorithm, in order
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
         print(f"error: --slow-ranks {a.slow_ranks!r}: give comma-separated rank numbers", file=sys.stderr)
         return 2
     world_per_site = a.ranks_per_site
-    logs = os.path.join(a.out_dir, "logs")
+    logs = os.path.join(results_path(a.out_dir), "logs")  # measured data: never into docs/
     raise_on_termination()
     summaries: Dict[str, dict] = {}
     try:

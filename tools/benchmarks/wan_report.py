@@ -2,6 +2,10 @@
 
     python tools/benchmarks/wan_report.py OUT_DIR   # re-report a wan_bench run from its logs
 
+OUT_DIR holds the table (results.md) and the plots; results.json and logs/ are measured data,
+kept under results/ with the same path when OUT_DIR is in docs/ (docs/benchmarks/default's in
+results/benchmarks/default: run_cache.results_path), in OUT_DIR itself anywhere else.
+
 A run's log holds one record per log interval and a final {"event": "done"} record
 (megatron_lsgd/training/training.py). The first `warmup_intervals` intervals are left out
 of rate and exposed-communication figures (process-group connection set-up and
@@ -29,6 +33,7 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from megatron_lsgd.core.output_files import WriteError, save_figure, write_json, write_text  # noqa: E402
+from tools.benchmarks.run_cache import results_path  # noqa: E402
 from tools.benchmarks.tool_input import ToolInputError, read_json_object  # noqa: E402
 
 CEILING = "ceiling"
@@ -328,20 +333,25 @@ def scenario_title(s: dict) -> str:
 
 
 def write_all(results: dict, out_dir: str) -> List[str]:
+    """results.md and the plots into `out_dir`, results.json beside the logs (results_path)."""
     os.makedirs(out_dir, exist_ok=True)
-    write_json(os.path.join(out_dir, "results.json"), results, indent=1)
+    raw = os.path.join(results_path(out_dir), "results.json")
+    os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
+    write_json(raw, results, indent=1)
     table = markdown_table(results)
     write_text(os.path.join(out_dir, "results.md"), f"{scenario_title(results['scenario'])}\n\n{table}\n{COLUMN_NOTES}")
-    return [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")] + plot(results, out_dir)
+    return [raw, os.path.join(out_dir, "results.md")] + plot(results, out_dir)
 
 
 def report_from_logs(out_dir: str, warmup_intervals: int = 1) -> dict:
     """Rebuild a wan_bench run's results from what it left in `out_dir`: the scenario and the
     run labels from results.json, every figure from logs/ (so an older run gains the
-    figures added since, from the same measurements)."""
-    old = read_json_object(os.path.join(out_dir, "results.json"), "wan_bench results",
+    figures added since, from the same measurements). For an `out_dir` in docs/ they are read
+    from its place under results/ (results_path)."""
+    data = results_path(out_dir)
+    old = read_json_object(os.path.join(data, "results.json"), "wan_bench results",
                            "run wan_bench again to write it")
-    logs = os.path.join(out_dir, "logs")
+    logs = os.path.join(data, "logs")
     sites = old["scenario"]["sites"]
     ceiling = combine_ceiling([summarize(read_log(os.path.join(logs, f"{CEILING}.site{i}.jsonl")), warmup_intervals)
                                for i in range(sites)])
@@ -353,7 +363,8 @@ def report_from_logs(out_dir: str, warmup_intervals: int = 1) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Re-report a wan_bench run from its logs: rewrites results.json, "
                                             "results.md and the plots in OUT_DIR (the runs are not repeated).")
-    p.add_argument("out_dir", help="a wan_bench --out-dir holding results.json and logs/")
+    p.add_argument("out_dir", help="a wan_bench --out-dir holding results.json and logs/ (for one in docs/: "
+                                   "under results/, same path)")
     p.add_argument("--warmup-intervals", type=int, default=1, help="log intervals left out of the rates")
     a = p.parse_args(argv)
     if a.warmup_intervals < 0:

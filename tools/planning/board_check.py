@@ -3,7 +3,7 @@
 
     python tools/planning/board_check.py --scenario 2x8gpu-1gbit-1b [--pilot-steps 300]
 
-For each algorithm with a pilot cell in docs/leaderboard/cells (sync: its seed-1 cell), it runs
+For each algorithm with a pilot cell in results/leaderboard/cells (sync: its seed-1 cell), it runs
 the planner's pilot (tools/planning/pilots.py) on the same scenario file and prints both paces
 and their ratio. The pilots use the same argv builder, synchronizer and clock as the board's;
 with the planner's default pilot lengths (tools/planning/pilots.py) every ratio is within 2%

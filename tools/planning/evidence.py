@@ -1,7 +1,8 @@
 """The project's measured quality evidence, for the planner (tools/plan.py).
 
-Every quality page's JSON written by tools/benchmarks/quality_frontier.py (`docs/quality*.json`,
-the model-size ladder's `docs/quality-ladder-*.json` included) is read through one loader. Each
+Every quality page's JSON written by tools/benchmarks/quality_frontier.py (`results/quality*.json`,
+the raw data of the docs/quality*.md pages, the model-size ladder's `results/quality-ladder-*.json`
+included) is read through one loader. Each
 file says in its argv the model it trained (layers, hidden size, sequence, batch, iterations)
 and in its results the seeds; from those come the model size, the tokens per parameter and
 the seeds of every figure, which label it wherever it is shown.
@@ -130,7 +131,7 @@ def _better(a: Figure, b: Figure) -> bool:
 
 
 def load_all(pattern: str) -> List[Evidence]:
-    """Every quality JSON the pattern finds (docs/quality*.json by default), sorted by path."""
+    """Every quality JSON the pattern finds (results/quality*.json by default), sorted by path."""
     out = []
     for path in sorted(glob.glob(pattern)):
         out.append(read_evidence(path))

@@ -189,3 +189,18 @@ def test_profile_file_round_trip_and_errors(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"units": []}))
     with pytest.raises(ValueError, match="not a dreamddp profile"):
         read_profile_file(str(tmp_path / "other.json"))
+
+
+def test_the_bench_writes_its_table_into_docs_and_its_json_under_results(tmp_path, monkeypatch):
+    import os
+
+    from tools.benchmarks import dreamddp_scheduler_bench, run_cache
+
+    monkeypatch.setattr(run_cache, "DOCS", str(tmp_path / "docs"))
+    monkeypatch.setattr(run_cache, "RESULTS", str(tmp_path / "results"))
+    pages = tmp_path / "docs" / "algorithms" / "results" / "dreamddp"
+    assert dreamddp_scheduler_bench.main(["--cases", "20", "--max-units", "4", "--max-slots", "3",
+                                          "--unrestricted-max-units", "3", "--out-dir", str(pages)]) == 0
+    raw = tmp_path / "results" / "algorithms" / "results" / "dreamddp" / "scheduler.json"
+    assert json.load(open(raw))["summary"]
+    assert "scheduler.md" in os.listdir(pages) and "scheduler.json" not in os.listdir(pages)

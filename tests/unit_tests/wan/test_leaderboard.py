@@ -335,7 +335,7 @@ def test_a_seed_with_no_cell_is_named_once(tmp_path):
 
 def test_cached_only_without_cells_leaves_the_board_alone(tmp_path, monkeypatch, capsys):
     """A checkout without the cells must not replace a board's tables with an empty one; the
-    default cache is the committed one beside the board."""
+    default cache is the committed one under results/."""
     out = tmp_path / "leaderboard.md"
     out.write_text("the tables\n")
     monkeypatch.setattr("sys.argv", ["leaderboard.py", "--cached-only", "--scenarios", "emulated-default",
@@ -345,7 +345,7 @@ def test_cached_only_without_cells_leaves_the_board_alone(tmp_path, monkeypatch,
         lb.main()
     assert exit_.value.code == 2 and out.read_text() == "the tables\n"
     assert "error: --cached-only: no finished cell under" in capsys.readouterr().err
-    assert lb.CELLS_DIR == os.path.join(lb.ROOT, "docs", "leaderboard", "cells")
+    assert lb.CELLS_DIR == os.path.join(lb.ROOT, "results", "leaderboard", "cells")
 
 
 def test_the_board_says_what_its_cells_cost_to_train():

@@ -209,6 +209,28 @@ def test_an_old_run_is_re_reported_from_its_logs(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith("error: ") and "Traceback" not in done.stderr
 
 
+def test_a_run_reported_into_docs_keeps_its_data_under_results(tmp_path, monkeypatch):
+    """An OUT_DIR in docs/ gets the table and the plots; results.json and logs/ are read from and
+    written to the same path under results/ (measured data stays out of docs/)."""
+    from tools.benchmarks import run_cache
+
+    monkeypatch.setattr(run_cache, "DOCS", str(tmp_path / "docs"))
+    monkeypatch.setattr(run_cache, "RESULTS", str(tmp_path / "results"))
+    pages, data = tmp_path / "docs" / "benchmarks" / "x", tmp_path / "results" / "benchmarks" / "x"
+    (data / "logs").mkdir(parents=True)
+    for name, log in (("ceiling.site0", fake_log(500, [1.0, 1.0, 1.0])), ("ceiling.site1", fake_log(500, [1.0, 1.0, 1.0])),
+                      ("sync", fake_log(1000, [4.0, 4.0, 4.0]))):
+        (data / "logs" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    (data / "results.json").write_text(json.dumps({"scenario": {"sites": 2, "ranks_per_site": 1, "rate_mbit": 100.0,
+                                                                "delay_ms": 20.0},
+                                                   "runs": [{"algorithm": "ceiling"}, {"algorithm": "sync"}]}))
+    assert wan_report.main([str(pages)]) == 0
+    assert sorted(os.listdir(pages)) == ["loss_vs_tokens.png", "loss_vs_wall.png", "results.md", "tokens_per_s.png",
+                                         "updates_per_s.png"]
+    assert sorted(os.listdir(data)) == ["logs", "results.json"]
+    assert "ratio_to_ceiling" in json.load(open(data / "results.json"))["runs"][0]
+
+
 def test_a_damaged_run_directory_is_one_error_line(tmp_path, capsys):
     """results.json of another shape, a log line cut short or not an object: one `error:` line
     naming the file (and the line), exit 2."""
