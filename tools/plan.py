@@ -296,7 +296,8 @@ def _first_per_algorithm(rows: List[Dict]) -> List[Dict]:
 def table(result: Dict) -> str:
     job = result["job"]
     gpus = job["gpus_per_site"]
-    lines = [f"job: {job['sites']} sites x {gpus[0] if len(set(gpus)) == 1 else '+'.join(map(str, gpus))} GPUs, links {job['rate_mbit']} Mbit/s "
+    per_site = str(gpus[0]) if len(set(gpus)) == 1 else "+".join(map(str, gpus))
+    lines = [f"job: {job['sites']} sites x {per_site} GPUs, links {job['rate_mbit']} Mbit/s "
              f"{job['latency_ms']} ms, slowdowns {job['site_factors']}, {job['params'] / 1e9:.3g}B params, "
              f"{job['tokens_per_step']:.3g} tokens/step, {job['total_tokens']:.3g} tokens = {job['steps']} steps, "
              f"TP {job['tensor_parallel']} PP {job['pipeline_parallel']}, recompute {job['recompute']}"]

@@ -129,7 +129,13 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out_dir: str) -> 
 def run_cell(argv: List[str], world: int) -> Dict:
     with tempfile.TemporaryDirectory() as d:
         run_ranks(_worker, (world, free_port(), argv, d), world)
-        records = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
+        return cell_of(d, world)
+
+
+def cell_of(folder: str, world: int) -> Dict:
+    """A run's record from its ranks' files in `folder` (_worker's): the logging rank's, with
+    the peak memory of every rank."""
+    records = [json.load(open(os.path.join(folder, f"{r}.json"))) for r in range(world)]
     out = records[-1]
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in records)
     return out

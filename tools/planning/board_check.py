@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_lsgd import cli  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
 from tools.benchmarks.leaderboard import CELLS_DIR  # noqa: E402
-from tools.benchmarks.leaderboard_setup import ALGORITHMS, MICRO_BATCH, SCENARIO_DIR  # noqa: E402
-from tools.planning.pilots import run_pilots  # noqa: E402
+from tools.benchmarks.leaderboard_setup import ALGORITHMS, SCENARIO_DIR  # noqa: E402
+from tools.planning.pilots import global_batches, run_pilots  # noqa: E402
 
 
 def board_pace(name: str, algorithm: str, sites: int):
@@ -34,7 +34,7 @@ def board_pace(name: str, algorithm: str, sites: int):
     if not found:
         return None
     cell = json.load(open(found[0]))
-    return cell["seconds"] / (cell["samples"] / (MICRO_BATCH * sites))
+    return cell["seconds"] / global_batches(cell, sites, cell["steps"])
 
 
 def main() -> None:

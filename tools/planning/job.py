@@ -170,8 +170,8 @@ class Job:
                              f"--tokens-per-step {self.tokens_per_step:g}")
         per_site = self.tokens_per_step * min(self.gpus_per_site) / sum(self.gpus_per_site)
         if per_site < self.seq_length * self.micro_batch_size:
-            raise ValueError(f"{where}: --tokens-per-step {self.tokens_per_step:g} gives the smallest site {per_site:g} "
-                             f"tokens, less than one micro-batch (--seq-length x --micro-batch-size)")
+            raise ValueError(f"{where}: --tokens-per-step {self.tokens_per_step:g} gives the smallest site "
+                             f"{per_site:g} tokens, less than one micro-batch (--seq-length x --micro-batch-size)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"{where}: --recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
         for name, value in (("--tensor-parallel", self.tensor_parallel), ("--pipeline-parallel", self.pipeline_parallel)):

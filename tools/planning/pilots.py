@@ -131,13 +131,17 @@ def merged(flags: Sequence[str], overrides: Sequence[str]) -> List[str]:
     return out
 
 
+def global_batches(cell: Dict, sites: int, steps: int) -> float:
+    """A step of the job is one global batch of its tokens. acco and dpu add micro-batches while
+    they wait (adaptive accumulation), so an update can hold several: count global batches
+    consumed, not updates (for every other algorithm the two are equal)."""
+    return cell["samples"] / (MICRO_BATCH * sites) if cell.get("samples") else steps
+
+
 def pace_from_cell(pilot: Pilot, scenario: Scenario, steps: int, cell: Dict) -> Pace:
     scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
     comm = cell.get("comm") or {}
-    # A step of the job is one global batch of its tokens. acco and dpu add micro-batches while
-    # they wait (adaptive accumulation), so an update can hold several: count global batches
-    # consumed, not updates (for every other algorithm the two are equal).
-    batches = cell["samples"] / (MICRO_BATCH * scenario.sites) if cell.get("samples") else steps
+    batches = global_batches(cell, scenario.sites, steps)
     return Pace(algorithm=pilot.algorithm, settings=merged(recommended(pilot.algorithm, scenario), pilot.extra),
                 steps=steps, seconds_per_step=cell["seconds"] / batches,
                 exposed_seconds_per_step=comm.get("exposed_seconds", 0.0) / batches,
@@ -165,14 +169,14 @@ def _pilots_worker(rank: int, world: int, runs: List, out_dir: str, announce: bo
     of its own) and leaves it before the next; the last rank announces each one's pace."""
     from tools.benchmarks.leaderboard import _worker
 
-    for i, (label, port, argv, sites) in enumerate(runs):
+    for i, (label, port, argv) in enumerate(runs):
         start = time.monotonic()
         folder = os.path.join(out_dir, str(i))
         os.makedirs(folder, exist_ok=True)
         _worker(rank, world, port, argv, folder)
         if announce and rank == world - 1:
             record = json.load(open(os.path.join(folder, f"{rank}.json")))
-            batches = record["samples"] / (MICRO_BATCH * sites) if record.get("samples") else record["iterations"]
+            batches = global_batches(record, world, record["iterations"])
             print(f"  {label}: {record['seconds'] / batches:.4g} simulated s per step "
                   f"({time.monotonic() - start:.1f} s real)", file=sys.stderr, flush=True)
 
@@ -181,24 +185,18 @@ def _finished(folder: str, world: int) -> bool:
     return all(os.path.exists(os.path.join(folder, f"{r}.json")) for r in range(world))
 
 
-def _cell(folder: str, world: int) -> Dict:
-    records = [json.load(open(os.path.join(folder, f"{r}.json"))) for r in range(world)]
-    out = records[-1]
-    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in records)
-    return out
-
-
 def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario,
                minimum_steps: Optional[int] = None, progress=print,
                pilots: Optional[Sequence[Pilot]] = None) -> Dict[str, Optional[Pace]]:
     """One pilot per algorithm (or the given `pilots`, e.g. grid()'s), keyed by label; a pilot
     that fails is reported and left out (None)."""
+    from tools.benchmarks.leaderboard import cell_of
     from tools.benchmarks.spawned_ranks import run_ranks
 
     pilots = list(pilots) if pilots is not None else [Pilot(a) for a in algorithms]
     world = scenario.sites
     steps = [pilot_steps(p.algorithm, scenario, minimum_steps, p.interval) for p in pilots]
-    runs = [(p.label, free_port(), _argv(p, scenario_path, scenario, n), world) for p, n in zip(pilots, steps)]
+    runs = [(p.label, free_port(), _argv(p, scenario_path, scenario, n)) for p, n in zip(pilots, steps)]
     announce = progress is not None
     say = progress or (lambda line: None)
     say(f"> {len(pilots)} pilots in one set of {world} ranks: "
@@ -212,13 +210,13 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
         for i, (pilot, n) in enumerate(zip(pilots, steps)):
             folder = os.path.join(d, str(i))
             if _finished(folder, world):
-                out[pilot.label] = pace_from_cell(pilot, scenario, n, _cell(folder, world))
+                out[pilot.label] = pace_from_cell(pilot, scenario, n, cell_of(folder, world))
                 continue
             say(f"> pilot {pilot.label} again, in ranks of its own ...")
             try:
-                run_ranks(_pilots_worker, (world, [(pilot.label, free_port(), runs[i][2], world)],
-                                           os.path.join(d, f"apart-{i}"), announce), world)
-                out[pilot.label] = pace_from_cell(pilot, scenario, n, _cell(os.path.join(d, f"apart-{i}", "0"), world))
+                apart = os.path.join(d, f"apart-{i}")
+                run_ranks(_pilots_worker, (world, [(pilot.label, free_port(), runs[i][2])], apart, announce), world)
+                out[pilot.label] = pace_from_cell(pilot, scenario, n, cell_of(os.path.join(apart, "0"), world))
             except Exception as err:
                 say(f"warning: the {pilot.label} pilot failed ({err}); it is left out of the table")
                 out[pilot.label] = None
