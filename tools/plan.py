@@ -23,7 +23,6 @@ leaderboard's pieces, which live under tools/benchmarks.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ from tools.benchmarks.leaderboard_setup import ALGORITHMS
 from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
 from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
-from tools.planning.pilots import Pace, Pilot, grid, run_pilots
+from tools.planning.pilots import Pace, Pilot, grid, ranks_output_to, run_pilots
 
 EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "results", "quality*.json")  # the quality pages' raw JSON
 COMPRESSED = {"dilocox": "int4"}  # leaderboard_setup.recommended's compression per algorithm
@@ -141,22 +140,6 @@ def job_from_args(a) -> Job:
         job.notes.append(f"--total-tokens not given: 20 tokens per parameter assumed ({job.total_tokens:.3g})")
     job.validate()
     return job
-
-
-@contextlib.contextmanager
-def ranks_output_to(path: str):
-    """The pilots' ranks print a whole training log each; it goes to a file (their errors
-    still reach stderr), so the progress lines stay readable."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(path, "a") as log:
-        os.dup2(log.fileno(), 1)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
 
 
 def settings_flags(pace: Pace) -> List[str]:

@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -24,7 +25,7 @@ from megatron_lsgd import cli  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
 from tools.benchmarks.leaderboard import CELLS_DIR  # noqa: E402
 from tools.benchmarks.leaderboard_setup import ALGORITHMS, SCENARIO_DIR  # noqa: E402
-from tools.planning.pilots import global_batches, run_pilots  # noqa: E402
+from tools.planning.pilots import global_batches, ranks_output_to, run_pilots  # noqa: E402
 
 
 def board_pace(name: str, algorithm: str, sites: int):
@@ -48,8 +49,11 @@ def main() -> None:
         path = os.path.join(SCENARIO_DIR, f"{a.scenario}.toml")
         scenario = load_scenario(path)
         algorithms = [x for x in a.algorithms.split(",") if board_pace(a.scenario, x, scenario.sites) is not None]
-        paces = run_pilots(algorithms, path, scenario, a.pilot_steps,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+        log = os.path.join(tempfile.gettempdir(), f"board-check-{os.getpid()}.log")
+        print(f"> the pilots' ranks log to {log}", file=sys.stderr)
+        with ranks_output_to(log):
+            paces = run_pilots(algorithms, path, scenario, a.pilot_steps,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True))
         print("| algorithm | planner pilot steps | planner s/step | board s/step (its pilot) | ratio |")
         print("|---|---|---|---|---|")
         for algorithm, pace in paces.items():

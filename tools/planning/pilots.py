@@ -19,18 +19,21 @@ Three things make the pilots cheap without changing what the clock charges:
   scenario's cost whatever its length, and with rotary positions the parameters (so the
   bytes and the fragments) do not depend on it, so only the real compute shrinks;
 - every pilot runs in one set of spawned ranks, one after another (start-up, imports and
-  the data index are paid once); when one fails, the rest run in ranks of their own, so a
-  failure is reported for its pilot alone.
+  the data index are paid once); when one stops the batch, the rest run again as a batch,
+  and one that stops it twice is reported for itself alone and left out.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -185,42 +188,70 @@ def _finished(folder: str, world: int) -> bool:
     return all(os.path.exists(os.path.join(folder, f"{r}.json")) for r in range(world))
 
 
+@contextlib.contextmanager
+def ranks_output_to(path: str):
+    """The pilots' ranks print a whole training log each; it goes to a file (their errors
+    still reach stderr), so the progress lines stay readable."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario,
                minimum_steps: Optional[int] = None, progress=print,
                pilots: Optional[Sequence[Pilot]] = None) -> Dict[str, Optional[Pace]]:
-    """One pilot per algorithm (or the given `pilots`, e.g. grid()'s), keyed by label; a pilot
-    that fails is reported and left out (None)."""
+    """One pilot per algorithm (or the given `pilots`, e.g. grid()'s), keyed by label. They run
+    as one batch; when the batch stops at a pilot, the unfinished ones run again as a batch
+    (fresh ports: a port taken meanwhile by another job is the usual cause), and a pilot that
+    stops it twice is reported and left out (None)."""
     from tools.benchmarks.leaderboard import cell_of
     from tools.benchmarks.spawned_ranks import run_ranks
 
     pilots = list(pilots) if pilots is not None else [Pilot(a) for a in algorithms]
     world = scenario.sites
     steps = [pilot_steps(p.algorithm, scenario, minimum_steps, p.interval) for p in pilots]
-    runs = [(p.label, free_port(), _argv(p, scenario_path, scenario, n)) for p, n in zip(pilots, steps)]
+    argvs = [_argv(p, scenario_path, scenario, n) for p, n in zip(pilots, steps)]
     announce = progress is not None
     say = progress or (lambda line: None)
     say(f"> {len(pilots)} pilots in one set of {world} ranks: "
         + ", ".join(f"{p.label} ({n} steps)" for p, n in zip(pilots, steps)))
     out: Dict[str, Optional[Pace]] = {}
+    remaining, stopped_by = list(range(len(pilots))), Counter()
     with tempfile.TemporaryDirectory() as d:
-        try:
-            run_ranks(_pilots_worker, (world, runs, d, announce), world)
-        except Exception as err:  # a rank's error is printed above; the unfinished pilots run apart
-            say(f"warning: a pilot failed ({err}); the unfinished ones run in ranks of their own")
-        for i, (pilot, n) in enumerate(zip(pilots, steps)):
-            folder = os.path.join(d, str(i))
-            if _finished(folder, world):
-                out[pilot.label] = pace_from_cell(pilot, scenario, n, cell_of(folder, world))
-                continue
-            say(f"> pilot {pilot.label} again, in ranks of its own ...")
+        for attempt in itertools.count():
+            if not remaining:
+                break
+            folder = os.path.join(d, str(attempt))
             try:
-                apart = os.path.join(d, f"apart-{i}")
-                run_ranks(_pilots_worker, (world, [(pilot.label, free_port(), runs[i][2])], apart, announce), world)
-                out[pilot.label] = pace_from_cell(pilot, scenario, n, cell_of(os.path.join(apart, "0"), world))
-            except Exception as err:
-                say(f"warning: the {pilot.label} pilot failed ({err}); it is left out of the table")
-                out[pilot.label] = None
+                run_ranks(_pilots_worker, (world, [(pilots[i].label, free_port(), argvs[i]) for i in remaining],
+                                           folder, announce), world)
+            except Exception as err:  # a rank's error is printed above
+                say(f"warning: the pilots stopped ({err})")
+            unfinished = []
+            for k, i in enumerate(remaining):
+                if _finished(os.path.join(folder, str(k)), world):
+                    out[pilots[i].label] = pace_from_cell(pilots[i], scenario, steps[i],
+                                                          cell_of(os.path.join(folder, str(k)), world))
+                else:
+                    unfinished.append(i)
+            if unfinished:
+                first = unfinished[0]
+                stopped_by[first] += 1
+                if stopped_by[first] == 2:
+                    say(f"warning: the {pilots[first].label} pilot failed twice; it is left out of the table")
+                    out[pilots[first].label] = None
+                    unfinished = unfinished[1:]
+                if unfinished:
+                    say(f"> again from {pilots[unfinished[0]].label}: {len(unfinished)} pilots ...")
+            remaining = unfinished
     return out
 
 
-__all__ = ["Pace", "Pilot", "grid", "pilot_steps", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]
+__all__ = ["Pace", "Pilot", "grid", "pilot_steps", "ranks_output_to", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]
