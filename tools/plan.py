@@ -35,14 +35,14 @@ import _bootstrap  # noqa: F401
 from megatron_lsgd import cli
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import write_text
-from tools.benchmarks.leaderboard_setup import ALGORITHMS
+from tools.benchmarks.recipes import ALGORITHMS
 from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
 from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
 from tools.planning.pilots import Pace, Pilot, grid, run_pilots
 
 EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "results", "quality*.json")  # the quality pages' raw JSON
-COMPRESSED = {"dilocox": "int4"}  # leaderboard_setup.recommended's compression per algorithm
+COMPRESSED = {"dilocox": "int4"}  # recipes.recommended's compression per algorithm
 
 
 def parser() -> cli.ArgumentParser:

@@ -40,11 +40,11 @@ if ROOT not in sys.path:
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import Scenario  # noqa: E402
-from tools.benchmarks.leaderboard_setup import (LAYERS, MICRO_BATCH, PILOT_STEPS, TRAINED_PARAMS_GUESS,  # noqa: E402
-                                                cell_argv, recommended, recommended_interval)
+from tools.benchmarks.leaderboard_setup import MICRO_BATCH, PILOT_STEPS, cell_argv  # noqa: E402
+from tools.benchmarks.recipes import LAYERS, TRAINED_PARAMS_GUESS, recommended, recommended_interval  # noqa: E402
 
 
-# Algorithms whose exchange comes once per interval (leaderboard_setup.recommended gives them
+# Algorithms whose exchange comes once per interval (recipes.recommended gives them
 # H, or a-edit H steps' time); the others exchange every step.
 ROUND_BASED = {"diloco", "dilocox", "streaming-diloco", "cocodc", "dreamddp", "edit", "a-edit"}
 EVERY_STEP_PILOT = 50
@@ -96,7 +96,7 @@ def pilot_steps(algorithm: str, scenario: Scenario, minimum: Optional[int] = Non
 def grid(algorithms: Sequence[str], scenario: Scenario) -> List[Pilot]:
     """Each algorithm at its recommended settings, and each round-based one also at
     GRID_FACTORS x its H (whole fragments; the streaming family's tau follows H as in
-    leaderboard_setup.recommended; a-edit's interval is H steps' time)."""
+    recipes.recommended; a-edit's interval is H steps' time)."""
     h = recommended_interval(scenario)
     step = scenario.microbatch_seconds + scenario.optimizer_step_seconds
     out = []
