@@ -98,7 +98,9 @@ def _frontier_fragments(interval: int, num_layers: int) -> Tuple[int, List[str]]
 
 PLAIN = ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0"]  # the frontier's plain averaging
 CLAIMS_FRAGMENTS = ["--lsgd-interval", "30", "--lsgd-fragments", "2", "--lsgd-fragment-sync-delay", "5"]
-FIXED = ["--lsgd-accumulation", "fixed"]  # equal tokens: the configured micro-batches every step
+# Equal tokens: the configured micro-batches every step (adaptive accumulation would add some
+# whenever the overlapped reduce + step outlast a stage's compute).
+FIXED = ["--lsgd-accumulation", "fixed"]
 
 
 def _none(*_) -> list:
