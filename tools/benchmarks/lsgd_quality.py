@@ -43,7 +43,7 @@ import shlex
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -151,7 +151,8 @@ def steps_to_reach(iters: List[int], losses: List[float], target: float):
     return None
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The tool's arguments; their defaults are the knobs of the recipes' runs (recipes.quality_runs)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", default=None)
     p.add_argument("--tokenizer-model", default=None)
@@ -197,7 +198,12 @@ def main() -> None:
                    help="--lsgd-edit-ema-warmup for edit/a-edit runs with the penalty (a short run has few syncs)")
     p.add_argument("--fault", default="1:8:100",
                    help="--lsgd-edit-inject-fault for the edit-fault and edit-nopenalty-fault runs")
-    args = p.parse_args()
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
 
     data, label = data_argv(args.data_path, args.tokenizer_model)
     world = args.sites * args.ranks_per_site
