@@ -31,7 +31,10 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-import _bootstrap  # noqa: F401
+if __package__:  # python -m tools.plan, python -m tools.bench plan: the checkout is on the path
+    from tools import _bootstrap
+else:  # python tools/plan.py: tools/ is, the checkout not yet
+    import _bootstrap  # noqa: F401
 from megatron_lsgd import cli
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import write_text
