@@ -1,7 +1,8 @@
 """The quality frontier: cross-site bytes saved against validation loss, per algorithm x compressor.
 
 Runs `sync` and every point of a sweep (an algorithm, a compressor and the few knobs that
-matter: H, outer lr/momentum, alpha, density, rank, lambda, the inner optimizer) for each
+matter: H, outer lr/momentum, alpha, density, rank, lambda, the inner optimizer; each
+algorithm's points in its recipe, tools/benchmarks/recipes.py) for each
 seed, at the same model, data, token budget and seed as `sync`, in `--sites` spawned
 processes per run (tools/benchmarks/lsgd_quality.py's runner). Each point is measured against
 `sync` with the point's own inner optimizer (`--optimizer` and its flags): MuLoCo against
