@@ -45,7 +45,6 @@ from tools.planning.memory import GIB, memory_per_gpu
 from tools.planning.pilots import Pace, Pilot, grid, run_pilots
 
 EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "results", "quality*.json")  # the quality pages' raw JSON
-COMPRESSED = {"dilocox": "int4"}  # recipes.recommended's compression per algorithm
 
 
 def parser() -> cli.ArgumentParser:
@@ -248,8 +247,10 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         if pace is None:
             continue
         algorithm = pace.algorithm
+        s = pace.settings  # the pilot's: its recipe's recommended flags
+        compression = s[s.index("--lsgd-compression") + 1] if "--lsgd-compression" in s else "none"
         mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(small), algorithm,
-                             COMPRESSED.get(algorithm, "none"), outer_momentum=False, seq=job.seq_length,
+                             compression, outer_momentum=False, seq=job.seq_length,
                              micro_batch=job.micro_batch_size, hidden=job.model.hidden_for_memory(),
                              heads=job.model.num_attention_heads or max(1, job.model.hidden_for_memory() // 128),
                              layers=job.model.layers_for_memory(), recompute=job.recompute, microbatches=microbatches)

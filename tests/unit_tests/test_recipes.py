@@ -111,7 +111,8 @@ def everything(r: recipes.Recipe) -> str:
     rows, the frontier at several H and depths, the ladder and the claims."""
     return json.dumps({
         "quality": {"default": r.default(KNOBS), **r.variants(KNOBS)},
-        "recommended": {name: r.recommended(scenario(name)) for name in SCENARIOS},
+        "recommended": {name: r.recommended(scenario(name), recipes.recommended_interval(scenario(name)))
+                        for name in SCENARIOS},
         "board": r.board_variants, "free_link": r.free_link,
         "frontier": [[[p.label, p.family, p.flags] for p in r.frontier(h, n)] for h in (7, 30, 48, 50, 200)
                      for n in (1, 2, 4, 6)],

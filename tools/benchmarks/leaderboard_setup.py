@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.training.scenario import load_scenario

@@ -5,8 +5,8 @@ algorithm without one stops with an error naming this file).
 A recipe's flags are what follows `--lsgd-algorithm NAME` (the tools put that first):
 - `default(k)`: lsgd_quality.py's run of the algorithm, labelled by its name, at that tool's
   knobs `k` (its arguments: k.interval, k.outer_lr, ...); `variants(k)`: its other named runs;
-- `recommended(scenario)`: a leaderboard cell's settings on a scenario (tools/plan.py's pilots
-  run them too); `board_variants`: tuned rows of the board per scenario name, flags after the
+- `recommended(scenario, h)`: a leaderboard cell's settings on a scenario, at the outer interval
+  H recommended for it (recommended_interval) or another (tools/plan.py's pilots and their grid); `board_variants`: tuned rows of the board per scenario name, flags after the
   recommended ones, where a target's miss asks what a user who knows the scenario would set;
   `free_link`: where a site is slow, also a row on the scenario with a free link: what the
   link costs it in progress (its ceiling);
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_lsgd.training.scenario import Scenario
 
@@ -77,15 +77,14 @@ def _fragments(k) -> List[str]:
             "--lsgd-fragment-sync-delay", str(k.sync_delay)]
 
 
-def _board_outer(s: Scenario) -> List[str]:
-    """The board's outer loop: the recommended H, plain averaging (outer lr 1, momentum 0)."""
-    return ["--lsgd-interval", str(recommended_interval(s)), "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0"]
+def _board_outer(s: Scenario, h: int) -> List[str]:
+    """The board's outer loop: H, plain averaging (outer lr 1, momentum 0)."""
+    return ["--lsgd-interval", str(h), "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0"]
 
 
-def _board_fragments(s: Scenario) -> List[str]:
+def _board_fragments(h: int) -> List[str]:
     """One fragment per layer, tau = min(5, H / 8)."""
-    return ["--lsgd-fragments", str(LAYERS), "--lsgd-fragment-sync-delay",
-            str(min(5, max(1, recommended_interval(s) // 8)))]
+    return ["--lsgd-fragments", str(LAYERS), "--lsgd-fragment-sync-delay", str(min(5, max(1, h // 8)))]
 
 
 def _frontier_fragments(interval: int, num_layers: int) -> Tuple[int, List[str]]:
@@ -111,7 +110,7 @@ def _none(*_) -> list:
 class Recipe:
     """One algorithm's settings in every benchmark (see the module's docstring)."""
     default: Callable[[Any], List[str]]
-    recommended: Callable[[Scenario], List[str]]
+    recommended: Callable[[Scenario, int], List[str]]
     variants: Callable[[Any], Dict[str, List[str]]] = lambda k: {}
     frontier: Callable[[int, int], List[Point]] = _none
     ladder: Callable[[Sequence[float]], List[Point]] = _none
@@ -173,10 +172,10 @@ def _a_edit_frontier(interval: int, num_layers: int) -> List[Point]:
                                                       "--lsgd-aedit-interval-seconds", str(interval)])]
 
 
-def _a_edit_recommended(s: Scenario) -> List[str]:
+def _a_edit_recommended(s: Scenario, h: int) -> List[str]:
     """An interval of H steps' time."""
     step = s.microbatch_seconds + s.optimizer_step_seconds
-    return ["--lsgd-aedit-interval-seconds", f"{recommended_interval(s) * step:.4g}", "--lsgd-outer-lr", "1.0",
+    return ["--lsgd-aedit-interval-seconds", f"{h * step:.4g}", "--lsgd-outer-lr", "1.0",
             "--lsgd-outer-momentum", "0.0"]
 
 
@@ -194,7 +193,7 @@ RECIPES: Dict[str, Recipe] = {
                             "dilocox-int4": ["--lsgd-compression", "int4"] + _outer_x(k),
                             "dilocox-lowrank-int4": ["--lsgd-compression", "lowrank-int4", "--lsgd-rank",
                                                      str(k.rank)] + _outer_x(k)},
-        recommended=lambda s: _board_outer(s) + ["--lsgd-compression", "int4"],
+        recommended=lambda s, h: _board_outer(s, h) + ["--lsgd-compression", "int4"],
         frontier=lambda interval, num_layers: [
             Point(f"dilocox-lowrank{rank}", "dilocox x lowrank-int4",
                   ["--lsgd-interval", str(interval)] + PLAIN + ["--lsgd-compression", "lowrank-int4", "--lsgd-rank",
@@ -202,7 +201,7 @@ RECIPES: Dict[str, Recipe] = {
         ladder=lambda outer_lrs: [Point("dilocox-H30", "dilocox", ["--lsgd-interval", "30"])]),
     "streaming-diloco": Recipe(
         default=lambda k: ["--lsgd-fragment-update-alpha", str(k.alpha)] + _outer(k) + _fragments(k),
-        recommended=lambda s: _board_outer(s) + _board_fragments(s),
+        recommended=lambda s, h: _board_outer(s, h) + _board_fragments(h),
         frontier=lambda interval, num_layers: [
             Point(f"streaming-alpha{alpha}", "streaming-diloco", ["--lsgd-fragment-update-alpha", str(alpha)]
                   + _frontier_fragments(interval, num_layers)[1]) for alpha in (0.0, 0.5, 1.0)],
@@ -211,7 +210,7 @@ RECIPES: Dict[str, Recipe] = {
     "cocodc": Recipe(
         default=lambda k: ["--lsgd-cocodc-lambda", str(k.dc_lambda), "--lsgd-cocodc-gamma", str(k.gamma),
                            "--lsgd-cocodc-syncs-per-round", str(k.syncs_per_round)] + _outer(k) + _fragments(k),
-        recommended=lambda s: _board_outer(s) + _board_fragments(s),
+        recommended=lambda s, h: _board_outer(s, h) + _board_fragments(h),
         frontier=_cocodc_frontier, claims=_cocodc_claims),
     # dreamddp averages parameters (no outer optimizer): compare it with diloco at outer lr 1,
     # momentum 0, which averages the whole model every H steps
@@ -220,12 +219,12 @@ RECIPES: Dict[str, Recipe] = {
         variants=lambda k: {"dreamddp-nofill": ["--lsgd-interval", str(k.interval), "--lsgd-dreamddp-no-bubble-fill"],
                             "dreamddp-enp": ["--lsgd-interval", str(k.interval), "--lsgd-dreamddp-scheduler", "equal",
                                              "--lsgd-dreamddp-no-bubble-fill"]},
-        recommended=lambda s: ["--lsgd-interval", str(recommended_interval(s))]),
+        recommended=lambda s, h: ["--lsgd-interval", str(h)]),
     # dpu, which misses sync's loss on emulated-default: its first 100 updates (about a third of its
     # steps there) undelayed, the warm-up that brought it within 3% of sync in the quality frontier
     # (docs/algorithms/acco.md): does the quality it buys pay for the overlap it gives up?
     "dpu": Recipe(
-        default=lambda k: list(FIXED), recommended=lambda s: ["--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
+        default=lambda k: list(FIXED), recommended=lambda s, h: ["--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
         frontier=lambda interval, num_layers: [Point("dpu", "dpu", list(FIXED))],
         claims=lambda: [Point("claims-dpu-fixed", "claims", list(FIXED))],
         board_variants={"emulated-default": ((DPU_WARMUP, ("--lsgd-dpu-warmup-iters", "100")),)}),
@@ -236,7 +235,7 @@ RECIPES: Dict[str, Recipe] = {
     # settles on, without the exchange of counts every stage.
     "acco": Recipe(
         default=lambda k: list(FIXED),
-        recommended=lambda s: ["--lsgd-site-microbatches", ",".join(["2"] * s.sites),
+        recommended=lambda s, h: ["--lsgd-site-microbatches", ",".join(["2"] * s.sites),
                                "--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
         board_variants={"emulated-1gbit-straggler4x": (
             (ACCO_FIXED, ("--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", "8,2")),)}),
@@ -265,9 +264,10 @@ def recipe(algorithm: str) -> Recipe:
     return RECIPES[algorithm]
 
 
-def recommended(algorithm: str, scenario: Scenario) -> List[str]:
-    """The leaderboard's settings for `algorithm` on `scenario` (after --lsgd-algorithm)."""
-    return recipe(algorithm).recommended(scenario)
+def recommended(algorithm: str, scenario: Scenario, interval: Optional[int] = None) -> List[str]:
+    """The leaderboard's settings for `algorithm` on `scenario` (after --lsgd-algorithm), at the
+    recommended outer interval or at `interval` (a grid point of tools/plan.py)."""
+    return recipe(algorithm).recommended(scenario, interval or recommended_interval(scenario))
 
 
 def board_variants(scenario_name: str) -> List[Tuple[str, str, Tuple[str, ...]]]:
