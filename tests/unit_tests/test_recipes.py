@@ -66,19 +66,19 @@ def test_a_few_runs_keep_their_flags_to_the_letter():
     assert lb.cell_flags(lb_setup.cell_argv(scenario("emulated-default").path, "diloco", 1, 300, 25, 2)) == [
         "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
         "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--data-path", "data/python-docs/python_docs_text_document",
-        "--split", "979,20,1", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-        "data/python-docs/python_docs_sp8k.model", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "2e-3",
-        "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "15", "--weight-decay", "0.1",
-        "--clip-grad", "1.0", "--seed", "1", "--num-sites", "2", "--log-interval", "300", "--eval-interval", "25",
-        "--eval-iters", "1", "--full-validation", "--simulate-scenario", "emulated-default.toml", "--lsgd-algorithm",
-        "diloco", "--lsgd-interval", "100", "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0",
-        "--train-iters", "300"]
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--data-path", "data/python-docs/python_docs_text_document", "--split", "979,20,1",
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "data/python-docs/python_docs_sp8k.model",
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "2e-3", "--min-lr", "2e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "15", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--seed", "1", "--num-sites", "2", "--log-interval", "300", "--eval-interval", "25", "--eval-iters", "1",
+        "--full-validation", "--simulate-scenario", "emulated-default.toml", "--lsgd-algorithm", "diloco",
+        "--lsgd-interval", "100", "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0", "--train-iters", "300"]
     runs = recipes.quality_runs(KNOBS)
     assert runs["dilocox-lowrank-int4"] == [
-        "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4", "--lsgd-rank", "8", "--lsgd-interval", "50",
-        "--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.5", "--lsgd-dilocox-restart", "eager",
-        "--lsgd-dilocox-apply-step", "0"]
+        "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4", "--lsgd-rank", "8",
+        "--lsgd-interval", "50", "--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.5",
+        "--lsgd-dilocox-restart", "eager", "--lsgd-dilocox-apply-step", "0"]
     assert runs["cocodc"] == [
         "--lsgd-algorithm", "cocodc", "--lsgd-cocodc-lambda", "0.5", "--lsgd-cocodc-gamma", "0.4",
         "--lsgd-cocodc-syncs-per-round", "0", "--lsgd-interval", "50", "--lsgd-outer-lr", "0.7",

@@ -6,14 +6,16 @@ A recipe's flags are what follows `--lsgd-algorithm NAME` (the tools put that fi
 - `default(k)`: lsgd_quality.py's run of the algorithm, labelled by its name, at that tool's
   knobs `k` (its arguments: k.interval, k.outer_lr, ...); `variants(k)`: its other named runs;
 - `recommended(scenario, h)`: a leaderboard cell's settings on a scenario, at the outer interval
-  H recommended for it (recommended_interval) or another (tools/plan.py's pilots and their grid); `board_variants`: tuned rows of the board per scenario name, flags after the
+  H recommended for it (recommended_interval) or at another (tools/plan.py's pilots and their
+  grid); `board_variants`: tuned rows of the board per scenario name, flags after the
   recommended ones, where a target's miss asks what a user who knows the scenario would set;
   `free_link`: where a site is slow, also a row on the scenario with a free link: what the
   link costs it in progress (its ceiling);
 - `frontier(interval, num_layers)`, `ladder(outer_lrs)`, `claims()`: quality_frontier.py's points.
 
-Every run is cached under a digest of its flags (run_cache.py): a recipe whose flags change
-(even their order) trains its runs again. tests/unit_tests/test_recipes.py freezes a few.
+A leaderboard cell and a quality_frontier run are cached under a digest of their flags
+(run_cache.py): a recipe whose flags change, even in order, trains its runs again and leaves
+the committed ones unread. tests/unit_tests/test_recipes.py freezes them.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def _fragments(k) -> List[str]:
 
 
 def _board_outer(s: Scenario, h: int) -> List[str]:
-    """The board's outer loop: H, plain averaging (outer lr 1, momentum 0)."""
+    """The board's outer loop: H, plain averaging (outer lr 1, momentum 0); diloco's and edit's
+    recommended settings as they are."""
     return ["--lsgd-interval", str(h), "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0"]
 
 
@@ -125,7 +128,8 @@ def _diloco_frontier(interval: int, num_layers: int) -> List[Point]:
            for lr, mom in ((0.7, 0.9), (1.0, 0.0), (0.7, 0.5))]
     pts.append(Point("diloco-momwarm", "diloco", h + ["--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.9",
                                                       "--lsgd-outer-momentum-warmup", "5"]))
-    pts += [Point(f"diloco-H{h2}", "diloco", ["--lsgd-interval", str(h2)] + PLAIN) for h2 in (2 * interval, 4 * interval)]
+    pts += [Point(f"diloco-H{h2}", "diloco", ["--lsgd-interval", str(h2)] + PLAIN)
+            for h2 in (2 * interval, 4 * interval)]
     pts += [Point(f"sparseloco-d{density:.4f}", "diloco x topk-2bit",
                   h + PLAIN + ["--lsgd-compression", "topk-2bit", "--lsgd-topk-density", str(density),
                                "--lsgd-ef-decay", "0.95"]) for density in (1 / 64, 1 / 32)]
@@ -220,9 +224,10 @@ RECIPES: Dict[str, Recipe] = {
                             "dreamddp-enp": ["--lsgd-interval", str(k.interval), "--lsgd-dreamddp-scheduler", "equal",
                                              "--lsgd-dreamddp-no-bubble-fill"]},
         recommended=lambda s, h: ["--lsgd-interval", str(h)]),
-    # dpu, which misses sync's loss on emulated-default: its first 100 updates (about a third of its
-    # steps there) undelayed, the warm-up that brought it within 3% of sync in the quality frontier
-    # (docs/algorithms/acco.md): does the quality it buys pay for the overlap it gives up?
+    # dpu's tuned row on emulated-default, where it misses sync's loss: its first 100 updates (about
+    # a third of its steps there) undelayed, the warm-up that brought it within 3% of sync in the
+    # quality frontier (docs/algorithms/acco.md): does the quality it buys pay for the overlap it
+    # gives up?
     "dpu": Recipe(
         default=lambda k: list(FIXED), recommended=lambda s, h: ["--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
         frontier=lambda interval, num_layers: [Point("dpu", "dpu", list(FIXED))],
@@ -230,13 +235,13 @@ RECIPES: Dict[str, Recipe] = {
         board_variants={"emulated-default": ((DPU_WARMUP, ("--lsgd-dpu-warmup-iters", "100")),)}),
     # acco splits a step into an estimate and a real stage of at least one micro-batch each: two
     # per site per step on the board, twice the others' minimum (adaptive accumulation adds more).
-    # With one site 4x slower: fixed counts in proportion to the sites' speeds (4 + 4 micro-batches
+    # Its tuned row with one site 4x slower: fixed counts in proportion to the sites' speeds (4 + 4 micro-batches
     # per step on the fast site, 1 + 1 on the slow one), the counts its adaptive accumulation
     # settles on, without the exchange of counts every stage.
     "acco": Recipe(
         default=lambda k: list(FIXED),
         recommended=lambda s, h: ["--lsgd-site-microbatches", ",".join(["2"] * s.sites),
-                               "--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
+                                  "--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
         board_variants={"emulated-1gbit-straggler4x": (
             (ACCO_FIXED, ("--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", "8,2")),)}),
     "edit": Recipe(
@@ -258,6 +263,7 @@ ALGORITHMS = tuple(RECIPES)
 
 
 def recipe(algorithm: str) -> Recipe:
+    """The algorithm's recipe; a clear error, not a KeyError, for one that has none."""
     if algorithm not in RECIPES:
         raise ValueError(f"{algorithm!r} has no recipe: add one to tools/benchmarks/recipes.py (RECIPES), "
                          f"which every benchmark reads")
@@ -272,7 +278,8 @@ def recommended(algorithm: str, scenario: Scenario, interval: Optional[int] = No
 
 def board_variants(scenario_name: str) -> List[Tuple[str, str, Tuple[str, ...]]]:
     """The board's tuned rows on a scenario: (label, algorithm, flags after the recommended ones)."""
-    return [(label, name, flags) for name, r in RECIPES.items() for label, flags in r.board_variants.get(scenario_name, ())]
+    return [(label, name, flags) for name, r in RECIPES.items()
+            for label, flags in r.board_variants.get(scenario_name, ())]
 
 
 def quality_runs(k) -> Dict[str, List[str]]:
