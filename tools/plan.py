@@ -30,18 +30,20 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-import _bootstrap  # noqa: F401
+if __package__:  # python -m tools.plan, python -m tools.bench plan: the checkout is on the path
+    from tools import _bootstrap
+else:  # python tools/plan.py: tools/ is, the checkout not yet
+    import _bootstrap  # noqa: F401
 from megatron_lsgd import cli
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import write_text
-from tools.benchmarks.leaderboard_setup import ALGORITHMS
+from tools.benchmarks.recipes import ALGORITHMS
 from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
 from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
 from tools.planning.pilots import Pace, Pilot, grid, ranks_output_to, run_pilots
 
 EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "results", "quality*.json")  # the quality pages' raw JSON
-COMPRESSED = {"dilocox": "int4"}  # leaderboard_setup.recommended's compression per algorithm
 
 
 def parser() -> cli.ArgumentParser:
@@ -228,8 +230,10 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         if pace is None:
             continue
         algorithm = pace.algorithm
+        s = pace.settings  # the pilot's: its recipe's recommended flags
+        compression = s[s.index("--lsgd-compression") + 1] if "--lsgd-compression" in s else "none"
         mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(small), algorithm,
-                             COMPRESSED.get(algorithm, "none"), outer_momentum=False, seq=job.seq_length,
+                             compression, outer_momentum=False, seq=job.seq_length,
                              micro_batch=job.micro_batch_size, hidden=job.model.hidden_for_memory(),
                              heads=job.model.num_attention_heads or max(1, job.model.hidden_for_memory() // 128),
                              layers=job.model.layers_for_memory(), recompute=job.recompute, microbatches=microbatches)

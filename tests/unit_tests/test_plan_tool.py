@@ -169,7 +169,7 @@ def test_pilot_pace_equals_the_boards_pilot_and_a_failed_pilot_is_left_out_alone
 
 
 def test_the_grid_halves_and_doubles_h_in_whole_fragments():
-    from tools.benchmarks.leaderboard_setup import recommended_interval
+    from tools.benchmarks.recipes import recommended_interval
     from tools.planning.pilots import grid, pilot_steps
 
     path = os.path.join(SCENARIOS, "3site-1gbit-straggler.toml")

@@ -68,7 +68,7 @@ EXEMPT = {
         "opens /dev/net/tun to learn whether TUN devices can be made; writes no file",
     "tools/wan/wire.py:open_tun_in_namespace":
         "opens a TUN device (a network interface), not a file",
-    "tools/plan.py:ranks_output_to":
+    "tools/planning/pilots.py:ranks_output_to":
         "a pilot run's stdout redirected into its log file (dup2), appended",
 }
 

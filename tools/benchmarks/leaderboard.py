@@ -24,8 +24,8 @@ so the published tables are not replaced by a few cells.
     python tools/benchmarks/leaderboard.py --scenarios emulated-default --algorithms sync,diloco --seeds 1
 
 In scenarios with a slow site, a-edit also runs on a copy of the scenario whose link is free
-(same compute, same settings): its ceiling. A scenario may list tuned variants (VARIANTS:
-an algorithm with flags after its recommended ones, a row of its own with its own pilot),
+(same compute, same settings): its ceiling. A scenario may have tuned variants (a recipe's
+`board_variants`: an algorithm with flags after its recommended ones, a row of its own with its own pilot),
 where a target's miss asks what a user who knows the scenario would set. The board ends
 with the open targets of earlier rounds (a-edit and acco under a slow site, cocodc vs
 streaming-diloco, dreamddp vs diloco), judged from the cells.
@@ -52,9 +52,10 @@ code is in neither: move its cells out of the cache to train them again. Each ce
 commit it was trained at (`code`, "+changes" when the library differed from it: run_cache.py),
 so `git diff <code> -- megatron_lsgd/core/lsgd/algorithms/acco.py` tells whether a cell predates a change.
 
-Modules: leaderboard_setup.py says what a cell trains (model, data, recommended settings,
-variants, ceilings), this file trains and caches the cells, leaderboard_report.py judges them
-and writes the board.
+Modules: recipes.py holds each algorithm's recommended settings, variants and ceiling (every
+benchmark reads it), leaderboard_setup.py says what a cell trains (model, data, the recipes'
+flags), this file trains and caches the cells, leaderboard_report.py judges them and writes
+the board.
 
 Recommended settings: the outer interval H of the DiLoCo family is chosen per scenario so
 that one full-model exchange costs at most a tenth of H steps of compute,
@@ -63,7 +64,7 @@ H = clamp(ceil(10 x exchange / step), 5, 100), from the scenario's own cost and 
 counted, it would move emulated-straggler2x's H from 78 to 82 and emulated-1gbit-straggler4x's
 from 12 to 14), rounded up to whole fragments (printed with the table); dilocox uses int4,
 streaming-diloco/cocodc one fragment per layer with tau = min(5, H / 8), acco/dpu their
-adaptive accumulation, at most MAX_MICROBATCHES per stage (acco from two micro-batches per
+adaptive accumulation, at most recipes.MAX_MICROBATCHES per stage (acco from two micro-batches per
 site per step, one per stage: it cannot take one), a-edit an interval of H steps' time.
 """
 
@@ -95,9 +96,10 @@ from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 from tools.benchmarks.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
                                                  plot, summarize)
-from tools.benchmarks.leaderboard_setup import (ALGORITHMS, EVALUATIONS, MICRO_BATCH, MODEL,  # noqa: E402
-                                                PILOT_STEPS, SCENARIO_DIR, Run, cell_argv, data_args, free_link_copy,
+from tools.benchmarks.leaderboard_setup import (EVALUATIONS, MICRO_BATCH, MODEL, PILOT_STEPS,  # noqa: E402
+                                                SCENARIO_DIR, Run, cell_argv, data_args, free_link_copy,
                                                 has_slow_site, scenario_runs)
+from tools.benchmarks.recipes import ALGORITHMS  # noqa: E402
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, seed_list)
 from tools.benchmarks.spawned_ranks import run_ranks, run_tool  # noqa: E402

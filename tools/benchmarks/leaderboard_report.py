@@ -15,9 +15,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 from megatron_lsgd.core.simulation import CLOCK_MODEL
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import save_figure
-from tools.benchmarks.leaderboard_setup import (ACCO_FIXED, EVALUATIONS, FREE_LINK, MAX_MICROBATCHES, MICRO_BATCH,
-                                                MODEL, ROOT, SCENARIO_DIR, SEQ, SPLIT, TRAINED_PARAMS_GUESS,
-                                                board_cells, compact, recommended_interval)
+from tools.benchmarks.leaderboard_setup import (EVALUATIONS, FREE_LINK, MICRO_BATCH, MODEL, ROOT, SCENARIO_DIR, SEQ,
+                                                SPLIT, board_cells, compact)
+from tools.benchmarks.recipes import ACCO_FIXED, MAX_MICROBATCHES, TRAINED_PARAMS_GUESS, recommended_interval
 from tools.benchmarks.lsgd_quality import steps_to_reach
 
 

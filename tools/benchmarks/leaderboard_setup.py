@@ -1,27 +1,26 @@
 """What a leaderboard cell trains (tools/benchmarks/leaderboard.py runs the cells): the small
-GPT and the bundled corpus, each algorithm's recommended settings for a scenario, the tuned
-variants and free-link ceilings a scenario adds, and the list of a board's cells."""
+GPT and the bundled corpus, each algorithm's recommended settings for a scenario and the tuned
+variants and free-link ceilings a scenario adds (from tools/benchmarks/recipes.py), and the
+list of a board's cells."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import write_text
+from tools.benchmarks.recipes import LAYERS, board_variants, recipe, recommended
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCENARIO_DIR = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
 DATA = os.path.join(ROOT, "data", "python-docs")
-ALGORITHMS = ("sync", "diloco", "dilocox", "streaming-diloco", "cocodc", "dreamddp", "dpu", "acco", "edit", "a-edit")
 
 # The small GPT every cell trains (its parameter count sets the bytes a step exchanges).
 SEQ = 64
-LAYERS = 2  # also the streaming family's fragments (one layer each)
 MODEL = ["--num-layers", str(LAYERS), "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(SEQ),
          "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -29,15 +28,11 @@ MICRO_BATCH = 4
 # sync's steps (its training time is every algorithm's budget) and each pilot's, by default:
 # tools/plan.py's round-based pilots run as many, so that their paces are the board's.
 PILOT_STEPS = 300
-TRAINED_PARAMS_GUESS = 1_491_584  # the model above with the 8k vocabulary (each run prints its count)
 
 
 # The held-out split every evaluation covers in full (--full-validation): about 2% of the
 # corpus, the same samples in every evaluation of every cell, so that curves and seeds compare.
 SPLIT = "979,20,1"
-# acco/dpu accumulate while the exchange is in flight; at most this many micro-batches per
-# stage (16 x the minimum by default) keeps a cell's real compute within a few minutes.
-MAX_MICROBATCHES = 4
 # Evaluations per run (the interval scales with the run's length).
 EVALUATIONS = 12
 
@@ -45,41 +40,6 @@ EVALUATIONS = 12
 def data_args() -> List[str]:
     return ["--data-path", os.path.join(DATA, "python_docs_text_document"), "--split", SPLIT,
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(DATA, "python_docs_sp8k.model")]
-
-
-def recommended_interval(scenario) -> int:
-    """H such that one full-model exchange costs at most a tenth of H steps' compute, rounded
-    up to a multiple of the streaming family's fragments (a round is cut into equal slots)."""
-    step = scenario.microbatch_seconds * max(scenario.site_factors) + scenario.optimizer_step_seconds
-    scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
-    nbytes = 4 * TRAINED_PARAMS_GUESS * scale * 2 * (scenario.sites - 1) / scenario.sites
-    rate = min(scenario.rate_mbit) * 1e6
-    exchange = (nbytes * 8 / rate if rate > 0 else 0.0) + max(scenario.latency_ms) / 1e3
-    h = int(min(100, max(5, math.ceil(10 * exchange / step))))
-    return -(-h // LAYERS) * LAYERS
-
-
-def recommended(algorithm: str, scenario) -> List[str]:
-    h = recommended_interval(scenario)
-    step = scenario.microbatch_seconds + scenario.optimizer_step_seconds
-    outer = ["--lsgd-interval", str(h), "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0.0"]
-    fragments = ["--lsgd-fragments", str(LAYERS), "--lsgd-fragment-sync-delay", str(min(5, max(1, h // 8)))]
-    return {
-        "sync": [],
-        "diloco": outer,
-        "dilocox": outer + ["--lsgd-compression", "int4"],
-        "streaming-diloco": outer + fragments,
-        "cocodc": outer + fragments,
-        "dreamddp": ["--lsgd-interval", str(h)],
-        "dpu": ["--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
-        # acco splits a step into an estimate and a real stage of at least one micro-batch
-        # each: two per site per step, twice the others' minimum (adaptive accumulation adds more).
-        "acco": ["--lsgd-site-microbatches", ",".join(["2"] * scenario.sites),
-                 "--lsgd-max-microbatches", str(MAX_MICROBATCHES)],
-        "edit": outer,
-        "a-edit": ["--lsgd-aedit-interval-seconds", f"{h * step:.4g}", "--lsgd-outer-lr", "1.0",
-                   "--lsgd-outer-momentum", "0.0"],
-    }[algorithm]
 
 
 def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
@@ -104,29 +64,7 @@ def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_in
     return argv
 
 
-# Algorithms that also run on a free link in scenarios with a slow site: what the link costs
-# them in progress (a-edit's target is measured against this ceiling).
-CEILING_ALGORITHMS = ("a-edit",)
-FREE_LINK = "free link"
-
-# Tuned variants per scenario: (label, algorithm, flags after the recommended ones), rows of
-# their own beside the recommended settings, where a target's miss asks what a user who knows
-# the scenario would set. acco with one site 4x slower: fixed counts in proportion to the
-# sites' speeds (4 + 4 micro-batches per step on the fast site, 1 + 1 on the slow one), the
-# counts its adaptive accumulation settles on, without the exchange of counts every stage.
-# dpu, which misses sync's loss on emulated-default: its first 100 updates (about a third of
-# its steps there) undelayed, the warm-up that brought it within 3% of sync in the quality
-# frontier (docs/algorithms/acco.md): does the quality it buys pay for the overlap it gives up?
-ACCO_FIXED = "acco (fixed 8,2)"
-DPU_WARMUP = "dpu (warm-up 100)"
-VARIANTS: Dict[str, Tuple[Tuple[str, str, Tuple[str, ...]], ...]] = {
-    "emulated-1gbit-straggler4x": (
-        (ACCO_FIXED, "acco", ("--lsgd-accumulation", "fixed", "--lsgd-site-microbatches", "8,2")),
-    ),
-    "emulated-default": (
-        (DPU_WARMUP, "dpu", ("--lsgd-dpu-warmup-iters", "100")),
-    ),
-}
+FREE_LINK = "free link"  # the label of a row on a free-link copy of its scenario (a recipe's `free_link`)
 
 
 @dataclass(frozen=True)
@@ -180,9 +118,9 @@ def scenario_runs(name: str, path: str, scenario, algorithms: Sequence[str], fre
     """A scenario's rows: every algorithm, the scenario's tuned variants, and with a slow site
     the free-link ceilings, on the scenario file at free_path (free_link_copy's)."""
     runs = [Run(algo, algo, path) for algo in algorithms]
-    runs += [Run(label, algo, path, flags) for label, algo, flags in VARIANTS.get(name, ()) if algo in algorithms]
+    runs += [Run(label, algo, path, flags) for label, algo, flags in board_variants(name) if algo in algorithms]
     if has_slow_site(scenario):
-        runs += [Run(f"{algo} ({FREE_LINK})", algo, free_path) for algo in algorithms if algo in CEILING_ALGORITHMS]
+        runs += [Run(f"{algo} ({FREE_LINK})", algo, free_path) for algo in algorithms if recipe(algo).free_link]
     return runs
 
 

@@ -13,9 +13,11 @@ communication, tokens/s) plus a PNG of training and validation loss curves, both
 Without --data-path (or if it does not exist) it runs on --mock-data and says so in
 every output.
 
-Any run's flags can be extended, or a new labelled run defined, with `--run-args
-LABEL=FLAGS` (a new label's FLAGS name its --lsgd-algorithm; `LABEL@RUN=FLAGS` is RUN's
-flags followed by FLAGS, later flags winning). With `--eval-interval N`
+The built-in runs are the recipes' (tools/benchmarks/recipes.py): each algorithm's default,
+labelled by its name, and its named variants (dilocox-int4, edit-nopenalty, ...), at this
+tool's knobs (--interval, --outer-lr, ...). Any run's flags can be extended, or a new labelled
+run defined, with `--run-args LABEL=FLAGS` (a new label's FLAGS name its --lsgd-algorithm;
+`LABEL@RUN=FLAGS` is RUN's flags followed by FLAGS, later flags winning). With `--eval-interval N`
 validation runs every N iterations, and `--target RUN` adds a table of the iterations each
 run needs to reach RUN's final validation loss (linear interpolation between evaluations)
 and a plot of the validation curves, e.g. for CoCoDC against Streaming DiLoCo at 4 sites:
@@ -41,7 +43,7 @@ import shlex
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -52,6 +54,7 @@ from megatron_lsgd.core.datasets import IndexedDataset, parse_split, split_range
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
+from tools.benchmarks.recipes import quality_runs  # noqa: E402
 from tools.benchmarks.run_cache import positive_int, results_path  # noqa: E402
 from tools.benchmarks.spawned_ranks import run_ranks, run_tool  # noqa: E402
 
@@ -148,7 +151,8 @@ def steps_to_reach(iters: List[int], losses: List[float], target: float):
     return None
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The tool's arguments; their defaults are the knobs of the recipes' runs (recipes.quality_runs)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", default=None)
     p.add_argument("--tokenizer-model", default=None)
@@ -194,7 +198,12 @@ def main() -> None:
                    help="--lsgd-edit-ema-warmup for edit/a-edit runs with the penalty (a short run has few syncs)")
     p.add_argument("--fault", default="1:8:100",
                    help="--lsgd-edit-inject-fault for the edit-fault and edit-nopenalty-fault runs")
-    args = p.parse_args()
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
 
     data, label = data_argv(args.data_path, args.tokenizer_model)
     world = args.sites * args.ranks_per_site
@@ -202,48 +211,7 @@ def main() -> None:
                      global_batch_size=args.global_batch_size, train_iters=args.train_iters, lr=args.lr,
                      eval_interval=args.eval_interval, eval_iters=args.eval_iters, sites=args.sites, data=data,
                      extra=shlex.split(args.extra_args))
-    outer = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
-             "--lsgd-outer-momentum", str(args.outer_momentum)]
-    outer_x = ["--lsgd-interval", str(args.interval), "--lsgd-outer-lr", str(args.outer_lr),
-               "--lsgd-outer-momentum", str(args.dilocox_outer_momentum), "--lsgd-dilocox-restart", args.restart,
-               "--lsgd-dilocox-apply-step", str(args.apply_step)]
-    edit_penalty = ["--lsgd-edit-ema-warmup", str(args.edit_ema_warmup)]
-    configs = {
-        "sync": ["--lsgd-algorithm", "sync"],
-        "diloco": ["--lsgd-algorithm", "diloco"] + outer,
-        "dilocox-none": ["--lsgd-algorithm", "dilocox"] + outer_x,
-        "dilocox-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "int4"] + outer_x,
-        "dilocox-lowrank-int4": ["--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
-                                 "--lsgd-rank", str(args.rank)] + outer_x,
-        "edit": ["--lsgd-algorithm", "edit"] + edit_penalty + outer,
-        "edit-nopenalty": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none"] + outer,
-        "edit-anomaly": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "anomaly"] + edit_penalty + outer,
-        "edit-int4": ["--lsgd-algorithm", "edit", "--lsgd-compression", "int4"] + edit_penalty + outer,
-        "edit-fault": ["--lsgd-algorithm", "edit", "--lsgd-edit-inject-fault", args.fault] + edit_penalty + outer,
-        "edit-nopenalty-fault": ["--lsgd-algorithm", "edit", "--lsgd-edit-penalty", "none",
-                                 "--lsgd-edit-inject-fault", args.fault] + outer,
-        "a-edit": ["--lsgd-algorithm", "a-edit", "--lsgd-aedit-interval-seconds", str(args.aedit_seconds),
-                   "--lsgd-outer-lr", str(args.outer_lr), "--lsgd-outer-momentum", str(args.outer_momentum)]
-        + edit_penalty,
-        # Equal tokens: the configured micro-batches every step (adaptive accumulation would add
-        # some whenever the overlapped reduce + step outlast a stage's compute).
-        "acco": ["--lsgd-algorithm", "acco", "--lsgd-accumulation", "fixed"],
-        "dpu": ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"],
-        # dreamddp averages parameters (no outer optimizer): compare it with diloco at outer lr 1,
-        # momentum 0, which averages the whole model every H steps
-        "dreamddp": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval)],
-        "dreamddp-nofill": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval),
-                            "--lsgd-dreamddp-no-bubble-fill"],
-        "dreamddp-enp": ["--lsgd-algorithm", "dreamddp", "--lsgd-interval", str(args.interval),
-                         "--lsgd-dreamddp-scheduler", "equal", "--lsgd-dreamddp-no-bubble-fill"],
-    }
-    fragments = ["--lsgd-fragments", str(args.fragments), "--lsgd-fragment-partition", args.fragment_partition,
-                 "--lsgd-fragment-sync-delay", str(args.sync_delay)]
-    configs["streaming-diloco"] = ["--lsgd-algorithm", "streaming-diloco", "--lsgd-fragment-update-alpha",
-                                   str(args.alpha)] + outer + fragments
-    configs["cocodc"] = ["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-lambda", str(args.dc_lambda),
-                         "--lsgd-cocodc-gamma", str(args.gamma), "--lsgd-cocodc-syncs-per-round",
-                         str(args.syncs_per_round)] + outer + fragments
+    configs = quality_runs(args)  # every algorithm's default run and named variants (recipes.py)
     for item in args.run_args:
         label, _, flags = item.partition("=")
         extra = shlex.split(flags)

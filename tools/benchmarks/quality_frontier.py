@@ -1,7 +1,8 @@
 """The quality frontier: cross-site bytes saved against validation loss, per algorithm x compressor.
 
 Runs `sync` and every point of a sweep (an algorithm, a compressor and the few knobs that
-matter: H, outer lr/momentum, alpha, density, rank, lambda, the inner optimizer) for each
+matter: H, outer lr/momentum, alpha, density, rank, lambda, the inner optimizer; each
+algorithm's points in its recipe, tools/benchmarks/recipes.py) for each
 seed, at the same model, data, token budget and seed as `sync`, in `--sites` spawned
 processes per run (tools/benchmarks/lsgd_quality.py's runner). Each point is measured against
 `sync` with the point's own inner optimizer (`--optimizer` and its flags): MuLoCo against
@@ -60,13 +61,13 @@ from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
-from run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags, resolved_arguments,  # noqa: E402
-                       results_path, seed_list)
-from spawned_ranks import run_tool  # noqa: E402
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
+from tools.benchmarks.lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
+from tools.benchmarks.recipes import Point, points as recipe_points  # noqa: E402
+from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
+                                        resolved_arguments, results_path, seed_list)
+from tools.benchmarks.spawned_ranks import run_tool  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
@@ -80,62 +81,10 @@ INNER_OPTIMIZER = ("--optimizer", "--muon-", "--adam-", "--sgd-")  # flags (each
 GOALS = ((1000.0, 2.0), (100.0, 0.5))  # (bytes reduction at least, gap at most in %)
 
 
-@dataclass
-class Point:
-    label: str
-    family: str  # the algorithm x compressor whose knobs the point sweeps
-    flags: List[str]
-
-
 def default_points(interval: int, num_layers: int) -> List[Point]:
-    """The sweep: per family, the knobs that matter (kept small: every point costs seeds x runs)."""
-    h = ["--lsgd-interval", str(interval)]
-    pts: List[Point] = []
-
-    def add(label, family, flags):
-        pts.append(Point(label, family, flags))
-
-    for lr, mom in ((0.7, 0.9), (1.0, 0.0), (0.7, 0.5)):
-        add(f"diloco-lr{lr}-m{mom}", "diloco", ["--lsgd-algorithm", "diloco"] + h +
-            ["--lsgd-outer-lr", str(lr), "--lsgd-outer-momentum", str(mom)])
-    add("diloco-momwarm", "diloco", ["--lsgd-algorithm", "diloco"] + h +
-        ["--lsgd-outer-lr", "0.7", "--lsgd-outer-momentum", "0.9", "--lsgd-outer-momentum-warmup", "5"])
-    for h2 in (2 * interval, 4 * interval):
-        add(f"diloco-H{h2}", "diloco", ["--lsgd-algorithm", "diloco", "--lsgd-interval", str(h2),
-                                        "--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0"])
-    for density in (1 / 64, 1 / 32):
-        add(f"sparseloco-d{density:.4f}", "diloco x topk-2bit",
-            ["--lsgd-algorithm", "diloco"] + h + ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0",
-                                                  "--lsgd-compression", "topk-2bit", "--lsgd-topk-density",
-                                                  str(density), "--lsgd-ef-decay", "0.95"])
-    add("muloco-int4", "diloco x int4 (muon)", ["--lsgd-algorithm", "diloco"] + h +
-        ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0", "--lsgd-compression", "int4", "--optimizer", "muon"])
-    add("diloco-int4", "diloco x int4", ["--lsgd-algorithm", "diloco"] + h +
-        ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0", "--lsgd-compression", "int4"])
-    for rank in (4, 16):
-        add(f"dilocox-lowrank{rank}", "dilocox x lowrank-int4",
-            ["--lsgd-algorithm", "dilocox"] + h + ["--lsgd-outer-lr", "1.0", "--lsgd-outer-momentum", "0",
-                                                   "--lsgd-compression", "lowrank-int4", "--lsgd-rank", str(rank)])
-    # a fragment needs a layer, and K slots of H/K steps make a round: the most fragments up to 4 that do
-    k = next(k for k in range(min(4, num_layers), 0, -1) if interval % k == 0)
-    tau = max(0, min(5, interval // k - 1))  # tau must be < H / K
-    frag = h + ["--lsgd-fragments", str(k), "--lsgd-fragment-sync-delay", str(tau)]
-    for alpha in (0.0, 0.5, 1.0):
-        add(f"streaming-alpha{alpha}", "streaming-diloco",
-            ["--lsgd-algorithm", "streaming-diloco", "--lsgd-fragment-update-alpha", str(alpha)] + frag)
-    # N fixed at K: the adaptive N measures this run's exchange (fast and local here, so it syncs a
-    # fragment almost every step); at N = K cocodc sends what streaming-diloco sends
-    for lam, norm in ((0.0, "none"), (0.5, "none"), (0.5, "mean-square"), (2.0, "mean-square")):
-        add(f"cocodc-l{lam}-{norm}", "cocodc", ["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-lambda", str(lam),
-                                                "--lsgd-cocodc-dc-normalize", norm,
-                                                "--lsgd-cocodc-syncs-per-round", str(k)] + frag)
-    add("dpu", "dpu", ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"])
-    # a-edit's interval is seconds (default 600, longer than a whole sweep run here: the sites met
-    # once, at the end); on a simulated clock at 1 s per step, tau = H seconds is H steps
-    add(f"a-edit-tau{interval}", "a-edit", ["--lsgd-algorithm", "a-edit", "--simulate-clock",
-                                            "--simulate-microbatch-seconds", "0", "--simulate-optimizer-step-seconds",
-                                            "1", "--lsgd-aedit-interval-seconds", str(interval)])
-    return pts
+    """The sweep: per family, the knobs that matter (kept small: every point costs seeds x runs),
+    each algorithm's in its recipe (recipes.py)."""
+    return recipe_points("frontier", interval, num_layers)
 
 
 # ---- the model-size ladder (docs/quality.md, "Quality where users train") ------------------------
@@ -192,35 +141,18 @@ def rung_points(rung: str) -> List[Point]:
 
 def ladder_points(outer_lrs: Sequence[float] = LADDER_OUTER_LRS) -> List[Point]:
     """Per rung: diloco at H = 30 and 100, plain averaging and Nesterov 0.9 at each outer lr;
-    streaming-diloco and dilocox at H = 30 with their defaults otherwise."""
-    pts = []
-    for h in (30, 100):
-        base = ["--lsgd-algorithm", "diloco", "--lsgd-interval", str(h)]
-        pts.append(Point(f"diloco-H{h}-avg", f"diloco H={h}", base + ["--lsgd-outer-lr", "1.0",
-                                                                     "--lsgd-outer-momentum", "0"]))
-        for lr in outer_lrs:
-            pts.append(Point(f"diloco-H{h}-nesterov-lr{lr}", f"diloco H={h}",
-                             base + ["--lsgd-outer-lr", str(lr), "--lsgd-outer-momentum", "0.9"]))
-    pts.append(Point("streaming-diloco-H30", "streaming-diloco", ["--lsgd-algorithm", "streaming-diloco",
-                                                                  "--lsgd-interval", "30"]))
-    pts.append(Point("dilocox-H30", "dilocox", ["--lsgd-algorithm", "dilocox", "--lsgd-interval", "30"]))
-    return pts
+    streaming-diloco and dilocox at H = 30 with their defaults otherwise (recipes.py). dilocox's
+    comes last, as the ladder's pages and their JSON have listed it since before the recipes."""
+    return sorted(recipe_points("ladder", outer_lrs), key=lambda pt: pt.flags[1] == "dilocox")
 
 
 def ladder_claim_points() -> List[Point]:
     """The seed claims re-judged at a rung with >= 100 outer syncs (run with `--points claims`):
-    cocodc's delay compensation (a lambda sweep, N fixed at K so it sends what streaming-diloco
-    sends) against streaming-diloco at the same K and tau, and dpu's one-step delay (dpu with all
-    its steps undelayed is sync bit for bit, docs/quality-one-pass.md). dilocox's one-round delay
-    is judged against diloco-H30-avg, its undelayed form, in the ladder's own points."""
-    frag = ["--lsgd-interval", "30", "--lsgd-fragments", "2", "--lsgd-fragment-sync-delay", "5"]
-    pts = [Point("claims-streaming-K2-tau5", "claims", ["--lsgd-algorithm", "streaming-diloco"] + frag)]
-    for lam, norm in ((0.0, "none"), (0.5, "mean-square"), (2.0, "mean-square")):
-        pts.append(Point(f"claims-cocodc-l{lam}-{norm}", "claims",
-                         ["--lsgd-algorithm", "cocodc", "--lsgd-cocodc-lambda", str(lam), "--lsgd-cocodc-dc-normalize",
-                          norm, "--lsgd-cocodc-syncs-per-round", "2"] + frag))
-    pts.append(Point("claims-dpu-fixed", "claims", ["--lsgd-algorithm", "dpu", "--lsgd-accumulation", "fixed"]))
-    return pts
+    cocodc's delay compensation against streaming-diloco at the same K and tau, and dpu's
+    one-step delay (dpu with all its steps undelayed is sync bit for bit, docs/quality-one-pass.md).
+    dilocox's one-round delay is judged against diloco-H30-avg, its undelayed form, in the
+    ladder's own points."""
+    return recipe_points("claims")
 
 
 def ladder_page(rung: str, docs_dir: str = os.path.join(ROOT, "docs")) -> str:

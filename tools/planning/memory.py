@@ -23,7 +23,7 @@ from typing import Dict
 GIB = 1024 ** 3
 
 # What each algorithm keeps beyond sync, per parameter of its shard (bytes), with its
-# recommended settings (leaderboard_setup.recommended: outer momentum 0).
+# recommended settings (recipes.recommended: outer momentum 0).
 OUTER_ANCHOR = {"diloco", "dilocox", "streaming-diloco", "cocodc", "edit", "a-edit"}
 DOUBLE_GRADIENTS = {"acco", "dpu"}
 

@@ -43,13 +43,13 @@ if ROOT not in sys.path:
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import Scenario  # noqa: E402
-from tools.benchmarks.leaderboard_setup import (LAYERS, MICRO_BATCH, PILOT_STEPS, TRAINED_PARAMS_GUESS,  # noqa: E402
-                                                cell_argv, recommended, recommended_interval)
+from tools.benchmarks.leaderboard_setup import MICRO_BATCH, PILOT_STEPS, cell_argv  # noqa: E402
+from tools.benchmarks.recipes import LAYERS, TRAINED_PARAMS_GUESS, recommended, recommended_interval  # noqa: E402
 
 
-# Algorithms whose exchange comes once per interval (leaderboard_setup.recommended gives them
-# H, or a-edit H steps' time); the others exchange every step.
-ROUND_BASED = {"diloco", "dilocox", "streaming-diloco", "cocodc", "dreamddp", "edit", "a-edit"}
+# The recommended flags that follow H: an algorithm with any exchanges once per interval (the
+# others every step), and a grid point at another H sets them as its recipe does at that H.
+INTERVAL_FLAGS = ("--lsgd-interval", "--lsgd-aedit-interval-seconds", "--lsgd-fragment-sync-delay")
 EVERY_STEP_PILOT = 50
 PILOT_SEQ = 8
 # --grid: each round-based algorithm also at these multiples of the recommended H.
@@ -81,12 +81,19 @@ class Pace:
     label: str = ""
 
 
+def interval_flags(algorithm: str, scenario: Scenario, interval: Optional[int] = None) -> List[str]:
+    """The flags (with their values) of the algorithm's recommended settings at H = `interval`
+    (default: the recommended H) that follow H; none for an algorithm that exchanges every step."""
+    flags = recommended(algorithm, scenario, interval)
+    return [x for i, flag in enumerate(flags) if flag in INTERVAL_FLAGS for x in flags[i:i + 2]]
+
+
 def pilot_steps(algorithm: str, scenario: Scenario, minimum: Optional[int] = None,
                 interval: Optional[int] = None) -> int:
     """The board's pilot length for a round-based algorithm (whole intervals of a grid
     point's H), EVERY_STEP_PILOT steps for the others; `minimum` (--pilot-steps) instead asks
     for at least that many steps in whole intervals."""
-    if algorithm not in ROUND_BASED:
+    if not interval_flags(algorithm, scenario):
         return minimum or EVERY_STEP_PILOT
     h = interval or recommended_interval(scenario)
     if minimum is None:
@@ -98,26 +105,18 @@ def pilot_steps(algorithm: str, scenario: Scenario, minimum: Optional[int] = Non
 
 def grid(algorithms: Sequence[str], scenario: Scenario) -> List[Pilot]:
     """Each algorithm at its recommended settings, and each round-based one also at
-    GRID_FACTORS x its H (whole fragments; the streaming family's tau follows H as in
-    leaderboard_setup.recommended; a-edit's interval is H steps' time)."""
+    GRID_FACTORS x its H (whole fragments), with the flags that follow H as its recipe sets them
+    there (the streaming family's tau, a-edit's interval of H steps' time)."""
     h = recommended_interval(scenario)
-    step = scenario.microbatch_seconds + scenario.optimizer_step_seconds
     out = []
     for algorithm in algorithms:
         out.append(Pilot(algorithm))
-        if algorithm not in ROUND_BASED:
+        if not interval_flags(algorithm, scenario):
             continue
         for factor in GRID_FACTORS:
             hh = max(LAYERS, -(-int(round(h * factor)) // LAYERS) * LAYERS)
-            if hh == h:
-                continue
-            if algorithm == "a-edit":
-                extra = ["--lsgd-aedit-interval-seconds", f"{hh * step:.4g}"]
-            else:
-                extra = ["--lsgd-interval", str(hh)]
-                if algorithm in ("streaming-diloco", "cocodc"):
-                    extra += ["--lsgd-fragment-sync-delay", str(min(5, max(1, hh // 8)))]
-            out.append(Pilot(algorithm, extra, hh))
+            if hh != h:
+                out.append(Pilot(algorithm, interval_flags(algorithm, scenario, hh), hh))
     return out
 
 

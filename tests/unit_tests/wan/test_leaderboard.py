@@ -11,6 +11,7 @@ from megatron_lsgd.training.scenario import load_scenario
 from tools.benchmarks import leaderboard as lb
 from tools.benchmarks import leaderboard_report as lb_report
 from tools.benchmarks import leaderboard_setup as lb_setup
+from tools.benchmarks import recipes
 from tools.benchmarks import run_cache
 
 EMULATED = os.path.join(lb_setup.SCENARIO_DIR, "emulated-default.toml")
@@ -20,14 +21,14 @@ def test_recommended_interval_hides_an_exchange_in_a_tenth_of_h_steps(tmp_path):
     line = tmp_path / "line.toml"  # 0.041 + 0.017 s per step, 100 Mbit/s, 20 ms, bytes x 1
     line.write_text("sites = 2\n[compute]\nmicrobatch_seconds = 0.041\noptimizer_step_seconds = 0.017\n"
                     "[link]\nrate_mbit = 100\nlatency_ms = 20\nbytes_scale = 1.0\n")
-    exchange = 4 * lb_setup.TRAINED_PARAMS_GUESS * 2 * (2 - 1) / 2 * 8 / 100e6 + 0.020
+    exchange = 4 * recipes.TRAINED_PARAMS_GUESS * 2 * (2 - 1) / 2 * 8 / 100e6 + 0.020
     h = int(-(-10 * exchange // 0.058))
-    assert h < 100 and lb_setup.recommended_interval(load_scenario(str(line))) == -(-h // lb_setup.LAYERS) * lb_setup.LAYERS
-    assert lb_setup.recommended_interval(load_scenario(EMULATED)) == 100  # 64 Mbit/s for an all-reduce: capped
+    assert h < 100 and recipes.recommended_interval(load_scenario(str(line))) == -(-h // recipes.LAYERS) * recipes.LAYERS
+    assert recipes.recommended_interval(load_scenario(EMULATED)) == 100  # 64 Mbit/s for an all-reduce: capped
     odd = load_scenario(os.path.join(lb_setup.SCENARIO_DIR, "emulated-straggler2x.toml"))
-    assert lb_setup.recommended_interval(odd) % lb_setup.LAYERS == 0
+    assert recipes.recommended_interval(odd) % recipes.LAYERS == 0
     fast = load_scenario(os.path.join(lb_setup.SCENARIO_DIR, "2x8gpu-1gbit-1b.toml"))
-    assert lb_setup.recommended_interval(fast) == 100  # a 1B model over 1 Gbit/s: capped
+    assert recipes.recommended_interval(fast) == 100  # a 1B model over 1 Gbit/s: capped
 
 
 def cell(seconds, losses, total, iterations=10, samples=80):
@@ -86,12 +87,12 @@ def test_an_untrained_scenario_misses_every_cell_its_table_would_hold(tmp_path):
     # the board calls a scenario "not run" when every cell board_cells lists is missing:
     # variants and free-link ceilings included, or it would call it partly run
     args = argparse.Namespace(cache_dir=str(tmp_path), cached_only=True, steps=300, budget_cap=3, seeds=[1, 2, 3],
-                              algorithms=",".join(lb_setup.ALGORITHMS))
+                              algorithms=",".join(recipes.ALGORITHMS))
     for name in lb.every_scenario():
         path = os.path.join(lb_setup.SCENARIO_DIR, f"{name}.toml")
         scenario = load_scenario(path)
         not_run = []
-        runs = lb.scenario_rows(name, path, scenario, lb_setup.ALGORITHMS, str(tmp_path))
+        runs = lb.scenario_rows(name, path, scenario, recipes.ALGORITHMS, str(tmp_path))
         assert lb.scenario_cells(name, path, scenario, runs, args, not_run) == {}
         assert sorted(not_run) == sorted(lb_setup.board_cells(name, args)), name
 
@@ -105,12 +106,13 @@ def test_a_edit_gets_a_sample_budget_and_lockstep_algorithms_iterations():
 def test_every_variant_is_its_algorithm_with_its_flags_last_and_passes_the_argument_checks():
     from megatron_lsgd.training.arguments import build_config, parse_args
 
-    assert lb_setup.VARIANTS  # the board has tuned rows (acco with fixed counts on the 4x straggler)
-    for name, variants in lb_setup.VARIANTS.items():
+    varied = [name for name in lb.every_scenario() if recipes.board_variants(name)]
+    assert varied  # the board has tuned rows (acco with fixed counts on the 4x straggler)
+    for name in varied:
         path = os.path.join(lb_setup.SCENARIO_DIR, f"{name}.toml")
         sites = load_scenario(path).sites
-        for label, algo, flags in variants:
-            assert label.startswith(algo) and algo in lb_setup.ALGORITHMS
+        for label, algo, flags in recipes.board_variants(name):
+            assert label.startswith(algo) and algo in recipes.ALGORITHMS
             argv = lb_setup.cell_argv(path, algo, 1, 100, 25, sites, extra=flags)
             assert argv[-len(flags) - 2:-2] == list(flags)  # after the recommended ones, before the length
             build_config(parse_args(argv), sites)
@@ -129,7 +131,7 @@ def test_the_free_link_ceiling_keeps_compute_and_settings(tmp_path):
     real = lb_setup.cell_argv(straggler, "a-edit", 1, 100, 25, 2)
     assert [i for i, (a, b) in enumerate(zip(argv, real)) if a != b] == [argv.index(free.path)]
     interval = argv[argv.index("--lsgd-aedit-interval-seconds") + 1]
-    assert float(interval) == pytest.approx(lb_setup.recommended_interval(s) * 0.058, rel=1e-3)
+    assert float(interval) == pytest.approx(recipes.recommended_interval(s) * 0.058, rel=1e-3)
 
 
 def test_open_targets_are_judged_from_the_cells():
@@ -357,7 +359,7 @@ def test_the_board_says_what_its_cells_cost_to_train():
 
 
 def test_a_part_of_the_board_does_not_replace_the_published_one(tmp_path, monkeypatch, capsys):
-    every, algorithms = lb.every_scenario(), list(lb_setup.ALGORITHMS)
+    every, algorithms = lb.every_scenario(), list(recipes.ALGORITHMS)
     assert lb.default_board(every, algorithms, [1, 2, 3]) == lb.BOARD == os.path.join(lb.ROOT, "docs", "leaderboard.md")
     assert lb.default_board(every, algorithms, [1, 2, 3, 4]) == lb.BOARD
     for names, algos, seeds in ((every[:1], algorithms, [1, 2, 3]), (every, algorithms[:2], [1, 2, 3]),
