@@ -14,7 +14,8 @@
 #   4. on 2+ GPUs: acco and dpu with NCCL inside the sites (a hang = the deadlock their
 #      worker's gloo groups rule out),
 #   5. a checkpoint saved on the GPU resumed on the GPU and on the CPU,
-#   6. where torchft is importable: elastic sites on the GPU, one killed and rejoining,
+#   6. where torchft is importable: elastic sites on the GPU, one killed and rejoining; on 2+ GPUs
+#      also NCCL between the sites with the outer state on the host (--lsgd-outer-offload),
 #   7. what the device-synchronised clock costs a step (tools/benchmarks/clock_cost.py),
 # then prints a table and writes docs/performance.md's GPU section (between its markers).
 #
@@ -192,6 +193,39 @@ if "$PY" -c "import torchft" 2>/dev/null; then
     status=$([ $rc -eq 0 ] && [ $KILLED -eq 1 ] && [ "$rejoined" -ge 1 ] && [ "$finished" -ge 2 ] && echo ok \
              || echo "FAILED (exit $rc, killed $KILLED, rejoined $rejoined, finished $finished, $FT_LOG)")
     FT_ROW="| dilocox H 10, 2 sites x 1 rank, site 1 SIGKILLed at step 25 and restarted fresh | $status |"
+    # 6b. NCCL between the sites with the outer state on the host (--lsgd-outer-offload): ElasticComm
+    #     stages the host payloads onto the GPU for torchft's NCCL group and back (checked on CPU by
+    #     tests/unit_tests/lsgd/test_elastic_comm.py, on one GPU by step 1's test_cuda.py). NCCL
+    #     refuses two sites on one GPU, so each site gets a GPU of its own: 2+ GPUs. Both sites must
+    #     finish with every round committed.
+    NCCL_FT="diloco H 5, 2 sites x 1 rank on GPUs of their own, NCCL between them, --lsgd-outer-offload"
+    if [ "$NGPU" -ge 2 ]; then
+        VISIBLE=${CUDA_VISIBLE_DEVICES:-}; VISIBLE=(${VISIBLE//,/ })  # site k on the k-th visible GPU
+        LH_PORT=$((29520 + RANDOM % 50))
+        PATH="$(dirname "$(command -v "$PY")"):$PATH" timeout 330 torchft_lighthouse --min_replicas 2 \
+            --bind "[::]:$LH_PORT" --join_timeout_ms 10000 >"$OUT/ft_nccl_lighthouse.log" 2>&1 &
+        LH_PID=$!
+        SITE_PIDS=()
+        for site in 0 1; do
+            CUDA_VISIBLE_DEVICES=${VISIBLE[$site]:-$site} timeout 300 "$PY" -m torch.distributed.run --nnodes 1 \
+                --nproc-per-node 1 --master-addr 127.0.0.1 --master-port $((29620 + site)) pretrain_gpt.py \
+                "${COMMON[@]}" --distributed-backend nccl --inter-site-backend nccl --train-iters 40 \
+                --lsgd-algorithm diloco --lsgd-interval 5 --lsgd-outer-offload --lsgd-outer-lr 0.7 \
+                --lsgd-outer-momentum 0.9 --lsgd-fault-tolerance torchft --lsgd-min-sites 2 \
+                --lsgd-lighthouse "http://127.0.0.1:$LH_PORT" --lsgd-site $site >"$OUT/ft_nccl_site$site.log" 2>&1 &
+            SITE_PIDS+=($!)
+        done
+        rc=0
+        for p in "${SITE_PIDS[@]}"; do wait "$p" || rc=$?; done
+        kill "$LH_PID" 2>/dev/null
+        finished=$(cat "$OUT"/ft_nccl_site[01].log | grep -c "done: 40 iterations")
+        lost=$(cat "$OUT"/ft_nccl_site[01].log | grep -c "was not committed")
+        status=$([ $rc -eq 0 ] && [ "$finished" -ge 2 ] && [ "$lost" -eq 0 ] && echo ok \
+                 || echo "FAILED (exit $rc, finished $finished, rounds not committed $lost, $OUT/ft_nccl_site*.log)")
+    else
+        status="not run (needs 2 GPUs: NCCL refuses two sites on one)"
+    fi
+    FT_ROW+=$'\n'"| $NCCL_FT | $status |"
 fi
 
 # 7. what the device-synchronised clock costs a step (tools/benchmarks/clock_cost.py, a ~125M Llama)
@@ -224,8 +258,8 @@ lines += ["", "- A checkpoint on the GPU: diloco, 2 sites x 1 rank, bf16, saved 
           "| run | status | last loss | uninterrupted | relative difference |", "|---|---|---|---|---|",
           ckpt_rows.rstrip()]
 if ft_row:
-    lines += ["", "- Elastic sites on torchft with CUDA tensors (the quick start's ELASTIC mode, 300 steps, "
-              "--lsgd-min-sites 2):", "", "| run | status |", "|---|---|", ft_row]
+    lines += ["", "- Elastic sites on torchft with CUDA tensors (--lsgd-min-sites 2; the first row is the quick "
+              "start's ELASTIC mode, 300 steps):", "", "| run | status |", "|---|---|", ft_row]
 else:
     lines += ["", "- Elastic sites on torchft: not run (torchft is not importable)"]
 if clock_rc == "0" and clock_rows.strip():

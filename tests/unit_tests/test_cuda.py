@@ -1,6 +1,6 @@
 """What only a GPU can show (marked `cuda`: skipped with the reason on CPU machines; run by
 tools/gpu_check.sh). Each test is the GPU side of a CPU-tested property: staged inter-site
-payloads, host-side outer state, device-side searchsorted, bf16 cross-entropy, GQA through
+payloads (also the elastic comm's host payloads on NCCL), host-side outer state, device-side searchsorted, bf16 cross-entropy, GQA through
 SDPA's kernels, recomputation, the peak-memory figures, acco/dpu's worker stream and its
 two events, the device-synchronised clock and per-shard initialisation on the device."""
 
@@ -58,6 +58,42 @@ def test_gloo_between_sites_stages_cuda_payloads_through_pinned_memory():
             # same grid, so they differ by at most one step where a value rounds the other way
             step = {None: 0.0, 8: 0.05, 4: 0.6}[key[0]]
             torch.testing.assert_close(on_gpu, on_host, rtol=0, atol=step)
+
+
+def _elastic_comm_on_nccl(rank, port, out_dir):
+    """ElasticComm over a real NCCL group of one rank, called as torchft's group is (its
+    list-form collectives), with --lsgd-outer-offload's host payloads in pinned memory."""
+    from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    comm = ElasticComm(2, devices=InterSiteDevices(group=GPU, run=GPU, host_payloads=True))
+    comm.set_sites(dist.group.WORLD, 2)  # as if two sites: the sum over one rank is the payload itself
+    out = {}
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)).pin_memory()
+    expected = x / 2
+    work = comm.all_reduce_mean(x, async_op=True)
+    work.wait()
+    out["mean"] = (x.device.type, torch.equal(x, expected))
+    swapped = torch.empty(1 << 20).pin_memory()
+    comm.all_to_all(swapped, x)
+    out["all_to_all"] = torch.equal(swapped, expected)
+    m = torch.tensor([3.0])
+    comm.all_reduce_max(m)
+    out["max"] = m.item()
+    out["staged_on_gpu"] = all(b.is_cuda for pool in comm.staging._free.values() for b in pool)
+    torch.save(out, os.path.join(out_dir, "0.pt"))
+    dist.destroy_process_group()
+
+
+def test_the_elastic_comm_stages_host_payloads_for_nccl():
+    # the GPU side of tests/unit_tests/lsgd/test_elastic_comm.py (one GPU: NCCL across sites
+    # needs a GPU per site, gpu_check.sh's elastic row on 2+ GPUs)
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_elastic_comm_on_nccl, args=(free_port(), d), nprocs=1, join=True)
+        rec = torch.load(os.path.join(d, "0.pt"), weights_only=False)
+    assert rec == {"mean": ("cpu", True), "all_to_all": True, "max": 3.0, "staged_on_gpu": True}
 
 
 def test_a_host_tensor_for_an_nccl_group_is_refused():

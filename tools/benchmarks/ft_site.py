@@ -34,7 +34,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 from megatron_lsgd.core.lsgd import catalog  # noqa: E402
-from megatron_lsgd.core.lsgd.comm import InterSiteComm  # noqa: E402
+from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout  # noqa: E402
 from megatron_lsgd.core.lsgd.config import CompressionOptions, LsgdConfig, OuterOptions, RoundOptions  # noqa: E402
 from megatron_lsgd.core.lsgd.membership import AllSites  # noqa: E402
 from megatron_lsgd.core.lsgd.protocol import SyncContext  # noqa: E402
@@ -60,6 +60,9 @@ class SiteSpec:
     world_port: int = 0  # the plain world's port (lighthouse == "")
     go_file: str = ""  # wait for this file before the first step (every site's manager heartbeats by then)
     pause_file: str = ""  # no inner step while this file exists (tests: hold the others while a site restarts)
+    max_wait_s: float = 600.0  # --lsgd-ft-max-wait
+    lone_site: str = "stop"  # --lsgd-ft-lone-site
+    log_every: float = 1.0  # seconds between a waiting site's lines (pretrain_gpt.py: 10)
 
 
 def inner_update(site: int, step: int) -> torch.Tensor:
@@ -143,11 +146,12 @@ def run_site(spec: SiteSpec) -> None:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this site's own store
         comm = ElasticComm(spec.num_sites, site=spec.site)
         options = FaultToleranceOptions(mode="torchft", min_sites=spec.min_sites, lighthouse=spec.lighthouse,
-                                        timeout_s=spec.timeout_s, max_wait_s=600)
+                                        timeout_s=spec.timeout_s, max_wait_s=spec.max_wait_s,
+                                        lone_site=spec.lone_site)
         options.validate(algorithm="diloco", num_sites=spec.num_sites)
         membership = TorchftMembership(comm, options, site=spec.site, group_rank=0, group_world_size=1,
                                        store_addr="127.0.0.1", store_port=store.port, device=torch.device("cpu"),
-                                       log=log, log_every=1.0, poll_s=0.2, trace=trace)
+                                       log=log, log_every=spec.log_every, poll_s=0.2, trace=trace)
     else:  # the same job without fault tolerance: one gloo world over the sites
         import torch.distributed as dist
 
@@ -175,6 +179,24 @@ def run_site(spec: SiteSpec) -> None:
     log(json.dumps({"started": spec.site}))
     while spec.go_file and not os.path.exists(spec.go_file):
         time.sleep(0.05)
+    try:
+        train(spec, state, sync, membership, logf)
+    except InterSiteTimeout as err:  # pretrain_gpt.py's one error line and exit code 2
+        logf.write(json.dumps({"error": str(err), "t": time.time()}) + "\n")
+        logf.flush()
+        sys.exit(2)
+    logf.write(json.dumps({"done": spec.site, "step": state.step, "t": time.time()}) + "\n")
+    logf.flush()
+    if spec.lighthouse:
+        membership.close()
+    if world:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def train(spec: SiteSpec, state: SiteState, sync, membership, logf) -> None:
+    """The site's inner steps and rounds to the end of its budget."""
     while state.step < spec.steps:
         sync.before_forward_backward(state.step)  # a quorum at a round's start; a heal may move state.step
         if state.step >= spec.steps:
@@ -202,14 +224,6 @@ def run_site(spec: SiteSpec) -> None:
             logf.flush()
         if spec.kill_at_step is not None and state.step == spec.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
-    logf.write(json.dumps({"done": spec.site, "step": state.step, "t": time.time()}) + "\n")
-    logf.flush()
-    if spec.lighthouse:
-        membership.close()
-    if world:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
 
 
 def start_lighthouse(min_sites: int, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 3000):

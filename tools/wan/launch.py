@@ -77,6 +77,14 @@ def script_flag(script: Sequence[str], flag: str) -> Optional[str]:
     return value
 
 
+def lighthouse_floor(script: Sequence[str]) -> int:
+    """The lighthouse's --min_replicas for the script's sites: their --lsgd-min-sites, or 1
+    when a site alone may train (--lsgd-ft-lone-site train: a quorum of one site must form)."""
+    if script_flag(script, "--lsgd-ft-lone-site") == "train":
+        return 1
+    return int(script_flag(script, "--lsgd-min-sites") or 1)
+
+
 def lighthouse_cmd(min_sites: int, port: int, join_timeout_ms: int) -> List[str]:
     """torchft's lighthouse (installed with torchft): forms each round's quorum of sites."""
     exe = shutil.which("torchft_lighthouse")
@@ -226,9 +234,8 @@ def _run_elastic(wan: WanTopology, a: argparse.Namespace, script: List[str]) -> 
     """One job per site, restarted by torchrun, and a lighthouse in site 0 unless the script names one."""
     lighthouse, services = script_flag(script, "--lsgd-lighthouse"), []
     if lighthouse is None:
-        min_sites = int(script_flag(script, "--lsgd-min-sites") or 1)
-        services = [SiteJob(0, lighthouse_cmd(min_sites, a.lighthouse_port, a.lighthouse_join_timeout_ms),
-                            os.path.join(a.log_dir, "lighthouse.log"))]
+        cmd = lighthouse_cmd(lighthouse_floor(script), a.lighthouse_port, a.lighthouse_join_timeout_ms)
+        services = [SiteJob(0, cmd, os.path.join(a.log_dir, "lighthouse.log"))]
         lighthouse = f"http://{wan.site_ip(0)}:{a.lighthouse_port}"
         print(f"lighthouse: {lighthouse} (in site 0)", flush=True)
     jobs = elastic_site_jobs(wan, a.ranks_per_site, script, a.master_port, a.log_dir, "run", lighthouse,

@@ -313,13 +313,14 @@ def test_a_site_below_its_floor_past_max_wait_stops_with_one_error_line():
     # --lsgd-ft-max-wait the site raises what the training loop prints as its one error
     # line with exit code 2 (InterSiteTimeout), naming the missing sites, not a traceback.
     m = scripted_membership()
-    m.options = SimpleNamespace(min_sites=2, max_wait_s=0.05, timeout_s=1.0, max_failed_rounds=0)
+    m.options = SimpleNamespace(min_sites=2, max_wait_s=0.05, timeout_s=1.0, max_failed_rounds=0, lone_site="stop")
     m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=3)
     m.site, m.poll_s = 2, 0.01
     with pytest.raises(InterSiteTimeout, match=r"site 2: fewer than --lsgd-min-sites 2 sites for --lsgd-ft-max-wait "
                                                r"0.05 s \(missing: 0,1; "):
         m.round_started()
-    assert "site 2 waits for --lsgd-min-sites 2 sites (0 s, 1 site(s) in the quorum: 2); missing: 0,1" in m.lines
+    assert "site 2 waits for --lsgd-min-sites 2 sites (0 s, 1 site(s) in the quorum: 2); missing: 0,1; stops at " \
+           "--lsgd-ft-max-wait 0.05 s" in m.lines
 
 
 def test_a_digest_per_committed_round_none_for_a_state_loaded_from_a_checkpoint(tmp_path):

@@ -166,6 +166,86 @@ def quorums(records):
 
 @needs_torchft
 @pytest.mark.slow
+def test_a_lone_site_says_so_within_seconds_then_stops_with_one_error(tmp_path):
+    # A site that comes first (or after every other has left), under a lighthouse that forms
+    # no quorum of one site (tools/wan/launch.py's: --min_replicas = --lsgd-min-sites 2). Its
+    # lines come every log_every (pretrain_gpt.py's 10 s; 60 here), but the first within seconds;
+    # after --lsgd-ft-max-wait torchft's quorum times out and the site stops with one error line.
+    lh = start_lighthouse(2)
+    try:
+        site = launch(SiteSpec(site=0, num_sites=2, steps=8, out_dir=str(tmp_path), lighthouse=lh.address(),
+                               min_sites=2, max_wait_s=6.0, log_every=60.0))
+        code = site.wait(timeout=120)
+    finally:
+        lh.shutdown()
+    records = read_log(str(tmp_path), 0)
+    started = records[starts(records)[0]]["t"]
+    waits = [r for r in records if "waits for --lsgd-min-sites 2 sites" in r.get("log", "")]
+    assert waits and waits[0]["t"] - started < 5.0, records
+    assert "no quorum yet); sites of the last round: none; stops at --lsgd-ft-max-wait 6 s" in waits[0]["log"]
+    errors = [r["error"] for r in records if "error" in r]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(
+        "site 0: no quorum in --lsgd-ft-max-wait 6 s (the lighthouse formed none with this site"), records
+    assert not rounds(records)
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_lone_site_trains_alone_then_rejoins_the_others_quorum(tmp_path):
+    # 2 sites, floor 2, --lsgd-ft-lone-site train, a lighthouse that forms a quorum of one:
+    # site 0 comes alone, waits --lsgd-ft-max-wait (3 s), then trains alone, its rounds
+    # committed with itself as the only member (exactly a one-site round). Site 1 then comes
+    # fresh: the two meet in one quorum, site 1 is healed from site 0, and they train together.
+    import time
+
+    out = str(tmp_path)
+    go, pause = os.path.join(out, "go"), os.path.join(out, "pause")
+    open(go, "w").close()
+    lh = start_lighthouse(1)
+
+    def spec(site):
+        return SiteSpec(site=site, num_sites=2, steps=40, interval=2, out_dir=out, lighthouse=lh.address(),
+                        min_sites=2, max_wait_s=3.0, lone_site="train", step_seconds=0.05, go_file=go,
+                        pause_file=pause)
+
+    procs = {0: launch(spec(0))}
+    try:
+        deadline = time.time() + 120
+        while len(rounds(read_log(out, 0))) < 2:  # two rounds alone, then site 1 comes
+            assert procs[0].poll() is None and time.time() < deadline, read_log(out, 0)
+            time.sleep(0.05)
+        open(pause, "w").close()  # site 0 holds before its next step while site 1 starts
+        procs[1] = launch(spec(1))
+        wait_started(out, [1])
+        os.remove(pause)
+        codes = {s: p.wait(timeout=120) for s, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        lh.shutdown()
+    s0, s1 = read_log(out, 0), read_log(out, 1)
+    assert codes == {0: 0, 1: 0}, (s0, s1)
+    alone = [i for i, r in enumerate(s0) if r.get("log", "").startswith("site 0 trains alone")]
+    assert len(alone) == 1, logs(s0)
+    # its first round, alone, committed: the replay of one site's round from the initial weights
+    first = rounds(s0)[0]
+    assert (first["round"], first["step"], first["committed"]) == (1, 2, 1)
+    anchor, momentum = replay_round(initial_params().tolist(), [], (0,), 0, 2, {0: torch.zeros(8)})
+    assert first["anchor"] == anchor and first["momentum"] == momentum
+    met = [q for q in quorums(s0) if q["sites"] == [0, 1]]
+    assert met and all(q["sites"] == [0] for q in quorums(s0) if q["t"] < met[0]["t"])
+    joined = met[0]["committed"]
+    assert joined >= 2 and [r["round"] for r in rounds(s0) if r["t"] < met[0]["t"]] == list(range(1, joined + 1))
+    assert any(line.startswith("site 0 no longer trains alone: sites now 0,1") for line in logs(s0)), logs(s0)
+    # site 1 was healed to site 0's state at that quorum and agrees with it at every later round
+    assert sum(line.startswith(f"site 1 rejoined at committed round {joined}") for line in logs(s1)) == 1, logs(s1)
+    after = by_round(s1)
+    assert after and min(after) == joined + 1 and all(by_round(s0)[k] == d for k, d in after.items())
+
+
+@needs_torchft
+@pytest.mark.slow
 def test_one_heal_per_fault_every_survivor_meets_the_restarted_site(tmp_path):
     # 3 sites in a ring, floor 2: site 0 dies mid-round (after step 5). Its ring neighbour
     # learns at once; the other survivor waits on that live neighbour, which stops sending.
@@ -245,8 +325,14 @@ def test_fault_tolerance_flags_are_checked():
         FaultToleranceOptions(min_sites=2).validate(algorithm="diloco", num_sites=2)
     with pytest.raises(ValueError, match=r"--lsgd-ft-max-failed-rounds must be >= 0 \(0: never stop; got -1\)"):
         FaultToleranceOptions(mode="torchft", max_failed_rounds=-1).validate(algorithm="diloco", num_sites=2)
+    with pytest.raises(ValueError, match=r"--lsgd-ft-lone-site train needs --lsgd-min-sites >= 2 \(with 1 a site "
+                                         r"alone trains at once\)"):
+        FaultToleranceOptions(mode="torchft", lone_site="train").validate(algorithm="diloco", num_sites=2)
+    with pytest.raises(ValueError, match="--lsgd-ft-lone-site needs --lsgd-fault-tolerance torchft"):
+        FaultToleranceOptions(lone_site="train").validate(algorithm="diloco", num_sites=2)
     if importlib.util.find_spec("torchft") is not None:  # else the install message (next test) is the answer
         FaultToleranceOptions(mode="torchft", min_sites=2).validate(algorithm="diloco", num_sites=2)
+        FaultToleranceOptions(mode="torchft", min_sites=2, lone_site="train").validate(algorithm="diloco", num_sites=2)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -405,3 +491,86 @@ def test_a_failed_collective_aborts_the_sites_group_at_once():
     kept = _membership(commit=False)  # a peer said no, nothing failed here: the group is left alone
     kept.pg = _Group()
     assert kept.reduce(lambda: "m") is None and kept.pg.aborts == 0
+
+
+# ---- a lone site (--lsgd-ft-lone-site) --------------------------------------------------------------
+def _lone(lone_site: str):
+    """A site of two with --lsgd-min-sites 2, alone in its quorum (the scripted Manager's)."""
+    m = scripted_membership()
+    m.options.min_sites, m.options.max_wait_s, m.options.lone_site = 2, 0.05, lone_site
+    m.comm.configured_sites = 2
+    return m
+
+
+def test_a_lone_site_stops_after_the_wait_by_default_and_says_what_would_train_alone():
+    from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
+
+    lone = _lone("stop")
+    with pytest.raises(InterSiteTimeout, match=r"fewer than --lsgd-min-sites 2 sites for --lsgd-ft-max-wait 0.05 s "
+                                               r"\(missing: 1; .*--lsgd-ft-lone-site train would train alone\)"):
+        lone.round_started()
+    assert lone.lines[0] == ("site 0 waits for --lsgd-min-sites 2 sites (0 s, 1 site(s) in the quorum: 0); "
+                             "missing: 1; stops at --lsgd-ft-max-wait 0.05 s")
+    assert lone.rounds_attempted == 0 and not lone.alone
+
+
+def test_a_lone_site_trains_alone_after_the_wait_and_rejoins_when_a_site_comes():
+    lone = _lone("train")
+    lone.round_started()  # waits 0.05 s, then trains alone
+    assert lone.lines[0].endswith("; trains alone at --lsgd-ft-max-wait 0.05 s if no other site has come "
+                                  "(--lsgd-ft-lone-site train)")
+    assert lone.lines[-1].startswith("site 0 trains alone: no other site in its quorum for --lsgd-ft-max-wait 0.05 s")
+    assert lone.alone and lone.reduce(lambda: "its own") == "its own" and lone.rounds_committed == 1
+    quorums = lone.manager.quorums
+    lone.round_started()  # alone already: no wait, one quorum
+    assert lone.manager.quorums == quorums + 1 and lone.reduce(lambda: "again") == "again"
+    lone.manager.num_participants = lambda: 2  # another site joins its quorum: the floor holds again
+    lone._gather_present = lambda: [0, 1]
+    lone.round_started()
+    assert not lone.alone and lone.lines[-1] == "site 0 no longer trains alone: sites now 0,1 (committed round 2)"
+    lone.reduce(lambda: "mean")
+    lone.manager.num_participants = lambda: 1  # and leaves: a new wait before training alone again
+    lone._gather_present = lambda: [0]
+    lines = len(lone.lines)
+    lone.round_started()
+    new = lone.lines[lines:]
+    assert new[0] == "site 0: sites now 0 (were 0,1)" and "waits for --lsgd-min-sites 2" in new[1]
+    assert new[-1].startswith("site 0 trains alone") and lone.alone
+
+
+def test_a_quorum_that_never_forms_is_the_runs_one_error_line():
+    # a lighthouse whose --min_replicas a lone site cannot meet: torchft's quorum times out
+    # after --lsgd-ft-max-wait with its own words ("status: Cancelled ..."); the site names the flag
+    from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
+
+    for lone_site, hint in (("stop", r"none\)$"), ("train", r"none; --lsgd-ft-lone-site train needs a lighthouse "
+                                                              r"that forms a quorum of one site")):
+        lone = _lone(lone_site)
+
+        def timed_out(timeout=None):
+            raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+
+        lone.manager.start_quorum = timed_out
+        with pytest.raises(InterSiteTimeout, match=r"^site 0: no quorum in --lsgd-ft-max-wait 0.05 s \(the lighthouse "
+                                                   r"formed none with this site: .*sites of the last round: " + hint):
+            lone.round_started()
+
+
+def test_a_site_that_knows_no_other_says_it_waits_within_seconds(monkeypatch):
+    # a blocking quorum (a lighthouse that holds it back) says so after ALONE_LINE_S, not
+    # log_every, when the site has no other site in its last quorum (or none yet)
+    import time
+
+    from megatron_lsgd.core.lsgd.fault_tolerance import torchft_membership
+
+    monkeypatch.setattr(torchft_membership, "ALONE_LINE_S", 0.05)
+    for present, lines in (([], 1), ([0], 1), ([0, 1], 0)):
+        m = _lone("stop")
+        m.present = present
+        m.manager.start_quorum = lambda timeout=None: time.sleep(0.5)
+        m._quorum()
+        assert len(m.lines) == lines, (present, m.lines)
+        if lines:
+            assert m.lines[0] == (f"site 0 waits for --lsgd-min-sites 2 sites (0 s, no quorum yet); sites of the last "
+                                  f"round: {','.join(map(str, present)) or 'none'}; stops at --lsgd-ft-max-wait "
+                                  f"0.05 s")

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools.wan.launch import elastic_site_jobs, lighthouse_cmd, script_flag
+from tools.wan.launch import elastic_site_jobs, lighthouse_cmd, lighthouse_floor, script_flag
 
 
 def _value(cmd, flag):
@@ -41,3 +41,10 @@ def test_the_lighthouse_takes_the_sites_floor():
     assert cmd[0].endswith("torchft_lighthouse")
     assert (_value(cmd, "--min_replicas"), _value(cmd, "--bind"), _value(cmd, "--join_timeout_ms")) == \
         ("2", "[::]:29510", "10000")
+
+
+def test_the_lighthouse_forms_a_quorum_of_one_site_where_a_site_may_train_alone():
+    script = ["pretrain_gpt.py", "--lsgd-fault-tolerance", "torchft", "--lsgd-min-sites", "2"]
+    assert lighthouse_floor(script) == 2 and lighthouse_floor(script + ["--lsgd-ft-lone-site", "stop"]) == 2
+    assert lighthouse_floor(script + ["--lsgd-ft-lone-site=train"]) == 1
+    assert lighthouse_floor(["pretrain_gpt.py"]) == 1

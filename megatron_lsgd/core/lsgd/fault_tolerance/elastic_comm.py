@@ -6,6 +6,12 @@ compressor averages over the sites that take part without knowing about faults. 
 wrapper groups implement the list-form collectives (allreduce, allgather, alltoall_base)
 but not c10d's flat `*_single` ones, hence the overrides; the byte accounting and the
 simulated link are InterSiteComm's.
+
+On a device group (torchft's NCCL group: `devices.group` is the rank's GPU) every payload
+is checked and, when it lives elsewhere (the host outer state of `--lsgd-outer-offload`),
+staged onto the group's device and copied back when the collective is waited for, by the
+same path as InterSiteComm's (`_launch`, devices.Staging). On the host (gloo) tensors go
+to the group as they are, as before.
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ class ElasticComm(InterSiteComm):
         self.group = group
         self.num_sites = present
 
+    def _on_group(self, what: str, collective, output: torch.Tensor, tensor: Optional[torch.Tensor] = None):
+        """collective(output, tensor) on the round's group: staged through the group's device
+        when that is a device (NCCL) and a payload is not there (InterSiteComm._launch);
+        on a host (gloo) group, on the tensors themselves."""
+        if self.devices.group.type == "cpu":
+            return collective(output, tensor)
+        return self._launch(what, collective, output, tensor)
+
     def _reduce(self, tensor: torch.Tensor, op) -> object:
         opts = AllreduceOptions()
         opts.reduceOp = op
@@ -42,15 +56,19 @@ class ElasticComm(InterSiteComm):
             return InterSiteWork(self, None)
         tensor.mul_(1.0 / self.num_sites)
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        work = self._reduce(tensor, ReduceOp.SUM)
+        work = self._on_group("all_reduce_mean", lambda out, _: self._reduce(out, ReduceOp.SUM), tensor)
         return self._finish(self._issue(work, moved, moved, self.phases("all_reduce")), async_op)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         if self.num_sites == 1:
             output.copy_(tensor.reshape(-1))
             return InterSiteWork(self, None)
-        parts = list(output.view(self.num_sites, -1).unbind(0))
-        work = self.group.allgather([parts], [tensor.reshape(-1)], AllgatherOptions())
+
+        def gather(out: torch.Tensor, inp: torch.Tensor):
+            parts = list(out.view(self.num_sites, -1).unbind(0))
+            return self.group.allgather([parts], [inp.reshape(-1)], AllgatherOptions())
+
+        work = self._on_group("all_gather", gather, output, tensor)
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size()
         return self._finish(self._issue(work, moved, moved, self.phases("all_gather")), async_op)
 
@@ -58,7 +76,9 @@ class ElasticComm(InterSiteComm):
         if self.num_sites == 1:
             output.copy_(tensor)
             return InterSiteWork(self, None)
-        work = self.group.alltoall_base(output, tensor, [], [], AllToAllOptions())
+        work = self._on_group("all_to_all", lambda out, inp: self.group.alltoall_base(out, inp, [], [],
+                                                                                      AllToAllOptions()),
+                              output, tensor)
         moved = (self.num_sites - 1) * tensor.numel() * tensor.element_size() // self.num_sites
         return self._finish(self._issue(work, moved, moved, self.phases("all_to_all")), async_op)
 
@@ -66,7 +86,8 @@ class ElasticComm(InterSiteComm):
         if self.num_sites == 1:
             return
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
-        self._issue(self._reduce(tensor, ReduceOp.MAX), moved, moved, self.phases("all_reduce")).wait()
+        work = self._on_group("all_reduce_max", lambda out, _: self._reduce(out, ReduceOp.MAX), tensor)
+        self._issue(work, moved, moved, self.phases("all_reduce")).wait()
 
     def use_dedicated_group(self, dims, timeout=None) -> None:
         """Nothing to do: the torchft group is already this comm's alone."""

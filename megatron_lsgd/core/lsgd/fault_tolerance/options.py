@@ -8,6 +8,7 @@ from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 
 MODES = ("none", "torchft")
+LONE_SITE = ("stop", "train")
 INSTALL_HINT = 'pip install -e ".[ft]" (torchft==0.2.0)'
 
 
@@ -25,8 +26,15 @@ class FaultToleranceOptions(OptionGroup):
     timeout_s: float = option("--lsgd-ft-timeout", 60.0,
                               "seconds a cross-site collective or a heal may take before the round is given up")
     max_wait_s: float = option("--lsgd-ft-max-wait", 3600.0,
-                               "seconds a site waits for --lsgd-min-sites sites before it gives up (a site waiting "
-                               "when the others reach the job's end takes their final state and stops at once)")
+                               "seconds a site waits for --lsgd-min-sites sites before it gives up (or, alone in "
+                               "its quorum, trains alone: --lsgd-ft-lone-site); a site waiting when the others "
+                               "reach the job's end takes their final state and stops at once")
+    lone_site: str = option("--lsgd-ft-lone-site", "stop",
+                            "what a site does when it has had no other site in its quorum for --lsgd-ft-max-wait "
+                            "seconds (it came first, or after every other site had left): stop (one error line, "
+                            "exit 2) or train alone, its rounds committed with itself as the only member, until "
+                            "other sites come back and it rejoins their quorum (needs --lsgd-min-sites >= 2 and a "
+                            "lighthouse that forms a quorum of one site: --min_replicas 1)", choices=LONE_SITE)
     max_failed_rounds: int = option("--lsgd-ft-max-failed-rounds", 10,
                                     "rounds in a row a site may fail to commit before it stops with an error (sites "
                                     "that meet but cannot reduce together never recover: two sites on one GPU under "
@@ -70,6 +78,9 @@ class FaultToleranceOptions(OptionGroup):
             raise ValueError(f"{flag} does not work with --lsgd-fault-tolerance {self.mode}: {why}")
         if self.timeout_s <= 0 or self.max_wait_s <= 0:
             raise ValueError("--lsgd-ft-timeout and --lsgd-ft-max-wait must be > 0")
+        if self.lone_site == "train" and self.min_sites < 2:
+            raise ValueError("--lsgd-ft-lone-site train needs --lsgd-min-sites >= 2 (with 1 a site alone trains "
+                             "at once)")
         if self.max_failed_rounds < 0:
             raise ValueError(f"--lsgd-ft-max-failed-rounds must be >= 0 (0: never stop; got {self.max_failed_rounds})")
         require_torchft(self.mode)

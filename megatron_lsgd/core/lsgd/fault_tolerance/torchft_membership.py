@@ -9,7 +9,11 @@ for the streaming family a round is one fragment's sync, as in torchft's Streami
   PGTransport) before its step. A fresh site is never the source: torchft heals towards
   the highest committed step, and `init_sync=False` because every site starts from the
   same seeded weights. Below `--lsgd-min-sites` the site waits (a line every `log_every`
-  seconds) and re-forms the quorum; it never trains a round it could not commit.
+  seconds; a site with no other site in its last quorum, or none yet, says so after
+  `ALONE_LINE_S`) and re-forms the quorum; it never trains a round it could not commit.
+  After `--lsgd-ft-max-wait` it stops with one error line, or, alone in its quorum under
+  `--lsgd-ft-lone-site train`, trains alone (its rounds committed with itself as the only
+  member) until another site joins its quorum.
 - `start` / `finish` (`reduce` is both at once): the round's one reduction over the sites
   present, issued right after the quorum and finished before the next one (a quorum may
   rebuild the group under it). A collective that fails (a peer died, a timeout) is
@@ -44,6 +48,8 @@ from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOption
 from megatron_lsgd.core.lsgd.membership import JobFinished, SiteMembership
 
 T = TypeVar("T")
+
+ALONE_LINE_S = 2.0  # a site that knows no other site (its first quorum, or it was alone) says it waits this soon
 
 
 def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
@@ -127,7 +133,10 @@ class TorchftMembership(SiteMembership):
         # Healing state travels over the quorum's own group (reachable by construction, no
         # HTTP server per rank advertised under a host name other sites may not resolve).
         transport = PGTransport(self.pg, timeout=timeout, device=device)
-        self.manager = Manager(pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=options.min_sites,
+        # torchft's own floor (no commit below it) is --lsgd-min-sites, the site's own floor being
+        # round_started's; a site that may train alone commits rounds of one site.
+        floor = 1 if options.lone_site == "train" else options.min_sites
+        self.manager = Manager(pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=floor,
                                use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(seconds=options.max_wait_s), rank=group_rank,
                                world_size=group_world_size, store_addr=store_addr, store_port=store_port,
@@ -136,6 +145,7 @@ class TorchftMembership(SiteMembership):
         self.present: List[int] = []  # sites of the current round
         self.rounds_attempted = self.rounds_committed = 0
         self.failed_in_a_row = 0  # rounds not committed since the last that was (--lsgd-ft-max-failed-rounds)
+        self.alone = False  # training alone (--lsgd-ft-lone-site train) until another site joins its quorum
         self.healed_rounds: List[int] = []  # committed-round counts at which this site received a peer's state
         self._failed: Optional[List[int]] = None  # the sites of a round that was not committed
         self._failure = ""  # why, in a few words
@@ -202,26 +212,49 @@ class TorchftMembership(SiteMembership):
         if self._open is not None:
             raise RuntimeError("a round's reduction is still open: finish it before the next quorum")
         self._record_digest()
-        self._form_quorum()
+        self._form_quorum_or_stop()
         self._stop_if_final()
         waited_since = last_line = None  # waiting for real peers: real time, whatever the run's clock
         while self.manager.num_participants() < self.options.min_sites:
             now = time.monotonic()
             if waited_since is None:
                 waited_since = now
+            alone = self.present == [self.site]
+            if alone and self.options.lone_site == "train" and (self.alone or
+                                                                now - waited_since > self.options.max_wait_s):
+                if not self.alone:
+                    self.alone = True
+                    self.log(f"site {self.site} trains alone: no other site in its quorum for --lsgd-ft-max-wait "
+                             f"{self.options.max_wait_s:g} s (--lsgd-ft-lone-site train); its rounds commit with "
+                             f"itself as the only member until another site joins")
+                return
             missing = sorted(set(range(self.comm.configured_sites)) - set(self.present))
             if now - waited_since > self.options.max_wait_s:  # the run's one error line, exit code 2
+                hint = "; --lsgd-ft-lone-site train would train alone" if alone else ""
                 raise InterSiteTimeout(
                     f"site {self.site}: fewer than --lsgd-min-sites {self.options.min_sites} sites for "
                     f"--lsgd-ft-max-wait {self.options.max_wait_s:g} s (missing: {_sites(missing)}; stopped, "
-                    f"unreachable, or finished the job before this site came)")
+                    f"unreachable, or finished the job before this site came{hint})")
             if last_line is None or now - last_line >= self.log_every:
                 self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum: "
                                             f"{_sites(self.present)}); missing: {_sites(missing)}")
                 last_line = now
             time.sleep(self.poll_s)
-            self._form_quorum()
+            self._form_quorum_or_stop()
             self._stop_if_final()
+
+    def _form_quorum_or_stop(self) -> None:
+        """A quorum, or the run's one error line when the lighthouse formed none with this
+        site in --lsgd-ft-max-wait (torchft's quorum timeout)."""
+        try:
+            self._form_quorum()
+        except TimeoutError as err:  # the Manager's quorum_timeout: no other site (or too few for the lighthouse)
+            alone = "; --lsgd-ft-lone-site train needs a lighthouse that forms a quorum of one site " \
+                "(torchft_lighthouse --min_replicas 1)" if self.options.lone_site == "train" else ""
+            raise InterSiteTimeout(
+                f"site {self.site}: no quorum in --lsgd-ft-max-wait {self.options.max_wait_s:g} s (the lighthouse "
+                f"formed none with this site: fewer sites than its --min_replicas came; sites of the last round: "
+                f"{_sites(self.present)}{alone})") from err
 
     def _stop_if_final(self) -> None:
         if self.received_final:
@@ -253,8 +286,13 @@ class TorchftMembership(SiteMembership):
             self.log(f"site {self.site}: round {self.rounds_attempted} was not committed ({who}: {self._failure}); "
                      f"rolled back; sites now {_sites(self.present)}")
             self._failed = None
+        elif self.alone and len(self.present) > 1:
+            self.log(f"site {self.site} no longer trains alone: sites now {_sites(self.present)} (committed round "
+                     f"{self.committed_rounds})")
         elif before and before != self.present:
             self.log(f"site {self.site}: sites now {_sites(self.present)} (were {_sites(before)})")
+        if len(self.present) > 1:
+            self.alone = False
 
     def start(self, issue: Callable[[], object], undo: Sequence[object] = ()) -> _RoundTicket:
         if self._open is not None:
@@ -399,8 +437,13 @@ class TorchftMembership(SiteMembership):
         done = threading.Event()
         started = time.monotonic()
 
+        # a site that knows no other site (none yet, or it was alone) says so within seconds
+        first = min(ALONE_LINE_S, self.log_every) if len(self.present) <= 1 else self.log_every
+
         def watch() -> None:
-            while not done.wait(self.log_every):
+            wait = first
+            while not done.wait(wait):
+                wait = self.log_every
                 failed = f"; round {self.rounds_attempted} failed ({self._failure})" \
                     if self._failed is not None else ""
                 self._waiting(started, f"no quorum yet); sites of the last round: {_sites(self.present)}{failed}")
@@ -414,8 +457,11 @@ class TorchftMembership(SiteMembership):
             watcher.join()
 
     def _waiting(self, since: float, what: str) -> None:
+        limit = f"--lsgd-ft-max-wait {self.options.max_wait_s:g} s"
+        then = f"trains alone at {limit} if no other site has come (--lsgd-ft-lone-site train)" \
+            if self.options.lone_site == "train" else f"stops at {limit}"
         self.log(f"site {self.site} waits for --lsgd-min-sites {self.options.min_sites} sites "
-                 f"({time.monotonic() - since:.0f} s, {what}")
+                 f"({time.monotonic() - since:.0f} s, {what}; {then}")
 
     def _gather_present(self) -> Optional[List[int]]:
         """Which sites the new quorum holds: each contributes its index (a few bytes)."""
