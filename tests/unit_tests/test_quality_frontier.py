@@ -399,3 +399,17 @@ def test_lsgd_quality_writes_its_table_into_docs_and_its_json_under_results(tmp_
     raw = tmp_path / "results" / "algorithms" / "results" / "x" / "lsgd_quality.json"
     assert set(json.load(open(raw))["results"]) == {"sync", "diloco"}
     assert "lsgd_quality.json" not in os.listdir(pages) and "lsgd_quality.md" in os.listdir(pages)
+
+
+def test_lsgd_quality_refuses_a_run_that_would_not_start_before_training_anything(capsys, monkeypatch):
+    """At the tool's default H = 50, streaming-diloco's 4 fragments do not cut the round into
+    equal slots: one error line naming the run and the flag, exit 2, and nothing trained."""
+    from tools.benchmarks import lsgd_quality
+
+    monkeypatch.setattr(lsgd_quality, "run", lambda argv, world: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as exit_:
+        lsgd_quality.main(["--runs", "diloco,streaming-diloco"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1
+    assert "'streaming-diloco' would not start" in err and "--lsgd-fragments" in err

@@ -50,8 +50,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from megatron_lsgd import cli  # noqa: E402
 from megatron_lsgd.core.datasets import IndexedDataset, parse_split, split_ranges  # noqa: E402
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class  # noqa: E402
+from megatron_lsgd.training.arguments import build_config, parse_args  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.recipes import quality_runs  # noqa: E402
@@ -153,7 +155,7 @@ def steps_to_reach(iters: List[int], losses: List[float], target: float):
 
 def parser() -> argparse.ArgumentParser:
     """The tool's arguments; their defaults are the knobs of the recipes' runs (recipes.quality_runs)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", default=None)
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--out-dir", default="docs/algorithms/results",
@@ -228,6 +230,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             p.error(f"--runs: {name!r} is neither built in ({', '.join(configs)}) nor defined by --run-args")
     if args.target is not None and args.target not in args.runs.split(","):
         p.error(f"--target {args.target!r} is not among --runs")
+    for name in args.runs.split(","):  # the training's own checks, before hours of runs, not in the middle
+        try:
+            build_config(parse_args(base + configs[name]), world)
+        except ValueError as err:
+            p.error(f"--runs: {name!r} would not start: {err}")
     budget = ["--train-samples", str(args.train_iters * args.global_batch_size)]
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
