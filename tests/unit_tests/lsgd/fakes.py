@@ -9,6 +9,7 @@ from typing import List
 
 import torch
 
+from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.config import CompressionOptions, LsgdConfig, OuterOptions, RoundOptions
@@ -133,7 +134,7 @@ def scripted_membership(fail=(), present=()) -> TorchftMembership:
     m = TorchftMembership.__new__(TorchftMembership)  # the round logic, no torchft processes
     m.manager, m.lines = ScriptedManager(fail), []
     m.options = SimpleNamespace(min_sites=1, max_wait_s=60.0, timeout_s=1.0, max_failed_rounds=0, lone_site="stop")
-    m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=1)
+    m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=1, clock=Clock())
     m.site, m.present, m.pg, m.device, m.log, m.log_every, m.poll_s = 0, list(present), None, torch.device("cpu"), \
         m.lines.append, 60.0, 0.0
     m.rounds_attempted = m.rounds_committed = m.failed_in_a_row = 0

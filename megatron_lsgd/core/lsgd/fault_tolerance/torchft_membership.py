@@ -214,9 +214,9 @@ class TorchftMembership(SiteMembership):
         self._record_digest()
         self._form_quorum_or_stop()
         self._stop_if_final()
-        waited_since = last_line = None  # waiting for real peers: real time, whatever the run's clock
+        waited_since = last_line = None  # the run's clock: real time (fault tolerance refuses a simulated one)
         while self.manager.num_participants() < self.options.min_sites:
-            now = time.monotonic()
+            now = self.comm.clock.now()
             if waited_since is None:
                 waited_since = now
             alone = self.present == [self.site]
@@ -239,7 +239,7 @@ class TorchftMembership(SiteMembership):
                 self._waiting(waited_since, f"{self.manager.num_participants()} site(s) in the quorum: "
                                             f"{_sites(self.present)}); missing: {_sites(missing)}")
                 last_line = now
-            time.sleep(self.poll_s)
+            self.comm.clock.sleep(self.poll_s)
             self._form_quorum_or_stop()
             self._stop_if_final()
 
@@ -435,7 +435,7 @@ class TorchftMembership(SiteMembership):
     def _quorum(self, timeout: Optional[timedelta] = None) -> None:
         """A blocking quorum, with a line every `log_every` seconds while it waits."""
         done = threading.Event()
-        started = time.monotonic()
+        started = self.comm.clock.now()
 
         # a site that knows no other site (none yet, or it was alone) says so within seconds
         first = min(ALONE_LINE_S, self.log_every) if len(self.present) <= 1 else self.log_every
@@ -461,7 +461,7 @@ class TorchftMembership(SiteMembership):
         then = f"trains alone at {limit} if no other site has come (--lsgd-ft-lone-site train)" \
             if self.options.lone_site == "train" else f"stops at {limit}"
         self.log(f"site {self.site} waits for --lsgd-min-sites {self.options.min_sites} sites "
-                 f"({time.monotonic() - since:.0f} s, {what}; {then}")
+                 f"({self.comm.clock.now() - since:.0f} s, {what}; {then}")
 
     def _gather_present(self) -> Optional[List[int]]:
         """Which sites the new quorum holds: each contributes its index (a few bytes)."""
