@@ -354,6 +354,18 @@ def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig) -> None:
                          f"compressed means are not weighted by tokens, nor cut into lanes, yet")
 
 
+def _check_scenario_sites(scenario, dims: ParallelDims) -> None:
+    """The run's sites are the scenario's: their number, and their sizes where it gives them."""
+    if scenario.sites != dims.sites:
+        raise ValueError(f"--simulate-scenario {scenario.path}: it describes {scenario.sites} sites, "
+                         f"but --num-sites is {dims.sites}")
+    if scenario.replicas_per_site is not None and tuple(scenario.replicas_per_site) != dims.site_sizes:
+        sizes = ",".join(map(str, scenario.replicas_per_site))
+        raise ValueError(f"--simulate-scenario {scenario.path}: its sites have {sizes} data-parallel replicas "
+                         f"(replicas_per_site), this run {','.join(map(str, dims.site_sizes))}: give "
+                         f"--site-data-parallel-sizes {sizes}")
+
+
 def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Validate everything once; raise ValueError with a message naming the flag.
     `world_size`: the torch.distributed world's, i.e. one site's under fault tolerance."""
@@ -480,10 +492,8 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     simulation.validate()  # reads and checks the scenario file
     _check_fault_tolerance(fault_tolerance, args, lsgd, simulation, checkpoint, dims)
     _check_unequal_sites(dims, lsgd)
-    scenario_sites = load_scenario(simulation.scenario).sites if simulation.scenario is not None else dims.sites
-    if scenario_sites != dims.sites:
-        raise ValueError(f"--simulate-scenario {simulation.scenario}: it describes {scenario_sites} sites, "
-                         f"but --num-sites is {dims.sites}")
+    if simulation.scenario is not None:
+        _check_scenario_sites(load_scenario(simulation.scenario), dims)
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
     run = RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,

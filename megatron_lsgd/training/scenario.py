@@ -12,6 +12,7 @@ make a rank's compute cost factor x. The clock itself is core/simulation.py.
 
     description = "2 sites x 8 GPUs, 1 Gbit/s, 30 ms, a 1B model"
     sites = 2
+    # replicas_per_site = [2, 1]   # sites of different sizes: the run's --site-data-parallel-sizes
     [compute]
     target_params = 1.0e9          # derive microbatch_seconds = 6 N tokens / (GPUs x FLOP/s)
     tokens_per_microbatch = 65536  # tokens one replica computes per trained micro-batch
@@ -129,6 +130,9 @@ class Scenario:
     bytes_scale: Optional[float] = None  # fixed, or from target_params at run time
     target_params: Optional[float] = None
     derived: Dict[str, str] = field(default_factory=dict)  # how each derived number came about
+    # Data-parallel replicas per site when the sites differ in size (None: any equal layout);
+    # a run of the scenario must have them as its --site-data-parallel-sizes.
+    replicas_per_site: Optional[List[int]] = None
 
     def bytes_scale_for(self, trained_params: int) -> float:
         if self.bytes_scale is not None:
@@ -171,13 +175,18 @@ def load_scenario(path: str) -> Scenario:
     """Read and check a scenario file; every error names the file and the key."""
     data = read_toml(path, "--simulate-scenario")
     where = f"--simulate-scenario {path}"
-    known = {"description", "sites", "compute", "link"}
+    known = {"description", "sites", "replicas_per_site", "compute", "link"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     sites = data.get("sites")
     if not isinstance(sites, int) or sites < 1:
         raise ValueError(f"{where}: sites = {sites!r} must be a whole number >= 1")
+    replicas = data.get("replicas_per_site")
+    if replicas is not None and not (isinstance(replicas, list) and len(replicas) == sites and all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in replicas)):
+        raise ValueError(f"{where}: replicas_per_site = {replicas!r} must list one whole number >= 1 per site "
+                         f"({sites} sites)")
     compute, link = data.get("compute", {}), data.get("link", {})
     for table, name, keys in ((compute, "compute", COMPUTE_KEYS), (link, "link", LINK_KEYS)):
         if not isinstance(table, dict):
@@ -221,7 +230,7 @@ def load_scenario(path: str) -> Scenario:
         latency_ms=_per_site(link, "latency_ms", f"{where} [link]", sites, 0.0),
         cpu_seconds_per_mb=_number(link, "cpu_seconds_per_mb", f"{where} [link]", default=0.0),
         delays_per_phase=_number(link, "delays_per_phase", f"{where} [link]", default=1.0),
-        bytes_scale=scale, target_params=link_target, derived=derived)
+        bytes_scale=scale, target_params=link_target, derived=derived, replicas_per_site=replicas)
 
 
 # ---- the clock of one rank ---------------------------------------------------------------------------
