@@ -6,7 +6,8 @@ new algorithm is covered without a line here:
   bit for bit: every rank's losses and weights, and the final checkpoint (optimizer,
   synchronizer and RNG state included);
 - it refuses, with one `error:` line naming the flag and exit code 2, what its class
-  declares it does not support (fault tolerance, sites of different sizes, one site).
+  declares it does not support (fault tolerance, sites of different sizes, one site, the
+  shared option groups it does not use).
 
 Each algorithm runs with its recipe's settings (tools/benchmarks/recipes.py, the one table of
 per-algorithm settings) on the board's default scenario, whose simulated clock makes the
@@ -24,6 +25,7 @@ import torch
 
 from megatron_lsgd.core.lsgd import algorithms
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms, synchronizer_class
+from megatron_lsgd.core.lsgd.config import SHARED_GROUPS
 from megatron_lsgd.training.arguments import build_config, parse_args
 from megatron_lsgd.training.scenario import load_scenario
 from tests.unit_tests.checkpointing.launch import ROOT, TINY, assert_same, load_tree
@@ -46,6 +48,7 @@ def settings(algorithm: str) -> List[str]:
 
 def test_every_algorithm_has_settings():
     assert "sync" in ALGORITHMS, "the catalog discovered no algorithms"
+    assert set(SHARED_PROBES) == set(SHARED_GROUPS), "a shared option group without its probe in SHARED_PROBES"
     for algorithm in ALGORITHMS:
         settings(algorithm)  # a new algorithm without a recipe: an error naming recipes.py
 
@@ -84,6 +87,12 @@ def test_every_algorithm_trains_and_resumes_bit_exactly(tmp_path):
         assert_same(load_tree(ref_dir), load_tree(ckpt_dir), f"{algorithm}: {os.path.basename(ref_dir)}")
 
 
+# A non-default value of each shared option group (config.SHARED_GROUPS), refused by an
+# algorithm that does not use the group.
+SHARED_PROBES = {"rounds": ["--lsgd-interval", "3"], "outer": ["--lsgd-outer-lr", "0.5"],
+                 "compression": ["--lsgd-compression", "int8"]}
+
+
 def _refused(argv: List[str], monkeypatch, capsys) -> str:
     """The one error line a world of one, in this process, stops with (exit code 2)."""
     code = run_single(argv, monkeypatch)
@@ -104,8 +113,13 @@ def test_every_algorithm_refuses_what_it_does_not_support(algorithm, monkeypatch
     if cls.requires_multiple_sites:
         line = _refused(settings(algorithm) + ["--num-sites", "1", "--train-iters", "2"], monkeypatch, capsys)
         assert f"--lsgd-algorithm {algorithm} needs --num-sites >= 2" in line
-    # Sites of 2 and 1 ranks need a world of 3: checked where the run checks it (build_config's
-    # ValueError is the run's one error line).
+    # The checks below need more ranks than this process: made where the run makes them
+    # (build_config's ValueError is the run's one error line).
+    for group, probe in SHARED_PROBES.items():  # a shared option group it does not declare in `uses`
+        if group not in cls.uses:
+            with pytest.raises(ValueError, match=f"^{probe[0]} .*--lsgd-algorithm {algorithm}"):
+                build_config(parse_args(TINY + settings(algorithm) + ["--num-sites", "2", "--train-iters", "2"]
+                                        + probe), 2)
     unequal = parse_args(TINY + settings(algorithm) + ["--num-sites", "2", "--site-data-parallel-sizes", "2,1",
                                                         "--global-batch-size", "12", "--train-iters", "2"])
     if cls.unequal_sites_refusal is None:
