@@ -3,7 +3,7 @@ becomes one `WriteError` that names the file, and what was half-written is remov
 
 Used by every writer of the project (checkpoints, --json-log, tensorboard, Hugging Face
 exports, preprocessed datasets, the tools' caches, pages, reports and plots), so a full disk
-reads the same everywhere; tests/unit_tests/test_writers.py finds every write call in the
+reads the same everywhere; tests/unit_tests/core/test_writers.py finds every write call in the
 code and fails on one that does not go through here. A whole file (a cache cell, a page, a
 plot) is written by `replaced_atomically` / `write_text` / `write_json`: under a temporary
 name, renamed over the old one only when complete, so a failure leaves the earlier output. Some writers hide the

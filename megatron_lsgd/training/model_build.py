@@ -9,7 +9,7 @@
   `MAX_HOST_ELEMENTS` values, and only this rank's slice of each piece is copied to the
   device. Buffers (the rotary frequencies) are computed on the host at build time and
   moved. The values are the exact path's, bit for bit (core/tensor_parallel/initialize.py),
-  which `tests/unit_tests/test_init_per_shard.py` checks on CPU through this same path.
+  which `tests/unit_tests/core/test_init_per_shard.py` checks on CPU through this same path.
 
 Pipeline stages build only their own layers either way (the provider's pre/post_process).
 """

@@ -204,7 +204,7 @@ def test_per_shard_initialisation_on_the_gpu_equals_the_host_path():
     from megatron_lsgd.core.tensor_parallel.random import RNGStatesTracker
     from megatron_lsgd.training.arguments import build_config, parse_args
     from megatron_lsgd.training.model_build import build_model
-    from tests.unit_tests.test_init_per_shard import LLAMA, MODEL, _pgs
+    from tests.unit_tests.core.test_init_per_shard import LLAMA, MODEL, _pgs
 
     config = build_config(parse_args(MODEL + LLAMA + ["--tensor-model-parallel-size", "2", "--bf16"]), 2)
     config.model.padded_vocab_size = 104
@@ -263,7 +263,7 @@ def test_a_compiled_layer_on_the_gpu_gives_the_eager_layers_output_and_gradients
     import copy
 
     from megatron_lsgd.core.transformer.compile import compile_layers
-    from tests.unit_tests.test_compile import llama_layer
+    from tests.unit_tests.core.test_compile import llama_layer
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 products in both
     eager, rotary, x = llama_layer(GPU)

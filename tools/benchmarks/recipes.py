@@ -15,7 +15,7 @@ A recipe's flags are what follows `--lsgd-algorithm NAME` (the tools put that fi
 
 A leaderboard cell and a quality_frontier run are cached under a digest of their flags
 (run_cache.py): a recipe whose flags change, even in order, trains its runs again and leaves
-the committed ones unread. tests/unit_tests/test_recipes.py freezes them.
+the committed ones unread. tests/unit_tests/tools/test_recipes.py freezes them.
 """
 
 from __future__ import annotations

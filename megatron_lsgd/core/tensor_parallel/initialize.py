@@ -15,7 +15,7 @@ Two ways to get there, with the same values bit for bit:
   same CPU generator in the same order; the pieces are aligned on 16 values (the CPU
   normal_ transforms uniforms in blocks of 16 from the tensor's start and redraws the last
   16 when the size is not a multiple), so they give the values of one draw
-  (`tests/unit_tests/test_init_per_shard.py` checks it, including on a meta-built model).
+  (`tests/unit_tests/core/test_init_per_shard.py` checks it, including on a meta-built model).
   The host never holds more than one piece.
 """
 

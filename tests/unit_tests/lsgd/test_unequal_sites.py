@@ -38,7 +38,7 @@ from megatron_lsgd.training.arguments import build_config, parse_args
 from tests.unit_tests.harness import (assert_replicas_identical, free_port, logged_losses, merge_full_params,
                                       run_distributed_many, spawn)
 from tests.unit_tests.lsgd import twin_replica_data
-from tests.unit_tests.test_arguments import BASE
+from tests.unit_tests.training.test_arguments import BASE
 
 FLAG = "--site-data-parallel-sizes"
 

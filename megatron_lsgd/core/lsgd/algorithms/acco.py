@@ -567,10 +567,13 @@ class OverlappedGradientSync(Synchronizer):
         self.require_quiesced(self._job is not None or (self._load_after_compute == "main" and self._stash is None))
         return {"stash": [t.clone() for t in self._stash] if self._stash is not None else [],
                 "has_stash": int(self._stash is not None), "rounds": self.rounds,
-                "compressor": self.compressor.state_dict() if self.compressor is not None else {}}
+                "compressor": self.compressor.state_dict() if self.compressor is not None else {},
+                # adaptive counts read the last jobs' lengths: a resumed run must stop where this one would
+                "job_seconds": dict(self._job_seconds) if self.opts.accumulation == "adaptive" else {}}
 
     def load_state_dict(self, state: Dict) -> None:
         self.rounds = int(state["rounds"])
+        self._job_seconds = {kind: float(s) for kind, s in state.get("job_seconds", {}).items()}
         if state["has_stash"]:
             shards = self.optimizer.model_param_shards()
             self._stash = [saved.to(device=s.device, dtype=s.dtype) for saved, s in zip(state["stash"], shards)]

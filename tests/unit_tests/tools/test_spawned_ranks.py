@@ -13,7 +13,7 @@ import pytest
 from tests.unit_tests.checkpointing.launch import kill
 from tools.benchmarks.process_tree import alive, descendants, sigkill
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _as_in_a_terminal() -> None:

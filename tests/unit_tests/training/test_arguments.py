@@ -122,8 +122,8 @@ def test_help_reads_well():
     assert all(a.help for g in parser._action_groups if g.title == "model" for a in g._group_actions)
     fragments = groups["streaming fragments (--lsgd-algorithm cocodc or streaming-diloco)"]
     assert "--lsgd-fragments" in fragments and "--lsgd-fragments" not in groups["cocodc (--lsgd-algorithm cocodc)"]
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "tools"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sys.path.insert(0, os.path.join(root, "tools"))
     import preprocess_data
 
     description = preprocess_data.build_parser().format_help().split("options:")[0]

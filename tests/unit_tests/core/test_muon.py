@@ -9,7 +9,7 @@ import torch
 
 from megatron_lsgd.core.optimizer.muon import is_muon_matrix, muon_lr, newton_schulz
 from tests.unit_tests.harness import assert_replicas_identical, logged_losses, merge_full_params, run_distributed
-from tests.unit_tests.test_layout_equivalence import COMMON, LLAMA
+from tests.unit_tests.core.test_layout_equivalence import COMMON, LLAMA
 
 
 def test_newton_schulz_orthogonalizes_and_matches_torch_muon_step():

@@ -19,7 +19,7 @@ import pytest
 from megatron_lsgd.core.output_files import WriteError, write_json, write_text
 from tests.unit_tests.harness import no_room_for_files
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SOURCES = ("megatron_lsgd", "tools", "pretrain_gpt.py")
 GUARDS = {"written_or_removed", "replaced_atomically"}
 

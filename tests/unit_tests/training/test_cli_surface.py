@@ -3,7 +3,7 @@ its choices and its count of values, one line each, in fixtures/cli_surface.txt.
 removed, renamed or given another default changes what users' launch scripts do, so the change
 must be deliberate: when it is, rewrite the file and say so in the commit
 
-    python tests/unit_tests/test_cli_surface.py --write
+    python tests/unit_tests/training/test_cli_surface.py --write
 
 (help texts are not frozen: they are prose, and change freely)."""
 
@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 
 from megatron_lsgd.training.arguments import build_parser  # noqa: E402
@@ -53,7 +53,7 @@ def test_the_command_line_is_what_the_fixture_says():
     if now != frozen:
         diff = "".join(difflib.unified_diff(frozen.splitlines(True), now.splitlines(True), "frozen", "now", n=0))
         raise AssertionError("pretrain_gpt.py's flags changed (a user's launch script would behave otherwise). If "
-                             "that is deliberate, run `python tests/unit_tests/test_cli_surface.py --write` and "
+                             "that is deliberate, run `python tests/unit_tests/training/test_cli_surface.py --write` and "
                              f"say so in the commit.\n{diff}")
 
 
@@ -69,7 +69,7 @@ if __name__ == "__main__":
         sys.stdout.write(surface(build_parser()))
         sys.exit(0)
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/unit_tests/test_cli_surface.py --write")
+        sys.exit("usage: python tests/unit_tests/training/test_cli_surface.py --write")
     with open(FIXTURE, "w") as f:
         f.write(surface(build_parser()))
     print(f"wrote {FIXTURE}")

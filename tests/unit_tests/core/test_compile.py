@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.unit_tests.harness import logged_losses, run_distributed_many
-from tests.unit_tests.test_simulated_clock import ALGORITHMS as SIMULATED
+from tests.unit_tests.core.test_simulated_clock import ALGORITHMS as SIMULATED
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "5e-3", "--mock-data", "--vocab-size", "128",

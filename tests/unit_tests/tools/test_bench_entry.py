@@ -11,7 +11,7 @@ import pytest
 
 from tools import bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_every_subcommand_names_a_tool_and_passes_the_rest_of_the_line():

@@ -21,7 +21,7 @@ from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.training.stragglers import Straggler, StragglerConfig
 from tests.unit_tests.harness import free_port, run_distributed, run_distributed_many, spawn
 
-SCENARIOS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "benchmarks", "scenarios")
+SCENARIOS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "benchmarks", "scenarios")
 
 
 class Done:
