@@ -12,7 +12,9 @@ Each rank keeps its own virtual time. What advances it:
   starts when its last participant issues it and its link is free, and takes latency +
   bytes x bytes-scale / rate, where bytes are what comm.py counts as crossing (ring
   factors included) and rate is this rank's share of its site's link (the site's ranks
-  send at once, so each gets rate / ranks-per-site); the slowest participant's link sets
+  send at once, so each gets rate / ranks-per-site; with sites of different sizes, whose
+  lanes pair one rank per site, rate / the smallest site's ranks: scenario.py); the slowest
+  participant's link sets
   the duration. The latency is the collective's phases, each a message that must arrive
   before the next is sent (a ring all-reduce over S sites 2 (S - 1), an all-gather S - 1,
   comm.py says which), x `delays_per_phase` one-way delays (1: the data alone; gloo after

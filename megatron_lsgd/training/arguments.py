@@ -340,7 +340,7 @@ def _site_dp_sizes(text: Optional[str]) -> Optional[List[int]]:
                          f"(e.g. 4,2)") from None
 
 
-def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig, simulation: SimulationOptions) -> None:
+def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig) -> None:
     """Sites of different data-parallel sizes: what supports them (docs/heterogeneous_sites.md)."""
     if not dims.heterogeneous:
         return
@@ -349,13 +349,21 @@ def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig, simulation: Simul
     if why is not None:
         raise ValueError(f"{given} (sites of different sizes) is supported by --lsgd-algorithm sync and diloco "
                          f"only; {lsgd.algorithm}: {why}")
-    for flag, reason, given_flag in (
-            ("--lsgd-compression", "compressed means are not weighted by tokens, nor cut into lanes, yet",
-             lsgd.compression.enabled),
-            ("--simulate-clock/--simulate-scenario", "the simulated clock models sites of equal size",
-             simulation.active)):
-        if given_flag:
-            raise ValueError(f"{given} (sites of different sizes) cannot be combined with {flag}: {reason}")
+    if lsgd.compression.enabled:
+        raise ValueError(f"{given} (sites of different sizes) cannot be combined with --lsgd-compression: "
+                         f"compressed means are not weighted by tokens, nor cut into lanes, yet")
+
+
+def _check_scenario_sites(scenario, dims: ParallelDims) -> None:
+    """The run's sites are the scenario's: their number, and their sizes where it gives them."""
+    if scenario.sites != dims.sites:
+        raise ValueError(f"--simulate-scenario {scenario.path}: it describes {scenario.sites} sites, "
+                         f"but --num-sites is {dims.sites}")
+    if scenario.replicas_per_site is not None and tuple(scenario.replicas_per_site) != dims.site_sizes:
+        sizes = ",".join(map(str, scenario.replicas_per_site))
+        raise ValueError(f"--simulate-scenario {scenario.path}: its sites have {sizes} data-parallel replicas "
+                         f"(replicas_per_site), this run {','.join(map(str, dims.site_sizes))}: give "
+                         f"--site-data-parallel-sizes {sizes}")
 
 
 def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -483,11 +491,9 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     simulation = SimulationOptions.from_args(args)
     simulation.validate()  # reads and checks the scenario file
     _check_fault_tolerance(fault_tolerance, args, lsgd, simulation, checkpoint, dims)
-    _check_unequal_sites(dims, lsgd, simulation)
-    scenario_sites = load_scenario(simulation.scenario).sites if simulation.scenario is not None else dims.sites
-    if scenario_sites != dims.sites:
-        raise ValueError(f"--simulate-scenario {simulation.scenario}: it describes {scenario_sites} sites, "
-                         f"but --num-sites is {dims.sites}")
+    _check_unequal_sites(dims, lsgd)
+    if simulation.scenario is not None:
+        _check_scenario_sites(load_scenario(simulation.scenario), dims)
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                     use_distributed_optimizer=args.use_distributed_optimizer)
     run = RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,

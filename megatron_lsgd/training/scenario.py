@@ -12,6 +12,7 @@ make a rank's compute cost factor x. The clock itself is core/simulation.py.
 
     description = "2 sites x 8 GPUs, 1 Gbit/s, 30 ms, a 1B model"
     sites = 2
+    # replicas_per_site = [2, 1]   # sites of different sizes: the run's --site-data-parallel-sizes
     [compute]
     target_params = 1.0e9          # derive microbatch_seconds = 6 N tokens / (GPUs x FLOP/s)
     tokens_per_microbatch = 65536  # tokens one replica computes per trained micro-batch
@@ -129,6 +130,9 @@ class Scenario:
     bytes_scale: Optional[float] = None  # fixed, or from target_params at run time
     target_params: Optional[float] = None
     derived: Dict[str, str] = field(default_factory=dict)  # how each derived number came about
+    # Data-parallel replicas per site when the sites differ in size (None: any equal layout);
+    # a run of the scenario must have them as its --site-data-parallel-sizes.
+    replicas_per_site: Optional[List[int]] = None
 
     def bytes_scale_for(self, trained_params: int) -> float:
         if self.bytes_scale is not None:
@@ -171,13 +175,18 @@ def load_scenario(path: str) -> Scenario:
     """Read and check a scenario file; every error names the file and the key."""
     data = read_toml(path, "--simulate-scenario")
     where = f"--simulate-scenario {path}"
-    known = {"description", "sites", "compute", "link"}
+    known = {"description", "sites", "replicas_per_site", "compute", "link"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     sites = data.get("sites")
     if not isinstance(sites, int) or sites < 1:
         raise ValueError(f"{where}: sites = {sites!r} must be a whole number >= 1")
+    replicas = data.get("replicas_per_site")
+    if replicas is not None and not (isinstance(replicas, list) and len(replicas) == sites and all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in replicas)):
+        raise ValueError(f"{where}: replicas_per_site = {replicas!r} must list one whole number >= 1 per site "
+                         f"({sites} sites)")
     compute, link = data.get("compute", {}), data.get("link", {})
     for table, name, keys in ((compute, "compute", COMPUTE_KEYS), (link, "link", LINK_KEYS)):
         if not isinstance(table, dict):
@@ -221,7 +230,7 @@ def load_scenario(path: str) -> Scenario:
         latency_ms=_per_site(link, "latency_ms", f"{where} [link]", sites, 0.0),
         cpu_seconds_per_mb=_number(link, "cpu_seconds_per_mb", f"{where} [link]", default=0.0),
         delays_per_phase=_number(link, "delays_per_phase", f"{where} [link]", default=1.0),
-        bytes_scale=scale, target_params=link_target, derived=derived)
+        bytes_scale=scale, target_params=link_target, derived=derived, replicas_per_site=replicas)
 
 
 # ---- the clock of one rank ---------------------------------------------------------------------------
@@ -240,10 +249,25 @@ def trained_parameters(model: torch.nn.Module, pgs) -> int:
     return int(round(float(total.item())))
 
 
+def optimizer_shard_scale(dims, site: int, sharded_optimizer: bool) -> float:
+    """DP_min / DP_s: a site's optimizer step against the smallest site's under ZeRO-1 (1 with
+    sites of equal size or without ZeRO-1; see build_simulated_clock)."""
+    return min(dims.site_sizes) / dims.dp_of(site) if sharded_optimizer and dims.heterogeneous else 1.0
+
+
 def build_simulated_clock(options: SimulationOptions, link_flags, dims, site: int,
-                          trained_params: int, streams=None) -> SimulatedClock:
+                          trained_params: int, streams=None, sharded_optimizer: bool = False) -> SimulatedClock:
     """This rank's simulated clock: scenario, then flags, then defaults (`streams`: the run
-    device's, core/streams.py)."""
+    device's, core/streams.py; `sharded_optimizer`: ZeRO-1, whose shard follows the site's size).
+
+    Sites of different data-parallel sizes (docs/heterogeneous_sites.md): every replica computes
+    the same micro-batches, so compute costs are the same on every site. The optimizer step is
+    the scenario's on the smallest site; under ZeRO-1 a site of DP_s replicas holds DP_min / DP_s
+    of that shard and steps that much faster (the smallest site sets the lockstep, as the
+    planner's equal-site scenario for the smallest site assumes). What crosses sites is cut into lanes that a
+    site's ranks send one after another, each exchange pairing one rank per site, so the
+    smallest site sets how many lanes are on a link at once: TP x PP x DP_min ranks share each
+    site's link (TP x PP x DP, the site's ranks, when the sites are equal)."""
     scenario = load_scenario(options.scenario) if options.scenario else None  # its sites were checked in build_config
 
     def pick(flag_value, scenario_value, default):
@@ -251,11 +275,12 @@ def build_simulated_clock(options: SimulationOptions, link_flags, dims, site: in
             return flag_value
         return scenario_value if scenario is not None else default
 
+    shard_scale = optimizer_shard_scale(dims, site, sharded_optimizer)
     costs = CostModel(
         microbatch_seconds=pick(options.microbatch_seconds, scenario and scenario.microbatch_seconds,
                                 DEFAULT_MICROBATCH_SECONDS),
         optimizer_step_seconds=pick(options.optimizer_step_seconds, scenario and scenario.optimizer_step_seconds,
-                                    DEFAULT_OPTIMIZER_STEP_SECONDS),
+                                    DEFAULT_OPTIMIZER_STEP_SECONDS) * shard_scale,
         intra_site_gbit=pick(options.intra_site_gbit, scenario and scenario.intra_site_gbit, DEFAULT_INTRA_SITE_GBIT),
         pipeline_stages=dims.pp,
         factor=scenario.site_factors[site] if scenario is not None else 1.0)
@@ -267,16 +292,20 @@ def build_simulated_clock(options: SimulationOptions, link_flags, dims, site: in
     cpu = pick(options.transfer_cpu_seconds_per_mb, scenario and scenario.cpu_seconds_per_mb, 0.0)
     delays = pick(options.delays_per_phase, scenario and scenario.delays_per_phase, 1.0)
     link = LinkModel(rate_mbit=rate, latency_ms=latency, bytes_scale=scale,
-                     ranks_sharing=dims.world_size // dims.sites, cpu_seconds_per_mb=cpu, delays_per_phase=delays)
+                     ranks_sharing=dims.tp * dims.pp * min(dims.site_sizes), cpu_seconds_per_mb=cpu, delays_per_phase=delays)
     return SimulatedClock(costs, link, streams)
 
 
-def describe(clock: SimulatedClock, scenario_path: Optional[str], trained_params: int) -> List[str]:
-    """Lines for the log: every number the simulated clock uses, and where derived ones came from."""
+def describe(clock: SimulatedClock, scenario_path: Optional[str], trained_params: int,
+             shard_scale: float = 1.0) -> List[str]:
+    """Lines for the log: every number the simulated clock uses, and where derived ones came from
+    (`shard_scale`: optimizer_shard_scale, which the optimizer step includes)."""
     c, link = clock.costs, clock.link
     lines = [f"> simulated clock{f' (scenario {scenario_path})' if scenario_path else ' (default costs)'}: "
              f"micro-batch {c.microbatch_seconds:.4g} s x site factor {c.factor:g} over {c.pipeline_stages} "
-             f"stage(s), optimizer step {c.optimizer_step_seconds:.4g} s, intra-site "
+             f"stage(s), optimizer step {c.optimizer_step_seconds:.4g} s"
+             + (f" (x {shard_scale:.4g}: this site's ZeRO-1 shard against the smallest site's)"
+                if shard_scale != 1.0 else "") + ", intra-site "
              f"{c.intra_site_gbit:g} Gbit/s",
              f"> simulated link of this site: {link.rate_mbit:g} Mbit/s{' (unlimited)' if link.rate_mbit <= 0 else ''} "
              f"shared by {link.ranks_sharing} rank(s), {link.latency_ms:g} ms one way x {link.delays_per_phase:g} per "

@@ -54,7 +54,7 @@ from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_me
 from megatron_lsgd.training.meeting_loop import MeetingLoop
 from megatron_lsgd.training.model_build import build_model
 from megatron_lsgd.training.run_state import Interval, Run, TrainingResult
-from megatron_lsgd.training.scenario import build_simulated_clock, describe, trained_parameters
+from megatron_lsgd.training.scenario import build_simulated_clock, describe, optimizer_shard_scale, trained_parameters
 from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
 from megatron_lsgd.training.termination import Termination
@@ -176,10 +176,12 @@ class Trainer:
 
     def _simulated_clock(self, model) -> Clock:
         params = trained_parameters(model, self.pgs)  # collective: the replica's ranks
-        clock = build_simulated_clock(self.config.simulation, self.config.lsgd.link, self.config.dims,
-                                      self.pgs.site_rank, params, self.clock.streams)
-        if self.pgs.rank == 0 or (self.pgs.rank % (self.config.dims.world_size // self.config.dims.sites) == 0):
-            for line in describe(clock, self.config.simulation.scenario, params):
+        dims, site, sharded = self.config.dims, self.pgs.site_rank, self.config.ddp.use_distributed_optimizer
+        clock = build_simulated_clock(self.config.simulation, self.config.lsgd.link, dims, site, params,
+                                      self.clock.streams, sharded_optimizer=sharded)
+        if self.pgs.rank == dims.rank_of(tp=0, dp_intra=0, pp=0, site=site):  # each site's first rank
+            for line in describe(clock, self.config.simulation.scenario, params,
+                                 optimizer_shard_scale(dims, site, sharded)):
                 print(line if self.pgs.site_rank == 0 else f"{line} [site {self.pgs.site_rank}]", flush=True)
         return clock
 

@@ -118,7 +118,7 @@ def _record(result, path: str) -> None:
     torch.save({"anchors": [a.clone() for a in anchors] if anchors else None, "losses": result.logged_losses,
                 "valid": result.validation_losses, "params": params, "skipped": result.skipped_iterations,
                 "coords": pgs.coords, "tp": pgs.dims.tp, "comm": result.comm, "sync_stats": result.sync_stats,
-                "traffic": result.traffic, "compile": result.compile_counts, "consumed": (result.consumed_samples, result.site_consumed_samples)},
+                "traffic": result.traffic, "compile": result.compile_counts, "clock_seconds": result.clock_seconds, "consumed": (result.consumed_samples, result.site_consumed_samples)},
                path)
 
 

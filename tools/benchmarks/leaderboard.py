@@ -97,8 +97,8 @@ from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 from tools.benchmarks.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
                                                  plot, summarize)
 from tools.benchmarks.leaderboard_setup import (EVALUATIONS, MICRO_BATCH, MODEL, PILOT_STEPS,  # noqa: E402
-                                                SCENARIO_DIR, Run, cell_argv, data_args, free_link_copy,
-                                                has_slow_site, scenario_runs)
+                                                SCENARIO_DIR, Run, cell_argv, cell_ranks, data_args,
+                                                free_link_copy, has_slow_site, scenario_runs)
 from tools.benchmarks.recipes import ALGORITHMS  # noqa: E402
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, seed_list)
@@ -232,7 +232,7 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
               f"{'' if eval_interval else ' (pilot)'}{f' ({progress})' if progress else ''}", flush=True)
         start = time.monotonic()
         try:
-            cell = run_cell(argv, sites)
+            cell = run_cell(argv, cell_ranks(load_scenario(scenario_path)))  # one rank per replica
         except Exception as err:  # a rank failed: its error line is above; the other cells go on
             print(f"error: cell {name} / {label} / seed {seed} failed ({err}); it is listed as not run", flush=True)
             return None

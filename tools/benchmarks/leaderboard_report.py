@@ -16,8 +16,8 @@ from megatron_lsgd.core.simulation import CLOCK_MODEL
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import save_figure
 from tools.benchmarks.leaderboard_setup import (EVALUATIONS, FREE_LINK, MICRO_BATCH, MODEL, ROOT, SCENARIO_DIR, SEQ,
-                                                SPLIT, board_cells, compact)
-from tools.benchmarks.recipes import ACCO_FIXED, MAX_MICROBATCHES, TRAINED_PARAMS_GUESS, recommended_interval
+                                                SPLIT, board_cells, compact, unequal_refusals)
+from tools.benchmarks.recipes import ACCO_FIXED, ALGORITHMS, MAX_MICROBATCHES, TRAINED_PARAMS_GUESS, recommended_interval
 from tools.benchmarks.lsgd_quality import steps_to_reach
 
 
@@ -214,7 +214,20 @@ def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
         ceiling = FREE_LINK in r[1]  # not a contender: what the algorithm would do if the link were free
         rank += 0 if ceiling else 1
         lines.append(f"| {'ceiling' if ceiling else rank} | {r[1]} | " + " | ".join(r[2:]) + " |")
-    return lines
+    return lines + unequal_note(scenario)
+
+
+def unequal_note(scenario) -> List[str]:
+    """Under the table of a scenario whose sites differ in size: its layout, and the algorithms
+    that refuse it with their reasons (they have no row)."""
+    if not scenario.replicas_per_site:
+        return []
+    sizes = ",".join(map(str, scenario.replicas_per_site))
+    refused = unequal_refusals(scenario, ALGORITHMS)
+    return ["", f"Sites of {sizes} data-parallel replicas (`--site-data-parallel-sizes {sizes}`, one rank per "
+                f"replica). Not run, as they refuse sites of different sizes "
+                f"([heterogeneous_sites.md](heterogeneous_sites.md)): "
+            + "; ".join(f"{a} ({why})" for a, why in refused.items()) + "."]
 
 
 def plot(name: str, cells: Dict[str, List[Dict]], path: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.training.scenario import load_scenario
@@ -42,20 +42,38 @@ def data_args() -> List[str]:
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(DATA, "python_docs_sp8k.model")]
 
 
+def cell_ranks(scenario) -> int:
+    """A cell's ranks: one per data-parallel replica (one per site unless the scenario's sites
+    differ in size: replicas_per_site)."""
+    return sum(scenario.replicas_per_site) if scenario.replicas_per_site else scenario.sites
+
+
+def unequal_refusals(scenario, algorithms: Sequence[str]) -> Dict[str, str]:
+    """{algorithm: why it does not run} on a scenario whose sites differ in size (the line
+    pretrain_gpt.py would print); empty for equal sites."""
+    if not scenario.replicas_per_site:
+        return {}
+    return {a: synchronizer_class(a).unequal_sites_refusal for a in algorithms
+            if synchronizer_class(a).unequal_sites_refusal}
+
+
 def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
               settings_from: Optional[str] = None, extra: Sequence[str] = ()) -> List[str]:
     """The cell's flags; the recommended settings come from `settings_from` (a free-link
     ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself,
     and a tuned variant's `extra` flags follow them (the last of a flag given twice counts).
     `eval_interval` 0: no evaluation (a pilot, which only measures the pace)."""
-    gbs = MICRO_BATCH * sites  # one micro-batch per site per step
+    scenario = load_scenario(scenario_path)
+    replicas = scenario.replicas_per_site
+    gbs = MICRO_BATCH * cell_ranks(scenario)  # one micro-batch per replica per step
+    layout = ["--site-data-parallel-sizes", ",".join(map(str, replicas))] if replicas else []
     evaluation = ["--eval-interval", str(eval_interval), "--eval-iters", "1", "--full-validation"] if eval_interval \
         else ["--eval-iters", "0"]
     argv = MODEL + data_args() + [
         "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(gbs), "--lr", "2e-3", "--min-lr", "2e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, steps // 20)), "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--seed", str(seed), "--num-sites", str(sites), "--log-interval", str(steps),
-        *evaluation, "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
+        *layout, *evaluation, "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
     argv += recommended(algorithm, load_scenario(settings_from or scenario_path)) + list(extra)
     if synchronizer_class(algorithm).lockstep:
         argv += ["--train-iters", str(steps)]
@@ -91,7 +109,9 @@ def free_link_copy(path: str, out_dir: str) -> str:
     name = os.path.basename(path)[:-5]
     lines = [f"# {name} with a free link (written by leaderboard.py: the ceiling)",
              f"description = {json.dumps(data.get('description', name) + ', link free')}",
-             f"sites = {data['sites']}", "", "[compute]"]
+             f"sites = {data['sites']}"]
+    lines += [f"replicas_per_site = {json.dumps(data['replicas_per_site'])}"] if "replicas_per_site" in data else []
+    lines += ["", "[compute]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in data.get("compute", {}).items()]
     lines += ["", "[link]", "rate_mbit = 0", "latency_ms = 0"]
     link = data.get("link", {})
@@ -117,6 +137,8 @@ def compact(cells: List[str], name: str, args) -> List[str]:
 def scenario_runs(name: str, path: str, scenario, algorithms: Sequence[str], free_path: str) -> List[Run]:
     """A scenario's rows: every algorithm, the scenario's tuned variants, and with a slow site
     the free-link ceilings, on the scenario file at free_path (free_link_copy's)."""
+    refused = unequal_refusals(scenario, algorithms)
+    algorithms = [a for a in algorithms if a not in refused]
     runs = [Run(algo, algo, path) for algo in algorithms]
     runs += [Run(label, algo, path, flags) for label, algo, flags in board_variants(name) if algo in algorithms]
     if has_slow_site(scenario):

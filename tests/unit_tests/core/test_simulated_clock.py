@@ -19,7 +19,7 @@ from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.simulation import CostModel, LinkFifo, LinkModel, SimulatedClock
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.training.stragglers import Straggler, StragglerConfig
-from tests.unit_tests.harness import free_port, run_distributed_many, spawn
+from tests.unit_tests.harness import free_port, run_distributed, run_distributed_many, spawn
 
 SCENARIOS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "benchmarks", "scenarios")
 
@@ -319,3 +319,36 @@ def test_simulation_flags_without_the_simulated_clock_are_refused():
     with pytest.raises(ValueError, match="--simulate-inter-site-delays-per-phase -2"):
         SimulationOptions(enabled=True, delays_per_phase=-2.0).validate()
     SimulationOptions(enabled=True, microbatch_seconds=0.1).validate()
+
+
+# ---- sites of different data-parallel sizes ----------------------------------------------------------------
+@pytest.mark.slow
+def test_sites_of_three_replicas_and_one_on_the_simulated_clock():
+    """sync on sites of DP 3 and DP 1 under ZeRO-1, by hand from the run's own bytes, and against
+    the equal-sites run it stands for (DP 1 + DP 1: the planner's equivalence). The DP-1 site's
+    rank sends all three lanes one after another, each over its site's link shared by
+    TP x PP x DP_min = 1 rank (not the 4 // 2 = 2 ranks of an average site: the lanes on a link
+    at once are the smallest site's); it steps the scenario's optimizer (the smallest site's),
+    the DP-3 site's ranks a third of it (their ZeRO-1 shards). Nothing else waits: intra-site
+    reductions are free, no latency, and its partners issue each lane before it does. The two
+    runs differ by the bytes the lanes' padding adds, nothing else."""
+    mb, opt, rate, steps = 0.25, 0.125, 8.0, 3
+    common = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+              "--micro-batch-size", "2", "--train-iters", str(steps), "--lr", "1e-3", "--mock-data",
+              "--vocab-size", "96", "--make-vocab-size-divisible-by", "32", "--log-interval", "1", "--eval-iters", "0",
+              "--clip-grad", "0", "--use-distributed-optimizer", "--num-sites", "2", "--lsgd-algorithm", "sync",
+              "--simulate-clock", "--simulate-microbatch-seconds", str(mb), "--simulate-optimizer-step-seconds",
+              str(opt), "--simulate-intra-site-bandwidth", "0", "--simulate-inter-site-bandwidth", str(rate)]
+    unequal = run_distributed(common + ["--site-data-parallel-sizes", "3,1", "--global-batch-size", "16"], 4)
+    equal = run_distributed(common + ["--global-batch-size", "8"], 2)
+
+    def by_hand(record):  # 2 micro-batches and one optimizer step a step, then the rank's bytes
+        return steps * (2 * mb + opt) + record["comm"]["bytes_sent"] * 8 / (rate * 1e6)
+
+    lone, paired = unequal[-1], equal[-1]
+    assert lone["coords"].site == 1 and lone["clock_seconds"] == pytest.approx(by_hand(lone), rel=1e-9)
+    assert paired["clock_seconds"] == pytest.approx(by_hand(paired), rel=1e-9)
+    padding = (lone["comm"]["bytes_sent"] - paired["comm"]["bytes_sent"]) * 8 / (rate * 1e6)
+    assert 0 <= padding < 0.01 * paired["clock_seconds"]
+    assert lone["clock_seconds"] == pytest.approx(paired["clock_seconds"] + padding, rel=1e-9)
+    assert all(r["clock_seconds"] <= lone["clock_seconds"] for r in unequal)  # the lone rank sets the pace

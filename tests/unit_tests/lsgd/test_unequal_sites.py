@@ -90,7 +90,6 @@ def _config(extra, world):
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "dilocox"], 3,
      f"{FLAG} 2,1 (sites of different sizes) is supported by --lsgd-algorithm sync and diloco only; dilocox:"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-compression", "int8"], 3, "cannot be combined with --lsgd-compression"),
-    (["--num-sites", "2", FLAG, "2,1", "--simulate-clock"], 3, "cannot be combined with --simulate-clock"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
      f"{FLAG} cannot be combined with --lsgd-fault-tolerance"),
 ])

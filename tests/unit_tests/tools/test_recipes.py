@@ -42,11 +42,16 @@ def test_every_algorithm_in_the_catalog_has_a_recipe_for_every_scenario():
     assert sorted(recipes.RECIPES) == sorted(shipped_algorithms()) and len(shipped_algorithms()) == 10
     for name in SCENARIOS:
         s = scenario(name)
+        refused = lb_setup.unequal_refusals(s, recipes.ALGORITHMS)  # (sites of different sizes)
         for algorithm in recipes.ALGORITHMS:
             flags = recipes.recommended(algorithm, s)
             assert all(isinstance(f, str) for f in flags), (name, algorithm)
             argv = lb_setup.cell_argv(s.path, algorithm, 1, 100, 25, s.sites)
-            build_config(parse_args(argv), s.sites)  # the training's own checks
+            if algorithm in refused:  # the board leaves it out, as the training would refuse it
+                with pytest.raises(ValueError, match=f"{algorithm}: "):
+                    build_config(parse_args(argv), lb_setup.cell_ranks(s))
+                continue
+            build_config(parse_args(argv), lb_setup.cell_ranks(s))  # the training's own checks
     # each default and variant (at H = 48: the tool's default H = 50 does not cut into its 4 fragments)
     for label, flags in recipes.quality_runs(lsgd_quality.parser().parse_args(["--interval", "48"])).items():
         build_config(parse_args(TINY + flags), 2)
@@ -118,7 +123,7 @@ def everything(r: recipes.Recipe) -> str:
     return json.dumps({
         "quality": {"default": r.default(KNOBS), **r.variants(KNOBS)},
         "recommended": {name: r.recommended(scenario(name), recipes.recommended_interval(scenario(name)))
-                        for name in SCENARIOS},
+                        for name in FROZEN_SCENARIOS},
         "board": r.board_variants, "free_link": r.free_link,
         "frontier": [[[p.label, p.family, p.flags] for p in r.frontier(h, n)] for h in (7, 30, 48, 50, 200)
                      for n in (1, 2, 4, 6)],
@@ -126,6 +131,10 @@ def everything(r: recipes.Recipe) -> str:
         "claims": [[p.label, p.family, p.flags] for p in r.claims()]})
 
 
+# The scenarios whose settings the digests below cover: those with committed board cells when they
+# were frozen (a scenario added since changes no committed run; add it here with its cells).
+FROZEN_SCENARIOS = ("2x8gpu-1gbit-1b", "3site-1gbit-straggler", "4site-10gbit-8b", "8site-internet-150m",
+                    "emulated-1gbit-straggler4x", "emulated-default", "emulated-straggler2x")
 # sha256 of everything(recipe)[:16], per algorithm. A digest that changes means that algorithm's
 # committed runs stop being read: if that is what you want, retrain them and update it here.
 FROZEN = {
@@ -162,4 +171,4 @@ def test_the_committed_board_cells_are_found_under_the_recipes_flags(tmp_path):
                 missing = [c for c in not_run if c.rsplit(" seed ", 1)[0] == run.label]
                 assert not missing, f"{name}: {missing} not found under the recipes' flags"
                 checked += 1
-    assert checked >= len(SCENARIOS) * len(recipes.ALGORITHMS)  # the committed board: every row
+    assert checked >= len(FROZEN_SCENARIOS) * len(recipes.ALGORITHMS)  # the committed board: every row

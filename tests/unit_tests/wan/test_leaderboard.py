@@ -415,3 +415,32 @@ def test_a_damaged_cell_is_one_error_naming_it_before_its_clock_model_is_read(tm
     cell.write_text('{"valid": [1.0')
     with pytest.raises(ValueError, match=r"cached result .*cell.json is damaged"):
         lb.older_clock_model(str(cell))
+
+
+def test_a_scenario_of_unequal_sites_trains_one_rank_per_replica_and_leaves_out_what_refuses_it(tmp_path):
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    path = os.path.join(lb_setup.SCENARIO_DIR, "2site-16-8gpu-1gbit-1b.toml")
+    s = load_scenario(path)
+    assert s.replicas_per_site == [2, 1] and lb_setup.cell_ranks(s) == 3
+    argv = lb_setup.cell_argv(path, "diloco", 1, 100, 25, s.sites)
+    assert argv[argv.index("--site-data-parallel-sizes") + 1] == "2,1"
+    assert argv[argv.index("--global-batch-size") + 1] == str(3 * lb_setup.MICRO_BATCH)  # one micro-batch a replica
+    assert build_config(parse_args(argv), 3).dims.site_dp == (2, 1)
+    rows = [run.label for run in lb_setup.scenario_runs("2site-16-8gpu-1gbit-1b", path, s, recipes.ALGORITHMS, "")]
+    assert rows == ["sync", "diloco"]  # the others refuse sites of different sizes
+    note = " ".join(lb_report.unequal_note(s))
+    assert "--site-data-parallel-sizes 2,1" in note and "dilocox (" in note and "sync (" not in note
+    assert lb_report.unequal_note(load_scenario(EMULATED)) == []
+    # the run's sites must be the scenario's: one line naming the flag
+    with pytest.raises(ValueError, match=r"its sites have 2,1 data-parallel replicas \(replicas_per_site\), this run "
+                                         r"1,1: give --site-data-parallel-sizes 2,1"):
+        build_config(parse_args([a for a in argv if a not in ("--site-data-parallel-sizes", "2,1")]
+                                + ["--global-batch-size", "8"]), 2)
+    bad = tmp_path / "bad.toml"
+    for value in ("[2]", "[2, 0]", "[2, 1.5]", "3"):
+        bad.write_text(f"sites = 2\nreplicas_per_site = {value}\n")
+        with pytest.raises(ValueError, match=f"replicas_per_site = .* must list one whole number >= 1 per site"):
+            load_scenario(str(bad))
+    free = load_scenario(lb_setup.free_link_copy(path, str(tmp_path)))  # a ceiling keeps the sites' sizes
+    assert free.replicas_per_site == [2, 1] and free.rate_mbit == [0.0, 0.0]
