@@ -1,4 +1,4 @@
-"""tools/benchmarks/leaderboard.py without training: the recommended interval from a
+"""tools/benchmarks/board/leaderboard.py without training: the recommended interval from a
 scenario's cost and link model (hand-computed), time to a target between evaluations, the
 loss at a budget, the ranking, and which budget flag each algorithm gets."""
 
@@ -8,9 +8,9 @@ import os
 import pytest
 
 from megatron_lsgd.training.scenario import load_scenario
-from tools.benchmarks import leaderboard as lb
-from tools.benchmarks import leaderboard_report as lb_report
-from tools.benchmarks import leaderboard_setup as lb_setup
+from tools.benchmarks.board import leaderboard as lb
+from tools.benchmarks.board import leaderboard_report as lb_report
+from tools.benchmarks.board import leaderboard_setup as lb_setup
 from tools.benchmarks import recipes
 from tools.benchmarks import run_cache
 
