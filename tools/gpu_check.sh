@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a machine with one or more NVIDIA GPUs:
 #   1. the CUDA-marked tests (pytest -m cuda),
-#   2. tools/benchmarks/mfu.py: a ~1.1B Llama in bf16, tokens/s and MFU beside a plain
+#   2. tools/benchmarks/step/mfu.py: a ~1.1B Llama in bf16, tokens/s and MFU beside a plain
 #      PyTorch loop of the same model (one GPU), eager and with --compile (each transformer
 #      layer compiled, in both loops alike), with compile time and peak memory; then the
 #      largest micro-batch that steps, eager and compiled (1, 2, 4, ... $MBS_LIMIT, a fresh
@@ -16,7 +16,7 @@
 #   5. a checkpoint saved on the GPU resumed on the GPU and on the CPU,
 #   6. where torchft is importable: elastic sites on the GPU, one killed and rejoining; on 2+ GPUs
 #      also NCCL between the sites with the outer state on the host (--lsgd-outer-offload),
-#   7. what the device-synchronised clock costs a step (tools/benchmarks/clock_cost.py),
+#   7. what the device-synchronised clock costs a step (tools/benchmarks/step/clock_cost.py),
 # then prints a table and writes docs/performance.md's GPU section (between its markers).
 #
 #   tools/gpu_check.sh                 # everything
@@ -55,7 +55,7 @@ TESTS_LINE=$(tail -n 1 "$OUT/cuda_tests.log")
 # 2. throughput and MFU, eager and compiled (both loops alike), then the memory probes
 mfu() {  # name, flags...: one mfu.py run, its JSON in $OUT/mfu_<name>.json; the exit status
     local name=$1; shift
-    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 600 "$PY" tools/benchmarks/mfu.py "$@" \
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 600 "$PY" tools/benchmarks/step/mfu.py "$@" \
         --json "$OUT/mfu_$name.json" >"$OUT/mfu_$name.log" 2>&1
 }
 mfu eager --preset "$MFU_PRESET"; MFU_RC=$?
@@ -228,9 +228,9 @@ if "$PY" -c "import torchft" 2>/dev/null; then
     FT_ROW+=$'\n'"| $NCCL_FT | $status |"
 fi
 
-# 7. what the device-synchronised clock costs a step (tools/benchmarks/clock_cost.py, a ~125M Llama)
+# 7. what the device-synchronised clock costs a step (tools/benchmarks/step/clock_cost.py, a ~125M Llama)
 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 \
-    MASTER_PORT=$((31500 + RANDOM % 1000)) timeout 300 "$PY" tools/benchmarks/clock_cost.py >"$OUT/clock_cost.log" 2>&1
+    MASTER_PORT=$((31500 + RANDOM % 1000)) timeout 300 "$PY" tools/benchmarks/step/clock_cost.py >"$OUT/clock_cost.log" 2>&1
 CLOCK_RC=$?
 CLOCK_ROWS=$(grep "^| \(none\|per step\|per layer\) |" "$OUT/clock_cost.log")
 
@@ -240,7 +240,7 @@ import sys
 (out, mfu_rcs, tests_rc, tests_line, device, date, algo_rows, nccl_rows, ckpt_rows, ft_row, clock_rc,
  clock_rows) = sys.argv[1:]
 mfu_rc, compiled_rc, memory = mfu_rcs.split(",")
-from tools.benchmarks.gpu_report import throughput_and_memory
+from tools.benchmarks.step.gpu_report import throughput_and_memory
 
 lines = [f"Measured {date} on {device} by `tools/gpu_check.sh` (one run; figures are that run's).", ""]
 lines.append(f"- CUDA-marked tests: {'passed' if tests_rc == '0' else 'FAILED'} ({tests_line.strip()})")
@@ -263,11 +263,11 @@ if ft_row:
 else:
     lines += ["", "- Elastic sites on torchft: not run (torchft is not importable)"]
 if clock_rc == "0" and clock_rows.strip():
-    lines += ["", "- The device-synchronised clock's cost (`tools/benchmarks/clock_cost.py`, ~125M Llama, bf16, "
+    lines += ["", "- The device-synchronised clock's cost (`tools/benchmarks/step/clock_cost.py`, ~125M Llama, bf16, "
               "medians of 7 rounds x 50 steps):", "", "| readings | ms per step | / none |", "|---|---|---|",
               clock_rows.rstrip()]
 else:
-    lines += ["", f"- tools/benchmarks/clock_cost.py FAILED (exit {clock_rc}); see its log"]
+    lines += ["", f"- tools/benchmarks/step/clock_cost.py FAILED (exit {clock_rc}); see its log"]
 print("\n".join(lines))
 EOF
 )

@@ -14,7 +14,7 @@ safetensors headers), and the saver makes and writes one target file at a time (
 slot's model or optimizer file of one site, or one Hugging Face shard, --max-shard-size),
 reading from the source only the tensors that file needs and releasing them before the
 next. Host memory is bounded by the largest target file plus the source pages it is made
-from and one full tensor, not by the model (tools/benchmarks/convert_memory.py measures it).
+from and one full tensor, not by the model (tools/benchmarks/parts/convert_memory.py measures it).
 
 lsgd -> lsgd also reshards the optimizer state (Adam moments and step counts, the fp32
 main weights of bf16/fp16 models, ZeRO-1 shards, Muon momentum, the loss scaler), the LR

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_lsgd import cli  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
-from tools.benchmarks.leaderboard import CELLS_DIR  # noqa: E402
-from tools.benchmarks.leaderboard_setup import SCENARIO_DIR  # noqa: E402
+from tools.benchmarks.board.leaderboard import CELLS_DIR  # noqa: E402
+from tools.benchmarks.board.leaderboard_setup import SCENARIO_DIR  # noqa: E402
 from tools.benchmarks.recipes import ALGORITHMS  # noqa: E402
 from tools.planning.pilots import global_batches, ranks_output_to, run_pilots  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The project's measured quality evidence, for the planner (tools/plan.py).
 
-Every quality page's JSON written by tools/benchmarks/quality_frontier.py (`results/quality*.json`,
+Every quality page's JSON written by tools/benchmarks/quality/quality_frontier.py (`results/quality*.json`,
 the raw data of the docs/quality*.md pages, the model-size ladder's `results/quality-ladder-*.json`
 included) is read through one loader. Each
 file says in its argv the model it trained (layers, hidden size, sequence, batch, iterations)

@@ -1,5 +1,5 @@
 """Time per step of each algorithm on a job, from the simulated clock running the real
-synchronizers: the leaderboard's pilot (tools/benchmarks/leaderboard.py).
+synchronizers: the leaderboard's pilot (tools/benchmarks/board/leaderboard.py).
 
 A pilot trains the leaderboard's stand-in GPT with the leaderboard's flags for the
 algorithm (leaderboard_setup.cell_argv: the same recommended settings, the same data),
@@ -43,7 +43,7 @@ if ROOT not in sys.path:
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import Scenario  # noqa: E402
-from tools.benchmarks.leaderboard_setup import MICRO_BATCH, PILOT_STEPS, cell_argv  # noqa: E402
+from tools.benchmarks.board.leaderboard_setup import MICRO_BATCH, PILOT_STEPS, cell_argv  # noqa: E402
 from tools.benchmarks.recipes import LAYERS, TRAINED_PARAMS_GUESS, recommended, recommended_interval  # noqa: E402
 
 
@@ -159,7 +159,7 @@ def _argv(pilot: Pilot, scenario_path: str, scenario: Scenario, steps: int) -> L
 
 def run_pilot(algorithm: str, scenario_path: str, scenario: Scenario, steps: int, extra: Sequence[str] = ()) -> Pace:
     """One pilot in ranks of its own."""
-    from tools.benchmarks.leaderboard import run_cell  # spawns the ranks (imported late: torch.multiprocessing)
+    from tools.benchmarks.board.leaderboard import run_cell  # spawns the ranks (imported late: torch.multiprocessing)
 
     pilot = Pilot(algorithm, list(extra))
     return pace_from_cell(pilot, scenario, steps, run_cell(_argv(pilot, scenario_path, scenario, steps),
@@ -169,7 +169,7 @@ def run_pilot(algorithm: str, scenario_path: str, scenario: Scenario, steps: int
 def _pilots_worker(rank: int, world: int, runs: List, out_dir: str, announce: bool) -> None:
     """Every pilot in turn, in this rank's one process: each joins a world of its own (a port
     of its own) and leaves it before the next; the last rank announces each one's pace."""
-    from tools.benchmarks.leaderboard import _worker
+    from tools.benchmarks.board.leaderboard import _worker
 
     for i, (label, port, argv) in enumerate(runs):
         start = time.monotonic()
@@ -210,7 +210,7 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
     as one batch; when the batch stops at a pilot, the unfinished ones run again as a batch
     (fresh ports: a port taken meanwhile by another job is the usual cause), and a pilot that
     stops it twice is reported and left out (None)."""
-    from tools.benchmarks.leaderboard import cell_of
+    from tools.benchmarks.board.leaderboard import cell_of
     from tools.benchmarks.spawned_ranks import run_ranks
 
     pilots = list(pilots) if pilots is not None else [Pilot(a) for a in algorithms]

@@ -1,7 +1,7 @@
 """convert.py streams: the loader makes a tensor only when the saver asks for it and keeps
 none, the saver writes one file at a time, and releasing the source files (after every
 file, and after every SOURCE_BYTES read) changes no byte of the output. Host memory is
-measured by tools/benchmarks/convert_memory.py; here what is resident is counted, which
+measured by tools/benchmarks/parts/convert_memory.py; here what is resident is counted, which
 does not depend on the machine."""
 
 from __future__ import annotations

@@ -51,15 +51,15 @@ EXEMPT = {
         "writes into the file object `_atomic_write` opened under written_or_removed",
     "tools/wan/launch.py:run_jobs":
         "a launched rank's stdout/stderr log, appended by the child process while it runs",
-    "tools/benchmarks/chaos.py:run_toy_job":
+    "tools/benchmarks/elastic/chaos.py:run_toy_job":
         "the start signal file the sites wait for (empty)",
-    "tools/benchmarks/chaos.py:PretrainSite.restarted":
+    "tools/benchmarks/elastic/chaos.py:PretrainSite.restarted":
         "the site's log, appended between process restarts",
-    "tools/benchmarks/chaos.py:PretrainSite.start":
+    "tools/benchmarks/elastic/chaos.py:PretrainSite.start":
         "a site process's stdout log, appended by the child",
-    "tools/benchmarks/ft_site.py:run_site":
+    "tools/benchmarks/elastic/ft_site.py:run_site":
         "a toy site's JSON-lines log, appended while it runs",
-    "tools/benchmarks/ft_site.py:launch":
+    "tools/benchmarks/elastic/ft_site.py:launch":
         "a toy site process's stdout log, appended by the child",
     "megatron_lsgd/core/datasets/indexed_dataset.py:IndexedDatasetBuilder.__init__":
         "the builder's temporary .bin: written under written_or_removed (_write, finalize), removed by abort(), "
@@ -245,7 +245,9 @@ def test_tool_outputs_on_a_full_disk(tmp_path, capsys):
     pages), a WAN run's results, table and plots (wan_report, through its entry point:
     one `error:` line, exit 2). Each earlier output stays as it was; no temporary file is left."""
     from tests.unit_tests.wan.test_wan_bench import fake_log
-    from tools.benchmarks import quality_frontier, run_cache, wan_report
+    from tools.benchmarks.quality import quality_frontier
+    from tools.benchmarks import run_cache
+    from tools.benchmarks.wan import wan_report
 
     cell = tmp_path / "cells" / "c.json"
     run_cache.load_or_run(str(cell), lambda: {"valid": [1.0]})

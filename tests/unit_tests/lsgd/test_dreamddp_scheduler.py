@@ -18,7 +18,7 @@ from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import (Problem, brut
                                                         equal_number_schedule, fill_bubbles, schedule, slot_end,
                                                         slot_exposed, total_exposed)
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.synchronizer import drifted
-from tools.benchmarks.dreamddp_scheduler_bench import random_problem
+from tools.benchmarks.parts.dreamddp_scheduler_bench import random_problem
 
 
 def test_time_model_by_hand():
@@ -194,7 +194,8 @@ def test_profile_file_round_trip_and_errors(tmp_path):
 def test_the_bench_writes_its_table_into_docs_and_its_json_under_results(tmp_path, monkeypatch):
     import os
 
-    from tools.benchmarks import dreamddp_scheduler_bench, run_cache
+    from tools.benchmarks.parts import dreamddp_scheduler_bench
+    from tools.benchmarks import run_cache
 
     monkeypatch.setattr(run_cache, "DOCS", str(tmp_path / "docs"))
     monkeypatch.setattr(run_cache, "RESULTS", str(tmp_path / "results"))

@@ -1,6 +1,6 @@
 """Elastic sites on torchft (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md).
 
-The multi-site tests run each site as its own process (tools/benchmarks/ft_site.py: the
+The multi-site tests run each site as its own process (tools/benchmarks/elastic/ft_site.py: the
 real diloco synchronizer, TorchftMembership and ElasticComm; a toy inner step whose
 updates are dyadic, so two-site means are exact and rounds can be replayed here), with a
 torchft lighthouse in the test process. Sites are killed with SIGKILL mid-round and
@@ -27,7 +27,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) lo
 # The multi-site tests need torchft (pip install -e ".[ft]"); the option checks do not.
 needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
 
-from tools.benchmarks.ft_site import (FlatOptimizer, SiteSpec, initial_params, inner_update, launch, read_log, starts,  # noqa: E402
+from tools.benchmarks.elastic.ft_site import (FlatOptimizer, SiteSpec, initial_params, inner_update, launch, read_log, starts,  # noqa: E402
                                       start_lighthouse, wait_started)
 
 

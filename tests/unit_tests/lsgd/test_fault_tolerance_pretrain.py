@@ -23,7 +23,7 @@ from tests.unit_tests.checkpointing.launch import (TINY, Job, assert_same, finis
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install -e \".[ft]\")")
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) logs every quorum at info
 
-from tools.benchmarks.ft_site import start_lighthouse  # noqa: E402
+from tools.benchmarks.elastic.ft_site import start_lighthouse  # noqa: E402
 
 H = 2
 # Sites that die or come back are paced (each rank sleeps to make its step PACE times as long):

@@ -18,10 +18,16 @@ def test_every_subcommand_names_a_tool_and_passes_the_rest_of_the_line():
     for name, (module, _) in bench.SUBCOMMANDS.items():
         assert importlib.util.find_spec(module) is not None, name
     assert bench.resolve(["board", "--cached-only", "--seeds", "3"]) == (
-        "tools.benchmarks.leaderboard", ["--cached-only", "--seeds", "3"])
-    assert bench.resolve(["step", "mfu", "--preset", "smoke"]) == ("tools.benchmarks.mfu", ["--preset", "smoke"])
+        "tools.benchmarks.board.leaderboard", ["--cached-only", "--seeds", "3"])
+    assert bench.resolve(["step", "mfu", "--preset", "smoke"]) == ("tools.benchmarks.step.mfu", ["--preset", "smoke"])
+    # a family's second word picks its tool; without one the first word is the family's main tool, if it has one
+    assert bench.resolve(["wan", "report", "runs/wan"]) == ("tools.benchmarks.wan.wan_report", ["runs/wan"])
+    assert bench.resolve(["wan", "--algorithms", "sync"]) == ("tools.benchmarks.wan.wan_bench",
+                                                              ["--algorithms", "sync"])
     with pytest.raises(ValueError, match="unknown subcommand 'step'"):
         bench.resolve(["step"])
+    with pytest.raises(ValueError, match="unknown subcommand 'parts nope'"):
+        bench.resolve(["parts", "nope"])
 
 
 def bench_run(*args: str) -> subprocess.CompletedProcess:
@@ -38,3 +44,25 @@ def test_a_subcommand_is_its_tool_and_an_unknown_one_lists_them():
     wrong = bench_run("nope")
     assert wrong.returncode == 1 and "error: unknown subcommand 'nope'" in wrong.stderr
     assert all(name in wrong.stderr for name in bench.SUBCOMMANDS)
+
+
+# scripts a user does not run: started by another tool (chaos.py starts its toy sites)
+NOT_SUBCOMMANDS = {"tools.benchmarks.elastic.ft_site"}
+
+
+def test_the_benchmarks_top_level_holds_only_the_kit_and_every_script_has_a_subcommand():
+    """Issue 51: tools/benchmarks/ holds one package per family and the kit they share; every
+    script of a family (a module with a `__main__` block) is run through a subcommand."""
+    top = os.path.join(ROOT, "tools", "benchmarks")
+    scripts = set()
+    for folder, _, files in os.walk(top):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                if 'if __name__ == "__main__"' not in f.read():
+                    continue
+            assert folder != top, f"tools/benchmarks/{name} is a script outside a family package"
+            scripts.add(os.path.relpath(os.path.join(folder, name[:-3]), ROOT).replace(os.sep, "."))
+    assert scripts, "no scripts found: the walk is wrong"
+    assert scripts - NOT_SUBCOMMANDS == {module for module, _ in bench.SUBCOMMANDS.values()} - {"tools.plan"}

@@ -1,4 +1,4 @@
-"""tools/benchmarks/chaos.py without processes: the flags every site gets, the digest check
+"""tools/benchmarks/elastic/chaos.py without processes: the flags every site gets, the digest check
 (every site's digest of the same rank at the same round), the final validation loss and the
 report's arithmetic. Running it is a benchmark (docs/fault_tolerance.md), not a test."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools.benchmarks.chaos import (check_digests, final_validation, job_setup, load_baseline, main, save_baseline,
+from tools.benchmarks.elastic.chaos import (check_digests, final_validation, job_setup, load_baseline, main, save_baseline,
                                     site_argv, summarize_pretrain)
 
 ARGS = SimpleNamespace(sites=3, min_sites=2, timeout=20.0, kill="site", fault_every=120.0)
@@ -97,7 +97,7 @@ def test_a_baseline_is_kept_for_later_runs_of_the_same_job_only(tmp_path, capsys
 
 
 def test_what_each_fault_cost_the_survivors_and_the_timeline():
-    from tools.benchmarks.chaos import fault_costs, timeline
+    from tools.benchmarks.elastic.chaos import fault_costs, timeline
 
     def started(t):
         return {"log": '{"started": 0}', "t": t}

@@ -1,4 +1,4 @@
-"""tools/benchmarks/gpu_quality.py: the budget arithmetic, and the whole study at tiny size on
+"""tools/benchmarks/quality/gpu_quality.py: the budget arithmetic, and the whole study at tiny size on
 the CPU (the pipeline a lent GPU runs: pilot, sizing, four runs, the page's block)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tools.benchmarks import gpu_quality
+from tools.benchmarks.quality import gpu_quality
 
 
 def test_each_run_gets_an_equal_share_of_what_is_left():

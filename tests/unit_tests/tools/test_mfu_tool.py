@@ -1,4 +1,4 @@
-"""tools/benchmarks/mfu.py runs end to end on its smoke preset (CPU here; the ~1B preset is
+"""tools/benchmarks/step/mfu.py runs end to end on its smoke preset (CPU here; the ~1B preset is
 for GPUs, tools/gpu_check.sh) and its MFU is tokens/s x model FLOPs per token / peak."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.unit_tests.harness import free_port
 
 
 def test_mfu_smoke_preset(monkeypatch, tmp_path):
-    from tools.benchmarks import mfu
+    from tools.benchmarks.step import mfu
 
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
@@ -51,7 +51,7 @@ def _one_rank_env(monkeypatch):
 
 def _run_mfu(monkeypatch, argv):
     """mfu.main(argv) as a one-rank world, its process group torn down after."""
-    from tools.benchmarks import mfu
+    from tools.benchmarks.step import mfu
 
     _one_rank_env(monkeypatch)
     try:
@@ -76,7 +76,7 @@ def test_mfu_compiled_loops_report_compile_time_and_counts(monkeypatch, tmp_path
 
 
 def test_mfu_reports_running_out_of_memory_as_not_fitting(monkeypatch, tmp_path):
-    from tools.benchmarks import mfu
+    from tools.benchmarks.step import mfu
 
     def out_of_memory(*_):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
@@ -89,7 +89,7 @@ def test_mfu_reports_running_out_of_memory_as_not_fitting(monkeypatch, tmp_path)
 
 
 def test_largest_micro_batch_stops_at_the_first_size_that_does_not_fit(monkeypatch, tmp_path):
-    from tools.benchmarks import mfu
+    from tools.benchmarks.step import mfu
 
     sizes = []
 
@@ -113,16 +113,16 @@ def test_largest_micro_batch_stops_at_the_first_size_that_does_not_fit(monkeypat
 
 @pytest.mark.slow
 def test_largest_micro_batch_runs_each_size_in_a_fresh_process(tmp_path):
-    from tools.benchmarks import mfu
+    from tools.benchmarks.step import mfu
 
     result = mfu.main(["--preset", "smoke", "--largest-micro-batch", "2", "--json", str(tmp_path / "m.json")])
     assert result["largest_micro_batch"] == 2 and all(t["fits"] for t in result["micro_batch_tries"].values())
 
 
 def test_clock_cost_reads_the_clock_where_each_mode_says(monkeypatch):
-    # tools/benchmarks/clock_cost.py: its figures mean something only if 'per step' and 'per layer'
+    # tools/benchmarks/step/clock_cost.py: its figures mean something only if 'per step' and 'per layer'
     # really read the clock that often (on the host the readings are free, so the times can't tell)
-    from tools.benchmarks import clock_cost
+    from tools.benchmarks.step import clock_cost
 
     readings = []
 
@@ -146,9 +146,9 @@ def test_clock_cost_reads_the_clock_where_each_mode_says(monkeypatch):
 
 
 def test_gpu_check_report_reads_the_mfu_json_and_marks_the_targets(tmp_path):
-    # tools/gpu_check.sh's throughput and memory lines (tools/benchmarks/gpu_report.py), from
+    # tools/gpu_check.sh's throughput and memory lines (tools/benchmarks/step/gpu_report.py), from
     # files in the shape mfu.py writes; the figures here are made up for the test, not measured
-    from tools.benchmarks.gpu_report import throughput_and_memory
+    from tools.benchmarks.step.gpu_report import throughput_and_memory
 
     def write(name, **fields):
         (tmp_path / f"mfu_{name}.json").write_text(json.dumps(fields))

@@ -188,7 +188,7 @@ def test_the_grid_halves_and_doubles_h_in_whole_fragments():
 def test_a_step_is_a_global_batch_of_the_jobs_tokens_not_an_update(monkeypatch):
     """acco/dpu's adaptive accumulation puts several global batches in one update: the pace is
     per global batch consumed (a pilot of 10 updates that read 80 batches: seconds / 80)."""
-    from tools.benchmarks import leaderboard
+    from tools.benchmarks.board import leaderboard
     from tools.planning import pilots
 
     path = os.path.join(SCENARIOS, "3site-1gbit-straggler.toml")

@@ -1,4 +1,4 @@
-"""tools/benchmarks/quality_frontier.py without running anything: gaps and byte reductions per
+"""tools/benchmarks/quality/quality_frontier.py without running anything: gaps and byte reductions per
 seed, the best point per family, the goals, the doc block, the point flags' errors, and the
 cache of finished runs."""
 
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from tools.benchmarks import quality_frontier as qf
-from tools.benchmarks.quality_frontier import (BEGIN, END, Point, best_per_family, default_points, goals_met,
+from tools.benchmarks.quality import quality_frontier as qf
+from tools.benchmarks.quality.quality_frontier import (BEGIN, END, Point, best_per_family, default_points, goals_met,
                                                parse_point, select, summarize, table, write_block)
 
 
@@ -226,7 +226,7 @@ def test_a_cached_run_records_the_code_it_ran(tmp_path, monkeypatch):
 
 
 def test_the_data_line_says_how_often_the_runs_read_the_train_split():
-    from tools.benchmarks.lsgd_quality import passes_note
+    from tools.benchmarks.quality.lsgd_quality import passes_note
     corpus = os.path.join(qf.ROOT, "data", "python-docs", "python_docs_text_document")
     # the bundled corpus's train split (98% of 237 documents) is 1,357,726 tokens; 3000 steps of
     # 16 x 128 read it 4.5 times, 1000 steps 1.5 times
@@ -366,7 +366,7 @@ def test_a_damaged_ladder_page_is_one_error_naming_it(tmp_path):
 def test_the_gap_through_training_shows_when_a_gap_opens():
     """A point level with sync for the first half and 10% behind after: 0% at 10-50%, +10%
     from 60% on; a run whose curve has another length (another log interval) is left out."""
-    from tools.benchmarks.quality_frontier import Point, gaps_through_training
+    from tools.benchmarks.quality.quality_frontier import Point, gaps_through_training
 
     sync_curve = [4.0] * 100
     late = [4.0] * 50 + [4.4] * 50
@@ -386,7 +386,8 @@ def test_lsgd_quality_writes_its_table_into_docs_and_its_json_under_results(tmp_
     the same path under results/ (the runs are faked: nothing trains)."""
     import sys
 
-    from tools.benchmarks import lsgd_quality, run_cache
+    from tools.benchmarks.quality import lsgd_quality
+    from tools.benchmarks import run_cache
 
     monkeypatch.setattr(run_cache, "DOCS", str(tmp_path / "docs"))
     monkeypatch.setattr(run_cache, "RESULTS", str(tmp_path / "results"))
@@ -404,7 +405,7 @@ def test_lsgd_quality_writes_its_table_into_docs_and_its_json_under_results(tmp_
 def test_lsgd_quality_refuses_a_run_that_would_not_start_before_training_anything(capsys, monkeypatch):
     """At the tool's default H = 50, streaming-diloco's 4 fragments do not cut the round into
     equal slots: one error line naming the run and the flag, exit 2, and nothing trained."""
-    from tools.benchmarks import lsgd_quality
+    from tools.benchmarks.quality import lsgd_quality
 
     monkeypatch.setattr(lsgd_quality, "run", lambda argv, world: pytest.fail("trained"))
     with pytest.raises(SystemExit) as exit_:

@@ -15,10 +15,10 @@ import pytest
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms, synchronizer_class
 from megatron_lsgd.training.arguments import build_config, parse_args
 from megatron_lsgd.training.scenario import load_scenario
-from tools.benchmarks import leaderboard as lb
-from tools.benchmarks import leaderboard_setup as lb_setup
-from tools.benchmarks import lsgd_quality
-from tools.benchmarks import quality_frontier as qf
+from tools.benchmarks.board import leaderboard as lb
+from tools.benchmarks.board import leaderboard_setup as lb_setup
+from tools.benchmarks.quality import lsgd_quality
+from tools.benchmarks.quality import quality_frontier as qf
 from tools.benchmarks import recipes
 
 SCENARIOS = lb.every_scenario()

@@ -28,7 +28,7 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     log = tmp_path / "log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tools", "benchmarks", "lsgd_quality.py"), "--runs", "diloco",
+            [sys.executable, os.path.join(ROOT, "tools", "benchmarks", "quality", "lsgd_quality.py"), "--runs", "diloco",
              "--train-iters", "100000", "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16",
              "--global-batch-size", "8", "--interval", "5", "--out-dir", str(tmp_path / "out")],
             stdout=out, stderr=subprocess.STDOUT, text=True, preexec_fn=_as_in_a_terminal,

@@ -1,4 +1,4 @@
-"""tools/benchmarks/leaderboard.py without training: the recommended interval from a
+"""tools/benchmarks/board/leaderboard.py without training: the recommended interval from a
 scenario's cost and link model (hand-computed), time to a target between evaluations, the
 loss at a budget, the ranking, and which budget flag each algorithm gets."""
 
@@ -8,9 +8,9 @@ import os
 import pytest
 
 from megatron_lsgd.training.scenario import load_scenario
-from tools.benchmarks import leaderboard as lb
-from tools.benchmarks import leaderboard_report as lb_report
-from tools.benchmarks import leaderboard_setup as lb_setup
+from tools.benchmarks.board import leaderboard as lb
+from tools.benchmarks.board import leaderboard_report as lb_report
+from tools.benchmarks.board import leaderboard_setup as lb_setup
 from tools.benchmarks import recipes
 from tools.benchmarks import run_cache
 
@@ -440,7 +440,7 @@ def test_a_scenario_of_unequal_sites_trains_one_rank_per_replica_and_leaves_out_
     bad = tmp_path / "bad.toml"
     for value in ("[2]", "[2, 0]", "[2, 1.5]", "3"):
         bad.write_text(f"sites = 2\nreplicas_per_site = {value}\n")
-        with pytest.raises(ValueError, match=f"replicas_per_site = .* must list one whole number >= 1 per site"):
+        with pytest.raises(ValueError, match="replicas_per_site = .* must list one whole number >= 1 per site"):
             load_scenario(str(bad))
     free = load_scenario(lb_setup.free_link_copy(path, str(tmp_path)))  # a ceiling keeps the sites' sizes
     assert free.replicas_per_site == [2, 1] and free.rate_mbit == [0.0, 0.0]

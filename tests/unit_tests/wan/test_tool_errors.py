@@ -39,8 +39,8 @@ def _namespaces():
     ("tools.wan.launch", SCRIPT, "required: --hidden-size"),
     ("tools.wan.launch", [*SCRIPT, *TINY, "--lsgd-algorithm", "diloco", "--lsgd-fault-tolerance", "torchft",
                           "--lsgd-warmup-iters", "5"], "--lsgd-warmup-iters does not work with --lsgd-fault"),
-    ("tools.benchmarks.wan_bench", ["--rate-mbit", "-5"], "--rate-mbit -5.0 must be > 0"),
-    ("tools.benchmarks.wan_bench", ["--slow-ranks", "x"], "--slow-ranks 'x'"),
+    ("tools.benchmarks.wan.wan_bench", ["--rate-mbit", "-5"], "--rate-mbit -5.0 must be > 0"),
+    ("tools.benchmarks.wan.wan_bench", ["--slow-ranks", "x"], "--slow-ranks 'x'"),
     ("tools.wan.wire", ["--namespaces", "a,b", "--addresses", "1,2", "--rate-mbit", "0"], "--rate-mbit 0.0 must be > 0"),
     ("tools.wan.measure", ["bulk", "--port", "1", "--timeout", "2"], "error: bulk 127.0.0.1:1:"),
 ])

@@ -1,10 +1,10 @@
-"""tools/benchmarks/validate_clock.py without running anything: the comparison of real and
+"""tools/benchmarks/wan/validate_clock.py without running anything: the comparison of real and
 simulated time per step and ratio to the ceiling, and the 10% verdict."""
 
 import pytest
 
-from tools.benchmarks import validate_clock as vc
-from tools.benchmarks.wan_report import CEILING
+from tools.benchmarks.wan import validate_clock as vc
+from tools.benchmarks.wan.wan_report import CEILING
 
 
 def run(updates_per_s):

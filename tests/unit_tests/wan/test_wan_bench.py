@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tools.benchmarks import wan_report
+from tools.benchmarks.wan import wan_report
 from tools.wan.netns import WanError, list_namespaces
 from tools.wan.preflight import probe
 from tools.wan.topology import REPO_ROOT
@@ -90,7 +90,7 @@ def test_ceiling_adds_sites_and_ratios_use_it(tmp_path):
 
 
 def test_unknown_algorithm_is_refused():
-    done = subprocess.run([sys.executable, "tools/benchmarks/wan_bench.py", "--algorithms", "sync,nope"],
+    done = subprocess.run([sys.executable, "tools/benchmarks/wan/wan_bench.py", "--algorithms", "sync,nope"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "'nope' is not registered" in done.stderr
 
@@ -108,7 +108,7 @@ def test_tiny_benchmark_over_two_namespaces(tmp_path):
     except ImportError:
         pytest.skip("megatron_lsgd._C not built (pip install -e .): the bundled corpus needs it")
     before = set(list_namespaces())
-    done = subprocess.run([sys.executable, "tools/benchmarks/wan_bench.py", "--algorithms", "sync",
+    done = subprocess.run([sys.executable, "tools/benchmarks/wan/wan_bench.py", "--algorithms", "sync",
                            "--train-iters", "4", "--log-interval", "2", "--seq-length", "32", "--rate-mbit", "50",
                            "--delay-ms", "5", "--extra-args", "--num-layers 2 --hidden-size 64",
                            "--out-dir", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
@@ -138,7 +138,7 @@ def test_time_to_sync_final_loss():
 
 
 def test_one_algorithm_can_run_twice_under_labels():
-    from tools.benchmarks import wan_bench
+    from tools.benchmarks.wan import wan_bench
 
     a = wan_bench.parse_args(["--algorithms", "diloco,dx=dilocox,dx4=dilocox", "--algo-args",
                               "dx4=--lsgd-compression int4"])
@@ -204,7 +204,7 @@ def test_an_old_run_is_re_reported_from_its_logs(tmp_path):
     assert list(rows) == ["ceiling", "sync", "grown"]
     assert rows["grown"]["updates_ratio_to_ceiling"] == pytest.approx(0.125)
     assert (tmp_path / "updates_per_s.png").exists()
-    done = subprocess.run([sys.executable, "tools/benchmarks/wan_report.py", str(tmp_path / "nothing")],
+    done = subprocess.run([sys.executable, "tools/benchmarks/wan/wan_report.py", str(tmp_path / "nothing")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("error: ") and "Traceback" not in done.stderr
 

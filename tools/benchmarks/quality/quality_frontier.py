@@ -4,7 +4,7 @@ Runs `sync` and every point of a sweep (an algorithm, a compressor and the few k
 matter: H, outer lr/momentum, alpha, density, rank, lambda, the inner optimizer; each
 algorithm's points in its recipe, tools/benchmarks/recipes.py) for each
 seed, at the same model, data, token budget and seed as `sync`, in `--sites` spawned
-processes per run (tools/benchmarks/lsgd_quality.py's runner). Each point is measured against
+processes per run (tools/benchmarks/quality/lsgd_quality.py's runner). Each point is measured against
 `sync` with the point's own inner optimizer (`--optimizer` and its flags): MuLoCo against
 sync with Muon, so a gap is the algorithm's, not the optimizer's. For each point it reports
 
@@ -19,7 +19,7 @@ reduction; y: gap, with the seeds' spread) and the raw results as JSON: for a pa
 under results/ with the same path (docs/quality.md's is results/quality.json), beside it
 elsewhere.
 
-    python tools/benchmarks/quality_frontier.py --data-path data/python-docs/python_docs_text_document \\
+    python -m tools.bench frontier --data-path data/python-docs/python_docs_text_document \\
         --tokenizer-model data/python-docs/python_docs_sp8k.model --train-iters 3000 --seeds 1,2,3
 
 The model-size ladder (docs/quality.md) is this tool with `--ladder S|M|L`: a rung's model,
@@ -27,7 +27,7 @@ sequence, batch and budget (tokens per parameter on docs-corpus, read once; the 
 used whole and `--valid-data-path` held out by document, see tools/prepare_corpus.py), the
 ladder's points, and its page docs/quality-ladder-RUNG.md, its cells in results/runs/quality-ladder-RUNG:
 
-    python tools/benchmarks/quality_frontier.py --ladder S --seeds 1,2,3 \
+    python -m tools.bench frontier --ladder S --seeds 1,2,3 \
         --data-path data/docs-corpus/docs_corpus_train_text_document \
         --valid-data-path data/docs-corpus/docs_corpus_valid_text_document \
         --tokenizer-model data/docs-corpus/docs_corpus_sp4k.model
@@ -59,11 +59,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
-from tools.benchmarks.lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
+from tools.benchmarks.quality.lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
 from tools.benchmarks.recipes import Point, points as recipe_points  # noqa: E402
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, results_path, seed_list)

@@ -1,9 +1,9 @@
 """Side-by-side benchmark of cross-site algorithms over an emulated WAN, with the ceiling.
 
-    python tools/benchmarks/wan_bench.py                                  # default scenario
-    python tools/benchmarks/wan_bench.py --slow-ranks 1 --slow-factor 2   # one 2x straggler
-    python tools/benchmarks/wan_bench.py --algorithms sync,diloco --algo-args "diloco=--lsgd-interval 10"
-    python tools/benchmarks/wan_bench.py --algorithms diloco,dilocox,dilocox-int4=dilocox \\
+    python -m tools.bench wan                                 # default scenario
+    python -m tools.bench wan --slow-ranks 1 --slow-factor 2  # one 2x straggler
+    python -m tools.bench wan --algorithms sync,diloco --algo-args "diloco=--lsgd-interval 10"
+    python -m tools.bench wan --algorithms diloco,dilocox,dilocox-int4=dilocox \\
         --algo-args "dilocox-int4=--lsgd-compression int4"            # two runs of one algorithm
 
 In one invocation, on one set of namespaces (tools/wan): first the ceiling (every site
@@ -33,14 +33,14 @@ import shlex
 import sys
 from typing import Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms, synchronizer_class  # noqa: E402
-from tools.benchmarks import wan_report  # noqa: E402
+from tools.benchmarks.wan import wan_report  # noqa: E402
 from tools.benchmarks.run_cache import results_path  # noqa: E402
 from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 from tools.wan.launch import SiteJob, add_link_args, raise_on_termination, run_jobs, topology_from_args, \

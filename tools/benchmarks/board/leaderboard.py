@@ -20,8 +20,8 @@ ranked by time to target, median and spread over seeds) and one plot per scenari
 scenarios, algorithms or fewer than 3 seeds) writes runs/leaderboard/leaderboard.md instead,
 so the published tables are not replaced by a few cells.
 
-    python tools/benchmarks/leaderboard.py                  # everything (resumable)
-    python tools/benchmarks/leaderboard.py --scenarios emulated-default --algorithms sync,diloco --seeds 1
+    python -m tools.bench board  # everything (resumable)
+    python -m tools.bench board --scenarios emulated-default --algorithms sync,diloco --seeds 1
 
 In scenarios with a slow site, a-edit also runs on a copy of the scenario whose link is free
 (same compute, same settings): its ceiling. A scenario may have tuned variants (a recipe's
@@ -83,7 +83,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 CELLS_DIR = os.path.join(ROOT, "results", "leaderboard", "cells")  # the data; the board is a page in docs/
 BOARD = os.path.join(ROOT, "docs", "leaderboard.md")
@@ -94,11 +94,11 @@ from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
 from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object  # noqa: E402
-from tools.benchmarks.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
+from tools.benchmarks.board.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
                                                  plot, summarize)
-from tools.benchmarks.leaderboard_setup import (EVALUATIONS, MICRO_BATCH, MODEL, PILOT_STEPS,  # noqa: E402
-                                                SCENARIO_DIR, Run, cell_argv, cell_ranks, data_args,
-                                                free_link_copy, has_slow_site, scenario_runs)
+from tools.benchmarks.board.leaderboard_setup import (EVALUATIONS, MICRO_BATCH, MODEL, PILOT_STEPS,  # noqa: E402
+                                                      SCENARIO_DIR, Run, cell_argv, cell_ranks, data_args,
+                                                      free_link_copy, has_slow_site, scenario_runs)
 from tools.benchmarks.recipes import ALGORITHMS  # noqa: E402
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, seed_list)

@@ -1,6 +1,6 @@
 """DreamDDP's scheduler against brute force on random profiles (no processes, seconds).
 
-    python tools/benchmarks/dreamddp_scheduler_bench.py --out-dir docs/algorithms/results/dreamddp
+    python -m tools.bench parts dreamddp --out-dir docs/algorithms/results/dreamddp
 
 For every random profile (L units, H iterations per period, backward times, averaging
 times from a latency + size x slope link whose speed relative to compute ranges from
@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Dict, List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -120,7 +120,7 @@ def markdown(s: Dict, args) -> str:
                 f"{d['mean']:.4f} | {d['p50']:.3f} | {d['p90']:.3f} | {d['p99']:.3f} | {d['max']:.3f} |")
 
     lines = [f"{s['cases']} random profiles, L = 2..{args.max_units} units, H = 1..{args.max_slots}, seed {args.seed} "
-             f"(`python tools/benchmarks/dreamddp_scheduler_bench.py --cases {args.cases} --seed {args.seed}`).", "",
+             f"(`python -m tools.bench parts dreamddp --cases {args.cases} --seed {args.seed}`).", "",
              "Exposed time per period compared with the optimum over contiguous assignments (brute force). "
              "Ratios are over the cases where something must be exposed; the third column counts the cases "
              "where the optimum hides everything and the schedule does not (its ratio would be infinite):", "",

@@ -7,7 +7,7 @@ communication, tokens/s) plus a PNG of training and validation loss curves, both
 --out-dir, and the raw results (lsgd_quality.json) under results/ for an --out-dir in docs/
 (results/algorithms/results for the default docs/algorithms/results), into --out-dir elsewhere.
 
-    python tools/benchmarks/lsgd_quality.py --data-path data/python-docs/..._text_document \\
+    python -m tools.bench quality --data-path data/python-docs/..._text_document \\
         --tokenizer-model data/python-docs/tokenizer.model --out-dir docs/algorithms/results
 
 Without --data-path (or if it does not exist) it runs on --mock-data and says so in
@@ -22,7 +22,7 @@ validation runs every N iterations, and `--target RUN` adds a table of the itera
 run needs to reach RUN's final validation loss (linear interpolation between evaluations)
 and a plot of the validation curves, e.g. for CoCoDC against Streaming DiLoCo at 4 sites:
 
-    python tools/benchmarks/lsgd_quality.py --sites 4 --num-layers 4 --interval 100 \\
+    python -m tools.bench quality --sites 4 --num-layers 4 --interval 100 \\
         --runs streaming-diloco,cocodc --eval-interval 50 --target streaming-diloco ...
 
 a-edit syncs by wall-clock time (--aedit-seconds) and its sites may take different numbers
@@ -47,7 +47,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 
 from megatron_lsgd import cli  # noqa: E402

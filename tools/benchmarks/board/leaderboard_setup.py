@@ -1,4 +1,4 @@
-"""What a leaderboard cell trains (tools/benchmarks/leaderboard.py runs the cells): the small
+"""What a leaderboard cell trains (tools/benchmarks/board/leaderboard.py runs the cells): the small
 GPT and the bundled corpus, each algorithm's recommended settings for a scenario and the tuned
 variants and free-link ceilings a scenario adds (from tools/benchmarks/recipes.py), and the
 list of a board's cells."""
@@ -15,7 +15,7 @@ from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import write_text
 from tools.benchmarks.recipes import LAYERS, board_variants, recipe, recommended
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCENARIO_DIR = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
 DATA = os.path.join(ROOT, "data", "python-docs")
 

@@ -5,10 +5,10 @@ faults (the baseline for goodput and for the final validation loss), unless
 
     # pretrain_gpt.py sites (the default): each site a torchrun job of its own, a lighthouse
     # in this process; pretrain_gpt.py's flags after `--` (default: a small mock-data job)
-    python tools/benchmarks/chaos.py --sites 3 --min-sites 2 --fault-every 120 --max-minutes 150 -- \\
+    python -m tools.bench chaos --sites 3 --min-sites 2 --fault-every 120 --max-minutes 150 -- \\
         --num-layers 4 ... --train-iters 20000 --lsgd-algorithm diloco --lsgd-interval 50
-    # the toy site (tools/benchmarks/ft_site.py: the real diloco synchronizer, a toy inner step)
-    python tools/benchmarks/chaos.py --target toy --sites 3 --min-sites 2 --steps 400 --fault-every 10
+    # the toy site (tools/benchmarks/elastic/ft_site.py: the real diloco synchronizer, a toy inner step)
+    python -m tools.bench chaos --target toy --sites 3 --min-sites 2 --steps 400 --fault-every 10
 
 A fault is a SIGKILL of every process of a random site (`--kill site`: its torchrun and
 ranks; the tool starts the site again at once, from its checkpoint when the job saves, else
@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
@@ -54,7 +54,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
-from tools.benchmarks.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
+from tools.benchmarks.elastic.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
 from tools.benchmarks.process_tree import descendants, kill_tree, sigkill  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object, tool_errors  # noqa: E402
 
@@ -386,7 +386,7 @@ def site_argv(args, job: List[str], out_dir: str, lighthouse: str) -> List[str]:
 
 
 def run_pretrain_job(args, job: List[str], out_dir: str, faults: bool, log=print) -> Dict:
-    from tools.benchmarks.ft_site import start_lighthouse
+    from tools.benchmarks.elastic.ft_site import start_lighthouse
 
     os.makedirs(out_dir, exist_ok=True)
     lh = start_lighthouse(args.min_sites, heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=args.join_ms)
@@ -576,7 +576,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage="%(prog)s [options] [-- pretrain_gpt.py flags]")
     p.add_argument("--target", choices=("pretrain", "toy"), default="pretrain",
-                   help="pretrain: pretrain_gpt.py sites; toy: tools/benchmarks/ft_site.py sites")
+                   help="pretrain: pretrain_gpt.py sites; toy: tools/benchmarks/elastic/ft_site.py sites")
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--min-sites", type=int, default=2)
     p.add_argument("--fault-every", type=float, default=10.0, help="seconds between SIGKILLs")

@@ -1,10 +1,10 @@
 """Validate the simulated clock against the real emulated WAN (issue 21, item 5).
 
-    python tools/benchmarks/validate_clock.py                      # every algorithm, 2 repetitions
-    python tools/benchmarks/validate_clock.py --algorithms sync,diloco --repeats 3 --train-iters 40
-    python tools/benchmarks/validate_clock.py --probe-only --probe-bytes 5966336  # a scenario's [link] keys
-    python tools/benchmarks/validate_clock.py --slow-factor 2                # site 1 two times slower
-    python tools/benchmarks/validate_clock.py --rate-mbit 30 --delay-ms 60   # a second link
+    python -m tools.bench validate                                     # every algorithm, 2 repetitions
+    python -m tools.bench validate --algorithms sync,diloco --repeats 3 --train-iters 40
+    python -m tools.bench validate --probe-only --probe-bytes 5966336  # a scenario's [link] keys
+    python -m tools.bench validate --slow-factor 2                     # site 1 two times slower
+    python -m tools.bench validate --rate-mbit 30 --delay-ms 60        # a second link
 
 Runs `wan_bench.py` (tools/wan namespaces: 2 sites, 100 Mbit/s, 20 ms one way by default,
 `--rate-mbit`/`--delay-ms` for another link, its 7.2M Llama; `--slow-factor F`: rank 1, site
@@ -47,14 +47,14 @@ import subprocess
 import sys
 from typing import Dict, List, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms  # noqa: E402
 from megatron_lsgd.core.lsgd.comm import InterSiteComm  # noqa: E402
 from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
 from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
-from tools.benchmarks import wan_bench, wan_report  # noqa: E402
+from tools.benchmarks.wan import wan_bench, wan_report  # noqa: E402
 from tools.benchmarks.run_cache import results_path  # noqa: E402
 from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 from tools.wan.launch import site_env  # noqa: E402
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
              f"--simulate-inter-site-delays-per-phase {delays:.4f}")
     sim = bench(os.path.join(args.out_dir, "simulated"), args, extra)
     rows = compare(real, sim)
-    header = [f"{datetime.date.today().isoformat()}, `python tools/benchmarks/validate_clock.py "
+    header = [f"{datetime.date.today().isoformat()}, `python -m tools.bench validate "
               f"--algorithms {args.algorithms} --repeats {args.repeats} --train-iters {args.train_iters}"
               f" --rate-mbit {args.rate_mbit:g} --delay-ms {args.delay_ms:g}"
               + (f" --slow-factor {args.slow_factor:g}" if args.slow_factor > 1 else "")
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
                 "cpu_seconds_per_mb": cpu_per_mb, "delays_per_phase": delays, "slow_factor": args.slow_factor,
                 "delay_ms": args.delay_ms, "link_rate_mbit": args.rate_mbit, "clock_model": CLOCK_MODEL}, indent=1)
     print(text)
-    print(f"wrote {args.doc}; `python tools/benchmarks/leaderboard.py --cached-only` puts it in docs/leaderboard.md")
+    print(f"wrote {args.doc}; `python -m tools.bench board --cached-only` puts it in docs/leaderboard.md")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Turn `--json-log` files of benchmark runs into results.json, a Markdown table and plots.
 
-    python tools/benchmarks/wan_report.py OUT_DIR   # re-report a wan_bench run from its logs
+    python -m tools.bench wan report OUT_DIR  # re-report a wan_bench run from its logs
 
 OUT_DIR holds the table (results.md) and the plots; results.json and logs/ are measured data,
 kept under results/ with the same path when OUT_DIR is in docs/ (docs/benchmarks/default's in
@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 from megatron_lsgd.core.output_files import WriteError, save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.run_cache import results_path  # noqa: E402
 from tools.benchmarks.tool_input import ToolInputError, read_json_object  # noqa: E402

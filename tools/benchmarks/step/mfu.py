@@ -1,12 +1,12 @@
 """Single-device throughput and model FLOPs utilisation (MFU): megatron_lsgd's training step
 beside a plain-PyTorch loop of the same model (side_by_side.py), one rank, bf16.
 
-    python tools/benchmarks/mfu.py                       # ~1.1B Llama (TinyLlama's shape), bf16, one GPU
-    python tools/benchmarks/mfu.py --preset smoke        # a tiny Llama: proves the script runs (CPU too)
-    python tools/benchmarks/mfu.py --json out.json       # also write the figures (tools/gpu_check.sh)
-    python tools/benchmarks/mfu.py --compile             # both loops' layers compiled the same way (+ compile time)
-    python tools/benchmarks/mfu.py --largest-micro-batch 32 [--compile]   # memory headroom: 1, 2, 4, ... 32
-    python tools/benchmarks/mfu.py --preset 8b --recompute full --no-plain   # does the 8B shape start and step?
+    python -m tools.bench step mfu                  # ~1.1B Llama (TinyLlama's shape), bf16, one GPU
+    python -m tools.bench step mfu --preset smoke   # a tiny Llama: proves the script runs (CPU too)
+    python -m tools.bench step mfu --json out.json  # also write the figures (tools/gpu_check.sh)
+    python -m tools.bench step mfu --compile        # both loops' layers compiled the same way (+ compile time)
+    python -m tools.bench step mfu --largest-micro-batch 32 [--compile]   # memory headroom: 1, 2, 4, ... 32
+    python -m tools.bench step mfu --preset 8b --recompute full --no-plain   # does the 8B shape start and step?
 
 --compile compiles each transformer layer's forward (regional, core/transformer/compile.py) in
 our step and in the plain loop alike, so the plain loop stays an honest peer; the first step
@@ -37,13 +37,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from megatron_lsgd.training.compat_runtime import flops_per_sample  # noqa: E402
 from megatron_lsgd.training.initialize import shutdown_distributed  # noqa: E402
 from megatron_lsgd.training.logging_utils import peak_cuda_memory_mb  # noqa: E402
 from megatron_lsgd.core.output_files import write_json  # noqa: E402
-from tools.benchmarks.side_by_side import build, timed  # noqa: E402
+from tools.benchmarks.step.side_by_side import build, timed  # noqa: E402
 from tools.benchmarks.tool_input import tool_errors  # noqa: E402
 
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",

@@ -4,12 +4,12 @@ between them), bf16, with a token budget sized from the throughput measured firs
 whole study fits --minutes. It writes its table into docs/quality.md (block `gpu-study`) with
 the date and the device, its raw results into results/quality-gpu-study.json.
 
-    python tools/benchmarks/gpu_quality.py             # on a machine with a GPU, ~8 minutes
+    python -m tools.bench quality gpu  # on a machine with a GPU, ~8 minutes
 
 Steps: (1) the corpus (tools/prepare_corpus.py) unless data/docs-corpus has it; (2) a pilot:
 sync for --pilot-iters steps, its tokens/s; (3) each of the four runs gets an equal share of
 what is left of --minutes, less a start-up allowance per run, as whole steps; (4) the runs, through
-tools/benchmarks/quality_frontier.py (its cache under runs/gpu_quality: a stopped study resumes).
+tools/benchmarks/quality/quality_frontier.py (its cache under runs/gpu_quality: a stopped study resumes).
 The model reads a fraction of one pass over the corpus (far below 20 tokens per parameter): the
 table says how many tokens per parameter it is, and it is a GPU check of the ladder's ranking,
 not a replacement for it.
@@ -29,11 +29,11 @@ from typing import List
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 
-from tools.benchmarks import quality_frontier  # noqa: E402
-from tools.benchmarks.lsgd_quality import base_argv, data_argv, run  # noqa: E402
+from tools.benchmarks.quality import quality_frontier  # noqa: E402
+from tools.benchmarks.quality.lsgd_quality import base_argv, data_argv, run  # noqa: E402
 from tools.benchmarks.run_cache import positive_int  # noqa: E402
 from tools.benchmarks.spawned_ranks import run_tool  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The throughput and memory part of tools/gpu_check.sh's report: reads the JSON that
-tools/benchmarks/mfu.py wrote into the check's output folder (mfu_eager, mfu_compiled,
+tools/benchmarks/step/mfu.py wrote into the check's output folder (mfu_eager, mfu_compiled,
 mfu_mbs_eager, mfu_mbs_compiled, mfu_8b_full) and returns the report's lines, with issue 46's
 targets for the compiled step said met or MISSED (MFU >= 0.45, >= 1.0x the compiled plain
 loop, >= 1.15x the eager plain loop)."""
@@ -62,7 +62,7 @@ def throughput_and_memory(out: str, mfu_rc: str, compiled_rc: str, memory: str) 
                       f"MFU {fmt(mfu)} (target >= {TARGET_MFU}: {mark(mfu is not None and mfu >= TARGET_MFU)})",
                       f"  dynamo's counts over the compiled run (both loops): {compiled.get('compile_counts')}"]
     else:
-        lines.append(f"- tools/benchmarks/mfu.py FAILED (exit {mfu_rc}); see mfu_eager.log")
+        lines.append(f"- tools/benchmarks/step/mfu.py FAILED (exit {mfu_rc}); see mfu_eager.log")
     if memory != "0":
         lines += ["", "- Memory headroom (our loop alone, a fresh process per try):", ""]
         for mode in ("eager", "compiled"):

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import pretrain_gpt  # noqa: E402
 from megatron_lsgd.core.models.gpt import GPTModel  # noqa: E402

@@ -2,8 +2,8 @@
 loop (same model, same batch, torch.optim.AdamW, loss.backward()), measured side by side
 in one process, alternating rounds so machine noise hits both alike.
 
-    python tools/benchmarks/overhead_bench.py                      # small GPT on CPU
-    python tools/benchmarks/overhead_bench.py --hidden-size 512 --num-layers 8 --seq-length 512
+    python -m tools.bench step overhead  # small GPT on CPU
+    python -m tools.bench step overhead --hidden-size 512 --num-layers 8 --seq-length 512
 
 Prints a Markdown table and the ratio (ours / plain tokens per second).
 """
@@ -18,9 +18,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
-from tools.benchmarks.side_by_side import build, timed  # noqa: E402
+from tools.benchmarks.step.side_by_side import build, timed  # noqa: E402
 
 
 def main() -> None:

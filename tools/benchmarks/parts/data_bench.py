@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Data-pipeline benchmark; prints a Markdown table.
 
-    python tools/benchmarks/data_bench.py            # all measurements (about a minute on 2 cores)
-    python tools/benchmarks/data_bench.py --quick    # smaller index sizes
+    python -m tools.bench parts data          # all measurements (about a minute on 2 cores)
+    python -m tools.bench parts data --quick  # smaller index sizes
 
 Measures preprocessing throughput (MB of JSON text per second) with 1 and 2 workers on the
 bundled python-docs slice, and the time to build the sample index for --tokens tokens and
@@ -21,7 +21,7 @@ from typing import Callable, List, Tuple
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tools/
 import _bootstrap  # noqa: E402,F401
 import preprocess_data  # noqa: E402
 from megatron_lsgd.core.datasets import helpers  # noqa: E402

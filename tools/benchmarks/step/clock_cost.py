@@ -9,8 +9,8 @@ three ways, rounds alternating so drift hits each alike:
 - `per layer`: one more after every transformer layer's forward (the worst case: the emulated
   link `--simulate-inter-site-*` and a-edit read once per collective or decision, never this often).
 
-    python tools/benchmarks/clock_cost.py                  # a ~125M Llama, bf16 (one GPU)
-    python tools/benchmarks/clock_cost.py --preset smoke   # proves the script runs (CPU too)
+    python -m tools.bench step clock                 # a ~125M Llama, bf16 (one GPU)
+    python -m tools.bench step clock --preset smoke  # proves the script runs (CPU too)
 
 On the host the wait is a no-op, so there the ratios are 1 within noise.
 """
@@ -25,13 +25,13 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from megatron_lsgd.core.clock import Clock  # noqa: E402
 from megatron_lsgd.core.transformer.layer import TransformerLayer  # noqa: E402
 from megatron_lsgd.training.initialize import shutdown_distributed  # noqa: E402
-from tools.benchmarks.mfu import PRESETS, argv_for  # noqa: E402
-from tools.benchmarks.side_by_side import build, timed  # noqa: E402
+from tools.benchmarks.step.mfu import PRESETS, argv_for  # noqa: E402
+from tools.benchmarks.step.side_by_side import build, timed  # noqa: E402
 
 MODES = ("none", "per step", "per layer")
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Peak host memory of tools/checkpoint/convert.py against model size; prints a Markdown table.
 
-    python tools/benchmarks/convert_memory.py                    # 12 and 120 layers (5.5 GB on disk at most)
-    python tools/benchmarks/convert_memory.py --quick            # 4 and 40 layers of a smaller model
-    python tools/benchmarks/convert_memory.py --root /tmp/old    # also the convert.py of another checkout
+    python -m tools.bench parts convert                  # 12 and 120 layers (5.5 GB on disk at most)
+    python -m tools.bench parts convert --quick          # 4 and 40 layers of a smaller model
+    python -m tools.bench parts convert --root /tmp/old  # also the convert.py of another checkout
 
 For each size it trains one iteration of a Llama-style model (many layers, each tensor
 small) on one process and saves it with its AdamW state (model + 2 moments), then runs
@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 LLAMA = ["--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm",
          "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",

@@ -1,4 +1,4 @@
-"""The leaderboard read from its finished cells (tools/benchmarks/leaderboard.py trains them):
+"""The leaderboard read from its finished cells (tools/benchmarks/board/leaderboard.py trains them):
 each cell judged against sync's run of the same seed, a table and a plot per scenario, the
 open targets of earlier rounds, and the document docs/leaderboard.md."""
 
@@ -15,10 +15,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 from megatron_lsgd.core.simulation import CLOCK_MODEL
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import save_figure
-from tools.benchmarks.leaderboard_setup import (EVALUATIONS, FREE_LINK, MICRO_BATCH, MODEL, ROOT, SCENARIO_DIR, SEQ,
-                                                SPLIT, board_cells, compact, unequal_refusals)
+from tools.benchmarks.board.leaderboard_setup import (EVALUATIONS, FREE_LINK, MICRO_BATCH, MODEL, ROOT, SCENARIO_DIR,
+                                                      SEQ, SPLIT, board_cells, compact, unequal_refusals)
 from tools.benchmarks.recipes import ACCO_FIXED, ALGORITHMS, MAX_MICROBATCHES, TRAINED_PARAMS_GUESS, recommended_interval
-from tools.benchmarks.lsgd_quality import steps_to_reach
+from tools.benchmarks.quality.lsgd_quality import steps_to_reach
 
 
 def steps_to(cell: Dict, target: float) -> Optional[float]:
@@ -178,7 +178,7 @@ def older_model_note(name: str, cells: Dict[str, List[Dict]]) -> List[str]:
             f"clock model {models}, not the current {CLOCK_MODEL} (core/simulation.py, CLOCK_MODEL: model 1 charged "
             f"one one-way delay per collective where model 2 charges one per phase, 2 (S - 1) for a ring "
             f"all-reduce). Their times are not comparable with the current model's until "
-            f"`python tools/benchmarks/leaderboard.py --scenarios {name}` trains them again.", ""]
+            f"`python -m tools.bench board --scenarios {name}` trains them again.", ""]
 
 
 def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
@@ -315,8 +315,8 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
     head = [
         "# Leaderboard: time to a validation loss, per WAN scenario",
         "",
-        "Written by `python tools/benchmarks/leaderboard.py` (resumable; see its docstring); this board by "
-        f"`python tools/benchmarks/leaderboard.py {' '.join(sys.argv[1:])}`. Its cells, the data of every table, "
+        "Written by `python -m tools.bench board` (resumable; see its docstring); this board by "
+        f"`python -m tools.bench board {' '.join(sys.argv[1:])}`. Its cells, the data of every table, "
         f"are committed in [{cells_link}]({cells_link}/README.md): `--cached-only` rewrites this page from "
         "them, and a run with more seeds or scenarios trains only the cells they lack.",
         "",
@@ -365,7 +365,7 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
     missing = [n for n in every if n not in names or len(not_run.get(n, [])) == len(board_cells(n, args))]
     if missing or len(args.seeds) < 3 or any(not_run.values()):
         head += [f"**Partial board:** {len(args.seeds)} seed(s); scenarios not run: {', '.join(missing) or 'none'}. "
-                 "Regenerate with `python tools/benchmarks/leaderboard.py` (every scenario, 3 seeds)."]
+                 "Regenerate with `python -m tools.bench board` (every scenario, 3 seeds)."]
         archive = latest_archive()
         if missing and archive:
             link = os.path.relpath(archive, os.path.dirname(os.path.abspath(args.out)))
@@ -380,7 +380,7 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         with open(validation) as f:
             tail.append(f.read())
     else:
-        tail.append("Not run yet: `python tools/benchmarks/validate_clock.py` (on a quiet machine) compares every "
+        tail.append("Not run yet: `python -m tools.bench validate` (on a quiet machine) compares every "
                     "algorithm's simulated time per step and ratio to the ceiling with the real emulated WAN "
                     "(tools/wan) and writes its table here.")
     return "\n".join(head + sections + tail)
