@@ -376,8 +376,7 @@ def _refuse_for_site_shapes(given: str, shape: str, supported: str, algorithm: s
             raise ValueError(f"{given} (sites of different {shape}) cannot be combined with {flag}: {reason}")
 
 
-def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: SimulationOptions,
-                        checkpoint: CheckpointConfig) -> None:
+def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: SimulationOptions) -> None:
     """Sites of different TP x PP: only what exchanges in the canonical form runs
     (docs/heterogeneous_sites.md)."""
     if not dims.mixed_layouts:
@@ -386,9 +385,7 @@ def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: Simula
                             catalog.synchronizer_class(lsgd.algorithm).mixed_layouts_refusal, (
         ("--lsgd-compression", "compressed means are exchanged per rank, not in the layout-free form",
          lsgd.compression.enabled),
-        ("--simulate-clock/--simulate-scenario", "the simulated clock models sites of one layout", simulation.active),
-        ("--save/--load", "a checkpoint records one layout; save and resume per site is not written yet",
-         bool(checkpoint.save or checkpoint.load))))
+        ("--simulate-clock/--simulate-scenario", "the simulated clock models sites of one layout", simulation.active)))
 
 
 def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig, simulation: SimulationOptions) -> None:
@@ -534,7 +531,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     simulation.validate()  # reads and checks the scenario file
     _check_fault_tolerance(fault_tolerance, args, lsgd, simulation, checkpoint, dims)
     _check_unequal_sites(dims, lsgd, simulation)
-    _check_site_layouts(dims, lsgd, simulation, checkpoint)
+    _check_site_layouts(dims, lsgd, simulation)
     scenario_sites = load_scenario(simulation.scenario).sites if simulation.scenario is not None else dims.sites
     if scenario_sites != dims.sites:
         raise ValueError(f"--simulate-scenario {simulation.scenario}: it describes {scenario_sites} sites, "

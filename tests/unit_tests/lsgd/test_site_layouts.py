@@ -13,6 +13,9 @@
     step (torch's SGD) and AdamW are elementwise, so equal inputs give equal outputs on
     every site whatever the shard they sit in (no clipping: the gradient norm is summed in
     another order on each layout, so a clip factor could differ in its last bit);
+  * a pause and resume (--exit-interval, --load) reproduces the uninterrupted TP2 + TP1 run bit
+    for bit, each site from its own files in its own layout; convert.py converts site 0's
+    model and refuses the optimizer state;
   * equivalence: each of those runs trains like the same run on sites of TP1 (same seed, same
     data: a replica's samples follow its data-parallel index, which the layouts keep). The
     TP1 site computes the same thing in both runs; the TP2 / PP2 site's forward and backward
@@ -86,7 +89,6 @@ def _config(extra, world):
     ([TP, "2,1", "--site-data-parallel-sizes", "1,1"], 3, "--site-data-parallel-sizes cannot be combined with"),
     ([TP, "2,1", "--lsgd-compression", "int8"], 3, "cannot be combined with --lsgd-compression"),
     ([TP, "2,1", "--simulate-clock"], 3, "cannot be combined with --simulate-clock"),
-    ([TP, "2,1", "--save", "/nonexistent/x"], 3, "cannot be combined with --save/--load"),
     ([TP, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
      f"{TP} cannot be combined with --lsgd-fault-tolerance"),
 ])
@@ -109,6 +111,21 @@ def test_every_other_algorithm_refuses_with_its_reason(algorithm):
 def test_diloco_builds():
     c = _config([TP, "2,1", PP, "2,1"], 5)
     assert c.dims.site_tp == (2, 1) and c.dims.site_pp == (2, 1) and c.num_microbatches == 1
+
+
+def test_a_checkpoint_resumes_only_in_its_site_layouts():
+    from megatron_lsgd.training.checkpointing.compat import check_site_layouts
+    from megatron_lsgd.training.checkpointing.errors import CheckpointError
+
+    mixed = ParallelDims.from_world(3, 1, 1, 2, None, [2, 1])
+    saved = {"tp": 2, "pp": 1, "dp_intra": 1, "sites": 2, "site_tp": [2, 1], "site_pp": [1, 1]}
+    check_site_layouts(saved, mixed, "ckpt")
+    for dims, theirs in ((ParallelDims.from_world(3, 1, 1, 2, None, [1, 2]), saved),
+                         (ParallelDims.from_world(4, 2, 1, 2), saved),
+                         (mixed, {"tp": 2, "pp": 1, "dp_intra": 1, "sites": 2})):
+        with pytest.raises(CheckpointError) as err:
+            check_site_layouts(theirs, dims, "ckpt")
+        assert "resume with the same --site-tensor-model-parallel-sizes" in str(err.value)
 
 
 def test_a_bad_value_is_one_error_line(monkeypatch, capsys):
@@ -143,9 +160,11 @@ def _assert_trains_like(run, reference):
 
 
 @pytest.mark.slow
-def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites():
+def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
     (reference,) = run_distributed_many([ONE_REPLICA], 2)
-    (tp2,) = run_distributed_many([ONE_REPLICA + [TP, "2,1"]], 3)
+    tp2, paused, resumed = run_distributed_many([ONE_REPLICA + [TP, "2,1"]] + [
+        ONE_REPLICA + [TP, "2,1", "--save", ckpt] + extra for extra in (["--exit-interval", "3"], ["--load", ckpt])], 3)
     (tp2_pp2,) = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"]], 5)
     (reference_dp2,) = run_distributed_many([TWO_REPLICAS + ZERO1], 4)
     zero1, plain = run_distributed_many([TWO_REPLICAS + [TP, "2,1"] + ZERO1, TWO_REPLICAS + [TP, "2,1"]], 6)
@@ -157,3 +176,16 @@ def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites()
     _assert_trains_like(tp2_pp2, reference)
     _assert_trains_like(zero1, reference_dp2)
     _assert_trains_like(plain, reference_dp2)
+    # paused at 3 and resumed, each site from its own files in its own layout: the uninterrupted run, bit for bit
+    assert logged_losses(paused) == logged_losses(tp2)[:3] and logged_losses(resumed) == logged_losses(tp2)[3:]
+    for site in (0, 1):
+        got, want = merge_full_params(resumed, site=site), merge_full_params(tp2, site=site)
+        assert all(torch.equal(got[n], want[n]) for n in want), f"site {site} resumed differently"
+    # tools/checkpoint/convert.py: site 0's model converts, the optimizer state of such sites is refused
+    from tools.checkpoint.convert import main as convert
+
+    base = ["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", ckpt]
+    assert convert(base + ["--save-dir", str(tmp_path / "model"), "--model-only"]) == 0
+    assert convert(base + ["--save-dir", str(tmp_path / "full")]) == 2
+    assert "saved by sites of different tensor x pipeline layouts: converting its optimizer state is not supported" \
+        in capsys.readouterr().err
