@@ -34,7 +34,8 @@ import torch
 
 from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
 from megatron_lsgd.training.arguments import build_config, parse_args
-from tests.unit_tests.harness import assert_replicas_identical, logged_losses, merge_full_params, run_distributed_many
+from tests.unit_tests.harness import (assert_converts_model_only, assert_replicas_identical, assert_resumed_per_site,
+                                     logged_losses, merge_full_params, run_distributed_many)
 from tests.unit_tests.test_arguments import BASE
 
 TP, PP = "--site-tensor-model-parallel-sizes", "--site-pipeline-model-parallel-sizes"
@@ -177,15 +178,7 @@ def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(t
     _assert_trains_like(zero1, reference_dp2)
     _assert_trains_like(plain, reference_dp2)
     # paused at 3 and resumed, each site from its own files in its own layout: the uninterrupted run, bit for bit
-    assert logged_losses(paused) == logged_losses(tp2)[:3] and logged_losses(resumed) == logged_losses(tp2)[3:]
-    for site in (0, 1):
-        got, want = merge_full_params(resumed, site=site), merge_full_params(tp2, site=site)
-        assert all(torch.equal(got[n], want[n]) for n in want), f"site {site} resumed differently"
+    assert_resumed_per_site(tp2, paused, resumed, 3)
     # tools/checkpoint/convert.py: site 0's model converts, the optimizer state of such sites is refused
-    from tools.checkpoint.convert import main as convert
-
-    base = ["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", ckpt]
-    assert convert(base + ["--save-dir", str(tmp_path / "model"), "--model-only"]) == 0
-    assert convert(base + ["--save-dir", str(tmp_path / "full")]) == 2
-    assert "saved by sites of different tensor x pipeline layouts: converting its optimizer state is not supported" \
-        in capsys.readouterr().err
+    assert_converts_model_only(ckpt, str(tmp_path), capsys, "saved by sites of different tensor x pipeline layouts: "
+                                                            "converting its optimizer state is not supported")
