@@ -147,14 +147,8 @@ class ParallelDims:
             return cls._site_layouts(world_size, tp, pp, sites, site_dp, site_tp, site_pp)
         model_parallel = tp * pp
         if site_dp is not None:
-            sizes = tuple(int(d) for d in site_dp)
+            sizes = _per_site("--site-data-parallel-sizes", site_dp, sites, "needs at least one data-parallel rank")
             given = ",".join(str(d) for d in sizes)
-            if len(sizes) != sites:
-                raise ValueError(f"--site-data-parallel-sizes {given} names {len(sizes)} sites but --num-sites is "
-                                 f"{sites}: give one size per site")
-            if any(d < 1 for d in sizes):
-                raise ValueError(f"--site-data-parallel-sizes {given}: every site needs at least one "
-                                 f"data-parallel rank")
             if sum(sizes) * model_parallel != world_size:
                 raise ValueError(
                     f"--site-data-parallel-sizes {given} sum to {sum(sizes)} data-parallel ranks, x TP {tp} x PP {pp} "
@@ -178,7 +172,7 @@ class ParallelDims:
     @classmethod
     def _site_layouts(cls, world_size: int, tp: int, pp: int, sites: int, site_dp, site_tp, site_pp
                       ) -> "ParallelDims":
-        """Sites of their own TP x PP (each with the same number of replicas for now)."""
+        """Sites of their own TP x PP (and, with `site_dp`, their own numbers of replicas)."""
         layouts = []
         for flag, plain_flag, plain, given in (
                 ("--site-tensor-model-parallel-sizes", "--tensor-model-parallel-size", tp, site_tp),
@@ -186,23 +180,24 @@ class ParallelDims:
             if given is None:
                 layouts.append((plain,) * sites)
                 continue
-            sizes = tuple(int(v) for v in given)
-            text = ",".join(map(str, sizes))
-            if len(sizes) != sites:
-                raise ValueError(f"{flag} {text} names {len(sizes)} sites but --num-sites is {sites}: give one "
-                                 f"size per site")
-            if any(v < 1 for v in sizes):
-                raise ValueError(f"{flag} {text}: every site's size must be >= 1")
+            sizes = _per_site(flag, given, sites, "needs a size of at least 1")
             if plain != 1:
-                raise ValueError(f"{flag} {text} gives every site its own size: leave out {plain_flag} {plain}")
+                raise ValueError(f"{flag} {','.join(map(str, sizes))} gives every site its own size: leave out "
+                                 f"{plain_flag} {plain}")
             layouts.append(sizes)
         tps, pps = layouts
         if len(set(zip(tps, pps))) == 1:  # one layout after all: the plain dims
             return cls.from_world(world_size, tps[0], pps[0], sites, site_dp)
-        if site_dp is not None:
-            raise ValueError("--site-data-parallel-sizes cannot be combined with --site-tensor-model-parallel-sizes "
-                             "or --site-pipeline-model-parallel-sizes yet: sites of different layouts have the same "
-                             "number of data-parallel replicas")
+        if site_dp is not None:  # each site its own replica count too
+            dps = _per_site("--site-data-parallel-sizes", site_dp, sites, "needs at least one data-parallel rank")
+            ranks = [t * p * d for t, p, d in zip(tps, pps, dps)]
+            if sum(ranks) != world_size:
+                raise ValueError(f"--site-data-parallel-sizes {','.join(map(str, dps))} with the sites' TP x PP "
+                                 f"take {' + '.join(map(str, ranks))} = {sum(ranks)} ranks, but the world has "
+                                 f"{world_size}")
+            if len(set(dps)) > 1:
+                return cls(tp=tps[0], pp=pps[0], dp_intra=0, sites=sites, site_dp=dps, site_tp=tps, site_pp=pps)
+            return cls(tp=tps[0], pp=pps[0], dp_intra=dps[0], sites=sites, site_tp=tps, site_pp=pps)
         per_replica = sum(t * p for t, p in zip(tps, pps))
         if world_size % per_replica:
             shapes = " + ".join(f"{t}x{p}" for t, p in zip(tps, pps))
@@ -241,6 +236,17 @@ class ParallelDims:
         if self.site_dp:
             return self.tp * self.pp * self.dp_offset(site) + tp + self.tp * (dp_intra + self.dp_of(site) * pp)
         return tp + self.tp * (dp_intra + self.dp_intra * (pp + self.pp * site))
+
+
+def _per_site(flag: str, given: Sequence[int], sites: int, at_least: str) -> Tuple[int, ...]:
+    """One whole number >= 1 per site, or an error naming `flag`."""
+    sizes = tuple(int(v) for v in given)
+    text = ",".join(map(str, sizes))
+    if len(sizes) != sites:
+        raise ValueError(f"{flag} {text} names {len(sizes)} sites but --num-sites is {sites}: give one size per site")
+    if any(v < 1 for v in sizes):
+        raise ValueError(f"{flag} {text}: every site {at_least}")
+    return sizes
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                         "docs/heterogeneous_sites.md)")
     g.add_argument("--site-pipeline-model-parallel-sizes", default=None, metavar="PP_0,PP_1,...",
                    help="pipeline-parallel size of each site, as --site-tensor-model-parallel-sizes. Every site "
-                        "has world / (TP_0 x PP_0 + TP_1 x PP_1 + ...) data-parallel replicas")
+                        "has world / (TP_0 x PP_0 + TP_1 x PP_1 + ...) data-parallel replicas, unless "
+                        "--site-data-parallel-sizes gives each its own")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="ZeRO-1: shard the inner optimizer state over the data-parallel ranks of a site")

@@ -41,7 +41,9 @@ class SiteSplit:
         self.group = pgs.dp_intra
         self.active = self.parts > 1 and not sharded
         # [dp_inter group of each lane this rank holds]; empty when the sites are equal
-        self.lanes = [group for _, group in pgs.inter_lanes] if pgs.dims.heterogeneous else []
+        # (sites of different layouts: their lanes are the canonical form's, CanonicalExchange's)
+        self.lanes = [group for _, group in pgs.inter_lanes] \
+            if pgs.dims.heterogeneous and not pgs.dims.mixed_layouts else []
 
     def lanes_of(self, tensors) -> List[Tuple[object, List[torch.Tensor]]]:
         """`tensors` (the ranges of `mine`) cut into this rank's lanes: [(lane's dp_inter group,

@@ -7,7 +7,8 @@
 - training runs (spawned, gloo), diloco with a synchronous warm-up step, H 2, AdamW:
   * anchors identical across sites, bit for bit: a TP2 site beside a TP1 site, a TP2 x PP2
     site beside a TP1 site, and a TP2 site beside a TP1 site with two replicas each (with
-    and without ZeRO-1). Why exactly: the warm-up's gradients and each round's
+    and without ZeRO-1), and a TP2 site of two replicas beside a TP1 site of one
+    (--site-data-parallel-sizes 2,1: token-weighted means). Why exactly: the warm-up's gradients and each round's
     pseudo-gradients cross sites in the canonical form, where each value's mean is computed
     once, on one lane group, and every rank of both sites reads that one result; the outer
     step (torch's SGD) and AdamW are elementwise, so equal inputs give equal outputs on
@@ -24,7 +25,8 @@
     mean both sites take. Adam divides by sqrt(v), which turns a relative difference of a
     gradient into the same relative difference of its step (lr 2e-3), so parameters agree to
     atol 1e-5 (half a percent of one step; 2.3e-6 is seen) and losses to rtol 1e-5 (5e-7
-    is seen).
+    is seen). The run with sites of different sizes is compared with the same sizes at TP1
+    (test_unequal_sites.py checks that run against its equal-sites equivalent).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def test_a_tp2_pp2_site_beside_a_tp1_site():
     assert d.vocab_tp == 2
 
 
+def test_layouts_and_sizes_together():
+    d = ParallelDims.from_world(5, 1, 1, 2, [2, 1], [2, 1])
+    assert d.heterogeneous and d.site_dp == (2, 1) and d.dp == 3 and d.lanes == 4 and d.site_start(1) == 4
+    assert enumerate_group_ranks(d)["dp_intra"] == [(0, 2), (1, 3), (4,)]
+
+
 def test_replicas_and_lanes_with_two_replicas_per_site():
     d = ParallelDims.from_world(6, 1, 1, 2, None, [2, 1])
     assert d.dp_intra == 2 and d.site_pp == (1, 1) and d.lanes == 4 and d.lanes_of(1, 1) == [2, 3]
@@ -78,7 +86,7 @@ def _config(extra, world):
 
 @pytest.mark.parametrize("extra,world,message", [
     ([TP, "2,1,1"], 3, f"{TP} 2,1,1 names 3 sites but --num-sites is 2"),
-    ([PP, "2,0"], 3, f"{PP} 2,0: every site's size must be >= 1"),
+    ([PP, "2,0"], 3, f"{PP} 2,0: every site needs a size of at least 1"),
     ([TP, "2;1"], 3, f"{TP} '2;1': give one whole number per site"),
     ([TP, "2,1"], 4, "one replica on every site takes TP x PP = 2x1 + 1x1 = 3 ranks, which does not divide the "
                      "world of 4"),
@@ -87,7 +95,8 @@ def _config(extra, world):
     ([TP, "3,1"], 4, "site 0's layout TP 3 x PP 1 cannot split the model: --num-attention-heads 4 is not "
                      "divisible by --tensor-model-parallel-size 3"),
     ([PP, "3,1"], 4, "site 0's layout TP 1 x PP 3 cannot split the model: --num-layers 2 is not divisible"),
-    ([TP, "2,1", "--site-data-parallel-sizes", "1,1"], 3, "--site-data-parallel-sizes cannot be combined with"),
+    ([TP, "2,1", "--site-data-parallel-sizes", "1,2"], 3, "--site-data-parallel-sizes 1,2 with the sites' TP x PP "
+                                                          "take 2 + 2 = 4 ranks, but the world has 3"),
     ([TP, "2,1", "--lsgd-compression", "int8"], 3, "cannot be combined with --lsgd-compression"),
     ([TP, "2,1", "--simulate-clock"], 3, "cannot be combined with --simulate-clock"),
     ([TP, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
@@ -149,6 +158,8 @@ COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "6",
 ONE_REPLICA = COMMON + ["--global-batch-size", "4"]
 TWO_REPLICAS = COMMON + ["--global-batch-size", "8"]
 ZERO1 = ["--use-distributed-optimizer"]
+# sites of different sizes too: a TP2 site of two replicas beside a TP1 site of one (weights 2/3, 1/3)
+UNEQUAL = COMMON + ["--global-batch-size", "6", "--site-data-parallel-sizes", "2,1"] + ZERO1
 
 
 def _assert_trains_like(run, reference):
@@ -164,19 +175,21 @@ def _assert_trains_like(run, reference):
 def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     (reference,) = run_distributed_many([ONE_REPLICA], 2)
-    tp2, paused, resumed = run_distributed_many([ONE_REPLICA + [TP, "2,1"]] + [
-        ONE_REPLICA + [TP, "2,1", "--save", ckpt] + extra for extra in (["--exit-interval", "3"], ["--load", ckpt])], 3)
-    (tp2_pp2,) = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"]], 5)
+    tp2, paused, resumed, reference_unequal = run_distributed_many([ONE_REPLICA + [TP, "2,1"]] + [
+        ONE_REPLICA + [TP, "2,1", "--save", ckpt] + extra for extra in (["--exit-interval", "3"], ["--load", ckpt])] + [
+        UNEQUAL], 3)
+    tp2_pp2, tp2_unequal = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"]], 5)
     (reference_dp2,) = run_distributed_many([TWO_REPLICAS + ZERO1], 4)
     zero1, plain = run_distributed_many([TWO_REPLICAS + [TP, "2,1"] + ZERO1, TWO_REPLICAS + [TP, "2,1"]], 6)
     assert logged_losses(reference)[-1] < logged_losses(reference)[0], "the reference run should learn"
-    for run in (tp2, tp2_pp2, zero1, plain):
+    for run in (tp2, tp2_pp2, zero1, plain, tp2_unequal):
         assert run[-1]["sync_stats"]["outer rounds"] == 3
         assert_replicas_identical(run)  # every replica of both sites: the anchor, bit for bit
     _assert_trains_like(tp2, reference)
     _assert_trains_like(tp2_pp2, reference)
     _assert_trains_like(zero1, reference_dp2)
     _assert_trains_like(plain, reference_dp2)
+    _assert_trains_like(tp2_unequal, reference_unequal)
     # paused at 3 and resumed, each site from its own files in its own layout: the uninterrupted run, bit for bit
     assert_resumed_per_site(tp2, paused, resumed, 3)
     # tools/checkpoint/convert.py: site 0's model converts, the optimizer state of such sites is refused
