@@ -101,19 +101,13 @@ class ParallelDims:
     def vocab_tp(self) -> int:
         """The TP size the vocabulary is padded for: the lcm of the sites' (one padded
         vocabulary, so one canonical model, that every site's TP slices evenly)."""
-        out = 1
-        for t in (self.tp_of(s) for s in range(self.sites)):
-            out = out * t // math.gcd(out, t)
-        return out
+        return math.lcm(*(self.tp_of(s) for s in range(self.sites)))
 
     @property
     def lanes(self) -> int:
         """L: what crosses sites is cut into L lanes (lcm of the sites' DP sizes, or of their
         rank counts when layouts differ)."""
-        out = 1
-        for d in (self.lane_holders(s) for s in range(self.sites)):
-            out = out * d // math.gcd(out, d)
-        return out
+        return math.lcm(*(self.lane_holders(s) for s in range(self.sites)))
 
     def lanes_of(self, site: int, holder: int) -> List[int]:
         """The lanes a replica (dp_intra rank; site-local rank when layouts differ) holds:

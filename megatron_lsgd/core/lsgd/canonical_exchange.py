@@ -30,7 +30,7 @@ cross-site bytes are those of the model once per site, spread over its ranks by 
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -40,6 +40,8 @@ from megatron_lsgd.core.transformer.config import TransformerConfig
 
 
 class CanonicalExchange:
+    """A rank's side of the exchange (module docstring), for one model config and layout."""
+
     def __init__(self, pgs, config: TransformerConfig, device: torch.device):
         dims = pgs.dims
         self.pgs, self.config, self.device = pgs, config, device
@@ -64,12 +66,9 @@ class CanonicalExchange:
         return out
 
     @torch.no_grad()
-    def mean(self, comm, views, tensors: List[torch.Tensor],
-             reduce: Optional[Callable[[torch.Tensor], None]] = None) -> List[torch.Tensor]:
-        """The weighted mean across sites of `tensors` (one per range of `views`, laid out
-        like it), in tensors laid out the same way. `reduce(t)` averages a lane in place on
-        the comm's current group (default: comm.all_reduce_mean, weighted by the comm)."""
-        reduce = reduce or (lambda t: comm.all_reduce_mean(t))
+    def mean(self, comm, views, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The mean across sites of `tensors` (one per range of `views`, laid out like it;
+        weighted as the comm weighs sites), in tensors laid out the same way."""
         out = [torch.zeros_like(t) for t in tensors]  # padding: a zero mean, as a zero difference has
         for unit in self.units:  # every rank of every site, in the same order
             width = -(-unit.numel // self.lanes)
@@ -81,7 +80,7 @@ class CanonicalExchange:
             chunk = self._scatter(buf)
             for k, (_, group) in enumerate(self.my_lanes):
                 with comm.on_group(group):
-                    reduce(chunk[k * width:(k + 1) * width])
+                    comm.all_reduce_mean(chunk[k * width:(k + 1) * width])
             self._gather(buf, chunk)
             for piece, positions, _ in placed:
                 dest = out[piece.range_index][piece.lo:piece.hi]
