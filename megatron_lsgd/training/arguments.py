@@ -131,6 +131,14 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                         "world size; default: the world split evenly). Site s gets DP_s / DP of every global "
                         "batch and weight DP_s / DP in every mean across sites (sync and diloco only; "
                         "docs/heterogeneous_sites.md)")
+    g.add_argument("--site-tensor-model-parallel-sizes", default=None, metavar="TP_0,TP_1,...",
+                   help="tensor-parallel size of each site, comma-separated, one per --num-sites, instead of "
+                        "--tensor-model-parallel-size (diloco only: it exchanges in a layout-free form; "
+                        "docs/heterogeneous_sites.md)")
+    g.add_argument("--site-pipeline-model-parallel-sizes", default=None, metavar="PP_0,PP_1,...",
+                   help="pipeline-parallel size of each site, as --site-tensor-model-parallel-sizes. Every site "
+                        "has world / (TP_0 x PP_0 + TP_1 x PP_1 + ...) data-parallel replicas, unless "
+                        "--site-data-parallel-sizes gives each its own")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="ZeRO-1: shard the inner optimizer state over the data-parallel ranks of a site")
@@ -329,29 +337,67 @@ def _check_fault_tolerance(ft: FaultToleranceOptions, args: argparse.Namespace, 
         checkpoint.load = os.path.join(checkpoint.load, site_dir) if checkpoint.load else checkpoint.load
 
 
-def _site_dp_sizes(text: Optional[str]) -> Optional[List[int]]:
-    """--site-data-parallel-sizes "4,2" -> [4, 2] (None when not given)."""
+def _site_sizes(text: Optional[str], flag: str = "--site-data-parallel-sizes") -> Optional[List[int]]:
+    """--site-data-parallel-sizes "4,2" -> [4, 2] (None when not given); likewise the other per-site sizes."""
     if text is None:
         return None
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"--site-data-parallel-sizes {text!r}: give one whole number per site, comma-separated "
-                         f"(e.g. 4,2)") from None
+        raise ValueError(f"{flag} {text!r}: give one whole number per site, comma-separated (e.g. 4,2)") from None
+
+
+def _layouts_given(dims: ParallelDims) -> str:
+    return (f"--site-tensor-model-parallel-sizes {','.join(map(str, dims.site_tp))} / "
+            f"--site-pipeline-model-parallel-sizes {','.join(map(str, dims.site_pp))}")
+
+
+def _validate_model_per_site(model: TransformerConfig, dims: ParallelDims) -> None:
+    """The model splits into every site's TP x PP (heads, layers, ...)."""
+    if not dims.mixed_layouts:
+        model.validate(dims.tp, dims.pp)
+        return
+    for site in range(dims.sites):
+        try:
+            model.validate(dims.tp_of(site), dims.pp_of(site))
+        except ValueError as e:
+            raise ValueError(f"{_layouts_given(dims)}: site {site}'s layout TP {dims.tp_of(site)} x PP "
+                             f"{dims.pp_of(site)} cannot split the model: {e}") from None
+
+
+def _refuse_for_site_shapes(given: str, shape: str, supported: str, algorithm: str, why: Optional[str],
+                            combinations) -> None:
+    """One error line for what sites of different shapes (`shape`: "sizes", "layouts") cannot
+    run: the algorithm (`why` it refuses, None: it supports them), then each (flag, reason, used)."""
+    if why is not None:
+        raise ValueError(f"{given} (sites of different {shape}) is supported by --lsgd-algorithm {supported} only; "
+                         f"{algorithm}: {why}")
+    for flag, reason, used in combinations:
+        if used:
+            raise ValueError(f"{given} (sites of different {shape}) cannot be combined with {flag}: {reason}")
+
+
+def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: SimulationOptions) -> None:
+    """Sites of different TP x PP: only what exchanges in the canonical form runs
+    (docs/heterogeneous_sites.md)."""
+    if not dims.mixed_layouts:
+        return
+    _refuse_for_site_shapes(_layouts_given(dims), "layouts", "diloco", lsgd.algorithm,
+                            catalog.synchronizer_class(lsgd.algorithm).mixed_layouts_refusal, (
+        ("--lsgd-compression", "compressed means are exchanged per rank, not in the layout-free form",
+         lsgd.compression.enabled),
+        ("--simulate-clock/--simulate-scenario", "the simulated clock models sites of one layout", simulation.active)))
 
 
 def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig) -> None:
     """Sites of different data-parallel sizes: what supports them (docs/heterogeneous_sites.md)."""
     if not dims.heterogeneous:
         return
-    given = f"--site-data-parallel-sizes {','.join(map(str, dims.site_dp))}"
-    why = catalog.synchronizer_class(lsgd.algorithm).unequal_sites_refusal
-    if why is not None:
-        raise ValueError(f"{given} (sites of different sizes) is supported by --lsgd-algorithm sync and diloco "
-                         f"only; {lsgd.algorithm}: {why}")
-    if lsgd.compression.enabled:
-        raise ValueError(f"{given} (sites of different sizes) cannot be combined with --lsgd-compression: "
-                         f"compressed means are not weighted by tokens, nor cut into lanes, yet")
+    _refuse_for_site_shapes(f"--site-data-parallel-sizes {','.join(map(str, dims.site_dp))}", "sizes",
+                            "sync and diloco", lsgd.algorithm,
+                            catalog.synchronizer_class(lsgd.algorithm).unequal_sites_refusal, (
+        ("--lsgd-compression", "compressed means are not weighted by tokens, nor cut into lanes, yet",
+         lsgd.compression.enabled),))
 
 
 def _check_scenario_sites(scenario, dims: ParallelDims) -> None:
@@ -370,14 +416,18 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Validate everything once; raise ValueError with a message naming the flag.
     `world_size`: the torch.distributed world's, i.e. one site's under fault tolerance."""
     fault_tolerance = FaultToleranceOptions.from_args(args)
-    if fault_tolerance.enabled and getattr(args, "site_data_parallel_sizes", None) is not None:
-        raise ValueError("--site-data-parallel-sizes cannot be combined with --lsgd-fault-tolerance: elastic sites, "
-                         "each its own job, have one data-parallel size each for now")
+    for flag in ("--site-data-parallel-sizes", "--site-tensor-model-parallel-sizes",
+                 "--site-pipeline-model-parallel-sizes"):
+        if fault_tolerance.enabled and getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            raise ValueError(f"{flag} cannot be combined with --lsgd-fault-tolerance: elastic sites, each its own "
+                             f"job, have one size each for now")
     if fault_tolerance.enabled:  # each site is a world of its own
         world_size *= args.num_sites
     dims = ParallelDims.from_world(world_size, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size, args.num_sites,
-                                   _site_dp_sizes(getattr(args, "site_data_parallel_sizes", None)))
+                                   _site_sizes(getattr(args, "site_data_parallel_sizes", None)),
+                                   *(_site_sizes(getattr(args, flag[2:].replace("-", "_"), None), flag) for flag in (
+                                       "--site-tensor-model-parallel-sizes", "--site-pipeline-model-parallel-sizes")))
     normalize_megatron_args(args, dims)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
@@ -440,7 +490,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         init_method_std=args.init_method_std, sequence_parallel=args.sequence_parallel,
         params_dtype=training.params_dtype, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
-    model.validate(dims.tp, dims.pp)
+    _validate_model_per_site(model, dims)
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         muon_momentum=args.muon_momentum, muon_ns_steps=args.muon_ns_steps,
@@ -492,6 +542,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     simulation.validate()  # reads and checks the scenario file
     _check_fault_tolerance(fault_tolerance, args, lsgd, simulation, checkpoint, dims)
     _check_unequal_sites(dims, lsgd)
+    _check_site_layouts(dims, lsgd, simulation)
     if simulation.scenario is not None:
         _check_scenario_sites(load_scenario(simulation.scenario), dims)
     ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,

@@ -30,7 +30,7 @@ from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
 from megatron_lsgd.core.lsgd.devices import InterSiteDevices, backend_device
-from megatron_lsgd.core.lsgd.membership import AllSites, JobFinished, UnequalSites
+from megatron_lsgd.core.lsgd.membership import AllSites, JobFinished, MixedLayoutSites, UnequalSites
 from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
@@ -78,7 +78,7 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(config.tokenizer)
         config.model.padded_vocab_size = padded_vocab_size(
-            self.tokenizer.vocab_size, config.tokenizer.make_vocab_size_divisible_by, config.dims.tp)
+            self.tokenizer.vocab_size, config.tokenizer.make_vocab_size_divisible_by, config.dims.vocab_tp)
 
         model = build_model(model_provider, config, pgs, self.rng_tracker, device)  # per shard on a GPU
         # --compile: each layer's forward on its own (hooks stay outside); reported once after warm-up
@@ -104,8 +104,14 @@ class Trainer:
             comm = InterSiteComm(pgs.dp_inter, dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                                  config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
                                  devices=devices, clock=self.clock, site_weight=weight)
-            self.membership = UnequalSites(pgs.dp, dims.sites, devices, pgs.dp_intra_rank == 0, weight) \
-                if dims.heterogeneous else AllSites(pgs.dp_inter, dims.sites, devices)
+            if dims.mixed_layouts:  # no group joins a (tp, pp) coordinate across sites
+                site_first = pgs.rank == dims.site_start(pgs.site_rank)
+                self.membership = MixedLayoutSites(pgs.last_stages, dims.sites, pgs.tp_rank == 0 and
+                                                   pgs.dp_intra_rank == 0, dims.site_share(pgs.site_rank), None,
+                                                   site_first)
+            else:
+                self.membership = UnequalSites(pgs.dp, dims.sites, devices, pgs.dp_intra_rank == 0, weight) \
+                    if dims.heterogeneous else AllSites(pgs.dp_inter, dims.sites, devices)
         units = model.sync_units()
         self.synchronizer = sync_cls(SyncContext(pgs=pgs, config=config.lsgd, models=[self.model],
                                                  optimizer=self.optimizer, comm=comm, units=units,
@@ -151,8 +157,8 @@ class Trainer:
         self.train_data = _CurrentIterator(self)  # what a step reads: train_iterator, even if replaced mid-step
         self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
                                                   cyclic=True)
-        self.forward_backward = get_forward_backward_func(config.dims.pp)
-        seq = config.model.seq_length // (config.dims.tp if config.model.sequence_parallel else 1)
+        self.forward_backward = get_forward_backward_func(pgs.dims.pp)  # this site's layout
+        seq = config.model.seq_length // (pgs.dims.tp if config.model.sequence_parallel else 1)
         self.tensor_shape = (seq, t.micro_batch_size, config.model.hidden_size)
         self.straggler = Straggler(config.stragglers, pgs.rank, self.clock)
         self.inner_step = InnerStep(self.model, self.optimizer, self.scheduler, pgs, self.forward_backward,
@@ -407,7 +413,7 @@ class Trainer:
         line = self.compile_report.after_step(self.iteration) if self.compile_report is not None else None
         pgs = self.pgs
         if line and pgs.tp_rank == 0 and pgs.dp_intra_rank == 0 and pgs.site_rank == 0:
-            print(f"> {line}" + (f" [PP stage {pgs.pp_rank}]" if self.config.dims.pp > 1 else ""), flush=True)
+            print(f"> {line}" + (f" [PP stage {pgs.pp_rank}]" if pgs.dims.pp > 1 else ""), flush=True)
 
     def log_interval(self, run: Run) -> None:
         """One log line (and tensorboard scalars and a JSON record) for the interval just
@@ -608,7 +614,9 @@ def _pretrain(args, clock: Clock, signals: RunSignals, train_valid_test_datasets
     if dist.get_rank() == 0:
         d = config.dims
         per_site = f"DP {','.join(map(str, d.site_dp))} on its" if d.heterogeneous else f"DP {d.dp_intra} per site x"
-        print(f"> megatron_lsgd: world {d.world_size} = TP {d.tp} x PP {d.pp} x {per_site} "
+        layout = f"TP {','.join(map(str, d.site_tp))} x PP {','.join(map(str, d.site_pp))}" if d.mixed_layouts \
+            else f"TP {d.tp} x PP {d.pp}"
+        print(f"> megatron_lsgd: world {d.world_size} = {layout} x {per_site} "
               f"{d.sites} sites | algorithm {config.lsgd.algorithm} | micro-batches per step "
               f"{config.num_microbatches} | device {device}", flush=True)
     lock = None

@@ -171,6 +171,27 @@ def assert_replicas_identical(records: List[dict]) -> None:
 
 
 @contextlib.contextmanager
+def assert_resumed_per_site(whole: List[dict], paused: List[dict], resumed: List[dict], at: int) -> None:
+    """A run paused at iteration `at` and resumed from its checkpoint reproduces the
+    uninterrupted run bit for bit: its losses and every site's model."""
+    assert logged_losses(paused) == logged_losses(whole)[:at]
+    assert logged_losses(resumed) == logged_losses(whole)[at:]
+    for site in {r["coords"].site for r in whole}:
+        got, want = merge_full_params(resumed, site=site), merge_full_params(whole, site=site)
+        assert all(torch.equal(got[n], want[n]) for n in want), f"site {site} resumed differently"
+
+
+def assert_converts_model_only(ckpt: str, out_dir: str, capsys, refusal: str) -> None:
+    """tools/checkpoint/convert.py converts the checkpoint's model (--model-only) and refuses
+    its optimizer state with `refusal` in its error line."""
+    from tools.checkpoint.convert import main as convert
+
+    base = ["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", ckpt]
+    assert convert(base + ["--save-dir", os.path.join(out_dir, "model"), "--model-only"]) == 0
+    assert convert(base + ["--save-dir", os.path.join(out_dir, "full")]) == 2
+    assert refusal in capsys.readouterr().err
+
+
 def no_room_for_files(limit_bytes: int = 0):
     """While inside, no regular file of this process may grow past `limit_bytes`: a write
     beyond it fails in the kernel with OSError EFBIG, as a full disk fails with ENOSPC

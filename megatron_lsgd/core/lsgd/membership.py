@@ -141,6 +141,25 @@ class UnequalSites(AllSites):
         self._all_reduce("the loop's sum over sites", tensor)
 
 
+class MixedLayoutSites(UnequalSites):
+    """Every site, every round, when sites have different TP x PP layouts
+    (--site-tensor/pipeline-model-parallel-sizes): no group joins one (tp, pp) coordinate
+    across sites. The loop's means (called on the last pipeline stage) go over `group` =
+    every site's last-stage ranks, the site's first of them (`lead`) contributing, scaled by
+    `weight`; its sums (called on every rank) over `world` (None: the default group), the
+    site's first rank (`world_lead`) contributing. Both groups have the world's backend and
+    take the run's device tensors the loop passes, so no device change is needed."""
+
+    def __init__(self, group, num_sites: int, lead: bool, weight: float, world, world_lead: bool):
+        super().__init__(group, num_sites, None, lead, weight)
+        self.world, self.world_lead = world, world_lead
+
+    def sum_over_sites(self, tensor: torch.Tensor) -> None:
+        if not self.world_lead:
+            tensor.zero_()
+        dist.all_reduce(tensor, group=self.world)
+
+
 class Finished:
     """Work that is already done (a blocking reduction's result, seen as a ticket's work)."""
 

@@ -276,6 +276,10 @@ class Synchronizer:
     # lane: site_split.SiteSplit), else why not, in a few words (the run's one error line).
     unequal_sites_refusal: ClassVar[Optional[str]] = \
         "its cross-site exchange is not cut into lanes for sites of different sizes yet"
+    # Sites of different TP x PP (--site-tensor/pipeline-model-parallel-sizes): None when
+    # what it sends across sites goes through the layout-free form (canonical_exchange.py).
+    mixed_layouts_refusal: ClassVar[Optional[str]] = \
+        "what it sends across sites is laid out like the rank's own shard, not in the layout-free form yet"
 
     @classmethod
     def refused_with_fault_tolerance(cls, config: LsgdConfig) -> List[Tuple[str, str]]:

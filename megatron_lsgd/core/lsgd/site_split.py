@@ -10,6 +10,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megatron_lsgd.core.distributed.collectives import all_gather_flat
+from megatron_lsgd.core.lsgd.canonical_exchange import CanonicalExchange
 from megatron_lsgd.core.lsgd.compressors import CompressorBank
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.reduction import run_blocking
@@ -40,7 +41,9 @@ class SiteSplit:
         self.group = pgs.dp_intra
         self.active = self.parts > 1 and not sharded
         # [dp_inter group of each lane this rank holds]; empty when the sites are equal
-        self.lanes = [group for _, group in pgs.inter_lanes] if pgs.dims.heterogeneous else []
+        # (sites of different layouts: their lanes are the canonical form's, CanonicalExchange's)
+        self.lanes = [group for _, group in pgs.inter_lanes] \
+            if pgs.dims.heterogeneous and not pgs.dims.mixed_layouts else []
 
     def lanes_of(self, tensors) -> List[Tuple[object, List[torch.Tensor]]]:
         """`tensors` (the ranges of `mine`) cut into this rank's lanes: [(lane's dp_inter group,
@@ -102,7 +105,8 @@ def gather_parts(tensors, parts: int, index: int, group) -> None:
         offset += chunk
 
 
-def average_grads_across_sites(ctx: SyncContext, compressors: Optional[CompressorBank] = None) -> None:
+def average_grads_across_sites(ctx: SyncContext, compressors: Optional[CompressorBank] = None,
+                               exchange: Optional[CanonicalExchange] = None) -> None:
     """Blocking mean of this rank's gradient shards over dp_inter (also used for the
     synchronous warm-up steps of the local-SGD algorithms, always uncompressed).
 
@@ -110,14 +114,18 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
     over its DP_intra links. Without ZeRO-1 every rank of the site holds the same, already
     reduced, full gradient: each then averages only its 1/DP_intra part across sites and
     the site all-gathers the parts, instead of every rank sending everything. Sites of
-    different sizes: the mean is weighted by each site's tokens, lane by lane (SiteSplit)."""
+    different sizes: the mean is weighted by each site's tokens, lane by lane (SiteSplit).
+    Sites of different layouts: through `exchange`, in the layout-free form (uncompressed)."""
     comm = ctx.comm
     if comm.num_sites == 1:
         return
     views = ctx.optimizer.views()
     split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
     mine = split.mine(views)
-    if compressors is None:
+    if exchange is not None:
+        for grad, mean in zip(mine.grad, exchange.mean(comm, mine, mine.grad)):
+            grad.copy_(mean)
+    elif compressors is None:
         handles = []
         for group, grads in split.lanes_of(mine.grad):
             with comm.on_group(group):

@@ -20,7 +20,8 @@ class SynchronousWarmup:
 
     def after_forward_backward(self, iteration: int) -> None:
         if self.active and self.in_warmup(iteration):
-            average_grads_across_sites(self.ctx)
+            # sites of different layouts: the synchronizer's layout-free exchange (None otherwise)
+            average_grads_across_sites(self.ctx, exchange=getattr(self, "exchange", None))
 
     def warming_up(self, iteration: int, outer=None, views=None) -> bool:
         """From after_optimizer_step: True when `iteration` was a warm-up step (nothing local

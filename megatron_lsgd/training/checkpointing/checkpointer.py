@@ -33,7 +33,8 @@ from megatron_lsgd.core.distributed.data_parallel import unwrap
 from megatron_lsgd.core.output_files import WriteError, no_room_hint, remove_path, written_or_removed
 from megatron_lsgd.training.checkpointing import layout
 from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree, write_text_atomic
-from megatron_lsgd.training.checkpointing.compat import check_layout, check_model_config, model_config_dict
+from megatron_lsgd.training.checkpointing.compat import (check_layout, check_model_config, check_site_layouts,
+                                                        model_config_dict)
 from megatron_lsgd.training.checkpointing.config import CheckpointConfig
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
 from megatron_lsgd.training.checkpointing.model_io import load_model_state, model_state
@@ -214,7 +215,9 @@ def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration:
         "site_schedulers": site_schedulers,  # each site's own LR schedule position
         "ended": bool(getattr(trainer, "ended", False)),
         "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites,
-                   **({"site_dp": list(d.site_dp)} if d.heterogeneous else {})},
+                   **({"site_dp": list(d.site_dp)} if d.heterogeneous else {}),
+                   # sites of different layouts: tp and pp are site 0's, each site's files its own
+                   **({"site_tp": list(d.site_tp), "site_pp": list(d.site_pp)} if d.mixed_layouts else {})},
         "use_distributed_optimizer": trainer.config.ddp.use_distributed_optimizer,
         "lsgd_algorithm": trainer.config.lsgd.algorithm,
         "has_optimizer": not cfg.no_save_optim, "has_rng": True,
@@ -285,7 +288,8 @@ def _check_compatible(meta: Dict, trainer, cfg: CheckpointConfig, source: str) -
     converted checkpoint's sites do and its optimizer state is loaded)."""
     d = trainer.pgs.dims
     saved = meta["layout"]
-    check_layout(saved, d.tp, d.pp, source)
+    check_site_layouts(saved, d, source)
+    check_layout(saved, d.tp_of(0), d.pp_of(0), source)  # site 0's: the layout's tp and pp
     check_model_config(meta["model_config"], trainer.config.model, source)
     same_dp = saved["dp_intra"] == d.dp_intra and saved["sites"] == d.sites and \
         list(saved.get("site_dp", [])) == list(d.site_dp)

@@ -73,3 +73,18 @@ def check_layout(saved: Dict, tp: int, pp: int, source: str) -> None:
             f"{saved['pp']}, but this run uses TP {tp} x PP {pp}. Convert it first: python "
             f"tools/checkpoint/convert.py --model-type GPT --loader lsgd --saver lsgd --load-dir <load> "
             f"--save-dir <new> --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")
+
+
+def check_site_layouts(saved: Dict, dims, source: str) -> None:
+    """Sites of different TP x PP (--site-tensor/pipeline-model-parallel-sizes): each site
+    resumes from its own files in its own layout, so the run must have the saved layouts."""
+    def words(tps, pps) -> str:
+        return f"site layouts TP {','.join(map(str, tps))} x PP {','.join(map(str, pps))}" if tps else \
+            "one layout on every site"
+    mine = (list(dims.site_tp), list(dims.site_pp)) if dims.mixed_layouts else ([], [])
+    theirs = (list(saved.get("site_tp", [])), list(saved.get("site_pp", [])))
+    if mine != theirs:
+        raise CheckpointError(f"checkpoint {source} was saved with {words(*theirs)}, this run has {words(*mine)}: "
+                              f"sites of different layouts resume with the same --site-tensor-model-parallel-sizes "
+                              f"and --site-pipeline-model-parallel-sizes (convert.py converts site 0's model of "
+                              f"such a checkpoint, --model-only)")

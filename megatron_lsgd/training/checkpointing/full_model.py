@@ -20,8 +20,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron_lsgd.core.models.gpt.canonical_layout import param_specs, single_rank_pgs
 from megatron_lsgd.core.models.gpt.gpt_model import SHARED_EMBEDDING_NAME, GPTModel
-from megatron_lsgd.core.parallel_state import ParallelDims, ProcessGroups, RankCoords
 from megatron_lsgd.core.tensor_parallel.random import RNGStatesTracker
 from megatron_lsgd.core.transformer.config import TransformerConfig
 from megatron_lsgd.core.output_files import written_or_removed
@@ -29,7 +29,6 @@ from megatron_lsgd.training.checkpointing import layout
 from megatron_lsgd.training.checkpointing.atomic import commit_dir, fsync_tree, write_text_atomic
 from megatron_lsgd.training.checkpointing.compat import config_from_dict, model_config_dict
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
-from megatron_lsgd.training.checkpointing.model_io import partition_info
 from megatron_lsgd.training.checkpointing.lazy_tensors import LazyTensors, shape_of
 from megatron_lsgd.training.checkpointing.resume_state import (BY_PARAMETER, CheckpointFiles, ResumeState,
                                                                check_target_layout, optimizer_file, pad_rows,
@@ -59,27 +58,15 @@ class FullModel:
     release: Callable[[], None] = lambda: None
 
 
-def _single_rank_pgs() -> ProcessGroups:
-    return ProcessGroups(dims=ParallelDims(), rank=0, coords=RankCoords(0, 0, 0, 0))
-
-
 @torch.no_grad()
 def to_module(full: FullModel) -> GPTModel:
     """A single-rank GPTModel holding these weights (no process groups needed), in eval mode."""
     check_complete(full, "the model")
-    model = GPTModel(full.config, _single_rank_pgs(), RNGStatesTracker(torch.device("cpu")))
+    model = GPTModel(full.config, single_rank_pgs(), RNGStatesTracker(torch.device("cpu")))
     for name, p in model.global_named_parameters():
         p.copy_(full.params[name])
     full.release()
     return model.eval()
-
-
-def param_specs(config: TransformerConfig) -> Dict[str, Tuple[Tuple[int, ...], list]]:
-    """Single-rank name -> (full shape, [tensor_parallel, dim, stride]), from a model built
-    on the meta device (no memory, no process groups)."""
-    with torch.device("meta"):
-        model = GPTModel(config, _single_rank_pgs(), RNGStatesTracker(torch.device("cpu")))
-    return {name: (tuple(p.shape), partition_info(p)) for name, p in model.global_named_parameters()}
 
 
 def check_complete(full: FullModel, source: str) -> None:

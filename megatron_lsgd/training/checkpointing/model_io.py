@@ -13,13 +13,8 @@ from typing import Dict
 import torch
 from torch import nn
 
+from megatron_lsgd.core.models.gpt.canonical_layout import partition_info
 from megatron_lsgd.training.checkpointing.errors import CheckpointError
-
-
-def partition_info(p: nn.Parameter) -> list:
-    """[is_tensor_parallel, partition_dim, partition_stride]"""
-    return [bool(getattr(p, "tensor_model_parallel", False)), int(getattr(p, "partition_dim", 0)),
-            int(getattr(p, "partition_stride", 1))]
 
 
 def model_state(model: nn.Module) -> Dict:

@@ -170,6 +170,10 @@ def read_resume_state(src: CheckpointFiles) -> ResumeState:
         raise CheckpointError(f"{src.iter_dir} was saved by sites of different data-parallel sizes "
                               f"({','.join(map(str, site_dp))}): converting such a checkpoint is not supported "
                               f"yet; resume it with the same --site-data-parallel-sizes")
+    if src.meta["layout"].get("site_tp"):
+        raise CheckpointError(f"{src.iter_dir} was saved by sites of different tensor x pipeline layouts: converting "
+                              f"its optimizer state is not supported yet; resume it with the same site layouts, or "
+                              f"convert site 0's model with --model-only")
     sites = [_site_state(src, site) for site in range(src.meta["layout"]["sites"])]
     return ResumeState(sites, {k: src.meta[k] for k in CARRIED if k in src.meta}, source_pp=src.pp)
 

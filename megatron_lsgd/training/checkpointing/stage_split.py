@@ -3,7 +3,9 @@
 Used alike for the model's weights and for every optimizer tensor laid out like them
 (parameter_state.py), so both are merged and split by the same rule: a parameter's TP
 slices are merged with its partition info ([tensor_parallel, dim, stride]); a name held by
-several stages (the tied embedding's copy on the last stage) is taken from the first.
+several stages (the tied embedding's copy on the last stage) is taken from the first. Which stages hold
+a name (`stages_of`) lives in core/models/gpt/canonical_layout.py, shared with the
+exchange between sites of different TP x PP.
 convert.py merges one parameter at a time and writes one target slot at a time
 (`merge_plan`, `merge_slices`, `split_slot`), so no layout is ever held whole.
 """
@@ -15,7 +17,7 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
-from megatron_lsgd.core.models.gpt.gpt_model import SHARED_EMBEDDING_NAME
+from megatron_lsgd.core.models.gpt.canonical_layout import stages_of
 from megatron_lsgd.core.tensor_parallel.initialize import merge_tp_slices, take_tp_slice
 
 Slot = Tuple[int, int]  # (tp_rank, pp_rank)
@@ -39,18 +41,6 @@ def merge_slices(ordered: List[torch.Tensor], info: list) -> torch.Tensor:
     """A parameter's full tensor from its TP slices in TP order ([tensor_parallel, dim, stride])."""
     is_tp, dim, stride = info
     return merge_tp_slices(ordered, dim, stride) if is_tp and len(ordered) > 1 else ordered[0]
-
-
-def stages_of(name: str, num_layers: int, pp: int, tied: bool) -> List[int]:
-    """The pipeline stages that hold parameter `name`."""
-    if name.startswith("layers."):
-        return [int(name.split(".")[1]) // (num_layers // pp)]
-    if name.startswith("embedding."):
-        stages = [0]
-        if tied and pp > 1 and name == SHARED_EMBEDDING_NAME:
-            stages.append(pp - 1)  # the last stage keeps its own copy of the tied output weight
-        return stages
-    return [pp - 1]  # final norm, output layer
 
 
 def split_slot(full: Mapping, partition: Dict[str, list], slot: Slot, tp: int, pp: int, num_layers: int,

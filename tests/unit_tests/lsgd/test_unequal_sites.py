@@ -35,8 +35,8 @@ import torch
 
 from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
 from megatron_lsgd.training.arguments import build_config, parse_args
-from tests.unit_tests.harness import (assert_replicas_identical, free_port, logged_losses, merge_full_params,
-                                      run_distributed_many, spawn)
+from tests.unit_tests.harness import (assert_converts_model_only, assert_replicas_identical, assert_resumed_per_site,
+                                      free_port, logged_losses, merge_full_params, run_distributed_many, spawn)
 from tests.unit_tests.lsgd import twin_replica_data
 from tests.unit_tests.training.test_arguments import BASE
 
@@ -225,19 +225,10 @@ def test_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path, ca
     # the job counts its samples: 12 per step, 8 of them site 0's (4 per replica), 4 site 1's
     assert [r["consumed"] for r in runs["diloco"]] == [(72, 48), (72, 48), (72, 24)]
     # paused at 3, resumed from each site's own files: the uninterrupted run, bit for bit
-    assert logged_losses(runs["paused"]) == logged_losses(runs["diloco"])[:3]
-    assert logged_losses(runs["resumed"]) == logged_losses(runs["diloco"])[3:]
-    for site in (0, 1):
-        pa, pb = merge_full_params(runs["resumed"], site=site), merge_full_params(runs["diloco"], site=site)
-        assert all(torch.equal(pa[n], pb[n]) for n in pa), f"site {site} resumed differently"
+    assert_resumed_per_site(runs["diloco"], runs["paused"], runs["resumed"], 3)
     # tools/checkpoint/convert.py: the model converts, the optimizer state of unequal sites is refused
-    from tools.checkpoint.convert import main as convert
-
-    base = ["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", ckpt]
-    assert convert(base + ["--save-dir", str(tmp_path / "model"), "--model-only"]) == 0
-    assert convert(base + ["--save-dir", str(tmp_path / "full")]) == 2
-    assert "saved by sites of different data-parallel sizes (2,1): converting such a checkpoint is not supported" \
-        in capsys.readouterr().err
+    assert_converts_model_only(ckpt, str(tmp_path), capsys, "saved by sites of different data-parallel sizes (2,1): "
+                                                            "converting such a checkpoint is not supported")
 
 
 @pytest.mark.slow

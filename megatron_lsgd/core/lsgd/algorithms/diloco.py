@@ -5,7 +5,8 @@ restarts from the new anchor (Douillard et al., DiLoCo; DESIGN.md §4.1).
 Each rank handles only its own ZeRO-1 shard: the whole model is one fragment
 (`optimizer.views()`), its mean runs on dp_inter through the fragment's compressor (fp32
 by default, any `--lsgd-compression` with error feedback), and the site's all-gather in
-copy_main_to_model_params() spreads the result inside the site. Sites of different sizes:
+copy_main_to_model_params() spreads the result inside the site. Sites of different TP x PP
+exchange in the layout-free form instead (canonical_exchange.py). Sites of different sizes:
 the mean is weighted by each site's tokens and runs lane by lane (`SiteSplit.mean`). Without ZeRO-1 each rank
 of a site takes 1/DP_intra of the model instead (`SiteSplit`), and `publish` gathers the
 parts inside the site. With one site there is
@@ -17,6 +18,7 @@ from __future__ import annotations
 import abc
 from typing import Dict, List
 
+from megatron_lsgd.core.lsgd.canonical_exchange import exchange_for
 from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
@@ -45,6 +47,8 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed, energy)
         device = self.outer.device if self.outer else self.views.main[0].device
         self.compressor = self.compressors.for_views(self.views, device)
+        # sites of different TP x PP: what crosses sites goes in the layout-free form (None otherwise)
+        self.exchange = exchange_for(ctx) if self.active else None
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if not self.active:
@@ -114,12 +118,16 @@ class DiLoCo(LocalSGDBase):
     name = "diloco"
     supports_fault_tolerance = True
     unequal_sites_refusal = None  # weighted by tokens, lane by lane (SiteSplit)
+    mixed_layouts_refusal = None  # the pseudo-gradient crosses sites in the layout-free form (CanonicalExchange)
 
     def end_round(self) -> None:
         deltas = self.outer.pseudo_gradient(self.views)
-        mean = self.ctx.membership.reduce(
-            lambda: self.split.mean(self.ctx.comm, deltas, lambda ds: run_blocking(self.compressor.reduce(ds))),
-            undo=[self.compressor])
+        if self.exchange is not None:
+            mean = self.ctx.membership.reduce(lambda: self.exchange.mean(self.ctx.comm, self.views, deltas))
+        else:
+            mean = self.ctx.membership.reduce(
+                lambda: self.split.mean(self.ctx.comm, deltas, lambda ds: run_blocking(self.compressor.reduce(ds))),
+                undo=[self.compressor])
         if mean is not None:  # None: not committed (a site failed mid-round); the anchor stays
             self.outer.step(self.views, mean)
         self.restart_from_anchor()

@@ -22,6 +22,8 @@ class SyncEveryStep(Synchronizer):
 
     name = "sync"
     unequal_sites_refusal = None  # weighted by tokens, lane by lane (SiteSplit)
+    mixed_layouts_refusal = ("its every-step gradient mean and lane-by-lane gradient norm keep every site's replica "
+                             "identical only when the sites share one layout")
     uses = frozenset({"compression"})
 
     def __init__(self, ctx: SyncContext):

@@ -1,0 +1,197 @@
+"""Sites of different tensor x pipeline layouts under diloco (--site-tensor-model-parallel-sizes,
+--site-pipeline-model-parallel-sizes; docs/heterogeneous_sites.md, core/lsgd/canonical_exchange.py).
+
+- the layout: per-site coordinates, the lanes of the canonical form and their groups (pure);
+- bad input and unsupported combinations: one error naming the flag (build_config), and one
+  run in process for the exit code and the single `error:` line;
+- training runs (spawned, gloo), diloco with a synchronous warm-up step, H 2, AdamW:
+  * anchors identical across sites, bit for bit: a TP2 site beside a TP1 site, a TP2 x PP2
+    site beside a TP1 site, and a TP2 site beside a TP1 site with two replicas each (with
+    and without ZeRO-1), and a TP2 site of two replicas beside a TP1 site of one
+    (--site-data-parallel-sizes 2,1: token-weighted means). Why exactly: the warm-up's gradients and each round's
+    pseudo-gradients cross sites in the canonical form, where each value's mean is computed
+    once, on one lane group, and every rank of both sites reads that one result; the outer
+    step (torch's SGD) and AdamW are elementwise, so equal inputs give equal outputs on
+    every site whatever the shard they sit in (no clipping: the gradient norm is summed in
+    another order on each layout, so a clip factor could differ in its last bit);
+  * a pause and resume (--exit-interval, --load) reproduces the uninterrupted TP2 + TP1 run bit
+    for bit, each site from its own files in its own layout; convert.py converts site 0's
+    model and refuses the optimizer state;
+  * equivalence: each of those runs trains like the same run on sites of TP1 (same seed, same
+    data: a replica's samples follow its data-parallel index, which the layouts keep). The
+    TP1 site computes the same thing in both runs; the TP2 / PP2 site's forward and backward
+    sum the same products in another order (row-parallel partial sums added by an
+    all-reduce), so its pseudo-gradient differs in the last bits of fp32, and so does the
+    mean both sites take. Adam divides by sqrt(v), which turns a relative difference of a
+    gradient into the same relative difference of its step (lr 2e-3), so parameters agree to
+    atol 1e-5 (half a percent of one step; 2.3e-6 is seen) and losses to rtol 1e-5 (5e-7
+    is seen). The run with sites of different sizes is compared with the same sizes at TP1
+    (test_unequal_sites.py checks that run against its equal-sites equivalent).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
+from megatron_lsgd.training.arguments import build_config, parse_args
+from tests.unit_tests.harness import (assert_converts_model_only, assert_replicas_identical, assert_resumed_per_site,
+                                     logged_losses, merge_full_params, run_distributed_many)
+from tests.unit_tests.test_arguments import BASE
+
+TP, PP = "--site-tensor-model-parallel-sizes", "--site-pipeline-model-parallel-sizes"
+
+
+# ---- layout --------------------------------------------------------------------------------------
+def test_a_tp2_pp2_site_beside_a_tp1_site():
+    d = ParallelDims.from_world(5, 1, 1, 2, None, [2, 1], [2, 1])
+    assert d.mixed_layouts and d.world_size == 5 and d.dp_intra == 1 and d.dp == 2
+    assert [d.ranks_of_site(s) for s in (0, 1)] == [4, 1] and d.site_start(1) == 4
+    assert [(c.site, c.tp, c.pp) for c in map(d.coords, range(5))] == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1),
+                                                                      (1, 0, 0)]
+    for r in range(5):
+        c = d.coords(r)
+        assert d.rank_of(c.tp, c.dp_intra, c.pp, c.site) == r
+    assert (d.for_site(0).tp, d.for_site(0).pp, d.for_site(1).tp, d.for_site(1).pp) == (2, 2, 1, 1)
+    groups = enumerate_group_ranks(d)
+    assert groups["tp"] == [(0, 1), (2, 3), (4,)] and groups["site"] == [(0, 1, 2, 3), (4,)]
+    # L = lcm(4, 1) lanes of the canonical form: site 0's rank j holds lane j, site 1's rank all four
+    assert d.lanes == 4 and groups["dp_inter"] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert groups["dp"] == [] and groups["last_stages"] == [(2, 3, 4)]
+    assert d.vocab_tp == 2
+
+
+def test_layouts_and_sizes_together():
+    d = ParallelDims.from_world(5, 1, 1, 2, [2, 1], [2, 1])
+    assert d.heterogeneous and d.site_dp == (2, 1) and d.dp == 3 and d.lanes == 4 and d.site_start(1) == 4
+    assert enumerate_group_ranks(d)["dp_intra"] == [(0, 2), (1, 3), (4,)]
+
+
+def test_replicas_and_lanes_with_two_replicas_per_site():
+    d = ParallelDims.from_world(6, 1, 1, 2, None, [2, 1])
+    assert d.dp_intra == 2 and d.site_pp == (1, 1) and d.lanes == 4 and d.lanes_of(1, 1) == [2, 3]
+    assert enumerate_group_ranks(d)["dp_inter"] == [(0, 4), (1, 4), (2, 5), (3, 5)]
+
+
+def test_one_layout_after_all_is_the_plain_layout():
+    assert ParallelDims.from_world(4, 1, 1, 2, None, [2, 2]) == ParallelDims.from_world(4, 2, 1, 2)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def _config(extra, world):
+    return build_config(parse_args(BASE + ["--num-sites", "2", "--global-batch-size", "4",
+                                           "--lsgd-algorithm", "diloco"] + extra), world)
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    ([TP, "2,1,1"], 3, f"{TP} 2,1,1 names 3 sites but --num-sites is 2"),
+    ([PP, "2,0"], 3, f"{PP} 2,0: every site needs a size of at least 1"),
+    ([TP, "2;1"], 3, f"{TP} '2;1': give one whole number per site"),
+    ([TP, "2,1"], 4, "one replica on every site takes TP x PP = 2x1 + 1x1 = 3 ranks, which does not divide the "
+                     "world of 4"),
+    ([TP, "2,1", "--tensor-model-parallel-size", "2"], 3, f"{TP} 2,1 gives every site its own size: leave out "
+                                                          f"--tensor-model-parallel-size 2"),
+    ([TP, "3,1"], 4, "site 0's layout TP 3 x PP 1 cannot split the model: --num-attention-heads 4 is not "
+                     "divisible by --tensor-model-parallel-size 3"),
+    ([PP, "3,1"], 4, "site 0's layout TP 1 x PP 3 cannot split the model: --num-layers 2 is not divisible"),
+    ([TP, "2,1", "--site-data-parallel-sizes", "1,2"], 3, "--site-data-parallel-sizes 1,2 with the sites' TP x PP "
+                                                          "take 2 + 2 = 4 ranks, but the world has 3"),
+    ([TP, "2,1", "--lsgd-compression", "int8"], 3, "cannot be combined with --lsgd-compression"),
+    ([TP, "2,1", "--simulate-clock"], 3, "cannot be combined with --simulate-clock"),
+    ([TP, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
+     f"{TP} cannot be combined with --lsgd-fault-tolerance"),
+])
+def test_bad_layouts_and_unsupported_combinations_name_the_flag(extra, world, message):
+    with pytest.raises(ValueError) as err:
+        _config(extra, world)
+    assert message in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("algorithm", ["sync", "dilocox", "streaming-diloco", "cocodc", "edit", "a-edit",
+                                       "dreamddp", "acco", "dpu"])
+def test_every_other_algorithm_refuses_with_its_reason(algorithm):
+    with pytest.raises(ValueError) as err:
+        _config([TP, "2,1", "--lsgd-algorithm", algorithm, "--global-batch-size", "8"], 3)
+    text = str(err.value)
+    assert f"(sites of different layouts) is supported by --lsgd-algorithm diloco only; {algorithm}: " in text
+    assert "\n" not in text
+
+
+def test_diloco_builds():
+    c = _config([TP, "2,1", PP, "2,1"], 5)
+    assert c.dims.site_tp == (2, 1) and c.dims.site_pp == (2, 1) and c.num_microbatches == 1
+
+
+def test_a_checkpoint_resumes_only_in_its_site_layouts():
+    from megatron_lsgd.training.checkpointing.compat import check_site_layouts
+    from megatron_lsgd.training.checkpointing.errors import CheckpointError
+
+    mixed = ParallelDims.from_world(3, 1, 1, 2, None, [2, 1])
+    saved = {"tp": 2, "pp": 1, "dp_intra": 1, "sites": 2, "site_tp": [2, 1], "site_pp": [1, 1]}
+    check_site_layouts(saved, mixed, "ckpt")
+    for dims, theirs in ((ParallelDims.from_world(3, 1, 1, 2, None, [1, 2]), saved),
+                         (ParallelDims.from_world(4, 2, 1, 2), saved),
+                         (mixed, {"tp": 2, "pp": 1, "dp_intra": 1, "sites": 2})):
+        with pytest.raises(CheckpointError) as err:
+            check_site_layouts(theirs, dims, "ckpt")
+        assert "resume with the same --site-tensor-model-parallel-sizes" in str(err.value)
+
+
+def test_a_bad_value_is_one_error_line(monkeypatch, capsys):
+    from tests.unit_tests.checkpointing.single import run_single
+
+    code = run_single(["--num-sites", "2", TP, "2,x"], monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and f"{TP} '2,x': give one whole number per site" in lines[-1]
+
+
+# ---- training runs -------------------------------------------------------------------------------
+COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "6", "--lr", "2e-3",
+          "--lr-decay-style", "constant", "--mock-data", "--vocab-size", "250", "--make-vocab-size-divisible-by", "32",
+          "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+          "--seed", "7", "--adam-eps", "1e-6", "--clip-grad", "0", "--num-layers", "2", "--hidden-size", "64",
+          "--num-attention-heads", "4", "--ddp-bucket-size", "5000", "--num-sites", "2",
+          "--lsgd-algorithm", "diloco", "--lsgd-interval", "2", "--lsgd-warmup-iters", "1"]
+ONE_REPLICA = COMMON + ["--global-batch-size", "4"]
+TWO_REPLICAS = COMMON + ["--global-batch-size", "8"]
+ZERO1 = ["--use-distributed-optimizer"]
+# sites of different sizes too: a TP2 site of two replicas beside a TP1 site of one (weights 2/3, 1/3)
+UNEQUAL = COMMON + ["--global-batch-size", "6", "--site-data-parallel-sizes", "2,1"] + ZERO1
+
+
+def _assert_trains_like(run, reference):
+    torch.testing.assert_close(torch.tensor(logged_losses(run), dtype=torch.float64),
+                               torch.tensor(logged_losses(reference), dtype=torch.float64), rtol=1e-5, atol=0)
+    got, want = merge_full_params(run, site=0), merge_full_params(reference)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    (reference,) = run_distributed_many([ONE_REPLICA], 2)
+    tp2, paused, resumed, reference_unequal = run_distributed_many([ONE_REPLICA + [TP, "2,1"]] + [
+        ONE_REPLICA + [TP, "2,1", "--save", ckpt] + extra for extra in (["--exit-interval", "3"], ["--load", ckpt])] + [
+        UNEQUAL], 3)
+    tp2_pp2, tp2_unequal = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"]], 5)
+    (reference_dp2,) = run_distributed_many([TWO_REPLICAS + ZERO1], 4)
+    zero1, plain = run_distributed_many([TWO_REPLICAS + [TP, "2,1"] + ZERO1, TWO_REPLICAS + [TP, "2,1"]], 6)
+    assert logged_losses(reference)[-1] < logged_losses(reference)[0], "the reference run should learn"
+    for run in (tp2, tp2_pp2, zero1, plain, tp2_unequal):
+        assert run[-1]["sync_stats"]["outer rounds"] == 3
+        assert_replicas_identical(run)  # every replica of both sites: the anchor, bit for bit
+    _assert_trains_like(tp2, reference)
+    _assert_trains_like(tp2_pp2, reference)
+    _assert_trains_like(zero1, reference_dp2)
+    _assert_trains_like(plain, reference_dp2)
+    _assert_trains_like(tp2_unequal, reference_unequal)
+    # paused at 3 and resumed, each site from its own files in its own layout: the uninterrupted run, bit for bit
+    assert_resumed_per_site(tp2, paused, resumed, 3)
+    # tools/checkpoint/convert.py: site 0's model converts, the optimizer state of such sites is refused
+    assert_converts_model_only(ckpt, str(tmp_path), capsys, "saved by sites of different tensor x pipeline layouts: "
+                                                            "converting its optimizer state is not supported")
