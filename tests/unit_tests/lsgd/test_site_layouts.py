@@ -38,7 +38,7 @@ from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_rank
 from megatron_lsgd.training.arguments import build_config, parse_args
 from tests.unit_tests.harness import (assert_converts_model_only, assert_replicas_identical, assert_resumed_per_site,
                                      logged_losses, merge_full_params, run_distributed_many)
-from tests.unit_tests.test_arguments import BASE
+from tests.unit_tests.training.test_arguments import BASE
 
 TP, PP = "--site-tensor-model-parallel-sizes", "--site-pipeline-model-parallel-sizes"
 
