@@ -29,6 +29,7 @@ from megatron_lsgd.training.checkpointing.checkpointer import refresh_main_param
 from megatron_lsgd.training.checkpointing.model_io import load_model_state, model_state
 from megatron_lsgd.training.checkpointing.rng import capture_rng_state, restore_rng_state
 from megatron_lsgd.training.data_samplers import build_data_iterator
+from megatron_lsgd.training.run_state import BeforeHeal
 
 
 def _site_store(host: str):
@@ -82,8 +83,8 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
 
     def restore(state) -> None:  # the order of a checkpoint load (checkpointer._load_local)
         # where the site stood (the trainer counts its log line and run from the new position)
-        trainer.heal = {"iteration": trainer.iteration, "checkpoint_iteration": trainer.checkpoint_iteration,
-                        "comm": trainer.comm.snapshot(), "time": trainer.clock.now()}
+        trainer.heal = BeforeHeal(trainer.iteration, trainer.checkpoint_iteration, trainer.comm.snapshot(),
+                                  trainer.clock.now())
         load_model_state(unwrap(trainer.model), state["model"], "the state received from a live site")
         refresh_main_params(trainer.optimizer)
         trainer.optimizer.load_state_dict(state["optimizer"])
@@ -101,7 +102,7 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers,
                                                      cyclic=True)
         restore_rng_state(state["rng"], trainer.rng_tracker)  # last: building iterators draws from torch's
-        trainer.heal["time"] = trainer.clock.now()  # the next log line's time starts after the transfer
+        trainer.heal.time = trainer.clock.now()  # the next log line's time starts after the transfer
 
     membership.register_state("trainer", snapshot, restore)
     digests = trainer.config.fault_tolerance.digests

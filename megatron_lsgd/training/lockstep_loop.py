@@ -38,7 +38,8 @@ class LockstepLoop:
         tr = self.trainer
         t = tr.config.training
         while tr.iteration < t.train_iters:
-            tr.step(run)
+            if tr.step(run) is not None:  # training ended inside the step (no step taken): the final state is held
+                return
             if tr.iteration % t.log_interval == 0 or tr.iteration == t.train_iters:
                 tr.log_interval(run)
             stop = tr.termination.after_step(tr.iteration, tr.site_consumed_samples)

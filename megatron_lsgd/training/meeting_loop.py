@@ -57,7 +57,8 @@ class MeetingLoop:
         tr = self.trainer
         t = tr.config.training
         while not tr.ended:  # a resumed run whose training had already ended takes no step
-            tr.step(run)
+            if tr.step(run) is not None:  # training ended inside the step (no step taken): the final state is held
+                return
             stop = tr.termination.after_step(tr.iteration, tr.site_consumed_samples)
             meeting = tr.synchronizer.meeting()
             before = tr.agreed_iteration

@@ -79,6 +79,18 @@ class Run:
 
 
 @dataclass
+class BeforeHeal:
+    """Where an elastic site stood when it took a live peer's state (training/elastic.py): the
+    Trainer counts its log line under way and the run's steps (traffic summary) from the
+    new position (`Trainer._count_from_heal`)."""
+
+    iteration: int  # this site's steps before the heal
+    checkpoint_iteration: int  # the job's agreed progress before the heal
+    comm: Dict[str, float]  # the inter-site counters then (InterSiteComm.snapshot)
+    time: float  # the run clock's time once the state was loaded (the next line's time starts there)
+
+
+@dataclass
 class IntervalLine:
     """The part of an interval's log line that depends on whose progress it reports: the
     job's (lockstep: one line, losses averaged over sites) or one site's (non-lockstep:

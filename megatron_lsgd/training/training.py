@@ -30,7 +30,7 @@ from megatron_lsgd.core.distributed.data_parallel import DistributedDataParallel
 from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteTimeout, SimulatedLink
 from megatron_lsgd.core.lsgd.devices import InterSiteDevices, backend_device
-from megatron_lsgd.core.lsgd.membership import AllSites, JobFinished, MixedLayoutSites, UnequalSites
+from megatron_lsgd.core.lsgd.membership import AllSites, MixedLayoutSites, UnequalSites
 from megatron_lsgd.core.lsgd.protocol import Stop, SyncContext
 from megatron_lsgd.core.optimizer.lr_scheduler import LRScheduler
 from megatron_lsgd.core.optimizer.sharded_optimizer import ShardedOptimizer, build_grad_scaler
@@ -53,7 +53,7 @@ from megatron_lsgd.training.lockstep_loop import LockstepLoop
 from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_memory_mb, print_rank, training_log_line
 from megatron_lsgd.training.meeting_loop import MeetingLoop
 from megatron_lsgd.training.model_build import build_model
-from megatron_lsgd.training.run_state import Interval, Run, TrainingResult
+from megatron_lsgd.training.run_state import BeforeHeal, Interval, Run, TrainingResult
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, optimizer_shard_scale, trained_parameters
 from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
@@ -171,7 +171,7 @@ class Trainer:
         self.iteration = 0  # this site's steps
         self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
         self.ended = False  # training has ended (finish_training ran); a resumed non-lockstep run stops at once
-        self.heal = None  # elastic sites: where this site stood when it took a live peer's state (elastic.py)
+        self.heal: Optional[BeforeHeal] = None  # elastic sites: where this site stood when it took a live peer's state
         self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.loop.line_rank)
         self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.loop.line_rank)
         self.last_saved_iteration = None
@@ -358,11 +358,7 @@ class Trainer:
                                site_consumed_before=self.site_consumed_samples),
                   start_iter=self.iteration, start_checkpoint_iteration=self.checkpoint_iteration)
         run.start = run.acc.run_start
-        try:
-            self.loop.run(run)
-        except JobFinished:  # elastic sites: this site received the job's final state from a peer
-            self.ended = True
-            self._count_from_heal(run)
+        self.loop.run(run)
         return self._finish(run)
 
     def _count_from_heal(self, run: Run) -> None:
@@ -371,12 +367,15 @@ class Trainer:
         if self.heal is None:
             return
         heal, self.heal = self.heal, None
-        run.start_iter += self.iteration - heal["iteration"]
-        run.start_checkpoint_iteration += self.checkpoint_iteration - heal["checkpoint_iteration"]
-        run.acc.reset(heal["comm"], self.consumed_samples, self.site_consumed_samples, heal["time"])
+        run.start_iter += self.iteration - heal.iteration
+        run.start_checkpoint_iteration += self.checkpoint_iteration - heal.checkpoint_iteration
+        run.acc.reset(heal.comm, self.consumed_samples, self.site_consumed_samples, heal.time)
 
-    def step(self, run: Run) -> None:
-        """One training step and what the log line accumulates from it."""
+    def step(self, run: Run) -> Optional[Stop]:
+        """One training step and what the log line accumulates from it. Returns the step's
+        Stop when training ended inside it, before it computed anything (StepResult.ended:
+        an elastic site healed to the job's final state): no step was taken, and the loop
+        stops at once (finish_training is not called again)."""
         t, acc = self.config.training, run.acc
         self.inner_step.iteration = self.iteration
         batch_schedule = self.config.compat.batch_schedule
@@ -384,6 +383,9 @@ class Trainer:
             self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
         step = self.synchronizer.train_step(self.inner_step, self.train_data, self.iteration)
         self._count_from_heal(run)  # (before this step's counts: a heal happens at a step's start)
+        if step.ended is not None:
+            self.ended = True
+            return step.ended
         losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
         self.iteration += 1
         self._report_compile()
@@ -406,6 +408,7 @@ class Trainer:
             check_finite_loss(site_losses, t.fp16)
         for k, v in site_losses.items():
             acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
+        return None
 
     def _report_compile(self) -> None:
         """--compile: the graph-break/recompilation line, once, from one rank per pipeline stage
@@ -464,6 +467,8 @@ class Trainer:
         if stop is not None and stop.ends_training:  # before the final evaluation and save
             self.synchronizer.finish_training(self.iteration)
             self.ended = True
+            if self.synchronizer.ended() is not None:  # healed to the job's final state while closing: the
+                return True  # others have left (no evaluation over the sites); _finish saves it
         if self.config.training.eval_iters > 0 and eval_due:
             before = self.clock.now()
             loss = self.evaluate()

@@ -1,8 +1,10 @@
-"""Which sites take part in an outer round, and whether the round is kept.
+"""Which sites take part in an outer round, whether the round is kept, and when a reduction
+is issued.
 
 A local-SGD round is framed by two calls:
 - `round_started()` before its first inner step: a fault-tolerant membership takes its
-  quorum here (who is up), and a site that comes back receives a live peer's state;
+  quorum here (who is up), and a site that comes back receives a live peer's state (it
+  returns that `Heal`);
 - `reduce(mean, undo)` at its end: runs the cross-site mean and returns it when the round
   is committed, or None when it is not (a site failed mid-round). The caller then leaves
   its anchor as it was and restarts from it; `undo` (objects with state_dict /
@@ -11,22 +13,38 @@ A local-SGD round is framed by two calls:
 A reduction that overlaps inner steps (dilocox's one-round-late mean, a streaming
 fragment) is split in two: `start(issue, undo)` issues it and returns a ticket (poll it
 between steps; `wait` lets it land without deciding), `finish(ticket)` waits and returns
-the mean, or None when the round is not committed. Under a fault-tolerant membership
-(`elastic`) a round is one quorum, at most one reduction and one decision: a synchronizer
-takes the quorum (`round_started`) at the start of a step, issues right after it, and
-finishes before its next quorum.
+the mean, or None when the round is not committed.
+
+Where such a reduction is issued, and how training ends, is the membership's rhythm: the
+same calls whatever the membership (the synchronizer implements `Exchanges` and never asks
+which membership it has):
+- `taken(ex)`, right after a step took a reduction (its Δ): `AllSites` issues it at once;
+  an elastic membership (a round is one quorum, at most one reduction and one decision)
+  after the next step's quorum, where a returning site is healed;
+- `step_started(ex)`, at every step's start: `AllSites` does nothing; an elastic membership
+  takes a quorum per reduction due and issues each right after its quorum (and a quorum at
+  the process's first step), deciding what is open before each quorum;
+- `close_exchanges(ex)`, the end of training (finish_training), written once here: what is
+  in flight lands, then each closing exchange is a round of its own until none is left.
+
+A site whose training is over because of a heal (it received the job's final state, or was
+healed into the closing exchanges and finished them with the others) says so in
+`ended_by`; the synchronizer's step then ends training through the protocol
+(`Synchronizer.ended`, `StepResult.ended`), not by an exception.
 
 The training loop's own few cross-site numbers (a log line's losses, sample counts) go
 through it too (`mean_over_sites`, `sum_over_sites`): over the sites of the round, and
 never raising for a site that is gone.
 
-`AllSites`, the default, is the fixed set of sites of a plain run: every round commits
-and it adds no arithmetic, so runs without fault tolerance are unchanged.
+`AllSites`, the default, is the fixed set of sites of a plain run: every round commits,
+every reduction is issued where it is taken, and it adds no arithmetic, so runs without
+fault tolerance are unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,18 +52,72 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
-class JobFinished(Exception):
-    """Raised in a site that received the job's final state from a peer (it missed the job's
-    last rounds): training is over, the state it holds is the job's final one."""
+@dataclass(frozen=True)
+class Heal:
+    """A live peer's state, received at a quorum (torchft heals a site whose committed rounds
+    are behind the quorum's): the site now holds that peer's state (model, optimizer,
+    synchronizer, data position) and counts rounds as it does."""
+
+    committed_round: int  # the job's committed rounds at the quorum (the peer's count, now this site's)
+    # The peer had finished the job (it served its state at its closing quorum): what the site
+    # holds is the job's final state, and its training is over.
+    final: bool = False
+    # The peer was in the job's closing exchanges: the site took part in the rest of them
+    # with the others, and its training is over (it still takes the job's closing quorum).
+    joined_closing: bool = False
+    closing_quorum: bool = False  # received at this site's own closing quorum (job_finished), after training
+
+    @property
+    def ends_training(self) -> bool:
+        return self.final or self.joined_closing
+
+    def reason(self) -> str:
+        if self.final:
+            return f"healed to the job's final state at committed round {self.committed_round}"
+        return (f"healed into the job's closing exchanges at committed round {self.committed_round}, "
+                f"which are now done")
+
+
+class Exchanges(Protocol):
+    """A synchronizer whose cross-site reductions overlap inner steps (dilocox's one-round-late
+    mean; streaming-diloco's and cocodc's fragment syncs), as the membership's rhythm drives
+    it. What it keeps for this (what is due, `finishing`) is in its state_dict, so a
+    checkpoint and a heal carry it: a site healed into a peer's closing exchanges holds
+    `finishing` and the exchanges left."""
+
+    finishing: bool  # the closing exchanges (close_exchanges) are under way
+
+    def exchange_due(self) -> bool:
+        """A reduction was taken (after a step) and waits to be issued."""
+
+    def issue_due(self) -> None:
+        """Issue the next reduction due (one), through `membership.start`."""
+
+    def decide_open(self) -> None:
+        """Decide (`membership.finish`) what is in flight: no reduction may be open when a
+        quorum rebuilds the group."""
+
+    def land_in_flight(self) -> None:
+        """The end of training (close_exchanges), first: every reduction in flight lands (or
+        is rolled back)."""
+
+    def closing_due(self) -> bool:
+        """A closing exchange is left (a reduction due, progress not yet exchanged)."""
+
+    def close_one(self) -> None:
+        """One closing exchange, a round of its own: issue it and decide it."""
+
+    def closed(self) -> None:
+        """After the last closing exchange (dilocox loads the anchor)."""
 
 
 class SiteMembership:
-    # Rounds may fail and sites may join: a round's quorum is taken at the start of a step
-    # (where a returning site is healed), its reduction issued right after it.
-    elastic = False
+    # The heal after which this site's training is over (None: it is not); see Heal.ends_training.
+    ended_by: Optional[Heal] = None
 
-    def round_started(self) -> None:
-        """Before the first inner step of a round."""
+    def round_started(self) -> Optional[Heal]:
+        """Before the first inner step of a round; the heal it brought, if any."""
+        return None
 
     def reduce(self, mean: Callable[[], T], undo: Sequence[object] = ()) -> Optional[T]:
         """The round's cross-site mean if the round commits, else None (state in `undo` restored)."""
@@ -58,8 +130,38 @@ class SiteMembership:
 
     def finish(self, ticket) -> Optional[object]:
         """Wait for the ticket's reduction and decide: its result if the round commits, else
-        None (the `undo` state put back as it was when it was issued)."""
+        None (the `undo` state put back as it was when it was issued). Deciding twice gives
+        the first decision."""
         raise NotImplementedError
+
+    # ---- the rhythm of reductions that overlap inner steps (Exchanges) ---------------------------
+    def taken(self, ex: Exchanges) -> None:
+        """A step took a reduction (`ex.exchange_due()`): a fixed set of sites issues it now."""
+        while ex.exchange_due():
+            ex.issue_due()
+
+    def step_started(self, ex: Exchanges) -> None:
+        """At every inner step's start (before its forward pass): nothing to do for a fixed set
+        of sites; an elastic membership takes its quorums here."""
+
+    def close_exchanges(self, ex: Exchanges, quorum_taken: bool = False) -> None:
+        """The end of training, for every synchronizer whose reductions overlap inner steps and
+        every membership: what is in flight lands, then each closing exchange is a round of
+        its own (quorum, reduction, decision) until none is left (one that does not commit
+        is tried again), then `ex.closed()`. `quorum_taken`: the first round's quorum is
+        already taken (a site healed into a peer's closing exchanges joins in from there).
+        A site healed here to the job's final state has nothing left to exchange."""
+        ex.finishing = True
+        ex.land_in_flight()
+        while ex.closing_due():
+            if not quorum_taken:
+                self.round_started()
+                if self.ended_by is not None:  # the job's final state: the exchanges were done without it
+                    return
+            quorum_taken = False
+            ex.close_one()
+        ex.finishing = False
+        ex.closed()
 
     def job_finished(self) -> None:
         """The job reached its budget: a fault-tolerant membership takes a last quorum, in

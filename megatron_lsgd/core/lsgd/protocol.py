@@ -24,6 +24,12 @@ algorithm is running. One training step, as the default `train_step` composes it
     finish_training(it)               once, when training ends (--train-iters or a sample
                                       budget; not --exit-interval / --exit-duration-in-mins):
                                       close open rounds so every site ends with the same model
+    ended()                           read by train_step after before_forward_backward: a
+                                      Stop when training ended inside the synchronizer (an
+                                      elastic site healed to the job's final state, or into
+                                      the job's closing exchanges and through them); the step
+                                      then returns at once, `StepResult.ended` set, and the
+                                      loop stops (finish_training is not called again)
 
 A synchronizer may compose the parts differently (ACCO/DPU overlap a previous round's
 reduce + apply with the next compute_grads: they accumulate over several compute_grads
@@ -91,6 +97,14 @@ class StepResult:
     # (ACCO/DPU's worker): the LR of the last update this thread has waited for, read under
     # that handover. None: the loop reads the scheduler after the step (it owns it).
     lr: Optional[float] = None
+    # Training ended inside the step, before it computed anything (Synchronizer.ended): no
+    # inner step was taken, the loop stops, and the state held is the final one.
+    ended: Optional["Stop"] = None
+
+    @classmethod
+    def none_taken(cls, ended: "Stop") -> "StepResult":
+        """A step that ended training before computing (`ended`)."""
+        return cls(losses=[], update_successful=True, grad_norm=None, num_microbatches=0, ended=ended)
 
 
 @dataclass(frozen=True)
@@ -298,6 +312,9 @@ class Synchronizer:
         """Today's synchronous step, with a hook between each part."""
         step.zero_grads()
         self.before_forward_backward(iteration)
+        ended = self.ended()
+        if ended is not None:
+            return StepResult.none_taken(ended)
         losses = step.compute_grads(data_iterator)
         step.reduce_in_site()
         self.after_forward_backward(iteration)
@@ -335,6 +352,14 @@ class Synchronizer:
 
     def finish_training(self, iteration: int) -> None:
         pass
+
+    def ended(self) -> Optional[Stop]:
+        """A Stop when training ended inside the synchronizer rather than by the loop's count:
+        the membership's `ended_by` (an elastic site healed to the job's final state, or healed
+        into the job's closing exchanges and through them with the others). The site holds
+        the job's final state; the loop stops without another step or finish_training."""
+        heal = self.ctx.membership.ended_by
+        return Stop(True, heal.reason()) if heal is not None else None
 
     def agree_to_stop(self, progress: Progress) -> Optional[Stop]:
         """Non-lockstep algorithms only: called after every inner step; return a Stop, on

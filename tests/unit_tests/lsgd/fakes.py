@@ -139,8 +139,8 @@ def scripted_membership(fail=(), present=()) -> TorchftMembership:
         m.lines.append, 60.0, 0.0
     m.rounds_attempted = m.rounds_committed = m.failed_in_a_row = 0
     m.alone = False
-    m.healed_rounds, m._failed, m._failure, m._healing, m._open = [], None, "", False, None
-    m.finished = m.received_final = False
+    m.heals, m.ended_by, m.joined, m._failed, m._failure, m._received, m._open = [], None, False, None, "", None, None
+    m.finished = False
     m._digests, m._digested = None, -1
     m._trace = None
     return m

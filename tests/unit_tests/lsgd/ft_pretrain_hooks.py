@@ -28,11 +28,12 @@ def main(argv=None) -> None:
         taken = [0]
         quorum = TorchftMembership.round_started
 
-        def round_started(self) -> None:
-            quorum(self)
+        def round_started(self):
+            heal = quorum(self)
             taken[0] += 1
             if taken[0] == die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
+            return heal
 
         TorchftMembership.round_started = round_started
     if hold or ready:

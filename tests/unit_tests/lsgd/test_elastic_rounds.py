@@ -24,7 +24,7 @@ from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.algorithms.cocodc import CoCoDC
 from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
 from megatron_lsgd.core.lsgd.algorithms.dilocox import DiLoCoX
-from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
+from megatron_lsgd.core.lsgd.membership import Finished, Heal
 from megatron_lsgd.core.lsgd.algorithms.streaming import StreamingDiLoCo
 from tests.unit_tests.checkpointing.launch import assert_same
 from tests.unit_tests.lsgd.fakes import active, lsgd_config, make_context, scripted_membership
@@ -163,33 +163,149 @@ def test_dilocox_final_exchange_is_retried_until_it_commits():
     assert torch.equal(sync.outer.anchors[0], torch.full((4,), -4.0)) and m.manager.decisions == 4
 
 
-def test_dilocox_a_site_healed_into_the_final_exchanges_finishes_them_and_stops():
-    # What a site receives at a quorum of a peer's final exchange (the peer's state, model
-    # included) makes it send the peer's last Δ with it, end with the peer's model, and stop.
-    peer = _dilocox(membership=scripted_membership(), numel=4, outer_lr=1.0, outer_momentum=0.0)
-    _steps(peer, [1.0] * 4)
+class _Step:
+    """The parts of an inner step, recorded (a step that ended training computes nothing)."""
+
+    num_microbatches = 1
+
+    def __init__(self):
+        self.parts = []
+
+    def __getattr__(self, name):
+        if name in ("zero_grads", "compute_grads", "reduce_in_site", "apply"):
+            return lambda *a, **k: self.parts.append(name) or ((True, None) if name == "apply" else [])
+        raise AttributeError(name)
+
+
+def _serve_first_closing_quorum(peer, model):
+    """Run the peer's finish_training and return what torchft serves a healing site at the
+    quorum of its first closing exchange: the peer's synchronizer state and model (copies)."""
     served, peer_quorum = {}, peer.ctx.membership.round_started
 
-    def serve():  # the peer's quorum, where torchft serves its state to a healing site
-        peer_quorum()
-        served.update(sync=_roundtrip(peer.state_dict()), model=peer.ctx.optimizer.shards[0].clone())
+    def serve():
+        heal = peer_quorum()
+        if not served:
+            served.update(sync=_roundtrip(peer.state_dict()), model=model(peer).clone())
+        return heal
 
     peer.ctx.membership.round_started = serve
-    peer.finish_training(4)
-    healed = _dilocox(membership=scripted_membership(), numel=4, outer_lr=1.0, outer_momentum=0.0)
-    own_quorum = healed.ctx.membership.round_started
+    peer.finish_training(0)
+    return served
+
+
+def _healed_at_first_quorum(site, served, model):
+    """Its first quorum brings `served` (what torchft's heal loads), as a Heal."""
+    m = site.ctx.membership
+    own_quorum = m.round_started
 
     def heal():
-        own_quorum()
-        healed.load_state_dict(served["sync"])
-        healed.ctx.optimizer.shards[0].copy_(served["model"])
+        if m.heals:
+            return own_quorum()
+        m._received = {"rounds_attempted": 0, "rounds_committed": 0, "finished": False}  # as torchft loads it
+        site.load_state_dict(served["sync"])
+        model(site).copy_(served["model"])
+        return own_quorum()
 
-    healed.ctx.membership.round_started = heal
-    with pytest.raises(JobFinished):
-        healed.before_forward_backward(0)  # its round's first step: the quorum
-    assert served["sync"]["finishing"] == 1 and "outgoing" in served["sync"]
-    assert torch.equal(healed.outer.anchors[0], peer.outer.anchors[0])
-    assert torch.equal(healed.ctx.optimizer.shards[0], torch.full((4,), -4.0)) and not healed.finishing
+    m.round_started = heal
+
+
+CLOSING = ["dilocox", "streaming", "cocodc-rr", "cocodc-dense"]
+
+
+@pytest.mark.parametrize("algorithm", CLOSING)
+def test_a_site_healed_into_the_closing_exchanges_finishes_them_and_ends_through_the_protocol(algorithm):
+    # What a site receives at the quorum of a peer's first closing exchange (the peer's state,
+    # model included, `finishing` in it) makes it take part in the rest of them (the one
+    # end-of-training loop, membership.close_exchanges) and end with the peer's model. Its
+    # training then ends through the protocol: train_step returns at once with
+    # StepResult.ended (nothing computed), no exception (issue 49: once JobFinished).
+    if algorithm == "dilocox":
+        def make():
+            return _dilocox(membership=scripted_membership(), numel=4, outer_lr=1.0, outer_momentum=0.0)
+
+        def model(sync):
+            return sync.ctx.optimizer.shards[0]
+        moves, steps = [1.0] * 4, _steps
+    else:
+        cls, algo = dict(zip(STREAMING_IDS, STREAMING))[algorithm]
+
+        def make():
+            return _streaming(cls, "int8", scripted_membership(), **algo)
+
+        def model(sync):
+            return sync.ctx.optimizer.shard
+        g = torch.Generator().manual_seed(5)
+        moves, steps = [torch.randn(48, generator=g) * 0.1 for _ in range(7)], _fragment_steps
+    peer = make()
+    steps(peer, moves)
+    served = _serve_first_closing_quorum(peer, model)
+    assert served["sync"]["finishing"] == 1
+    healed = make()
+    _healed_at_first_quorum(healed, served, model)
+    step = _Step()
+    result = healed.train_step(step, None, 0)  # its first step: the quorum, where it is healed
+    assert step.parts == ["zero_grads"], "a site whose training ended computed a step"
+    assert result.ended is not None and result.ended.ends_training and result.num_microbatches == 0
+    assert "closing exchanges" in result.ended.reason
+    m = healed.ctx.membership
+    assert m.ended_by is not None and m.ended_by.joined_closing and not m.ended_by.final and m.heals
+    assert healed.ended() == result.ended and not healed.finishing
+    assert torch.equal(model(healed), model(peer))  # the job's final model
+    assert all(torch.equal(a, b) for a, b in zip(healed.outer.anchors, peer.outer.anchors))
+    if algorithm == "dilocox":
+        assert torch.equal(model(healed), torch.full((4,), -4.0))
+
+
+def test_a_site_healed_to_the_final_state_during_its_closing_exchanges_stops_exchanging():
+    # A site behind the others at its closing exchange (its last mean failed where theirs
+    # committed) meets a peer's closing quorum: it receives the job's final state, exchanges
+    # nothing more (close_exchanges returns at once) and its training is over (ended_by).
+    def make(m):
+        return _dilocox(membership=m, numel=4, outer_lr=1.0, outer_momentum=0.0)
+
+    peer = make(scripted_membership())
+    _steps(peer, [1.0] * 4)
+    peer.finish_training(4)
+    served = {"sync": _roundtrip(peer.state_dict()), "model": peer.ctx.optimizer.shards[0].clone()}
+    m = scripted_membership(fail={2})  # its mean of round 2 (the closing exchange) does not commit
+    site = make(m)
+    _steps(site, [1.0] * 4)
+    quorum = m.manager.start_quorum
+
+    def healing_quorum(timeout=None):  # the retry's quorum: the peer's closing quorum
+        quorum(timeout)
+        if m.manager.decisions == 3:
+            m._load_heal_counts({"rounds_attempted": 3, "rounds_committed": 3, "finished": True})
+            site.load_state_dict(served["sync"])
+            site.ctx.optimizer.shards[0].copy_(served["model"])
+    m.manager.start_quorum = healing_quorum
+    site.finish_training(4)
+    assert m.ended_by is not None and m.ended_by.final and m.manager.decisions == 3  # nothing issued after it
+    assert site.ended() is not None and site.ended().ends_training and not site.finishing
+    assert torch.equal(site.ctx.optimizer.shards[0], peer.ctx.optimizer.shards[0])
+    assert torch.equal(site.outer.anchors[0], peer.outer.anchors[0])
+
+
+def test_a_site_healed_to_the_final_state_ends_through_the_protocol():
+    # A diloco site (no exchanges of its own: round_started directly) that a quorum heals to a
+    # peer's final state ends training through its step, without computing it.
+    from megatron_lsgd.core.lsgd.algorithms.diloco import DiLoCo
+
+    m = scripted_membership()
+    ctx = make_context(lsgd_config("diloco", interval=2), [torch.zeros(4)])
+    ctx.membership = m
+    sync = active(DiLoCo(ctx))
+    quorum = m.manager.start_quorum
+
+    def healing_quorum(timeout=None):  # torchft loads a finished peer's state in the quorum
+        quorum(timeout)
+        m._load_heal_counts({"rounds_attempted": 7, "rounds_committed": 7, "finished": True})
+    m.manager.start_quorum = healing_quorum
+    step = _Step()
+    result = sync.train_step(step, None, 0)
+    assert step.parts == ["zero_grads"] and result.ended is not None and result.ended.ends_training
+    assert m.ended_by == Heal(committed_round=0, final=True) and m.heals == [m.ended_by]
+    assert "the job had finished" in m.lines[-1]
 
 
 # ---- streaming-diloco and cocodc ----------------------------------------------------------------
@@ -302,10 +418,10 @@ def test_the_membership_opens_one_reduction_per_quorum_and_a_final_state_stops_t
     with pytest.raises(RuntimeError, match="finish the open one first"):
         m.start(lambda: None)
     assert m.finish(ticket) == [1] and m.finish(ticket) == [1] and m.manager.decisions == 1  # decided once
-    m.round_started()
-    m.received_final = True  # what a heal at a peer's closing quorum brings
-    with pytest.raises(JobFinished):
-        m.round_started()
+    assert m.round_started() is None and m.ended_by is None
+    m._received = {"rounds_attempted": 0, "rounds_committed": 0, "finished": True}  # a heal at a peer's closing quorum
+    heal = m.round_started()
+    assert heal == Heal(committed_round=1, final=True) and m.ended_by is heal and heal.ends_training
     assert "the job had finished" in m.lines[-1]
 
 

@@ -1,7 +1,9 @@
 """The training loop lets the synchronizer compose the inner step and calls every hook at
 its documented point, for any registered algorithm, without knowing which algorithm it
 is: the parts of the step in order, unit hooks with their micro-batch and in training
-only (never in evaluation), quiesce() before every evaluation, checkpoint save and exit."""
+only (never in evaluation), quiesce() before every evaluation, checkpoint save and exit;
+and a step that ended training inside the synchronizer (StepResult.ended: an elastic site
+healed to the job's final state) stops the loop there, through the protocol."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.membership import Heal
 from megatron_lsgd.core.lsgd.protocol import Synchronizer
 from megatron_lsgd.core.lsgd.registry import register, registered_algorithms
 from tests.unit_tests.harness import free_port, spawn
@@ -77,7 +80,21 @@ if "recording" not in registered_algorithms():
             self.events.append(("finish", iteration))
 
 
-def _worker(rank, world, port, out_dir):
+if "recording-healed" not in registered_algorithms():
+    @register
+    class HealedRecordingSynchronizer(RecordingSynchronizer):
+        """Records every hook; its membership reports, at the start of step 2, the heal that
+        ended this site's training (what an elastic membership's quorum does) (tests only)"""
+
+        name = "recording-healed"
+
+        def before_forward_backward(self, iteration):
+            super().before_forward_backward(iteration)
+            if iteration == 2:
+                self.ctx.membership.ended_by = Heal(committed_round=5, final=True)
+
+
+def _worker(rank, world, port, out_dir, algorithm="recording", iters=2, pp=2):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -85,11 +102,12 @@ def _worker(rank, world, port, out_dir):
 
     result = pretrain_gpt.main(["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2",
                                 "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "3",
-                                "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
+                                "--train-iters", str(iters), "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
                                 "--eval-interval", "1", "--eval-iters", "2", "--log-interval", "1",
                                 "--save", os.path.join(out_dir, "ckpt"), "--save-interval", "2",
-                                "--pipeline-model-parallel-size", "2", "--lsgd-algorithm", "recording"])
-    torch.save(result.synchronizer.events, os.path.join(out_dir, f"{rank}.pt"))
+                                "--pipeline-model-parallel-size", str(pp), "--lsgd-algorithm", algorithm])
+    torch.save({"events": result.synchronizer.events, "iteration": result.iteration},
+               os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -97,7 +115,7 @@ def _worker(rank, world, port, out_dir):
 def test_hooks_fire_in_documented_order_on_each_pipeline_stage():
     with tempfile.TemporaryDirectory() as d:
         spawn(_worker, args=(2, free_port(), d), nprocs=2)
-        events = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
+        events = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False)["events"] for r in range(2)]
     stage_units = [["embedding", "layers.0", "layers.1"], ["layers.2", "layers.3", "output"]]
     for rank, ev in enumerate(events):
         starts = [i for i, e in enumerate(ev) if e[0] == "step"]
@@ -124,3 +142,25 @@ def test_hooks_fire_in_documented_order_on_each_pipeline_stage():
             assert sorted(e[1] for e in bwd) == sorted(stage_units[rank])  # once per step each
             assert all(e[2] for e in bwd), "a unit was reported done before its gradient was complete"
             assert all(e[3] for e in bwd), "after_unit_backward fires on the last micro-batch"
+
+
+@pytest.mark.slow
+def test_a_step_that_ended_training_stops_the_loop_through_the_protocol():
+    # The synchronizer's membership ends training at the start of step 2 of 4 (an elastic
+    # site healed to the job's final state): train_step returns StepResult.ended without
+    # computing, the loop takes no further step and does not call finish_training (the state
+    # is final), and the run ends as usual (quiesce, the last save). Once an exception
+    # (JobFinished) the Trainer caught; now the protocol's own path (issue 49).
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_worker, args=(1, free_port(), d, "recording-healed", 4, 1), nprocs=1)
+        saved = torch.load(os.path.join(d, "0.pt"), weights_only=False)
+        checkpoints = sorted(os.listdir(os.path.join(d, "ckpt")))
+    ev = saved["events"]
+    assert saved["iteration"] == 2  # steps 0 and 1 taken, step 2 not
+    assert [e for e in ev if e[0] == "step"] == [("step", 0), ("step", 1), ("step", 2)]
+    ended = ev[ev.index(("step", 2)):]
+    assert ended[:3] == [("step", 2), ("part", "zero_grads"), ("before_fb", 2)]
+    assert ("part", "compute_grads") not in ended and ("after_opt", 2, True) not in ended
+    assert not any(e[0] == "finish" for e in ev)  # finish_training is not called again
+    assert ended[3:] == [("quiesce",)]  # the run's end: quiesced once (its last save: iteration 2, already saved)
+    assert "iter_0000002" in checkpoints

@@ -199,7 +199,7 @@ def train(spec: SiteSpec, state: SiteState, sync, membership, logf) -> None:
     """The site's inner steps and rounds to the end of its budget."""
     while state.step < spec.steps:
         sync.before_forward_backward(state.step)  # a quorum at a round's start; a heal may move state.step
-        if state.step >= spec.steps:
+        if state.step >= spec.steps or sync.ended() is not None:  # (ended: healed to the job's final state)
             break
         step = state.step
         while spec.pause_file and os.path.exists(spec.pause_file):

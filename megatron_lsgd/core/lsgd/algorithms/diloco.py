@@ -68,8 +68,8 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
 
     def _close_round(self) -> None:
         self.steps_in_round = 0
+        self.outer_rounds += 1  # counted before end_round: what it exchanges is of round outer_rounds - 1
         self.end_round()
-        self.outer_rounds += 1
         self.ctx.comm.rounds += 1
 
     def finish_training(self, iteration: int) -> None:

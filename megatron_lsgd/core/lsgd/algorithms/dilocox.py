@@ -20,15 +20,19 @@ The anchor only ever takes averaged steps, so it is bit-identical on every site.
 Waiting before starting keeps a single reduction in flight, so every site issues its
 inter-site collectives in the same order.
 
-Elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md): a round's quorum
-is taken at its first step and the mean of the previous round's Δ is issued right after it
-(rather than at that round's end), so a quorum never rebuilds the group under a mean in
-flight and a returning site is healed at the start of a step. The mean is decided
-(committed or not) where it is applied. Not committed: the anchor stays, the error
-feedback is put back as it was when the mean was issued, and the failed Δ is sent again
-with the next round's (the round keeps its local progress: the next pseudo-gradient is the
-whole drift from the anchor). A site healed at a quorum sends, for that one mean, the Δ of
-the peer it was healed from (as in torchft's Streaming DiLoCo: that peer's data counts twice).
+Where the mean is issued is the membership's rhythm (membership.py, `Exchanges`): the Δ
+taken at a round's end is handed over (`taken`); a fixed set of sites issues it at once,
+elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md) right after the
+next round's quorum, at its first step (`step_started`), so a quorum never rebuilds the
+group under a mean in flight and a returning site is healed at the start of a step: the
+same numbers. The mean is decided (committed or not) where it is applied. Not committed:
+the anchor stays, the error feedback is put back as it was when the mean was issued, and
+the failed Δ is sent again with the next round's (the round keeps its local progress: the
+next pseudo-gradient is the whole drift from the anchor). A site healed at a quorum sends,
+for that one mean, the Δ of the peer it was healed from (as in torchft's Streaming
+DiLoCo: that peer's data counts twice). The end of training is the membership's
+`close_exchanges`, the same for every membership: the last mean, a round of its own, tried
+again until it commits.
 
 Adaptive rules (`--lsgd-adaptive`, logged as `rank` and `H`):
   rank: window of effective ranks of the reduced P (smallest k holding `energy` of its
@@ -54,7 +58,6 @@ import torch.distributed as dist
 from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
 from megatron_lsgd.core.lsgd.compressors import compression_error
 from megatron_lsgd.core.lsgd.algorithms.diloco import LocalSGDBase
-from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
@@ -118,6 +121,21 @@ class DiLoCoXOptions(OptionGroup):
             raise ValueError("--lsgd-adaptive-h-slack must be > 0")
 
 
+class _Unsent:
+    """A mean's Δ as `undo` state: when the mean is not committed, the Δ is put back as not
+    yet sent (carried into the next round's: no local progress lost, nothing counted twice).
+    The compressors read Δ, they do not write it."""
+
+    def __init__(self, sync: "DiLoCoX", deltas: List[torch.Tensor]):
+        self.sync, self.deltas = sync, deltas
+
+    def state_dict(self) -> Dict:
+        return {"deltas": self.deltas}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.sync.carry = state["deltas"]
+
+
 def _max_rank_allowed(layout) -> int:
     smallest = None
     for pieces in layout:
@@ -163,15 +181,13 @@ class DiLoCoX(LocalSGDBase):
         if self.active:  # reductions advance between steps: keep them off the shared dp_inter group
             minutes = ctx.comm.timeout_minutes
             ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
-        self.pending: Optional[PendingReduce] = None  # (a membership ticket under fault tolerance)
+        self.pending: Optional[PendingReduce] = None  # the mean in flight: the membership's ticket
         self.start_offsets: Optional[List[torch.Tensor]] = None
-        # Elastic sites only: the round's Δ until the next quorum issues it, the Δ in flight
-        # (sent again if its mean is not committed), a failed Δ waiting for the round's end,
-        # and whether the final exchanges of finish_training are under way.
+        # The round's Δ until the membership issues it (elastic sites: after the next round's
+        # quorum; otherwise at once), a Δ whose mean was not committed (sent again with the
+        # next round's), and whether the closing exchanges of finish_training are under way.
         self.outgoing: Optional[List[torch.Tensor]] = None
-        self.sent: Optional[List[torch.Tensor]] = None
         self.carry: Optional[List[torch.Tensor]] = None
-        self.pending_empty = False  # the pending round has no mean (an elastic round 1: its decision alone)
         self.finishing = False
         self.pending_round = -1  # which round's mean is in flight
         self.applied_rounds: List[int] = []  # round whose mean each outer step applied (-1: none)
@@ -186,35 +202,49 @@ class DiLoCoX(LocalSGDBase):
     # ---- overlap ----------------------------------------------------------------------------
     def before_forward_backward(self, iteration: int) -> None:
         self._step_start = self.ctx.clock.now()
-        if self.ctx.membership.elastic and self.active and self.steps_in_round == 0:
-            self._round_start()
+        if self.active:  # elastic sites: the round's quorum (a returning site is healed), then the last round's mean
+            self.ctx.membership.step_started(self)
         if self.pending is not None and not self.pending.done and self.pending.poll():
             self._comm_seconds = self.ctx.clock.now() - self._comm_issued
 
-    def _round_start(self) -> None:
-        """Elastic sites: the round's quorum (a returning site is healed here), then the mean
-        of the last round's Δ. A site healed into a peer's final exchanges finishes them with it."""
-        self.ctx.membership.round_started()
-        if self.finishing:
-            self._final_exchanges(quorum_taken=True)
-            raise JobFinished("healed during the job's final exchanges, which are now done")
-        deltas, self.outgoing = self.outgoing, None
-        self._issue(deltas)  # round 1 has nothing to send: its round is the decision alone
+    # ---- Exchanges: what the membership's rhythm drives (membership.py) ---------------------------
+    def exchange_due(self) -> bool:
+        return self.outgoing is not None
 
-    def _issue(self, deltas: Optional[List[torch.Tensor]]) -> None:
-        """Start the compressed mean of Δ (error feedback is restored if it does not commit).
-        Elastic sites with no Δ (round 1) still decide the round, so that the committed-round
-        count moves with the rounds (a site that missed round 1 is behind, and healed)."""
+    def issue_due(self) -> None:
+        deltas, self.outgoing = self.outgoing, None
+        self._issue(deltas)
+
+    def decide_open(self) -> None:
+        """(A mean is decided where it is applied, before the next round's quorum; and by quiesce.)"""
+        self._decide_pending()
+
+    def land_in_flight(self) -> None:
+        if self.pending is not None:  # (a final round shorter than τ) its mean first
+            self._apply_pending_mean()
+        if self.carry is not None:
+            self.outgoing = self.carry if self.outgoing is None else [o + c for o, c in zip(self.outgoing, self.carry)]
+            self.carry = None
+
+    def closing_due(self) -> bool:
+        return self.outgoing is not None
+
+    def close_one(self) -> None:
+        """The last round's mean, a round of its own; not committed: its Δ is due again."""
+        self.issue_due()
+        if not self._apply_pending_mean():
+            self.outgoing, self.carry = self.carry, None
+
+    def closed(self) -> None:
+        self.restart_from_anchor()  # every site ends with the anchor: the same, fully averaged model
+
+    def _issue(self, deltas: List[torch.Tensor]) -> None:
+        """Start the compressed mean of Δ (of the round just closed). Not committed: the error
+        feedback is put back, and Δ is carried into the next round's (`_Unsent`)."""
         self._comm_issued = self.ctx.clock.now()
-        self.pending_empty = deltas is None
-        if deltas is None:
-            self.pending = self.ctx.membership.start(lambda: Finished([]))
-        else:
-            self.pending = self.ctx.membership.start(lambda: PendingReduce(self.compressor.reduce(deltas)),
-                                                     undo=[self.compressor])
-        self.pending_round = self.outer_rounds if not self.ctx.membership.elastic else self.outer_rounds - 1
-        if self.ctx.membership.elastic:
-            self.sent = deltas  # the compressors read Δ, they do not write it
+        self.pending = self.ctx.membership.start(lambda: PendingReduce(self.compressor.reduce(deltas)),
+                                                 undo=[self.compressor, _Unsent(self, deltas)])
+        self.pending_round = self.outer_rounds - 1
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if self._step_start is not None:
@@ -234,17 +264,11 @@ class DiLoCoX(LocalSGDBase):
             self._comm_seconds = self.ctx.clock.now() - self._comm_issued
         mean = self.ctx.membership.finish(self.pending)
         applied = mean is not None
-        if applied and self.pending_empty:  # round 1's decision: nothing to apply
-            if not self.applied_rounds:
-                self.applied_rounds.append(-1)
-            applied = False
-        elif applied:
+        if applied:
             self.outer.step(self.views, mean)
             self.applied_rounds.append(self.pending_round)
             self.start_offsets = None
-        else:
-            self.carry = self.sent
-        self.pending, self.pending_round, self.sent, self.pending_empty = None, -1, None, False
+        self.pending, self.pending_round = None, -1
         return applied
 
     def _apply_mean_mid_round(self) -> None:
@@ -278,10 +302,8 @@ class DiLoCoX(LocalSGDBase):
             # Before issuing the new reduction: the link is idle now, so the small H
             # agreement is not queued behind a bulk transfer on a bandwidth-limited link.
             self._adapt()
-        if self.ctx.membership.elastic:
-            self.outgoing = deltas  # issued after the next round's quorum
-        else:
-            self._issue(deltas)
+        self.outgoing = deltas
+        self.ctx.membership.taken(self)  # issued now, or (elastic sites) after the next round's quorum
         if self.ctx.config.algo.restart == "eager":
             # Start the next round from θ_g − Δ_t (own, not yet averaged progress) instead of
             # θ_g, so a round does not redo the progress still in flight; the anchor itself
@@ -295,49 +317,23 @@ class DiLoCoX(LocalSGDBase):
         self._round_compute = 0.0
 
     def quiesce(self) -> None:
-        """Let the mean in flight land (it is applied at its usual step, not now). Elastic
-        sites also decide it now, so a checkpoint holds a committed mean or none."""
+        """Let the mean in flight land (it is applied at its usual step, not now) and decide it
+        (elastic sites: committed or not), so a checkpoint holds a committed mean or none."""
         if self.pending is not None and not self.pending.done:
             self.pending.wait()
             self._comm_seconds = self.ctx.clock.now() - self._comm_issued
-        if self.ctx.membership.elastic and self.pending is not None:
-            if self.ctx.membership.finish(self.pending) is None:
-                self.carry, self.pending, self.pending_round, self.sent = self.sent, None, -1, None
-                self.pending_empty = False
+        self._decide_pending()
+
+    def _decide_pending(self) -> None:
+        if self.pending is not None and self.ctx.membership.finish(self.pending) is None:
+            self.pending, self.pending_round = None, -1  # not committed: its Δ goes again (carry)
 
     def finish_training(self, iteration: int) -> None:
         super().finish_training(iteration)
-        if self.ctx.membership.elastic:
-            if self.active and (self.outgoing is not None or self.pending is not None or self.carry is not None):
-                self._final_exchanges(quorum_taken=False)
-            return
-        if self.pending is None:
-            return
-        # The last round's mean would otherwise never be applied: wait for it, take the outer
-        # step and load the anchor, so every site ends with the same, fully averaged model.
-        self._apply_pending_mean()
-        self.restart_from_anchor()
-
-    def _final_exchanges(self, quorum_taken: bool) -> None:
-        """Elastic sites, at the end: the last round's mean, each try a round of its own
-        (quorum, mean, decision) until one commits, then every site holds the anchor. A site
-        healed at one of these quorums joins in (`_round_start`)."""
-        self.finishing = True
-        if self.pending is not None:  # (a final round shorter than τ) its mean first
-            self._apply_pending_mean()
-        if self.carry is not None:
-            self.outgoing = self.carry if self.outgoing is None else [o + c for o, c in zip(self.outgoing, self.carry)]
-            self.carry = None
-        while self.outgoing is not None:
-            if not quorum_taken:
-                self.ctx.membership.round_started()
-            quorum_taken = False
-            deltas, self.outgoing = self.outgoing, None
-            self._issue(deltas)
-            if not self._apply_pending_mean():
-                self.outgoing, self.carry = self.carry, None
-        self.finishing = False
-        self.restart_from_anchor()
+        # The last round's mean would otherwise never be applied: apply it and load the anchor,
+        # so every site ends with the same, fully averaged model (membership.close_exchanges).
+        if self.active and (self.outgoing is not None or self.pending is not None or self.carry is not None):
+            self.ctx.membership.close_exchanges(self)
 
     # ---- adaptive rank and H --------------------------------------------------------------------
     def _adapt(self) -> None:
@@ -389,8 +385,8 @@ class DiLoCoX(LocalSGDBase):
         return state
 
     def _has_mean(self) -> bool:
-        """A mean in flight (not an elastic round 1's decision, which a checkpoint does not keep)."""
-        return self.pending is not None and not self.pending_empty
+        """A mean in flight (decided by quiesce: committed)."""
+        return self.pending is not None
 
     def load_state_dict(self, state: Dict) -> None:
         self._load_base_state(state)
@@ -405,7 +401,6 @@ class DiLoCoX(LocalSGDBase):
         for key in ("outgoing", "carry"):
             value = state.get(key)
             setattr(self, key, [t.to(self.compressor.device).clone() for t in value] if value is not None else None)
-        self.sent, self.pending_empty = None, False
         self.finishing = bool(state.get("finishing", 0))
 
     def stats(self) -> Dict[str, float]:

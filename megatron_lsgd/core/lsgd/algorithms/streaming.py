@@ -32,13 +32,16 @@ fragment's reduction together.
 
 When --train-iters is reached, `finish_training` lands the fragments still in flight and
 then gives every fragment that holds unsynchronized progress one last blocking sync (as
-diloco closes a partial round), so every site ends with the same model.
+diloco closes a partial round), so every site ends with the same model: the membership's
+`close_exchanges`, the same for every membership.
 
-Elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md): a quorum per
-fragment sync, as torchft's Streaming DiLoCo takes. A sync taken after step t is issued at
-the start of step t+1, right after its quorum (where a returning site is healed; hence
-tau >= 1), and decided (committed or not) where it lands, or earlier when the next
-quorum comes first (only one reduction is ever open). Not committed: the fragment's
+Every sync goes through the membership (membership.py, `Exchanges`), which decides where it
+is issued: a sync taken after step t is due (`taken`), and a fixed set of sites issues it
+at once. Elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md) take a
+quorum per fragment sync, as torchft's Streaming DiLoCo does: the sync is issued at the
+start of step t+1, right after its quorum (`step_started`; where a returning site is
+healed; hence tau >= 1), and decided (committed or not) where it lands, or earlier when the
+next quorum comes first (only one reduction is ever open). Not committed: the fragment's
 anchor and outer momentum stay, its error feedback is put back, its local copy restarts
 from the anchor, and the next slot retries the same fragment (torchft's rule; CoCoDC's
 adaptive schedule picks it again by its staleness).
@@ -49,14 +52,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.fragments import PARTITIONS, partition
 from megatron_lsgd.core.lsgd.means import SideValues, fp32_mean
-from megatron_lsgd.core.lsgd.membership import Finished, JobFinished
+from megatron_lsgd.core.lsgd.membership import Finished
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
@@ -131,14 +134,14 @@ class InFlight:
     started: int  # local step (after warm-up) at which Δ was taken
     lands: int  # local step at which its outer step is applied
     ticket: QueuedReduce
+    round: object  # the membership's ticket (decides whether the sync commits)
     snapshot: List[torch.Tensor] = field(default_factory=list)  # cocodc: θ_local at the start
     side: Optional[SideValues] = None  # cocodc: measured times riding along
-    round: Optional[object] = None  # elastic sites: the membership's ticket (commit or not)
     prev_start: int = 0  # the fragment's last start before this one (restored if it does not commit)
 
 
 class _Queued:
-    """A reduction of the queue, as the work of a membership ticket (elastic sites)."""
+    """A reduction of the queue, as the work of a membership ticket."""
 
     def __init__(self, queue: ReductionQueue, gen: Reduction):
         self.queue = queue
@@ -215,14 +218,12 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.last_land = [0] * self.num_fragments
         self.dirty = [False] * self.num_fragments  # local copy may differ from the anchor
         self.syncs = 0  # landed fragment syncs
-        # Elastic sites only: fragments whose sync was taken after the last step (issued after
-        # the next quorum), failed syncs so far (each shifts the fixed slots: the failed
-        # fragment goes again), the final syncs under way, and whether this process has met
-        # the others yet (a restarted site's first step is a quorum, to be healed there).
+        # Fragments whose sync was taken and not yet issued (elastic sites: until the next
+        # step's quorum; otherwise issued at once), failed syncs so far (each shifts the fixed
+        # slots: the failed fragment goes again), and whether the closing syncs are under way.
         self.due: List[int] = []
         self.retries = 0
         self.finishing = False
-        self.joined = False
         # (fragment, start, land, bytes this rank sent) of this process's recent syncs, for tests and tools
         self.history: deque = deque(maxlen=10000)
         self._step_started: Optional[float] = None
@@ -239,42 +240,47 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     def before_forward_backward(self, iteration: int) -> None:
         # timed only for an algorithm that uses it (cocodc's schedule): on a GPU a reading drains the stream
         self._step_started = self.ctx.clock.now() if self.times_steps() else None
-        if self.active and self.ctx.membership.elastic and (self.due or not self.joined):
-            self._quorums()
+        if self.active:  # elastic sites: a quorum for each sync due, each issued right after it
+            self.ctx.membership.step_started(self)
         if self.active and len(self.queue):
             self._poll()
 
     def _poll(self) -> None:
-        if not self.ctx.membership.elastic:
-            self.queue.poll()
-            return
-        for rec in self.in_flight:  # through the tickets: a failure is reported, not raised
-            if rec.round is not None and rec.round.decision is None:
+        """Advance the reductions in flight without blocking: the oldest unfinished one's
+        ticket polls the whole queue (an elastic membership's reports a failure, never raises)."""
+        for rec in self.in_flight:
+            if not rec.round.done:
                 rec.round.poll()
-
-    def _quorums(self) -> None:
-        """Elastic sites: a quorum for each sync due (and one at a process's first step, where
-        a restarted site is healed), each followed by its sync; a site healed into a peer's
-        final syncs finishes them with it."""
-        while True:
-            self._decide_open()  # one reduction per quorum: a quorum may rebuild the group
-            self.ctx.membership.round_started()
-            self.joined = True
-            if self.finishing:
-                self._finish_elastic(quorum_taken=True)
-                raise JobFinished("healed during the job's final fragment syncs, which are now done")
-            if not self.due:  # a process's first quorum: a round of its own, decided at once, so that
-                # the committed-round count moves (a site that missed it is behind, and healed)
-                self.ctx.membership.finish(self.ctx.membership.start(lambda: Finished([])))
-                return
-            self.start_sync(self.due.pop(0), self.local_step)
-            if not self.due:
                 return
 
-    def _decide_open(self) -> None:
+    # ---- Exchanges: what the membership's rhythm drives (membership.py) ---------------------------
+    def exchange_due(self) -> bool:
+        return bool(self.due)
+
+    def issue_due(self) -> None:
+        self.start_sync(self.due.pop(0), self.local_step)
+
+    def decide_open(self) -> None:
         for rec in list(self.in_flight):
-            if rec.round is not None and rec.round.decision is None:
-                self._decide(rec)
+            self._decide(rec)
+
+    def land_in_flight(self) -> None:
+        for rec in list(self.in_flight):
+            self.land(rec, self.local_step)
+
+    def closing_due(self) -> bool:
+        return bool(self.due) or any(self.dirty)
+
+    def close_one(self) -> None:
+        """A sync due (taken, not yet issued) lands at once; else one last sync of the first
+        fragment with local progress."""
+        if self.due:
+            self.land(self.start_sync(self.due.pop(0), self.local_step), self.local_step)
+        else:
+            self._final_sync(self.dirty.index(True))
+
+    def closed(self) -> None:
+        pass
 
     def _decide(self, rec: InFlight) -> Optional[List[torch.Tensor]]:
         """The sync's mean if its round commits; else the fragment is rolled back (None)."""
@@ -309,11 +315,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.dirty = [True] * self.num_fragments
         self._poll()
         self._land_due(t)
-        for p in self.starts_at(t):
-            if self.ctx.membership.elastic:
-                self.due.append(p)  # issued after the next step's quorum
-            else:
-                self.start_sync(p, t)
+        self.due.extend(self.starts_at(t))
+        self.ctx.membership.taken(self)  # issued now, or (elastic sites) after the next step's quorum
         self._land_due(t)  # τ = 0: the fragment lands in the step it started
 
     def times_steps(self) -> bool:
@@ -344,25 +347,27 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         deltas = self.outer.pseudo_gradient(views)
         side = self.side_values()
         snapshot = self.snapshot(p)
-        gen = self._reduction(p, deltas, side)
-        round_ = None
-        if self.ctx.membership.elastic:
-            round_ = self._start_round(p, gen)
-            work = round_.work
-            ticket = work.item if isinstance(work, _Queued) else QueuedReduce.finished([])
-        else:
-            ticket = self.queue.submit(gen) if gen is not None else QueuedReduce.finished([])
-        rec = InFlight(p, t, t + self.tau, ticket, snapshot, side, round_, self.last_start[p])
+        round_, ticket = self._start_round(p, self._reduction(p, deltas, side))
+        rec = InFlight(p, t, t + self.tau, ticket, round_, snapshot, side, self.last_start[p])
         self.in_flight.append(rec)
         self.last_start[p] = t
         return rec
 
-    def _start_round(self, p: int, gen: Optional[Reduction]):
-        """Elastic sites: the sync as the round's reduction (its error feedback is undone if it
-        does not commit). Every rank of the site takes the round, even one with nothing to send."""
+    def _start_round(self, p: int, gen: Optional[Reduction]) -> Tuple[object, QueuedReduce]:
+        """The sync as the round's reduction, through the membership (its error feedback is
+        undone if it does not commit): its ticket and the queue's item (a finished empty one
+        when nothing was queued). Every rank of the site takes the round, even one with
+        nothing to send."""
         compressor = self.fragment_compressors[p]
-        return self.ctx.membership.start(lambda: _Queued(self.queue, gen) if gen is not None else Finished([]),
-                                         undo=[compressor] if compressor is not None else [])
+        issued: List[_Queued] = []
+
+        def issue():
+            if gen is None:
+                return Finished([])
+            issued.append(_Queued(self.queue, gen))
+            return issued[0]
+        round_ = self.ctx.membership.start(issue, undo=[compressor] if compressor is not None else [])
+        return round_, issued[0].item if issued else QueuedReduce.finished([])
 
     def snapshot(self, p: int) -> List[torch.Tensor]:
         """What the landing rule needs from the start (CoCoDC: θ_local)."""
@@ -374,13 +379,10 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
 
     def land(self, rec: InFlight, t: int) -> None:
         """Wait for the fragment's mean, take its outer step, merge, push it into the model
-        (elastic sites: only if its round commits, else the fragment is rolled back)."""
-        if rec.round is not None:
-            mean = self._decide(rec)
-            if mean is None:
-                return
-        else:
-            mean = rec.ticket.result if rec.ticket.done else self.queue.wait(rec.ticket)
+        (only if its round commits, else the fragment is rolled back)."""
+        mean = self._decide(rec)
+        if mean is None:
+            return
         self.dirty[rec.fragment] = self.merge(rec, mean, t)
         self.publish(rec.fragment)  # a site collective even when this rank's views are empty
         self.in_flight.remove(rec)
@@ -419,79 +421,38 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
 
     # ---- end of training, quiesce, state ----------------------------------------------------------------
     def quiesce(self) -> None:
-        """Let every reduction in flight finish (each is applied at its usual step). A
-        reduction finished here was waited for, not observed, so it carries no time. Elastic
-        sites also decide them now, so a checkpoint holds committed syncs only."""
+        """Let every reduction in flight finish (each is applied at its usual step) and decide
+        it (elastic sites: committed or not), so a checkpoint holds committed syncs only. A
+        reduction finished here was waited for, not observed, so it carries no time."""
         if len(self.queue):
             unfinished = [r.ticket for r in self.in_flight if not r.ticket.done]
-            if self.ctx.membership.elastic:
-                for rec in self.in_flight:
-                    if rec.round is not None:
-                        rec.round.wait()
-            else:
-                self.queue.drain()
+            for rec in self.in_flight:  # in start order: the queue's
+                rec.round.wait()
             for ticket in unfinished:
                 ticket.finished_at = None
-        if self.ctx.membership.elastic:
-            self._decide_open()
+        self.decide_open()
 
     def finish_training(self, iteration: int) -> None:
-        if not self.active:
-            return
-        if self.ctx.membership.elastic:
-            self._finish_elastic(quorum_taken=False)
-            return
-        for rec in list(self.in_flight):
-            self.land(rec, self.local_step)
-        for p in range(self.num_fragments):
-            if self.dirty[p]:
-                self._final_sync(p)
-
-    def _finish_elastic(self, quorum_taken: bool) -> None:
-        """Elastic sites, at the end, as finish_training does in a plain run: land what is in
-        flight, start and land the syncs due, then one last sync of every fragment with local
-        progress, each a round of its own. A site healed at one of these quorums holds the
-        peer's state (what is due, which fragments are dirty) and joins in from there."""
-        self.finishing = True
-        for rec in list(self.in_flight):
-            self.land(rec, self.local_step)
-        while self.due:
-            if not quorum_taken:
-                self.ctx.membership.round_started()
-            quorum_taken = False
-            rec = self.start_sync(self.due.pop(0), self.local_step)
-            self.land(rec, self.local_step)
-        for p in range(self.num_fragments):
-            if self.dirty[p]:
-                if not quorum_taken:
-                    self.ctx.membership.round_started()
-                quorum_taken = False
-                self._final_sync(p)
-        self.finishing = False
+        """Land what is in flight, issue and land the syncs due, then one last sync of every
+        fragment with local progress, each a round of its own (membership.close_exchanges: a
+        site healed at one of these quorums holds the peer's state, what is due and which
+        fragments are dirty, and joins in from there)."""
+        if self.active:
+            self.ctx.membership.close_exchanges(self)
 
     def _final_sync(self, p: int) -> None:
-        """Blocking sync of one fragment, after which every site holds its anchor (elastic
-        sites: its anchor as it was, when the round does not commit)."""
+        """Blocking sync of one fragment, after which every site holds its anchor (its anchor
+        as it was, when the round does not commit)."""
         views = self.views[p]
         gen = self._reduction(p, self.outer.pseudo_gradient(views), None)
-        sent = 0
-        if self.ctx.membership.elastic:
-            round_ = self._start_round(p, gen)
-            mean = self.ctx.membership.finish(round_)
-            if isinstance(round_.work, _Queued):
-                sent = round_.work.item.bytes_sent
-            if mean is not None and gen is not None:
-                self.outer.step(views, mean)
-                self.syncs += 1
-            if not views.empty:
-                self.outer.load_into(views)
-        elif gen is not None:
-            ticket = self.queue.submit(gen)
-            mean = self.queue.wait(ticket)
-            sent = ticket.bytes_sent
+        round_, ticket = self._start_round(p, gen)
+        mean = self.ctx.membership.finish(round_)
+        sent = ticket.bytes_sent
+        if mean is not None and gen is not None:
             self.outer.step(views, mean)
-            self.outer.load_into(views)
             self.syncs += 1
+        if not views.empty:
+            self.outer.load_into(views)
         self.publish(p)
         self.history.append((p, self.local_step, self.local_step, sent))
         self.dirty[p] = False
@@ -559,6 +520,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
                 side.mean = f["side_mean"].to(self.device).clone()
             ticket = QueuedReduce.finished([m.to(self.device).clone() for m in f["mean"]])
             self.in_flight.append(InFlight(int(f["fragment"]), int(f["started"]), int(f["lands"]), ticket,
+                                           Finished(ticket.result),  # decided (committed) before it was saved
                                            [s.to(self.device).clone() for s in f["snapshot"]], side))
 
     def stats(self) -> Dict[str, float]:

@@ -14,6 +14,7 @@ for the streaming family a round is one fragment's sync, as in torchft's Streami
   After `--lsgd-ft-max-wait` it stops with one error line, or, alone in its quorum under
   `--lsgd-ft-lone-site train`, trains alone (its rounds committed with itself as the only
   member) until another site joins its quorum.
+  A heal is a `Heal` (returned, and kept in `heals`).
 - `start` / `finish` (`reduce` is both at once): the round's one reduction over the sites
   present, issued right after the quorum and finished before the next one (a quorum may
   rebuild the group under it). A collective that fails (a peer died, a timeout) is
@@ -23,9 +24,18 @@ for the streaming family a round is one fragment's sync, as in torchft's Streami
   Not kept: the state in `undo` is put back as it was when the reduction was issued and
   None is returned, so the synchronizer leaves its anchor as it was; the next quorum
   names the site that was lost, in one line.
+- the rhythm of reductions that overlap inner steps (`taken`, `step_started`): a reduction
+  taken after a step is issued at the start of the next, right after its own quorum (one
+  quorum per reduction; what is open is decided before it), and a process's first step
+  takes a quorum even with nothing to send (a round of its own, decided at once), where a
+  restarted site is healed. A site healed into a peer's closing exchanges takes part in
+  the rest of them (`close_exchanges`).
 - `job_finished`: when the job reaches its budget every site takes one last quorum, in
   which a site that missed the job's last rounds (restarting, or left out) receives the
-  final state and stops (`JobFinished`) instead of waiting for peers that are gone.
+  final state instead of waiting for peers that are gone. A site whose training is over by
+  a heal (the job's final state, or the closing exchanges it was healed into are done)
+  says so in `ended_by`, and its synchronizer ends training through the protocol
+  (`Synchronizer.ended`).
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ import socket
 import threading
 import time
 import warnings
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
@@ -45,7 +56,7 @@ import torch
 from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
 from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
 from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions, require_torchft
-from megatron_lsgd.core.lsgd.membership import JobFinished, SiteMembership
+from megatron_lsgd.core.lsgd.membership import Exchanges, Finished, Heal, SiteMembership
 
 T = TypeVar("T")
 
@@ -101,7 +112,7 @@ class _RoundTicket:
 
 
 class TorchftMembership(SiteMembership):
-    elastic = True
+    """Elastic sites: each a torchft replica group; rounds may fail and sites may join."""
 
     def __init__(self, comm: ElasticComm, options: FaultToleranceOptions, *, site: int, group_rank: int,
                  group_world_size: int, store_addr: str, store_port: int, device: torch.device,
@@ -146,13 +157,14 @@ class TorchftMembership(SiteMembership):
         self.rounds_attempted = self.rounds_committed = 0
         self.failed_in_a_row = 0  # rounds not committed since the last that was (--lsgd-ft-max-failed-rounds)
         self.alone = False  # training alone (--lsgd-ft-lone-site train) until another site joins its quorum
-        self.healed_rounds: List[int] = []  # committed-round counts at which this site received a peer's state
+        self.heals: List[Heal] = []  # every live peer's state this site received, in order
+        self.ended_by: Optional[Heal] = None  # the heal that ended this site's training (Heal.ends_training)
+        self.joined = False  # this process has taken a quorum (its first step takes one: a restarted site heals there)
         self._failed: Optional[List[int]] = None  # the sites of a round that was not committed
         self._failure = ""  # why, in a few words
-        self._healing = False
+        self._received: Optional[Dict] = None  # a peer's round counts, received in the quorum under way (a heal)
         self._open: Optional[_RoundTicket] = None  # the round's reduction, until finished
         self.finished = False  # this site reached the job's budget (told to a site it heals)
-        self.received_final = False  # this site was healed to a peer's final state
         self._digests: Optional[tuple] = None  # (path, the tensors to hash): record_digests
         self._digested = -1  # the committed-round count of the last digest written
         # A healed site numbers rounds as the peer that healed it does (its log lines name rounds).
@@ -163,11 +175,7 @@ class TorchftMembership(SiteMembership):
     def register_state(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]
                        ) -> None:
         """`state_dict` must return a snapshot (copies): torchft serves it while training goes on."""
-        def load(state: object) -> None:
-            self._healing = True
-            load_state_dict(state)
-
-        self.manager.register_state_dict_fn(key, load, state_dict)
+        self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
 
     def _counts(self) -> Dict:
         return {"rounds_attempted": self.rounds_attempted, "rounds_committed": self.rounds_committed}
@@ -177,8 +185,19 @@ class TorchftMembership(SiteMembership):
         self.rounds_committed = int(counts["rounds_committed"])
 
     def _load_heal_counts(self, counts: Dict) -> None:
+        """torchft loads every registered key at a heal, this one included: what was received
+        becomes the quorum's Heal."""
         self._load_counts(counts)
-        self.received_final = bool(counts.get("finished", False))  # never from a checkpoint
+        self._received = counts  # (never from a checkpoint)
+
+    def _heal(self, **where) -> Optional[Heal]:
+        """The heal of the quorum just formed (None: this site received nothing)."""
+        if self._received is None:
+            return None
+        received, self._received = self._received, None
+        heal = Heal(committed_round=self.committed_rounds, final=bool(received.get("finished", False)), **where)
+        self.heals.append(heal)
+        return heal
 
     @property
     def committed_rounds(self) -> int:
@@ -208,12 +227,13 @@ class TorchftMembership(SiteMembership):
             f.write(json.dumps(record) + "\n")
 
     # ---- SiteMembership -----------------------------------------------------------------------------
-    def round_started(self) -> None:
+    def round_started(self) -> Optional[Heal]:
         if self._open is not None:
             raise RuntimeError("a round's reduction is still open: finish it before the next quorum")
         self._record_digest()
-        self._form_quorum_or_stop()
-        self._stop_if_final()
+        heal = self._form_quorum_or_stop()
+        if self._ended_by_final(heal):
+            return heal
         waited_since = last_line = None  # the run's clock: real time (fault tolerance refuses a simulated one)
         while self.manager.num_participants() < self.options.min_sites:
             now = self.comm.clock.now()
@@ -227,7 +247,7 @@ class TorchftMembership(SiteMembership):
                     self.log(f"site {self.site} trains alone: no other site in its quorum for --lsgd-ft-max-wait "
                              f"{self.options.max_wait_s:g} s (--lsgd-ft-lone-site train); its rounds commit with "
                              f"itself as the only member until another site joins")
-                return
+                return heal
             missing = sorted(set(range(self.comm.configured_sites)) - set(self.present))
             if now - waited_since > self.options.max_wait_s:  # the run's one error line, exit code 2
                 hint = "; --lsgd-ft-lone-site train would train alone" if alone else ""
@@ -240,14 +260,16 @@ class TorchftMembership(SiteMembership):
                                             f"{_sites(self.present)}); missing: {_sites(missing)}")
                 last_line = now
             self.comm.clock.sleep(self.poll_s)
-            self._form_quorum_or_stop()
-            self._stop_if_final()
+            heal = self._form_quorum_or_stop() or heal
+            if self._ended_by_final(heal):
+                return heal
+        return heal
 
-    def _form_quorum_or_stop(self) -> None:
-        """A quorum, or the run's one error line when the lighthouse formed none with this
-        site in --lsgd-ft-max-wait (torchft's quorum timeout)."""
+    def _form_quorum_or_stop(self) -> Optional[Heal]:
+        """A quorum (the heal it brought, if any), or the run's one error line when the
+        lighthouse formed none with this site in --lsgd-ft-max-wait (torchft's quorum timeout)."""
         try:
-            self._form_quorum()
+            return self._form_quorum()
         except TimeoutError as err:  # the Manager's quorum_timeout: no other site (or too few for the lighthouse)
             alone = "; --lsgd-ft-lone-site train needs a lighthouse that forms a quorum of one site " \
                 "(torchft_lighthouse --min_replicas 1)" if self.options.lone_site == "train" else ""
@@ -256,28 +278,32 @@ class TorchftMembership(SiteMembership):
                 f"formed none with this site: fewer sites than its --min_replicas came; sites of the last round: "
                 f"{_sites(self.present)}{alone})") from err
 
-    def _stop_if_final(self) -> None:
-        if self.received_final:
-            self.log(f"site {self.site}: the job had finished at committed round {self.committed_rounds}: "
-                     f"received its final state from a live peer; stopping")
-            raise JobFinished(f"site {self.site} received the job's final state")
+    def _ended_by_final(self, heal: Optional[Heal]) -> bool:
+        """Whether `heal` brought the job's final state (a peer had finished the job): this
+        site's training is then over (`ended_by`), with nothing to train or exchange."""
+        if heal is None or not heal.final:
+            return False
+        self.ended_by = heal
+        self.log(f"site {self.site}: the job had finished at committed round {self.committed_rounds}: "
+                 f"received its final state from a live peer; stopping")
+        return True
 
-    def _form_quorum(self) -> None:
+    def _form_quorum(self) -> Optional[Heal]:
         """A quorum, who is in it, and a line for what changed since the last one."""
         before = self.present
         self._emit("quorum_asked", committed=self.committed_rounds)
         self._quorum()
+        self.joined = True
         present = self._gather_present()
         if present is None:  # a site died right after the quorum: this round will not commit
             present = list(before)
         self.present = present
         self.comm.set_sites(self.pg, self.manager.num_participants())
+        heal = self._heal()
         self._emit("quorum", id=getattr(self.manager, "_quorum_id", None), sites=self.present,
-                   committed=self.committed_rounds, healed=self._healing,
+                   committed=self.committed_rounds, healed=heal is not None,
                    errored=self.manager.errored() is not None)
-        if self._healing:
-            self._healing = False
-            self.healed_rounds.append(self.committed_rounds)
+        if heal is not None:
             self.log(f"site {self.site} rejoined at committed round {self.committed_rounds}: state received from "
                      f"a live peer; sites now {_sites(self.present)}")
         if self._failed is not None:
@@ -293,6 +319,39 @@ class TorchftMembership(SiteMembership):
             self.log(f"site {self.site}: sites now {_sites(self.present)} (were {_sites(before)})")
         if len(self.present) > 1:
             self.alone = False
+        return heal
+
+    # ---- the rhythm of reductions that overlap inner steps --------------------------------------------
+    def taken(self, ex: Exchanges) -> None:
+        """Issued after the next step's quorum (step_started), not now: a quorum is taken at a
+        step's start, where a returning site is healed, and never under a reduction in flight."""
+
+    def step_started(self, ex: Exchanges) -> None:
+        """A quorum for each reduction due, each issued right after it, what is open decided
+        before each quorum (one reduction per quorum); and one quorum at this process's first
+        step, where a restarted site is healed: with nothing to send it is a round of its own,
+        decided at once, so that the committed-round count moves with the rounds (a site that
+        missed it is behind, and healed). A site healed into a peer's closing exchanges
+        finishes them with it, and its training is over (`ended_by`), as is that of a site
+        healed to the job's final state."""
+        if self.joined and not ex.exchange_due():
+            return
+        while True:
+            ex.decide_open()
+            heal = self.round_started()
+            if self.ended_by is not None:  # the job's final state
+                return
+            if ex.finishing:  # what a heal at a peer's closing exchange brings (nothing else sets it at a step's start)
+                self.close_exchanges(ex, quorum_taken=True)
+                if self.ended_by is None:
+                    self.ended_by = replace(heal or Heal(self.committed_rounds), joined_closing=True)
+                return
+            if not ex.exchange_due():  # a process's first quorum with nothing to send
+                self.finish(self.start(lambda: Finished([])))
+                return
+            ex.issue_due()
+            if not ex.exchange_due():
+                return
 
     def start(self, issue: Callable[[], object], undo: Sequence[object] = ()) -> _RoundTicket:
         if self._open is not None:
@@ -349,7 +408,7 @@ class TorchftMembership(SiteMembership):
             else "a peer site did not commit"
 
     def job_finished(self) -> None:
-        if self.received_final:  # told by a peer: the others have left
+        if self.ended_by is not None and self.ended_by.final:  # told by a peer: the others have left
             self._record_digest(final=True)
             return
         self._record_digest()
@@ -360,8 +419,7 @@ class TorchftMembership(SiteMembership):
             self.log(f"site {self.site}: no closing quorum ({type(err).__name__}); the job is over")
             self._record_digest(final=True)
             return
-        if self._healing:
-            self._healing = False
+        if self._heal(closing_quorum=True) is not None:
             self.log(f"site {self.site}: took a peer's final state at the closing quorum (committed round "
                      f"{self.committed_rounds})")
         self._record_digest(final=True)
