@@ -170,7 +170,6 @@ def assert_replicas_identical(records: List[dict]) -> None:
             assert torch.equal(other[name], ref[name]), f"replica (site {site}, dp {dpi}) differs in {name}"
 
 
-@contextlib.contextmanager
 def assert_resumed_per_site(whole: List[dict], paused: List[dict], resumed: List[dict], at: int) -> None:
     """A run paused at iteration `at` and resumed from its checkpoint reproduces the
     uninterrupted run bit for bit: its losses and every site's model."""
@@ -192,6 +191,7 @@ def assert_converts_model_only(ckpt: str, out_dir: str, capsys, refusal: str) ->
     assert refusal in capsys.readouterr().err
 
 
+@contextlib.contextmanager
 def no_room_for_files(limit_bytes: int = 0):
     """While inside, no regular file of this process may grow past `limit_bytes`: a write
     beyond it fails in the kernel with OSError EFBIG, as a full disk fails with ENOSPC
