@@ -34,8 +34,8 @@ BOOKKEEPING = "membership"  # the torchft committed-round count: a plain run has
 
 def _job(sites: int, lighthouse: str = "", min_sites: int = 1, extra=(), algorithm=("--lsgd-algorithm", "diloco"),
          interval: int = H) -> list:
-    args = TINY + ["--num-sites", str(sites), *algorithm, "--lsgd-interval", str(interval),
-                   "--save-interval", str(interval), *extra]
+    rounds = [] if algorithm == SYNC else ["--lsgd-interval", str(interval)]  # sync: a round is a step
+    args = TINY + ["--num-sites", str(sites), *algorithm, *rounds, "--save-interval", str(interval), *extra]
     if lighthouse:
         args += ["--lsgd-fault-tolerance", "torchft", "--lsgd-lighthouse", lighthouse, "--lsgd-min-sites",
                  str(min_sites), "--lsgd-ft-timeout", "20", "--lsgd-ft-max-wait", "120"]
@@ -98,6 +98,7 @@ HOOKS = "tests/unit_tests/lsgd/ft_pretrain_hooks.py"  # pretrain_gpt.py with a t
 HOOKS_ENTRY = "tests.unit_tests.lsgd.ft_pretrain_hooks"  # the same, as a forked rank's entry (launch.Job)
 DILOCOX = ("--lsgd-algorithm", "dilocox")
 COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-schedule", "round-robin")
+SYNC = ("--lsgd-algorithm", "sync")
 
 
 @pytest.mark.slow
@@ -109,7 +110,9 @@ COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-
     # a quorum per fragment sync; the all-to-all quantized mean
     (["--pipeline-model-parallel-size", "2", "--lsgd-compression", "int4", "--lsgd-quantized-mean", "alltoall",
       "--train-iters", "10"], COCODC, 4),
-], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4"])
+    # a quorum and a gradient mean per step; each site's 2 ranks split its traffic (gathered in the site after)
+    (["--lsgd-compression", "int8"], SYNC, H),
+], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4", "sync-dp2-int8"])
 def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout, algorithm, interval):
     # 2 sites of 2 ranks each. Every checkpointed tensor of both sites and every logged loss
     # must equal the run without fault tolerance.
