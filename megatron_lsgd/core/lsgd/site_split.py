@@ -1,7 +1,7 @@
 """The split of a site's cross-site traffic over its DP_intra ranks (`SiteSplit`,
 `gather_parts`) and the blocking mean of gradients across sites built on it
-(`average_grads_across_sites`: the `sync` algorithm's step and every local-SGD
-algorithm's synchronous warm-up)."""
+(`average_grads_across_sites`: every local-SGD algorithm's synchronous warm-up; its
+cross-site part, `mean_grads_across_sites`, is the `sync` algorithm's step)."""
 
 from __future__ import annotations
 
