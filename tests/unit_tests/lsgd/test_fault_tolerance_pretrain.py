@@ -23,6 +23,7 @@ from tests.unit_tests.checkpointing.launch import (TINY, Job, assert_same, finis
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install -e \".[ft]\")")
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) logs every quorum at info
 
+from tools.benchmarks.elastic.chaos import check_digests, read_digests  # noqa: E402
 from tools.benchmarks.elastic.ft_site import start_lighthouse  # noqa: E402
 
 H = 2
@@ -275,7 +276,8 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     iters = 10 * interval
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
     logs = {s: str(tmp_path / f"site{s}.log") for s in range(2)}
-    base = extra + ["--train-iters", str(iters), "--save", save,
+    digests = str(tmp_path / "digests")  # what every site holds alike, at every committed round
+    base = extra + ["--train-iters", str(iters), "--save", save, "--lsgd-ft-digests", digests,
                     "--simulate-slow-ranks", "0,1", "--slow-factor", PACE]
     args = _job(2, lighthouse.address(), 1, base, algorithm, interval)
     release = str(tmp_path / "release")
@@ -308,6 +310,8 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     assert text0.count(marker) == 1 and back in text0[text0.index(marker):], text0
     if algorithm == SYNC:  # the step whose mean was lost is applied on no site: site 0 skipped it
         assert "| skipped iterations: 1 |" in text0, text0[-600:]
+    agreed = check_digests(read_digests(digests))  # both sites' (the killed process's included)
+    assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 4, agreed
     # site 0's last checkpoint before site 1 came back
     rolled_back = text0.index(marker)
     joined = _iteration_of(text0[:text0.index(back, rolled_back)])  # (site 1 may also have come after site 0 began)
