@@ -55,9 +55,10 @@ class SyncEveryStep(Synchronizer):
         # the compressor's error feedback goes back as it was when a mean does not commit
         undo = [self.compressors.for_views(mine, mine.grad[0].device)] \
             if self.compressors is not None and mine.ranges else []
-        mean = self.ctx.membership.reduce(
+        # the mean lands in the gradients in place; reduce's result only says committed (True) or not (None)
+        done = self.ctx.membership.reduce(
             lambda: mean_grads_across_sites(self.ctx.comm, self.split, mine, self.compressors) or True, undo)
-        self.committed = mean is not None
+        self.committed = done is not None
         # in the site, on every rank whatever the decision (all ranks of a site agree on it)
         self.split.gather(views.grad)
         self.ctx.comm.rounds += 1
