@@ -1,7 +1,7 @@
 """Which sites take part in an outer round, whether the round is kept, and when a reduction
 is issued.
 
-A local-SGD round is framed by two calls:
+A local-SGD round is framed by two calls (for `sync` a round is one step):
 - `round_started()` before its first inner step: a fault-tolerant membership takes its
   quorum here (who is up), and a site that comes back receives a live peer's state (it
   returns that `Heal`);

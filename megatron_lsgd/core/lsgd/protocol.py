@@ -12,7 +12,9 @@ algorithm is running. One training step, as the default `train_step` composes it
                                         of the step is in main_grad (mb is the last micro-batch)
       step.reduce_in_site()           TP/embedding reduces, then the intra-site buckets
       after_forward_backward(it)      `sync` averages gradients across sites here
-      step.apply()                    clip, inner optimizer on this rank's shard, main -> model
+      step.apply()                    clip, inner optimizer on this rank's shard, main -> model;
+                                      skipped when update_due() is False (an elastic `sync`
+                                      step whose mean did not commit)
       after_optimizer_step(it, ok)    DiLoCo-style outer steps go here
 
     quiesce()                         finish everything in flight; called before evaluation,
@@ -318,7 +320,7 @@ class Synchronizer:
         losses = step.compute_grads(data_iterator)
         step.reduce_in_site()
         self.after_forward_backward(iteration)
-        ok, norm = step.apply()
+        ok, norm = step.apply() if self.update_due() else (False, None)
         self.after_optimizer_step(iteration, ok)
         return StepResult(losses, ok, norm, step.num_microbatches)
 
@@ -342,6 +344,12 @@ class Synchronizer:
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         pass
+
+    def update_due(self) -> bool:
+        """Read after after_forward_backward: False when this step's inner update must not be
+        applied (an elastic `sync` step whose cross-site mean did not commit: every site of
+        the quorum skips it, as an fp16 overflow is skipped, so all stay on one model)."""
+        return True
 
     def quiesce(self) -> None:
         """Finish all communication in flight so state_dict() is complete and the model

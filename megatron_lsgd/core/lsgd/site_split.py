@@ -1,7 +1,7 @@
 """The split of a site's cross-site traffic over its DP_intra ranks (`SiteSplit`,
 `gather_parts`) and the blocking mean of gradients across sites built on it
-(`average_grads_across_sites`: the `sync` algorithm's step and every local-SGD
-algorithm's synchronous warm-up)."""
+(`average_grads_across_sites`: every local-SGD algorithm's synchronous warm-up; its
+cross-site part, `mean_grads_across_sites`, is the `sync` algorithm's step)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,16 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
         return
     views = ctx.optimizer.views()
     split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
-    mine = split.mine(views)
+    mean_grads_across_sites(comm, split, split.mine(views), compressors, exchange)
+    split.gather(views.grad)
+    comm.rounds += 1
+
+
+def mean_grads_across_sites(comm, split: SiteSplit, mine, compressors: Optional[CompressorBank] = None,
+                            exchange: Optional[CanonicalExchange] = None) -> None:
+    """The cross-site part of `average_grads_across_sites`: this rank's part of the gradients
+    (`mine`) becomes its mean across sites, in place; nothing inside the site (an elastic
+    `sync` step runs this under its quorum, where it may fail, and gathers in the site after)."""
     if exchange is not None:
         for grad, mean in zip(mine.grad, exchange.mean(comm, mine, mine.grad)):
             grad.copy_(mean)
@@ -137,5 +146,3 @@ def average_grads_across_sites(ctx: SyncContext, compressors: Optional[Compresso
         means = split.mean(comm, mine.grad, lambda grads: run_blocking(compressor.reduce(grads)))
         for grad, mean in zip(mine.grad, means):
             grad.copy_(mean)
-    split.gather(views.grad)
-    comm.rounds += 1

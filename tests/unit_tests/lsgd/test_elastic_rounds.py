@@ -460,3 +460,115 @@ def test_a_digest_per_committed_round_none_for_a_state_loaded_from_a_checkpoint(
     restarted.finish(restarted.start(lambda: Finished([])))
     restarted.round_started()
     assert records(path) == [(5, False)]
+
+
+# ---- sync: a round per step ----------------------------------------------------------------------
+def _sync(compression="none", membership=None):
+    from megatron_lsgd.core.lsgd.algorithms.sync import SyncEveryStep
+
+    block = {"quant_block": 16} if compression in ("int4", "int8") else {}
+    cfg = lsgd_config("sync", compression=compression, outer_lr=1.0, outer_momentum=0.0, **block)  # no outer step
+    ctx = make_context(cfg, [torch.zeros(48)])
+    if membership is not None:
+        ctx.membership = membership
+    sync = SyncEveryStep(ctx)
+    sync.active = True  # the cross-site path on a one-site fake (the mean of one site, still compressed)
+    return sync
+
+
+class _GradStep:
+    """An inner step on the fake: the step's gradient is the next of `grads`; apply is SGD at
+    lr 0.1 on the shard. `parts` records the order of the step's parts and of its quorum."""
+
+    num_microbatches = 1
+
+    def __init__(self, sync, grads):
+        self.sync, self.grads, self.parts = sync, iter(grads), []
+
+    def zero_grads(self):
+        self.parts.append("zero_grads")
+        self.sync.ctx.optimizer.views().grad[0].zero_()
+
+    def compute_grads(self, data):
+        self.parts.append("compute_grads")
+        self.sync.ctx.optimizer.views().grad[0].copy_(next(self.grads))
+        return []
+
+    def reduce_in_site(self):
+        pass
+
+    def apply(self):
+        self.parts.append("apply")
+        self.sync.ctx.optimizer.shards[0].sub_(0.1 * self.sync.ctx.optimizer.views().grad[0])
+        return True, None
+
+
+def _grads(n, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(48, generator=g) for _ in range(n)]
+
+
+def _train(sync, grads):
+    step = _GradStep(sync, grads)
+    return [sync.train_step(step, None, i).update_successful for i in range(len(grads))], step
+
+
+@pytest.mark.parametrize("compression", ["none", "int8", "topk-2bit"])
+def test_sync_elastic_steps_without_failures_equal_the_plain_run(compression):
+    grads = _grads(5)
+    plain, elastic = _sync(compression), _sync(compression, scripted_membership())
+    assert _train(plain, grads)[0] == _train(elastic, grads)[0] == [True] * 5
+    assert torch.equal(plain.ctx.optimizer.shards[0], elastic.ctx.optimizer.shards[0])
+    assert_same(elastic.state_dict(), plain.state_dict())
+    m = elastic.ctx.membership
+    assert m.manager.quorums == m.manager.decisions == m.rounds_committed == 5  # a quorum and a round per step
+
+
+@pytest.mark.parametrize("compression", ["none", "int8", "topk-2bit"])
+def test_a_sync_step_whose_mean_does_not_commit_is_not_applied_and_training_goes_on(compression):
+    # Decision 2 (the third step's mean) does not commit: that step's inner update is skipped
+    # (on every site of the quorum, whose should_commit says the same) and its error feedback
+    # put back, so the run equals a plain run that never took that step; the others go on.
+    grads = _grads(6)
+    m = scripted_membership(fail={2})
+    elastic = _sync(compression, m)
+    applied, step = _train(elastic, grads)
+    assert applied == [True, True, False, True, True, True]
+    assert step.parts.count("apply") == 5 and step.parts.count("compute_grads") == 6
+    assert m.rounds_committed == 5 and m.rounds_attempted == 6 and "round 3 was not committed" in m.lines[0]
+    plain = _sync(compression)
+    _train(plain, grads[:2] + grads[3:])
+    assert torch.equal(elastic.ctx.optimizer.shards[0], plain.ctx.optimizer.shards[0])
+    assert_same(elastic.state_dict(), plain.state_dict())
+
+
+def test_a_site_joining_a_sync_run_is_healed_before_it_computes_its_first_step():
+    # torchft heals a site behind the quorum inside the quorum, which a sync step takes before
+    # its forward pass: the fresh site computes its first step from the peer's model and
+    # synchronizer state (error feedback), and from then on holds what the peer holds.
+    grads = _grads(5)
+    peer = _sync("int8", scripted_membership())
+    _train(peer, grads[:3])
+    served = {"sync": _roundtrip(peer.state_dict()), "model": peer.ctx.optimizer.shards[0].clone()}
+    _train(peer, grads[3:])
+    site = _sync("int8", scripted_membership())
+    m, step = site.ctx.membership, _GradStep(site, grads[3:])
+    quorum = m.manager.start_quorum
+
+    def healing_quorum(timeout=None):  # what torchft's heal loads, in the site's first quorum
+        step.parts.append("quorum")
+        if not m.heals:
+            m._load_heal_counts({"rounds_attempted": 3, "rounds_committed": 3, "finished": False})
+            site.load_state_dict(served["sync"])
+            site.ctx.optimizer.shards[0].copy_(served["model"])
+            m.manager.step = 3
+        return quorum(timeout)
+
+    m.manager.start_quorum = healing_quorum
+    for i in range(3, 5):
+        site.train_step(step, None, i)
+    assert step.parts[:3] == ["zero_grads", "quorum", "compute_grads"]
+    assert len(m.heals) == 1 and m.heals[0].committed_round == 3 and "site 0 rejoined" in m.lines[0]
+    assert torch.equal(site.ctx.optimizer.shards[0], peer.ctx.optimizer.shards[0])
+    assert_same(site.state_dict(), peer.state_dict())
+    assert m.committed_rounds == peer.ctx.membership.committed_rounds == 5

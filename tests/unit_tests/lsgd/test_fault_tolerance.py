@@ -358,6 +358,19 @@ def test_the_run_checks_fault_tolerance_against_its_other_flags(extra, message):
         build_config(parse_args(base + extra), 1)
 
 
+def test_sync_runs_under_fault_tolerance_with_compression_and_zero1():
+    # issue 49 item 2: a quorum per step (test_elastic_rounds.py, test_fault_tolerance_pretrain.py)
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed")
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "128",
+            "--num-sites", "2", "--lsgd-algorithm", "sync", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "1"]
+    config = build_config(parse_args(base + ["--lsgd-compression", "int8", "--use-distributed-optimizer"]), 1)
+    assert config.lsgd.algorithm == "sync" and config.fault_tolerance.site == 1
+
+
 def test_a_sites_torchft_group_is_on_the_inter_site_backends_device(monkeypatch):
     """--inter-site-backend gloo in a GPU run puts torchft's group on the host. Two sites that
     share one GPU cannot meet on NCCL: with the run's device there, every round of the

@@ -23,6 +23,7 @@ from tests.unit_tests.checkpointing.launch import (TINY, Job, assert_same, finis
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install -e \".[ft]\")")
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (in this process) logs every quorum at info
 
+from tools.benchmarks.elastic.chaos import check_digests, read_digests  # noqa: E402
 from tools.benchmarks.elastic.ft_site import start_lighthouse  # noqa: E402
 
 H = 2
@@ -34,8 +35,8 @@ BOOKKEEPING = "membership"  # the torchft committed-round count: a plain run has
 
 def _job(sites: int, lighthouse: str = "", min_sites: int = 1, extra=(), algorithm=("--lsgd-algorithm", "diloco"),
          interval: int = H) -> list:
-    args = TINY + ["--num-sites", str(sites), *algorithm, "--lsgd-interval", str(interval),
-                   "--save-interval", str(interval), *extra]
+    rounds = [] if algorithm == SYNC else ["--lsgd-interval", str(interval)]  # sync: a round is a step
+    args = TINY + ["--num-sites", str(sites), *algorithm, *rounds, "--save-interval", str(interval), *extra]
     if lighthouse:
         args += ["--lsgd-fault-tolerance", "torchft", "--lsgd-lighthouse", lighthouse, "--lsgd-min-sites",
                  str(min_sites), "--lsgd-ft-timeout", "20", "--lsgd-ft-max-wait", "120"]
@@ -98,6 +99,7 @@ HOOKS = "tests/unit_tests/lsgd/ft_pretrain_hooks.py"  # pretrain_gpt.py with a t
 HOOKS_ENTRY = "tests.unit_tests.lsgd.ft_pretrain_hooks"  # the same, as a forked rank's entry (launch.Job)
 DILOCOX = ("--lsgd-algorithm", "dilocox")
 COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-schedule", "round-robin")
+SYNC = ("--lsgd-algorithm", "sync")
 
 
 @pytest.mark.slow
@@ -109,7 +111,9 @@ COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-
     # a quorum per fragment sync; the all-to-all quantized mean
     (["--pipeline-model-parallel-size", "2", "--lsgd-compression", "int4", "--lsgd-quantized-mean", "alltoall",
       "--train-iters", "10"], COCODC, 4),
-], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4"])
+    # a quorum and a gradient mean per step; each site's 2 ranks split its traffic (gathered in the site after)
+    (["--lsgd-compression", "int8"], SYNC, H),
+], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4", "sync-dp2-int8"])
 def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout, algorithm, interval):
     # 2 sites of 2 ranks each. Every checkpointed tensor of both sites and every logged loss
     # must equal the run without fault tolerance.
@@ -234,6 +238,13 @@ def _outer_state(tree: dict) -> dict:
             for name, content in tree.items() if "synchronizer" in content}
 
 
+def _model(tree: dict) -> dict:
+    """Each rank file's model by name without the site (what every site holds alike under sync,
+    whose every step applies the same mean; its error feedback is each site's own)."""
+    return {re.sub(r"site_\d{3}", "site_k", name): content["params"] for name, content in tree.items()
+            if "params" in content}
+
+
 def _last_line_before(text: str, marker: str) -> int:
     """The iteration of the last step line printed before `marker`."""
     return _iteration_of(text[:text.index(marker)])
@@ -245,14 +256,16 @@ def _iteration_of(text: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm,interval,extra,die_after", [
+@pytest.mark.parametrize("algorithm,interval,extra,die_after,shared", [
     # the round-3 quorum: the mean of round 2's Δ, in flight for the whole round, is lost
-    (DILOCOX, H, ["--lsgd-compression", "int8"], 3),
+    (DILOCOX, H, ["--lsgd-compression", "int8"], 3, _outer_state),
     # quorums: the process's first step, then one per fragment sync: the third sync is lost
-    (COCODC, 4, ["--lsgd-compression", "int4"], 4),
-], ids=["dilocox", "cocodc"])
+    (COCODC, 4, ["--lsgd-compression", "int4"], 4, _outer_state),
+    # a quorum per step: step 5's gradient mean is lost, and that step is applied on no site
+    (SYNC, H, ["--lsgd-compression", "int8"], 5, _model),
+], ids=["dilocox", "cocodc", "sync"])
 def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp_path, algorithm, interval, extra,
-                                                                             die_after):
+                                                                             die_after, shared):
     # 2 sites of 1 rank, --lsgd-min-sites 1, every site saves every H steps. Site 1 dies
     # (SIGKILL) right after a quorum, before that round's reduction: site 0 logs one `lost
     # site 1` line and goes on alone exactly as a job resumed from its state after the
@@ -263,7 +276,8 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     iters = 10 * interval
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
     logs = {s: str(tmp_path / f"site{s}.log") for s in range(2)}
-    base = extra + ["--train-iters", str(iters), "--save", save,
+    digests = str(tmp_path / "digests")  # what every site holds alike, at every committed round
+    base = extra + ["--train-iters", str(iters), "--save", save, "--lsgd-ft-digests", digests,
                     "--simulate-slow-ranks", "0,1", "--slow-factor", PACE]
     args = _job(2, lighthouse.address(), 1, base, algorithm, interval)
     release = str(tmp_path / "release")
@@ -294,6 +308,10 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
         lighthouse.shutdown()
     text0, restarted = read(logs[0]), read(logs[1] + ".restart")
     assert text0.count(marker) == 1 and back in text0[text0.index(marker):], text0
+    if algorithm == SYNC:  # the step whose mean was lost is applied on no site: site 0 skipped it
+        assert "| skipped iterations: 1 |" in text0, text0[-600:]
+    agreed = check_digests(read_digests(digests))  # both sites' (the killed process's included)
+    assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 4, agreed
     # site 0's last checkpoint before site 1 came back
     rolled_back = text0.index(marker)
     joined = _iteration_of(text0[:text0.index(back, rolled_back)])  # (site 1 may also have come after site 0 began)
@@ -352,7 +370,7 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     later = [i for i in _saved_iterations(save, 1) if i > joined]
     assert later and later[-1] == iters
     for i in later:
-        assert_same(_outer_state(_checkpoint(save, 1, i)), _outer_state(_checkpoint(save, 0, i)), f"iteration {i}")
+        assert_same(shared(_checkpoint(save, 1, i)), shared(_checkpoint(save, 0, i)), f"iteration {i}")
         assert _position(save, 1, i) == _position(save, 0, i)
     final = [{re.sub(r"site_\d{3}", "site_k", k): v["params"] for k, v in _checkpoint(save, s, iters).items()
               if "params" in v} for s in range(2)]

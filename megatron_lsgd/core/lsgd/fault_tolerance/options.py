@@ -44,7 +44,7 @@ class FaultToleranceOptions(OptionGroup):
                        "default: $MASTER_ADDR")
     digests: str = option("--lsgd-ft-digests", "",
                           "directory: at each quorum every rank appends the SHA-256 of its anchor and outer momentum "
-                          "as of the last committed round to DIR/site<k>_rank<r>.jsonl (python -m tools.bench chaos "
+                          "(sync: its main parameters) as of the last committed round to DIR/site<k>_rank<r>.jsonl (python -m tools.bench chaos "
                           "checks that every site agrees at every round)", metavar="DIR")
     site: int = option("--lsgd-site", -1,
                        "which site this torchrun job is (0 .. --num-sites - 1): under fault tolerance each site is "
