@@ -382,7 +382,9 @@ def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: Simula
     (docs/heterogeneous_sites.md)."""
     if not dims.mixed_layouts:
         return
-    _refuse_for_site_shapes(_layouts_given(dims), "layouts", "diloco", lsgd.algorithm,
+    supported = ", ".join(n for n in catalog.registered_algorithms()
+                          if catalog.synchronizer_class(n).mixed_layouts_refusal is None)
+    _refuse_for_site_shapes(_layouts_given(dims), "layouts", supported, lsgd.algorithm,
                             catalog.synchronizer_class(lsgd.algorithm).mixed_layouts_refusal, (
         ("--lsgd-compression", "compressed means are exchanged per rank, not in the layout-free form",
          lsgd.compression.enabled),
