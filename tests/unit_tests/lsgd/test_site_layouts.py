@@ -1,4 +1,4 @@
-"""Sites of different tensor x pipeline layouts under diloco (--site-tensor-model-parallel-sizes,
+"""Sites of different tensor x pipeline layouts under the DiLoCo family (--site-tensor-model-parallel-sizes,
 --site-pipeline-model-parallel-sizes; docs/heterogeneous_sites.md, core/lsgd/canonical_exchange.py).
 
 - the layout: per-site coordinates, the lanes of the canonical form and their groups (pure);
@@ -27,6 +27,15 @@
     atol 1e-5 (half a percent of one step; 2.3e-6 is seen) and losses to rtol 1e-5 (5e-7
     is seen). The run with sites of different sizes is compared with the same sizes at TP1
     (test_unequal_sites.py checks that run against its equal-sites equivalent).
+- the rest of the family, whose means overlap inner steps (CanonicalExchange.issue / land on
+  lanes of their own), in the same packed runs: dilocox (H 2), streaming-diloco (H 4, K 2,
+  tau 1; also beside a TP2 x PP2 site) and cocodc (fixed N) on a TP2 site beside a TP1 site
+  end on one anchor bit for bit (the same argument: one mean per value, read by all), take
+  the same schedule as on TP1 sites and train like them within the bounds above, for the
+  same reason (the TP2 site's arithmetic is the only difference; 8.6e-8 on the losses and
+  3.7e-6 on the parameters are seen); a pause with a mean in flight and the resume are the
+  uninterrupted run, bit for bit. cocodc measuring its times (a schedule that follows
+  timing, so not compared with TP1) ends on one anchor; its times ride in every lane.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ DiLoCo: that peer's data counts twice). The end of training is the membership's
 `close_exchanges`, the same for every membership: the last mean, a round of its own, tried
 again until it commits.
 
+Sites of different TP x PP (docs/heterogeneous_sites.md): Δ crosses sites in the layout-free
+form (CanonicalExchange, on lanes of its own): the site assembles it where the mean is
+issued, the lanes' means overlap the next round, and the site reads it back where it is
+applied (those two are site collectives on the compute thread, at step boundaries).
+
 Adaptive rules (`--lsgd-adaptive`, logged as `rank` and `H`):
   rank: window of effective ranks of the reduced P (smallest k holding `energy` of its
         spectral energy, max over this rank's matrices); next rank = clamp(ceil(mean)).

@@ -30,6 +30,12 @@ stage that holds no unit of a fragment has empty views for it: so do its peers o
 site (the partition is the same everywhere), and the whole dp_inter group skips that
 fragment's reduction together.
 
+Sites of different TP x PP (docs/heterogeneous_sites.md): a fragment crosses sites in the
+layout-free form as its units on every stage and site (CanonicalExchange, on lanes of its
+own): the site assembles it where the sync starts, the lanes' means overlap the τ steps,
+and the site reads it back where it lands; every rank of the site takes part, also a stage
+that holds none of the fragment's units.
+
 When --train-iters is reached, `finish_training` lands the fragments still in flight and
 then gives every fragment that holds unsynchronized progress one last blocking sync (as
 diloco closes a partial round), so every site ends with the same model: the membership's
