@@ -110,7 +110,7 @@ class CanonicalExchange:
         rank of every site names the same); returns step 3, the lanes' means, as a reduction
         whose result is this rank's lanes (`land` reads them back). `side` (means.SideValues)
         rides in every lane and is averaged with it."""
-        lanes = []
+        per_unit = []  # [this rank's lanes of the unit]
         for unit in self._units(units):
             width = self._width(unit)
             buf = torch.zeros(width * self.lanes, dtype=torch.float32, device=self.device)
@@ -118,9 +118,9 @@ class CanonicalExchange:
                 if counts:
                     buf[positions] = tensors[piece.range_index][piece.lo:piece.hi].to(self.device, torch.float32)
             chunk = self._scatter(buf)
-            lanes.append([chunk[k * width:(k + 1) * width] for k in range(len(self.my_lanes))])
+            per_unit.append([chunk[k * width:(k + 1) * width] for k in range(len(self.my_lanes))])
         # lane k: its slice of every unit, in one collective
-        lanes = [torch.cat([slices[k] for slices in lanes]) if lanes else torch.zeros(0, device=self.device)
+        lanes = [torch.cat([slices[k] for slices in per_unit]) if per_unit else torch.zeros(0, device=self.device)
                  for k in range(len(self.my_lanes))]
         return self._lane_means(comm, lanes, side)
 

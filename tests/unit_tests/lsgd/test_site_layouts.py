@@ -28,7 +28,7 @@
     is seen). The run with sites of different sizes is compared with the same sizes at TP1
     (test_unequal_sites.py checks that run against its equal-sites equivalent).
 - the rest of the family, whose means overlap inner steps (CanonicalExchange.issue / land on
-  lanes of their own), in the same packed runs: dilocox (H 2), streaming-diloco (H 4, K 2,
+  lanes of their own), in the same packed runs: dilocox (H 2; and tau 1), streaming-diloco (H 4, K 2,
   tau 1; also beside a TP2 x PP2 site) and cocodc (fixed N) on a TP2 site beside a TP1 site
   end on one anchor bit for bit (the same argument: one mean per value, read by all), take
   the same schedule as on TP1 sites and train like them within the bounds above, for the
@@ -216,6 +216,7 @@ UNEQUAL = COMMON + ["--global-batch-size", "6", "--site-data-parallel-sizes", "2
 # fragment 1 and still takes part), cocodc's with a fixed schedule (a measured one would
 # follow timing, and the TP1 run could not be compared step for step)
 DILOCOX = ONE_REPLICA + ["--lsgd-algorithm", "dilocox"]
+APPLY_STEP = ["--lsgd-dilocox-apply-step", "1"]  # the mean lands one step into the next round
 STREAMING = ONE_REPLICA + ["--lsgd-algorithm", "streaming-diloco", "--lsgd-interval", "4", "--lsgd-fragments", "2",
                            "--lsgd-fragment-sync-delay", "1"]
 COCODC = ONE_REPLICA + ["--lsgd-algorithm", "cocodc", "--lsgd-interval", "4", "--lsgd-fragments", "2",
@@ -238,14 +239,14 @@ def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(t
     def paused_and_resumed(argv, at, where):
         return [argv + [TP, "2,1", "--save", where] + extra for extra in (["--exit-interval", str(at)],
                                                                           ["--load", where])]
-    reference, x_reference, s_reference, c_reference = run_distributed_many([ONE_REPLICA, DILOCOX, STREAMING,
-                                                                             COCODC], 2)
+    reference, x_reference, s_reference, c_reference, xa_reference = run_distributed_many(
+        [ONE_REPLICA, DILOCOX, STREAMING, COCODC, DILOCOX + APPLY_STEP], 2)
     (tp2, paused, resumed, reference_unequal, x_tp2, x_paused, x_resumed, s_tp2, s_paused, s_resumed,
-     c_tp2, c_measured) = run_distributed_many(
+     c_tp2, c_measured, xa_tp2) = run_distributed_many(
         [ONE_REPLICA + [TP, "2,1"]] + paused_and_resumed(ONE_REPLICA, 3, ckpt) + [UNEQUAL] +
         [DILOCOX + [TP, "2,1"]] + paused_and_resumed(DILOCOX, 3, ckpt_x) +
         [STREAMING + [TP, "2,1"]] + paused_and_resumed(STREAMING, 2, ckpt_s) + [COCODC + [TP, "2,1"]] +
-        [COCODC + [TP, "2,1", "--lsgd-cocodc-syncs-per-round", "0"]], 3)
+        [COCODC + [TP, "2,1", "--lsgd-cocodc-syncs-per-round", "0"], DILOCOX + APPLY_STEP + [TP, "2,1"]], 3)
     tp2_pp2, tp2_unequal, s_tp2_pp2 = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"],
                                                             STREAMING + [TP, "2,1", PP, "2,1"]], 5)
     (reference_dp2,) = run_distributed_many([TWO_REPLICAS + ZERO1], 4)
@@ -263,7 +264,8 @@ def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(t
     assert_resumed_per_site(tp2, paused, resumed, 3)
     # dilocox, streaming-diloco and cocodc: one anchor, bit for bit; like the same run on TP1 sites; resumed exactly
     assert x_tp2[-1]["sync_stats"]["outer rounds"] == 3
-    for run, want in ((x_tp2, x_reference), (s_tp2, s_reference), (s_tp2_pp2, s_reference), (c_tp2, c_reference)):
+    for run, want in ((x_tp2, x_reference), (xa_tp2, xa_reference), (s_tp2, s_reference), (s_tp2_pp2, s_reference),
+                      (c_tp2, c_reference)):
         assert run[-1]["sync_stats"] == want[-1]["sync_stats"]  # the same schedule: rounds, syncs
         assert_replicas_identical(run)
         _assert_trains_like(run, want)
