@@ -133,8 +133,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                         "docs/heterogeneous_sites.md)")
     g.add_argument("--site-tensor-model-parallel-sizes", default=None, metavar="TP_0,TP_1,...",
                    help="tensor-parallel size of each site, comma-separated, one per --num-sites, instead of "
-                        "--tensor-model-parallel-size (diloco only: it exchanges in a layout-free form; "
-                        "docs/heterogeneous_sites.md)")
+                        "--tensor-model-parallel-size (diloco, dilocox, streaming-diloco and cocodc only: they "
+                        "exchange in a layout-free form; docs/heterogeneous_sites.md)")
     g.add_argument("--site-pipeline-model-parallel-sizes", default=None, metavar="PP_0,PP_1,...",
                    help="pipeline-parallel size of each site, as --site-tensor-model-parallel-sizes. Every site "
                         "has world / (TP_0 x PP_0 + TP_1 x PP_1 + ...) data-parallel replicas, unless "
@@ -382,7 +382,9 @@ def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: Simula
     (docs/heterogeneous_sites.md)."""
     if not dims.mixed_layouts:
         return
-    _refuse_for_site_shapes(_layouts_given(dims), "layouts", "diloco", lsgd.algorithm,
+    supported = ", ".join(n for n in catalog.registered_algorithms()
+                          if catalog.synchronizer_class(n).mixed_layouts_refusal is None)
+    _refuse_for_site_shapes(_layouts_given(dims), "layouts", supported, lsgd.algorithm,
                             catalog.synchronizer_class(lsgd.algorithm).mixed_layouts_refusal, (
         ("--lsgd-compression", "compressed means are exchanged per rank, not in the layout-free form",
          lsgd.compression.enabled),

@@ -26,16 +26,29 @@ a parameter's int64 canonical positions while it is placed (made each round, not
 and intra-site traffic of about twice the unit per rank (reduce-scatter and all-gather
 over the whole site, since stages not holding a unit take part with zeros); the
 cross-site bytes are those of the model once per site, spread over its ranks by lanes.
+
+The steps are split so that a mean may overlap inner steps (dilocox's round-late mean,
+streaming's fragments): `issue` runs steps 1-2 at once, on the calling (compute) thread, and
+returns the inter-site part (step 3) as a reduction (reduction.py: one collective per
+phase, advanced between steps); `land` runs step 4 where the mean is applied. Steps 2 and 4
+are collectives over the whole site, so they run where every rank of the site is at the
+same point of its program (a step boundary), never from a poll, whose timing differs. An
+exchange of several units (a fragment, the whole model) sends, per lane, the lane's slice
+of every unit in one collective. Such exchanges run on lanes of their own
+(`use_dedicated_lanes`), since the other sites may be a step ahead or behind.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from megatron_lsgd.core.distributed.collectives import all_gather_flat, reduce_scatter_flat
-from megatron_lsgd.core.models.gpt.canonical_layout import CanonicalParam, canonical_units, counts_here, unit_of
+from megatron_lsgd.core.lsgd.reduction import Reduction, run_blocking
+from megatron_lsgd.core.models.gpt.canonical_layout import (CanonicalParam, CanonicalUnit, canonical_units,
+                                                            counts_here, unit_of)
 from megatron_lsgd.core.transformer.config import TransformerConfig
 
 
@@ -51,6 +64,20 @@ class CanonicalExchange:
         self.site_ranks = dims.ranks_of_site(site)
         self.lanes = dims.lanes  # L, every site's
         self.my_lanes = list(pgs.inter_lanes)  # [(lane, dp_inter group)], L / R_s consecutive ones
+
+    def on_lanes(self, groups: Sequence) -> None:
+        """Run the lanes' means on `groups` instead: fresh clones of this rank's lane groups, in
+        the same order (comm.use_dedicated_group)."""
+        if len(groups) != len(self.my_lanes):
+            raise RuntimeError(f"{len(groups)} dedicated groups for this rank's {len(self.my_lanes)} lanes")
+        self.my_lanes = [(lane, group) for (lane, _), group in zip(self.my_lanes, groups)]
+
+    def _units(self, names: Optional[Sequence[str]]) -> List[CanonicalUnit]:
+        """The units named (None: every unit), in the model's order, the same on every rank."""
+        return self.units if names is None else [u for u in self.units if u.name in set(names)]
+
+    def _width(self, unit: CanonicalUnit) -> int:
+        return -(-unit.numel // self.lanes)
 
     def _positions(self, views, unit: str):
         """[(piece, canonical positions of its values, whether they count here)] of `views`' pieces in `unit`."""
@@ -68,24 +95,69 @@ class CanonicalExchange:
     @torch.no_grad()
     def mean(self, comm, views, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         """The mean across sites of `tensors` (one per range of `views`, laid out like it;
-        weighted as the comm weighs sites), in tensors laid out the same way."""
+        weighted as the comm weighs sites), in tensors laid out the same way. Blocking, one
+        unit at a time (a buffer of one unit at a time)."""
         out = [torch.zeros_like(t) for t in tensors]  # padding: a zero mean, as a zero difference has
         for unit in self.units:  # every rank of every site, in the same order
-            width = -(-unit.numel // self.lanes)
+            lanes = run_blocking(self.issue(comm, views, tensors, [unit.name]))
+            self._land_into(out, views, lanes, [unit])
+        return out
+
+    @torch.no_grad()
+    def issue(self, comm, views, tensors: List[torch.Tensor], units: Optional[Sequence[str]] = None,
+              side=None) -> Reduction:
+        """Steps 1-2 now (a collective over the site), for the units named (None: all; every
+        rank of every site names the same); returns step 3, the lanes' means, as a reduction
+        whose result is this rank's lanes (`land` reads them back). `side` (means.SideValues)
+        rides in every lane and is averaged with it."""
+        per_unit = []  # [this rank's lanes of the unit]
+        for unit in self._units(units):
+            width = self._width(unit)
             buf = torch.zeros(width * self.lanes, dtype=torch.float32, device=self.device)
-            placed = self._positions(views, unit.name)
-            for piece, positions, counts in placed:
+            for piece, positions, counts in self._positions(views, unit.name):
                 if counts:
                     buf[positions] = tensors[piece.range_index][piece.lo:piece.hi].to(self.device, torch.float32)
             chunk = self._scatter(buf)
-            for k, (_, group) in enumerate(self.my_lanes):
-                with comm.on_group(group):
-                    comm.all_reduce_mean(chunk[k * width:(k + 1) * width])
+            per_unit.append([chunk[k * width:(k + 1) * width] for k in range(len(self.my_lanes))])
+        # lane k: its slice of every unit, in one collective
+        lanes = [torch.cat([slices[k] for slices in per_unit]) if per_unit else torch.zeros(0, device=self.device)
+                 for k in range(len(self.my_lanes))]
+        return self._lane_means(comm, lanes, side)
+
+    def _lane_means(self, comm, lanes: List[torch.Tensor], side) -> Reduction:
+        n = lanes[0].numel() if lanes else 0
+        sent = [torch.cat([lane, side.values.to(lane.device)]) if side is not None else lane for lane in lanes]
+        handles = []
+        for send, (_, group) in zip(sent, self.my_lanes):  # issued together: the lanes are different groups
+            with comm.on_group(group):
+                handles.append(comm.all_reduce_mean(send, async_op=True))
+        for handle in handles:
+            yield handle
+        if side is not None:  # the same on every lane (a site's ranks send the same values)
+            side.mean = sent[0][n:].clone()
+        return [s[:n] for s in sent]
+
+    @torch.no_grad()
+    def land(self, views, lanes: List[torch.Tensor], units: Optional[Sequence[str]] = None) -> List[torch.Tensor]:
+        """Step 4: the mean of `issue`'s units, from this rank's lanes (its result), in tensors
+        laid out like `views`' ranges (a collective over the site: every rank calls it at the
+        same point)."""
+        out = [torch.zeros(m.shape, dtype=torch.float32, device=self.device) for m in views.main]
+        self._land_into(out, views, lanes, self._units(units))
+        return out
+
+    def _land_into(self, out: List[torch.Tensor], views, lanes: List[torch.Tensor],
+                   units: List[CanonicalUnit]) -> None:
+        offset = 0
+        for unit in units:
+            width = self._width(unit)
+            chunk = torch.cat([lane[offset:offset + width] for lane in lanes])
+            offset += width
+            buf = torch.empty(width * self.lanes, dtype=torch.float32, device=self.device)
             self._gather(buf, chunk)
-            for piece, positions, _ in placed:
+            for piece, positions, _ in self._positions(views, unit.name):
                 dest = out[piece.range_index][piece.lo:piece.hi]
                 dest.copy_(buf[positions].to(dest.device, dest.dtype))
-        return out
 
     def _scatter(self, buf: torch.Tensor) -> torch.Tensor:
         if self.site_ranks == 1:
@@ -97,6 +169,8 @@ class CanonicalExchange:
     def _gather(self, buf: torch.Tensor, chunk: torch.Tensor) -> None:
         if self.site_ranks > 1:
             all_gather_flat(buf, chunk, group=self.pgs.site)
+        else:
+            buf.copy_(chunk)
 
 
 def exchange_for(ctx) -> Optional[CanonicalExchange]:
@@ -105,3 +179,12 @@ def exchange_for(ctx) -> Optional[CanonicalExchange]:
         return None
     return CanonicalExchange(ctx.pgs, ctx.models[0].module.config, ctx.device)
 
+
+def use_dedicated_lanes(ctx, exchange: Optional[CanonicalExchange]) -> None:
+    """For reductions that advance between inner steps: the comm, and the exchange's lanes when
+    layouts differ, move to dp_inter groups of their own (collective: every rank calls it), so
+    nothing else issued on the shared groups (the loop's means) is matched out of order."""
+    minutes = ctx.comm.timeout_minutes
+    groups = ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
+    if exchange is not None:
+        exchange.on_lanes(groups)

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -299,24 +299,28 @@ class InterSiteComm:
                                                                              group=self.group, async_op=True), tensor)
         self._issue(work, moved, moved, self.phases("all_reduce")).wait()
 
-    def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> None:
+    def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> List:
         """Move this comm onto a fresh dp_inter group of its own (collective: every rank
         calls it). Needed when a synchronizer advances multi-phase reductions between
         steps: each site may issue its next phase at a different step, and collectives
         on a shared group (e.g. the Trainer's log-line mean over dp_inter) would then be
         matched out of order. On a private group only the synchronizer issues, in a fixed
-        order on every site."""
+        order on every site. Returns the fresh groups this rank is in, in lane order (one
+        per lane it holds, as `ProcessGroups.inter_lanes`; the comm takes the first, as
+        `ProcessGroups.dp_inter` is the first lane's)."""
         if self.num_sites == 1 or not dist.is_initialized():
-            return
+            return []
         from megatron_lsgd.core.parallel_state import enumerate_group_ranks
 
         kwargs = {"timeout": timeout} if timeout is not None else {}
         kwargs["backend"] = dist.get_backend(self.group)  # the same backend as the shared dp_inter
-        me = dist.get_rank()
+        me, mine = dist.get_rank(), []
         for ranks in enumerate_group_ranks(dims)["dp_inter"]:
             group = dist.new_group(list(ranks), **kwargs)
             if me in ranks:
-                self.group = group
+                mine.append(group)
+        self.group = mine[0]
+        return mine
 
     def snapshot(self) -> Dict[str, float]:
         self._settle_exposed_marks()

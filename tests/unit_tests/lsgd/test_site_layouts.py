@@ -1,4 +1,4 @@
-"""Sites of different tensor x pipeline layouts under diloco (--site-tensor-model-parallel-sizes,
+"""Sites of different tensor x pipeline layouts under the DiLoCo family (--site-tensor-model-parallel-sizes,
 --site-pipeline-model-parallel-sizes; docs/heterogeneous_sites.md, core/lsgd/canonical_exchange.py).
 
 - the layout: per-site coordinates, the lanes of the canonical form and their groups (pure);
@@ -27,9 +27,20 @@
     atol 1e-5 (half a percent of one step; 2.3e-6 is seen) and losses to rtol 1e-5 (5e-7
     is seen). The run with sites of different sizes is compared with the same sizes at TP1
     (test_unequal_sites.py checks that run against its equal-sites equivalent).
+- the rest of the family, whose means overlap inner steps (CanonicalExchange.issue / land on
+  lanes of their own), in the same packed runs: dilocox (H 2; and tau 1), streaming-diloco (H 4, K 2,
+  tau 1; also beside a TP2 x PP2 site) and cocodc (fixed N) on a TP2 site beside a TP1 site
+  end on one anchor bit for bit (the same argument: one mean per value, read by all), take
+  the same schedule as on TP1 sites and train like them within the bounds above, for the
+  same reason (the TP2 site's arithmetic is the only difference; 8.6e-8 on the losses and
+  3.7e-6 on the parameters are seen); a pause with a mean in flight and the resume are the
+  uninterrupted run, bit for bit. cocodc measuring its times (a schedule that follows
+  timing, so not compared with TP1) ends on one anchor; its times ride in every lane.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -78,6 +89,44 @@ def test_one_layout_after_all_is_the_plain_layout():
     assert ParallelDims.from_world(4, 1, 1, 2, None, [2, 2]) == ParallelDims.from_world(4, 2, 1, 2)
 
 
+class _PeerSite:
+    """A comm whose lane means average with another site's buffers (one per lane group)."""
+
+    def __init__(self, peer):
+        self.peer, self.group = peer, None
+
+    @contextlib.contextmanager
+    def on_group(self, group):
+        self.group = group
+        yield self
+
+    def all_reduce_mean(self, tensor, async_op=False):
+        tensor.add_(self.peer[self.group]).mul_(0.5)
+        return _Done()
+
+
+class _Done:
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        pass
+
+
+def test_side_values_ride_in_every_lane_and_come_back_averaged():
+    from megatron_lsgd.core.lsgd.canonical_exchange import CanonicalExchange
+    from megatron_lsgd.core.lsgd.means import SideValues
+    from megatron_lsgd.core.lsgd.reduction import run_blocking
+
+    exchange = CanonicalExchange.__new__(CanonicalExchange)  # only its lanes matter here
+    exchange.my_lanes = [(0, "lane 0"), (1, "lane 1")]
+    peer = {"lane 0": torch.tensor([3.0, 5.0, 7.0, 9.0]), "lane 1": torch.tensor([1.0, 1.0, 7.0, 9.0])}
+    side = SideValues(torch.tensor([1.0, 3.0]))
+    means = run_blocking(exchange._lane_means(_PeerSite(peer), [torch.tensor([1.0, 1.0]), torch.tensor([3.0, 5.0])],
+                                              side))
+    assert [m.tolist() for m in means] == [[2.0, 3.0], [2.0, 3.0]] and side.mean.tolist() == [4.0, 6.0]
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 def _config(extra, world):
     return build_config(parse_args(BASE + ["--num-sites", "2", "--global-batch-size", "4",
@@ -108,18 +157,19 @@ def test_bad_layouts_and_unsupported_combinations_name_the_flag(extra, world, me
     assert message in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("algorithm", ["sync", "dilocox", "streaming-diloco", "cocodc", "edit", "a-edit",
-                                       "dreamddp", "acco", "dpu"])
+@pytest.mark.parametrize("algorithm", ["sync", "edit", "a-edit", "dreamddp", "acco", "dpu"])
 def test_every_other_algorithm_refuses_with_its_reason(algorithm):
     with pytest.raises(ValueError) as err:
         _config([TP, "2,1", "--lsgd-algorithm", algorithm, "--global-batch-size", "8"], 3)
     text = str(err.value)
-    assert f"(sites of different layouts) is supported by --lsgd-algorithm diloco only; {algorithm}: " in text
+    assert ("(sites of different layouts) is supported by --lsgd-algorithm cocodc, diloco, dilocox, "
+            f"streaming-diloco only; {algorithm}: ") in text
     assert "\n" not in text
 
 
-def test_diloco_builds():
-    c = _config([TP, "2,1", PP, "2,1"], 5)
+@pytest.mark.parametrize("algorithm", ["diloco", "dilocox", "streaming-diloco", "cocodc"])
+def test_the_diloco_family_builds(algorithm):
+    c = _config([TP, "2,1", PP, "2,1", "--lsgd-algorithm", algorithm, "--lsgd-interval", "4"], 5)
     assert c.dims.site_tp == (2, 1) and c.dims.site_pp == (2, 1) and c.num_microbatches == 1
 
 
@@ -160,6 +210,17 @@ TWO_REPLICAS = COMMON + ["--global-batch-size", "8"]
 ZERO1 = ["--use-distributed-optimizer"]
 # sites of different sizes too: a TP2 site of two replicas beside a TP1 site of one (weights 2/3, 1/3)
 UNEQUAL = COMMON + ["--global-batch-size", "6", "--site-data-parallel-sizes", "2,1"] + ZERO1
+# the rest of the family, whose means overlap inner steps: dilocox's one round late (H 2: the
+# mean of round 1 is in flight at the pause at 3), streaming's fragments (H 4, K 2, tau 1:
+# fragment 0's mean is in flight at the pause at 2; with PP 2 the first stage holds nothing of
+# fragment 1 and still takes part), cocodc's with a fixed schedule (a measured one would
+# follow timing, and the TP1 run could not be compared step for step)
+DILOCOX = ONE_REPLICA + ["--lsgd-algorithm", "dilocox"]
+APPLY_STEP = ["--lsgd-dilocox-apply-step", "1"]  # the mean lands one step into the next round
+STREAMING = ONE_REPLICA + ["--lsgd-algorithm", "streaming-diloco", "--lsgd-interval", "4", "--lsgd-fragments", "2",
+                           "--lsgd-fragment-sync-delay", "1"]
+COCODC = ONE_REPLICA + ["--lsgd-algorithm", "cocodc", "--lsgd-interval", "4", "--lsgd-fragments", "2",
+                        "--lsgd-fragment-sync-delay", "1", "--lsgd-cocodc-syncs-per-round", "2"]
 
 
 def _assert_trains_like(run, reference):
@@ -173,12 +234,21 @@ def _assert_trains_like(run, reference):
 
 @pytest.mark.slow
 def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(tmp_path, capsys):
-    ckpt = str(tmp_path / "ckpt")
-    (reference,) = run_distributed_many([ONE_REPLICA], 2)
-    tp2, paused, resumed, reference_unequal = run_distributed_many([ONE_REPLICA + [TP, "2,1"]] + [
-        ONE_REPLICA + [TP, "2,1", "--save", ckpt] + extra for extra in (["--exit-interval", "3"], ["--load", ckpt])] + [
-        UNEQUAL], 3)
-    tp2_pp2, tp2_unequal = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"]], 5)
+    ckpt, ckpt_x, ckpt_s = (str(tmp_path / name) for name in ("ckpt", "ckpt-dilocox", "ckpt-streaming"))
+
+    def paused_and_resumed(argv, at, where):
+        return [argv + [TP, "2,1", "--save", where] + extra for extra in (["--exit-interval", str(at)],
+                                                                          ["--load", where])]
+    reference, x_reference, s_reference, c_reference, xa_reference = run_distributed_many(
+        [ONE_REPLICA, DILOCOX, STREAMING, COCODC, DILOCOX + APPLY_STEP], 2)
+    (tp2, paused, resumed, reference_unequal, x_tp2, x_paused, x_resumed, s_tp2, s_paused, s_resumed,
+     c_tp2, c_measured, xa_tp2) = run_distributed_many(
+        [ONE_REPLICA + [TP, "2,1"]] + paused_and_resumed(ONE_REPLICA, 3, ckpt) + [UNEQUAL] +
+        [DILOCOX + [TP, "2,1"]] + paused_and_resumed(DILOCOX, 3, ckpt_x) +
+        [STREAMING + [TP, "2,1"]] + paused_and_resumed(STREAMING, 2, ckpt_s) + [COCODC + [TP, "2,1"]] +
+        [COCODC + [TP, "2,1", "--lsgd-cocodc-syncs-per-round", "0"], DILOCOX + APPLY_STEP + [TP, "2,1"]], 3)
+    tp2_pp2, tp2_unequal, s_tp2_pp2 = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"],
+                                                            STREAMING + [TP, "2,1", PP, "2,1"]], 5)
     (reference_dp2,) = run_distributed_many([TWO_REPLICAS + ZERO1], 4)
     zero1, plain = run_distributed_many([TWO_REPLICAS + [TP, "2,1"] + ZERO1, TWO_REPLICAS + [TP, "2,1"]], 6)
     assert logged_losses(reference)[-1] < logged_losses(reference)[0], "the reference run should learn"
@@ -192,6 +262,20 @@ def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(t
     _assert_trains_like(tp2_unequal, reference_unequal)
     # paused at 3 and resumed, each site from its own files in its own layout: the uninterrupted run, bit for bit
     assert_resumed_per_site(tp2, paused, resumed, 3)
+    # dilocox, streaming-diloco and cocodc: one anchor, bit for bit; like the same run on TP1 sites; resumed exactly
+    assert x_tp2[-1]["sync_stats"]["outer rounds"] == 3
+    for run, want in ((x_tp2, x_reference), (xa_tp2, xa_reference), (s_tp2, s_reference), (s_tp2_pp2, s_reference),
+                      (c_tp2, c_reference)):
+        assert run[-1]["sync_stats"] == want[-1]["sync_stats"]  # the same schedule: rounds, syncs
+        assert_replicas_identical(run)
+        _assert_trains_like(run, want)
+    assert s_tp2[-1]["sync_stats"]["fragment syncs"] == 4  # 3 in the run, and fragment 0's last
+    # cocodc measuring its times: they ride in every lane of the fragments' means (SideValues), so every
+    # rank of both sites takes the same timing-driven schedule and the run ends on one anchor
+    assert c_measured[-1]["sync_stats"]["fragment syncs"] >= 3
+    assert_replicas_identical(c_measured)
+    assert_resumed_per_site(x_tp2, x_paused, x_resumed, 3)
+    assert_resumed_per_site(s_tp2, s_paused, s_resumed, 2)
     # tools/checkpoint/convert.py: site 0's model converts, the optimizer state of such sites is refused
     assert_converts_model_only(ckpt, str(tmp_path), capsys, "saved by sites of different tensor x pipeline layouts: "
                                                             "converting its optimizer state is not supported")

@@ -34,6 +34,11 @@ DiLoCo: that peer's data counts twice). The end of training is the membership's
 `close_exchanges`, the same for every membership: the last mean, a round of its own, tried
 again until it commits.
 
+Sites of different TP x PP (docs/heterogeneous_sites.md): Δ crosses sites in the layout-free
+form (CanonicalExchange, on lanes of its own): the site assembles it where the mean is
+issued, the lanes' means overlap the next round, and the site reads it back where it is
+applied (those two are site collectives on the compute thread, at step boundaries).
+
 Adaptive rules (`--lsgd-adaptive`, logged as `rank` and `H`):
   rank: window of effective ranks of the reduced P (smallest k holding `energy` of its
         spectral energy, max over this rank's matrices); next rank = clamp(ceil(mean)).
@@ -49,13 +54,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
+from megatron_lsgd.core.lsgd.canonical_exchange import use_dedicated_lanes
 from megatron_lsgd.core.lsgd.compressors import compression_error
 from megatron_lsgd.core.lsgd.algorithms.diloco import LocalSGDBase
 from megatron_lsgd.core.lsgd.options import OptionGroup, option
@@ -155,6 +160,7 @@ class DiLoCoX(LocalSGDBase):
     unequal_sites_refusal = ("its one-round-late compressed mean (int4/low rank) runs between inner steps on a "
                              "group of its own, which is not cut into lanes, and its compressed means are not "
                              "weighted by tokens yet")
+    mixed_layouts_refusal = None  # Δ crosses sites in the layout-free form, on lanes of its own (CanonicalExchange)
     Options = DiLoCoXOptions
     requires_multiple_sites = True
     supports_fault_tolerance = True
@@ -178,9 +184,8 @@ class DiLoCoX(LocalSGDBase):
             if cfg.compression.rank > int(allowed):
                 raise ValueError(f"--lsgd-rank {cfg.compression.rank} is larger than the smallest weight matrix "
                                  f"dimension ({int(allowed)}) on some tensor/pipeline-parallel rank")
-        if self.active:  # reductions advance between steps: keep them off the shared dp_inter group
-            minutes = ctx.comm.timeout_minutes
-            ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
+        if self.active:  # reductions advance between steps: keep them off the shared dp_inter groups
+            use_dedicated_lanes(ctx, self.exchange)
         self.pending: Optional[PendingReduce] = None  # the mean in flight: the membership's ticket
         self.start_offsets: Optional[List[torch.Tensor]] = None
         # The round's Δ until the membership issues it (elastic sites: after the next round's
@@ -242,7 +247,11 @@ class DiLoCoX(LocalSGDBase):
         """Start the compressed mean of Δ (of the round just closed). Not committed: the error
         feedback is put back, and Δ is carried into the next round's (`_Unsent`)."""
         self._comm_issued = self.ctx.clock.now()
-        self.pending = self.ctx.membership.start(lambda: PendingReduce(self.compressor.reduce(deltas)),
+        if self.exchange is not None:  # sites of different layouts: the site's scatter runs now, here
+            reduction = self.exchange.issue(self.ctx.comm, self.views, deltas)
+        else:
+            reduction = self.compressor.reduce(deltas)
+        self.pending = self.ctx.membership.start(lambda: PendingReduce(reduction),
                                                  undo=[self.compressor, _Unsent(self, deltas)])
         self.pending_round = self.outer_rounds - 1
 
@@ -264,6 +273,8 @@ class DiLoCoX(LocalSGDBase):
             self._comm_seconds = self.ctx.clock.now() - self._comm_issued
         mean = self.ctx.membership.finish(self.pending)
         applied = mean is not None
+        if applied and self.exchange is not None:  # its lanes, read back here: every rank of the site is here
+            mean = self.exchange.land(self.views, mean)
         if applied:
             self.outer.step(self.views, mean)
             self.applied_rounds.append(self.pending_round)

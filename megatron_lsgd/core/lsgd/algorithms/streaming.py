@@ -30,6 +30,12 @@ stage that holds no unit of a fragment has empty views for it: so do its peers o
 site (the partition is the same everywhere), and the whole dp_inter group skips that
 fragment's reduction together.
 
+Sites of different TP x PP (docs/heterogeneous_sites.md): a fragment crosses sites in the
+layout-free form as its units on every stage and site (CanonicalExchange, on lanes of its
+own): the site assembles it where the sync starts, the lanes' means overlap the τ steps,
+and the site reads it back where it lands; every rank of the site takes part, also a stage
+that holds none of the fragment's units.
+
 When --train-iters is reached, `finish_training` lands the fragments still in flight and
 then gives every fragment that holds unsynchronized progress one last blocking sync (as
 diloco closes a partial round), so every site ends with the same model: the membership's
@@ -51,11 +57,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_lsgd.core.lsgd.canonical_exchange import exchange_for, use_dedicated_lanes
 from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.fragments import PARTITIONS, partition
 from megatron_lsgd.core.lsgd.means import SideValues, fp32_mean
@@ -178,6 +184,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     name = "streaming-diloco"
     unequal_sites_refusal = ("its fragment means overlap inner steps on a group of its own, which is not cut into "
                              "lanes yet")
+    mixed_layouts_refusal = None  # fragments cross sites in the layout-free form, on lanes of their own
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
     state_follows_pipeline = True  # a fragment is the stage's units of it (its key names them)
@@ -208,9 +215,14 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
         self.fragment_compressors = [None if v.empty else self.compressors.for_views(v, self.device)
                                      for v in self.views]
-        if self.active:  # reductions advance between steps: keep them off the shared dp_inter group
-            minutes = ctx.comm.timeout_minutes
-            ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
+        # sites of different TP x PP: fragments cross sites in the layout-free form, as the sets
+        # of units they are on every stage and site (None otherwise)
+        self.exchange = exchange_for(ctx) if self.active else None
+        self.exchange_units = None if self.exchange is None else [
+            [u.name for u in g] for g in partition(self.exchange.units, num_layers, self.num_fragments,
+                                                   algo.partition, tied)]
+        if self.active:  # reductions advance between steps: keep them off the shared dp_inter groups
+            use_dedicated_lanes(ctx, self.exchange)
         self.queue = ReductionQueue(ctx.comm)
         self.local_step = 0  # inner steps since the warm-up ended
         self.in_flight: List[InFlight] = []  # in start order
@@ -332,6 +344,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         return None
 
     def _reduction(self, p: int, deltas: List[torch.Tensor], side: Optional[SideValues]) -> Optional[Reduction]:
+        if self.exchange is not None:  # every rank of the site takes part (its scatter runs now, here)
+            return self.exchange.issue(self.ctx.comm, self.views[p], deltas, self.exchange_units[p], side)
         if not self.views[p].empty:
             return self.fragment_compressors[p].reduce(deltas, side)
         if side is None:
@@ -380,7 +394,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     def land(self, rec: InFlight, t: int) -> None:
         """Wait for the fragment's mean, take its outer step, merge, push it into the model
         (only if its round commits, else the fragment is rolled back)."""
-        mean = self._decide(rec)
+        mean = self._landed(rec.fragment, self._decide(rec))
         if mean is None:
             return
         self.dirty[rec.fragment] = self.merge(rec, mean, t)
@@ -391,6 +405,13 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.last_land[rec.fragment] = t
         self.syncs += 1
         self.ctx.comm.rounds += 1
+
+    def _landed(self, p: int, mean: Optional[List[torch.Tensor]]) -> Optional[List[torch.Tensor]]:
+        """A committed mean of fragment p as its views' ranges: sites of different layouts read
+        it back from this rank's lanes here, where every rank of the site lands it."""
+        if mean is None or self.exchange is None:
+            return mean
+        return self.exchange.land(self.views[p], mean, self.exchange_units[p])
 
     @torch.no_grad()
     def merge(self, rec: InFlight, mean: List[torch.Tensor], t: int) -> bool:
@@ -446,7 +467,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         views = self.views[p]
         gen = self._reduction(p, self.outer.pseudo_gradient(views), None)
         round_, ticket = self._start_round(p, gen)
-        mean = self.ctx.membership.finish(round_)
+        mean = self._landed(p, self.ctx.membership.finish(round_))
         sent = ticket.bytes_sent
         if mean is not None and gen is not None:
             self.outer.step(views, mean)
