@@ -26,6 +26,7 @@ import torch
 from megatron_lsgd.core.lsgd import algorithms
 from megatron_lsgd.core.lsgd.catalog import registered_algorithms, synchronizer_class
 from megatron_lsgd.core.lsgd.config import SHARED_GROUPS
+from megatron_lsgd.core.lsgd.protocol import Synchronizer
 from megatron_lsgd.training.arguments import build_config, parse_args
 from megatron_lsgd.training.scenario import load_scenario
 from tests.unit_tests.checkpointing.launch import ROOT, TINY, assert_same, load_tree
@@ -109,7 +110,9 @@ def test_every_algorithm_refuses_what_it_does_not_support(algorithm, monkeypatch
     if not cls.supports_fault_tolerance:  # a site is a world of its own: here, a world of one
         line = _refused(settings(algorithm) + ["--num-sites", "2", "--lsgd-fault-tolerance", "torchft",
                                                "--lsgd-site", "0", "--train-iters", "2"], monkeypatch, capsys)
-        assert f"does not support --lsgd-algorithm {algorithm}" in line
+        assert f"does not support --lsgd-algorithm {algorithm}: {cls.fault_tolerance_refusal} (" in line
+        # its own reason, not the protocol's placeholder (docs/fault_tolerance.md lists them)
+        assert cls.fault_tolerance_refusal != Synchronizer.fault_tolerance_refusal, algorithm
     if cls.requires_multiple_sites:
         line = _refused(settings(algorithm) + ["--num-sites", "1", "--train-iters", "2"], monkeypatch, capsys)
         assert f"--lsgd-algorithm {algorithm} needs --num-sites >= 2" in line

@@ -292,6 +292,10 @@ class _JobResult:
 class OverlappedGradientSync(Synchronizer):
     """Shared by dpu and acco: stages, accumulation, the worker thread, double buffering."""
 
+    fault_tolerance_refusal = ("its worker thread reduces gradients across sites on groups of its own while the "
+                               "next ones are computed, so no step boundary is free of a reduction in flight for a "
+                               "quorum to rebuild the groups at")
+
     Options = OverlapOptions
     uses = frozenset({"compression"})
     overlaps_optimizer_step = True

@@ -65,8 +65,10 @@ class FaultToleranceOptions(OptionGroup):
             return
         supported = catalog.fault_tolerant_algorithms()
         if algorithm not in supported:
-            raise ValueError(f"--lsgd-fault-tolerance {self.mode} does not support --lsgd-algorithm {algorithm} "
-                             f"(supported: {', '.join(supported)})")
+            why = catalog.synchronizer_class(algorithm).fault_tolerance_refusal if algorithm in \
+                catalog.registered_algorithms() else "not an algorithm"
+            raise ValueError(f"--lsgd-fault-tolerance {self.mode} does not support --lsgd-algorithm {algorithm}: "
+                             f"{why} (supported: {', '.join(supported)})")
         if num_sites < 2:
             raise ValueError(f"--lsgd-fault-tolerance {self.mode} needs --num-sites >= 2 (got {num_sites})")
         if not 1 <= self.min_sites <= num_sites:

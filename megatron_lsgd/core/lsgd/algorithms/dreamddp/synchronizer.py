@@ -159,6 +159,9 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
     """Average each layer across sites right after its backward, in iterations a profiled schedule picks"""
 
     name = "dreamddp"
+    fault_tolerance_refusal = ("its per-layer averages are launched from the backward pass on a fixed group, "
+                               "each round's spread over the steps of the round, which a quorum would have to "
+                               "commit or roll back together")
     unequal_sites_refusal = ("its per-layer averages, launched from backward, run on one dp_inter group, not cut "
                              "into lanes yet")
     state_follows_pipeline = True  # the plan schedules each stage's units

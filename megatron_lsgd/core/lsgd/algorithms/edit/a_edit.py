@@ -118,6 +118,8 @@ class AEDiT(EDiT):
     """EDiT synced by wall-clock interval: fast sites take more steps, nobody waits for a straggler"""
 
     name = "a-edit"
+    fault_tolerance_refusal = ("its sites meet by time, each after its own number of steps, through EDiT's per-unit "
+                               "syncs in the forward pass, which a quorum cannot interrupt")
     unequal_sites_refusal = ("its sites take their own numbers of steps, so a site's weight would be its tokens at "
                              "each meeting, which is not implemented")
     Options = AEDiTOptions

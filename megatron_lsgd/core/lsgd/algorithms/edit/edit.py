@@ -193,6 +193,8 @@ class EDiT(SynchronousWarmup, Synchronizer):
     """Layer-wise parameter sync in the forward pass every H steps, with prefetch and the pseudo-gradient penalty"""
 
     name = "edit"
+    fault_tolerance_refusal = ("its per-unit syncs run inside the forward pass on a fixed group and its penalty "
+                               "reads every site's norms, so a lost site would stop a forward pass midway")
     unequal_sites_refusal = ("its per-unit syncs in the forward pass and the penalty's per-site norms assume one "
                              "dp_inter group with the same shard on every site")
     Options = EDiTOptions
