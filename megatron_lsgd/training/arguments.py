@@ -377,14 +377,18 @@ def _refuse_for_site_shapes(given: str, shape: str, supported: str, algorithm: s
             raise ValueError(f"{given} (sites of different {shape}) cannot be combined with {flag}: {reason}")
 
 
+def _supporting(refusal: str) -> str:
+    """The algorithms whose `refusal` attribute is None (they support that shape of sites)."""
+    return ", ".join(n for n in catalog.registered_algorithms()
+                     if getattr(catalog.synchronizer_class(n), refusal) is None)
+
+
 def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: SimulationOptions) -> None:
     """Sites of different TP x PP: only what exchanges in the canonical form runs
     (docs/heterogeneous_sites.md)."""
     if not dims.mixed_layouts:
         return
-    supported = ", ".join(n for n in catalog.registered_algorithms()
-                          if catalog.synchronizer_class(n).mixed_layouts_refusal is None)
-    _refuse_for_site_shapes(_layouts_given(dims), "layouts", supported, lsgd.algorithm,
+    _refuse_for_site_shapes(_layouts_given(dims), "layouts", _supporting("mixed_layouts_refusal"), lsgd.algorithm,
                             catalog.synchronizer_class(lsgd.algorithm).mixed_layouts_refusal, (
         ("--lsgd-compression", "compressed means are exchanged per rank, not in the layout-free form",
          lsgd.compression.enabled),
@@ -396,7 +400,7 @@ def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig) -> None:
     if not dims.heterogeneous:
         return
     _refuse_for_site_shapes(f"--site-data-parallel-sizes {','.join(map(str, dims.site_dp))}", "sizes",
-                            "sync and diloco", lsgd.algorithm,
+                            _supporting("unequal_sites_refusal"), lsgd.algorithm,
                             catalog.synchronizer_class(lsgd.algorithm).unequal_sites_refusal, (
         ("--lsgd-compression", "compressed means are not weighted by tokens, nor cut into lanes, yet",
          lsgd.compression.enabled),))
