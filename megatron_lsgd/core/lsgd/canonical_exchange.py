@@ -40,7 +40,6 @@ of every unit in one collective. Such exchanges run on lanes of their own
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -184,7 +183,6 @@ def use_dedicated_lanes(ctx, exchange: Optional[CanonicalExchange]) -> None:
     """For reductions that advance between inner steps: the comm, and the exchange's lanes when
     layouts differ, move to dp_inter groups of their own (collective: every rank calls it), so
     nothing else issued on the shared groups (the loop's means) is matched out of order."""
-    minutes = ctx.comm.timeout_minutes
-    groups = ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
+    groups = ctx.comm.use_dedicated_group(ctx.pgs.dims)
     if exchange is not None:
         exchange.on_lanes(groups)
