@@ -4,7 +4,8 @@ Bytes across sites are counted where the collectives are issued (InterSiteComm: 
 received by each rank). The comparison is what per-step synchronization (`sync`, plain
 fp32) would have moved for the same steps: every step, each rank all-reduces its own
 gradient shard over its sites, counted the same way (ring all-reduce: 2 (S-1)/S of the
-shard each way). Both totals are summed over all ranks.
+shard each way). Both totals are summed over all ranks. For `sync` itself (compressed or not)
+the line names that comparison "uncompressed per-step sync".
 """
 
 from __future__ import annotations
@@ -35,17 +36,19 @@ def cross_site_traffic(comm, grad_shards, steps: int, device: torch.device) -> D
 def summary_line(algorithm: str, steps: int, traffic: Dict[str, float], ranks: str = "all ranks") -> str:
     """`ranks`: whose traffic cross_site_traffic summed (its world's: one site's under fault tolerance)."""
     moved, sync = traffic["bytes"], traffic["sync_bytes"]
-    ratio = _ratio(algorithm, moved, sync)
+    # sync compared with "per-step sync" reads as itself: name what differs, its payload
+    baseline = "uncompressed per-step sync" if algorithm == "sync" else "per-step sync"
+    ratio = _ratio(algorithm, baseline, moved, sync)
     return (f" cross-site traffic: {algorithm} moved {moved / 2**20:.2f} MB (sent + received, {ranks}) in {steps} "
-            f"steps; per-step sync would have moved {sync / 2**20:.2f} MB ({ratio})")
+            f"steps; {baseline} would have moved {sync / 2**20:.2f} MB ({ratio})")
 
 
-def _ratio(algorithm: str, moved: float, sync: float) -> str:
+def _ratio(algorithm: str, baseline: str, moved: float, sync: float) -> str:
     """"356x less", "2.0x more" or "the same": never "0x less" for an algorithm that sent more."""
     if moved <= 0:
         return f"nothing with {algorithm}"
     if moved > sync * 1.005:
-        return f"{moved / sync:.1f}x more with {algorithm}" if sync > 0 else "per-step sync moves nothing"
+        return f"{moved / sync:.1f}x more with {algorithm}" if sync > 0 else f"{baseline} moves nothing"
     if moved * 1.005 >= sync:
         return f"the same with {algorithm}"
     less = sync / moved

@@ -22,10 +22,12 @@ Every site thus computes, for every value, the mean of the same per-site values 
 same order of sites, once, and all ranks read that one result: the sites receive
 bit-identical means whatever their layouts. Cost per unit: a buffer of the unit's size on
 every rank of the site (fp32, the largest unit bounds it: the embedding or output layer),
-a parameter's int64 canonical positions while it is placed (made each round, not kept),
 and intra-site traffic of about twice the unit per rank (reduce-scatter and all-gather
 over the whole site, since stages not holding a unit take part with zeros); the
 cross-site bytes are those of the model once per site, spread over its ranks by lanes.
+Once per run: the int64 canonical positions of every parameter the rank holds (its TP part,
+whole even under ZeRO-1), kept on the run's device; they depend only on the layout, so each
+is made at its parameter's first exchange and no round rebuilds it.
 
 The steps are split so that a mean may overlap inner steps (dilocox's round-late mean,
 streaming's fragments): `issue` runs steps 1-2 at once, on the calling (compute) thread, and
@@ -40,7 +42,6 @@ of every unit in one collective. Such exchanges run on lanes of their own
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -64,6 +65,9 @@ class CanonicalExchange:
         self.site_ranks = dims.ranks_of_site(site)
         self.lanes = dims.lanes  # L, every site's
         self.my_lanes = list(pgs.inter_lanes)  # [(lane, dp_inter group)], L / R_s consecutive ones
+        # parameter -> canonical positions of its values on this rank: made at its first
+        # exchange and kept, since they depend only on the layout, fixed for the run
+        self._index: Dict[str, torch.Tensor] = {}
 
     def on_lanes(self, groups: Sequence) -> None:
         """Run the lanes' means on `groups` instead: fresh clones of this rank's lane groups, in
@@ -81,16 +85,19 @@ class CanonicalExchange:
 
     def _positions(self, views, unit: str):
         """[(piece, canonical positions of its values, whether they count here)] of `views`' pieces in `unit`."""
-        pgs, out, index = self.pgs, [], {}
+        pgs, out = self.pgs, []
         for piece in views.pieces:
             if unit_of(piece.name) != unit:
                 continue
             param = self.params[piece.name]
-            if piece.name not in index:
-                index[piece.name] = param.local_index(pgs.dims.tp, pgs.tp_rank).to(self.device)
             counts = counts_here(param, self.config, pgs.tp_rank, pgs.pp_rank, pgs.dims.pp)
-            out.append((piece, index[piece.name][piece.p_lo:piece.p_hi], counts))
+            out.append((piece, self._index_of(param)[piece.p_lo:piece.p_hi], counts))
         return out
+
+    def _index_of(self, param: CanonicalParam) -> torch.Tensor:
+        if param.name not in self._index:
+            self._index[param.name] = param.local_index(self.pgs.dims.tp, self.pgs.tp_rank).to(self.device)
+        return self._index[param.name]
 
     @torch.no_grad()
     def mean(self, comm, views, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -184,7 +191,6 @@ def use_dedicated_lanes(ctx, exchange: Optional[CanonicalExchange]) -> None:
     """For reductions that advance between inner steps: the comm, and the exchange's lanes when
     layouts differ, move to dp_inter groups of their own (collective: every rank calls it), so
     nothing else issued on the shared groups (the loop's means) is matched out of order."""
-    minutes = ctx.comm.timeout_minutes
-    groups = ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
+    groups = ctx.comm.use_dedicated_group(ctx.pgs.dims)
     if exchange is not None:
         exchange.on_lanes(groups)

@@ -299,9 +299,14 @@ class InterSiteComm:
                                                                              group=self.group, async_op=True), tensor)
         self._issue(work, moved, moved, self.phases("all_reduce")).wait()
 
-    def use_dedicated_group(self, dims, timeout: Optional[timedelta] = None) -> List:
-        """Move this comm onto a fresh dp_inter group of its own (collective: every rank
-        calls it). Needed when a synchronizer advances multi-phase reductions between
+    def group_timeout(self) -> Optional[timedelta]:
+        """The timeout of groups made for this comm's work (--distributed-timeout-minutes;
+        None: the default process group's)."""
+        return timedelta(minutes=self.timeout_minutes) if self.timeout_minutes else None
+
+    def use_dedicated_group(self, dims) -> List:
+        """Move this comm onto a fresh dp_inter group of its own, with its timeout
+        (`group_timeout`; collective: every rank calls it). Needed when a synchronizer advances multi-phase reductions between
         steps: each site may issue its next phase at a different step, and collectives
         on a shared group (e.g. the Trainer's log-line mean over dp_inter) would then be
         matched out of order. On a private group only the synchronizer issues, in a fixed
@@ -312,6 +317,7 @@ class InterSiteComm:
             return []
         from megatron_lsgd.core.parallel_state import enumerate_group_ranks
 
+        timeout = self.group_timeout()
         kwargs = {"timeout": timeout} if timeout is not None else {}
         kwargs["backend"] = dist.get_backend(self.group)  # the same backend as the shared dp_inter
         me, mine = dist.get_rank(), []

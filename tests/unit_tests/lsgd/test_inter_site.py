@@ -162,3 +162,25 @@ def test_polling_and_waiting_over_a_real_link_read_no_clock():
     assert [what for _, what, _ in streams.log] == ["mark", "mark"] and comm.exposed_seconds == 0.25
     linked = InterSiteWork(comm, Done(), ready_at=1e12)  # a simulated link's completion: the clock decides
     assert not linked.is_completed() and streams.log[-1][1] == "synchronize"
+
+
+@pytest.mark.parametrize("minutes,timeout", [(7, timedelta(minutes=7)), (None, None)])
+def test_dedicated_groups_take_the_comms_timeout(monkeypatch, minutes, timeout):
+    # Every algorithm with reductions of its own (edit, acco, dreamddp, dilocox, streaming) takes
+    # its dp_inter groups through use_dedicated_group: the comm's --distributed-timeout-minutes
+    # reaches each new group, in dp_inter's order (the same on every rank).
+    from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
+
+    made = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((tuple(ranks), kw)) or len(made))
+    dims = ParallelDims(tp=2, pp=1, dp_intra=1, sites=2)
+    comm = InterSiteComm("shared", 2, timeout_minutes=minutes)
+    assert comm.group_timeout() == timeout
+    mine = comm.use_dedicated_group(dims)
+    assert [ranks for ranks, _ in made] == enumerate_group_ranks(dims)["dp_inter"]
+    assert all(kw.get("timeout") == timeout and kw["backend"] == "gloo" for _, kw in made)
+    assert ("timeout" in made[0][1]) == (timeout is not None)
+    assert mine == [i + 1 for i, (ranks, _) in enumerate(made) if 1 in ranks] and comm.group == mine[0]

@@ -127,6 +127,50 @@ def test_side_values_ride_in_every_lane_and_come_back_averaged():
     assert [m.tolist() for m in means] == [[2.0, 3.0], [2.0, 3.0]] and side.mean.tolist() == [4.0, 6.0]
 
 
+class _Tripling:
+    """The other site sends three times this site's values: the mean is twice them."""
+
+    @contextlib.contextmanager
+    def on_group(self, group):
+        yield self
+
+    def all_reduce_mean(self, tensor, async_op=False):
+        tensor.add_(tensor * 3).mul_(0.5)
+        return _Done()
+
+
+def test_canonical_positions_are_made_once_per_parameter_and_rounds_keep_their_means(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron_lsgd.core.lsgd.canonical_exchange import CanonicalExchange
+    from megatron_lsgd.core.models.gpt.canonical_layout import CanonicalParam, canonical_units
+    from megatron_lsgd.core.transformer.config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, padded_vocab_size=32,
+                               seq_length=8)
+    # a site of one rank (TP1 x PP1), two lanes: its exchange needs no group inside the site
+    dims = SimpleNamespace(tp=1, pp=1, lanes=2, ranks_of_site=lambda site: 1)
+    pgs = SimpleNamespace(dims=dims, site_rank=0, tp_rank=0, pp_rank=0, inter_lanes=[(0, "lane 0"), (1, "lane 1")])
+    params = [p for u in canonical_units(config) for p in u.params]
+    views = SimpleNamespace(
+        pieces=[SimpleNamespace(name=p.name, p_lo=0, p_hi=p.numel, range_index=i, lo=0, hi=p.numel)
+                for i, p in enumerate(params)],
+        main=[torch.zeros(p.numel) for p in params])
+    made = []
+    local_index = CanonicalParam.local_index
+    monkeypatch.setattr(CanonicalParam, "local_index", lambda self, *a: made.append(self.name) or local_index(self, *a))
+    exchange = CanonicalExchange(pgs, config, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        tensors = [torch.randn(p.numel, generator=g) for p in params]
+        means = exchange.mean(_Tripling(), views, tensors)
+        again = CanonicalExchange(pgs, config, torch.device("cpu")).mean(_Tripling(), views, tensors)  # positions anew
+        assert all(torch.equal(m, a) for m, a in zip(means, again))
+        assert all(torch.equal(m, 2 * t) for m, t in zip(means, tensors))
+    # the kept exchange made each parameter's positions once; each fresh one, once more
+    assert sorted(made) == sorted(p.name for p in params for _ in range(3))
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 def _config(extra, world):
     return build_config(parse_args(BASE + ["--num-sites", "2", "--global-batch-size", "4",

@@ -165,31 +165,37 @@ def _cocodc(dc_lambda, schedule="round-robin", **kw):
     return active(CoCoDC(fragment_context(lsgd_config("cocodc", **args))))
 
 
-@pytest.mark.parametrize("dc_lambda", [0.0, 0.5])
-def test_delay_compensation_formula_and_lambda0_is_the_rebase_rule(dc_lambda):
-    """θ ← θ_g + u − λ/(τH) u⊙u⊙d; with λ = 0 bit for bit θ_g + (θ_now − θ_at_start)."""
-    sync = _cocodc(dc_lambda)
-    g = torch.Generator().manual_seed(1)
-    landed = 0
+def _landings(sync, scale, seed):
+    """24 steps of random updates (`scale` x normal); at each fragment's landing yields its
+    (fragment, snapshot sent, main params just before the landing step), after that step."""
+    g = torch.Generator().manual_seed(seed)
     for it in range(24):
         sync.before_forward_backward(it)
-        sync.ctx.optimizer.shard.sub_(torch.randn(18, generator=g))
+        sync.ctx.optimizer.shard.sub_(scale * torch.randn(18, generator=g))
         due = [r for r in sync.in_flight if r.lands == sync.local_step + 1]
         before = [(r.fragment, [s.clone() for s in r.snapshot], [m.clone() for m in sync.views[r.fragment].main])
                   for r in due]
         sync.after_optimizer_step(it, True)
-        for p, snap, now in before:
-            views = sync.views[p]
-            a, local = torch.cat(sync.outer.anchor(views)), torch.cat(views.main)
-            u = torch.cat(now) - torch.cat(snap)
-            if dc_lambda == 0:
-                assert torch.equal(local, a + u)  # rebase onto the new global fragment
-            else:
-                d = a - torch.cat(snap)
-                want = a.double() + u.double() - dc_lambda / (2 * 8) * u.double() ** 2 * d.double()
-                torch.testing.assert_close(local.double(), want, rtol=1e-6, atol=1e-6)
-                assert not torch.equal(local, a + u)
-            landed += 1
+        yield from before
+
+
+@pytest.mark.parametrize("dc_lambda", [0.0, 0.5])
+def test_delay_compensation_formula_and_lambda0_is_the_rebase_rule(dc_lambda):
+    """θ ← θ_g + u − λ/(τH) u⊙u⊙d; with λ = 0 bit for bit θ_g + (θ_now − θ_at_start)."""
+    sync = _cocodc(dc_lambda)
+    landed = 0
+    for p, snap, now in _landings(sync, 1.0, seed=1):
+        views = sync.views[p]
+        a, local = torch.cat(sync.outer.anchor(views)), torch.cat(views.main)
+        u = torch.cat(now) - torch.cat(snap)
+        if dc_lambda == 0:
+            assert torch.equal(local, a + u)  # rebase onto the new global fragment
+        else:
+            d = a - torch.cat(snap)
+            want = a.double() + u.double() - dc_lambda / (2 * 8) * u.double() ** 2 * d.double()
+            torch.testing.assert_close(local.double(), want, rtol=1e-6, atol=1e-6)
+            assert not torch.equal(local, a + u)
+        landed += 1
     assert landed == 6
 
 
@@ -199,31 +205,23 @@ def test_mean_square_normalized_compensation_acts_at_adam_scale():
     1e-4 the printed form moves nothing while this one corrects by λτ/H of d at the first landing."""
     beta, lam = 0.5, 0.5
     sync = _cocodc(lam, dc_normalize="mean-square", dc_beta=beta)
-    g = torch.Generator().manual_seed(2)
     v = {}
     n = {}
     landed = 0
-    for it in range(24):
-        sync.before_forward_backward(it)
-        sync.ctx.optimizer.shard.sub_(1e-4 * torch.randn(18, generator=g))
-        due = [r for r in sync.in_flight if r.lands == sync.local_step + 1]
-        before = [(r.fragment, [s.clone() for s in r.snapshot], [m.clone() for m in sync.views[r.fragment].main])
-                  for r in due]
-        sync.after_optimizer_step(it, True)
-        for p, snap, now in before:
-            views = sync.views[p]
-            a, local = torch.cat(sync.outer.anchor(views)).double(), torch.cat(views.main).double()
-            u = (torch.cat(now) - torch.cat(snap)).double()
-            d = a - torch.cat(snap).double()
-            v[p] = beta * v.get(p, 0) + (1 - beta) * u ** 2
-            n[p] = n.get(p, 0) + 1
-            v_hat = v[p] / (1 - beta ** n[p])
-            want = a + u - lam * 2 / 8 * (u ** 2 / v_hat) * d
-            torch.testing.assert_close(local, want, rtol=0, atol=1e-7)
-            if n[p] == 1:  # u⊙u / v̂ = 1: the correction is λτ/H = 1/8 of d
-                torch.testing.assert_close(a + u - local, d / 8, rtol=1e-4, atol=1e-9)
-                assert (d / 8).abs().max() > 1e-5
-            landed += 1
+    for p, snap, now in _landings(sync, 1e-4, seed=2):
+        views = sync.views[p]
+        a, local = torch.cat(sync.outer.anchor(views)).double(), torch.cat(views.main).double()
+        u = (torch.cat(now) - torch.cat(snap)).double()
+        d = a - torch.cat(snap).double()
+        v[p] = beta * v.get(p, 0) + (1 - beta) * u ** 2
+        n[p] = n.get(p, 0) + 1
+        v_hat = v[p] / (1 - beta ** n[p])
+        want = a + u - lam * 2 / 8 * (u ** 2 / v_hat) * d
+        torch.testing.assert_close(local, want, rtol=0, atol=1e-7)
+        if n[p] == 1:  # u⊙u / v̂ = 1: the correction is λτ/H = 1/8 of d
+            torch.testing.assert_close(a + u - local, d / 8, rtol=1e-4, atol=1e-9)
+            assert (d / 8).abs().max() > 1e-5
+        landed += 1
     assert landed == 6
     state = sync.state_dict()
     assert sorted(state["dc_landings"].items()) == [("0", 3), ("1", 3)]

@@ -35,6 +35,19 @@ def test_summary_line():
                     "per-step sync would have moved 712.00 MB (356x less with dilocox)")
 
 
+def test_sync_is_compared_with_uncompressed_sync():
+    from megatron_lsgd.training.traffic_summary import summary_line
+
+    line = summary_line("sync", 100, {"bytes": 20 * 2**20, "sync_bytes": 100 * 2**20})  # e.g. sync with int8
+    assert line == (" cross-site traffic: sync moved 20.00 MB (sent + received, all ranks) in 100 steps; "
+                    "uncompressed per-step sync would have moved 100.00 MB (5.0x less with sync)")
+    assert summary_line("sync", 1, {"bytes": 1.0, "sync_bytes": 0.0}).endswith(
+        "(uncompressed per-step sync moves nothing)")
+    # the others keep the plain name ("sync" inside another algorithm's name is not sync)
+    assert "; per-step sync would have moved" in summary_line("streaming-diloco", 1, {"bytes": 1.0, "sync_bytes": 2.0})
+    assert summary_line("acco", 1, {"bytes": 1.0, "sync_bytes": 0.0}).endswith("(per-step sync moves nothing)")
+
+
 def test_summary_line_says_more_when_the_algorithm_sent_more():
     from megatron_lsgd.training.traffic_summary import summary_line
 

@@ -114,7 +114,6 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import ClassVar, Dict, List, Optional, Tuple
 
 import torch
@@ -313,10 +312,9 @@ class OverlappedGradientSync(Synchronizer):
         self.comm = ctx.comm
         self.pgs = ctx.pgs
         self.sites = ctx.comm.num_sites
-        minutes = ctx.comm.timeout_minutes
-        timeout = timedelta(minutes=minutes) if minutes else None
+        timeout = ctx.comm.group_timeout()
         # Groups of the worker thread's own, gloo on GPUs (see the module docstring's ordering rule).
-        ctx.comm.use_dedicated_group(ctx.pgs.dims, timeout)
+        ctx.comm.use_dedicated_group(ctx.pgs.dims)
         # --optimizer muon assembles its matrices over tp too, inside the worker's step
         kinds = ("dp_intra", "model_parallel", "site") + (("tp",) if ctx.uses_muon else ())
         self.worker_groups = clone_groups(ctx.pgs, kinds, timeout, worker_group_backend(ctx.device)) \

@@ -89,6 +89,6 @@ class ElasticComm(InterSiteComm):
         work = self._on_group("all_reduce_max", lambda out, _: self._reduce(out, ReduceOp.MAX), tensor)
         self._issue(work, moved, moved, self.phases("all_reduce")).wait()
 
-    def use_dedicated_group(self, dims, timeout=None) -> list:
+    def use_dedicated_group(self, dims) -> list:
         """Nothing to do: the torchft group is already this comm's alone (no lanes: one layout)."""
         return []

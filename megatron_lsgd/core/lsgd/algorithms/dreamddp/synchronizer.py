@@ -51,7 +51,6 @@ import json
 import os
 from collections import deque
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
@@ -193,8 +192,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         first_module = self.units[self.names[0]].modules[-1] if self.names else None
         self.recorder = BackwardRecorder(self.names, ctx.clock, first_module)
         if self.active:  # averages are issued from the backward: keep them off the shared dp_inter group
-            minutes = ctx.comm.timeout_minutes
-            ctx.comm.use_dedicated_group(pgs.dims, timedelta(minutes=minutes) if minutes else None)
+            ctx.comm.use_dedicated_group(pgs.dims)
         # state (checkpointed)
         self.profile: Optional[Profile] = None  # None while profiling
         # until then the equal-number schedule, which needs no timings (with the tied rule)

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -229,8 +228,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
         self.outer: Optional[OuterState] = None
         if not self.active:
             return  # one site: nothing to synchronize, plain training
-        minutes = ctx.comm.timeout_minutes
-        ctx.comm.use_dedicated_group(ctx.pgs.dims, timedelta(minutes=minutes) if minutes else None)
+        ctx.comm.use_dedicated_group(ctx.pgs.dims)
         opt = ctx.optimizer
         self.outer = OuterState(opt.main_param_shards(), cfg.outer)
         self.device = opt.main_param_shards()[0].device
