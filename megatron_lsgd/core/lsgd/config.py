@@ -48,10 +48,11 @@ class OuterOptions(OptionGroup):
     # Defaults measured (docs/quality.md): 1 / 0 averages the sites' models; the DiLoCo paper's
     # Nesterov 0.7 / 0.9 ended 6.5-22 points worse over the 20-60 outer steps of the toy sweeps,
     # and Nesterov 0.9 at every outer lr from 0.1 to 1.0 3-19 points worse on the ladder's rung S
-    # (20 tokens per parameter, data read once, 12-42 outer steps).
+    # (20 tokens per parameter, data read once, 12-42 outer steps), and Nesterov at its best lr
+    # (0.4) behind averaging on two seeds of three at rung M (138 outer steps).
     lr: float = option("--lsgd-outer-lr", 1.0,
                        "outer SGD learning rate (1 with momentum 0: the new anchor is the sites' mean model, "
-                       "measured best up to 42 outer steps at 20 tokens per parameter, docs/quality.md; "
+                       "measured best up to 138 outer steps at 20 tokens per parameter, docs/quality.md; "
                        "the DiLoCo paper: 0.7 with momentum 0.9, for hundreds of outer steps)")
     momentum: float = option("--lsgd-outer-momentum", 0.0,
                              "outer Nesterov momentum (0: plain SGD, no momentum buffer kept)")
