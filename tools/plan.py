@@ -201,10 +201,9 @@ def refusals(job: Job, algorithms: List[str]) -> Dict[str, str]:
     (each synchronizer's `unequal_sites_refusal`, the line pretrain_gpt.py would print)."""
     if not job.unequal:
         return {}
-    from megatron_lsgd.core.lsgd.catalog import synchronizer_class
+    from megatron_lsgd.core.lsgd.catalog import refusals as refused_by
 
-    return {a: synchronizer_class(a).unequal_sites_refusal for a in algorithms
-            if synchronizer_class(a).unequal_sites_refusal}
+    return refused_by("unequal_sites_refusal", algorithms)
 
 
 def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_glob: str, log_path: str,

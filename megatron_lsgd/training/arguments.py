@@ -379,8 +379,8 @@ def _refuse_for_site_shapes(given: str, shape: str, supported: str, algorithm: s
 
 def _supporting(refusal: str) -> str:
     """The algorithms whose `refusal` attribute is None (they support that shape of sites)."""
-    return ", ".join(n for n in catalog.registered_algorithms()
-                     if getattr(catalog.synchronizer_class(n), refusal) is None)
+    refused = catalog.refusals(refusal)
+    return ", ".join(n for n in catalog.registered_algorithms() if n not in refused)
 
 
 def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: SimulationOptions) -> None:

@@ -185,7 +185,7 @@ class Trainer:
         dims, site, sharded = self.config.dims, self.pgs.site_rank, self.config.ddp.use_distributed_optimizer
         clock = build_simulated_clock(self.config.simulation, self.config.lsgd.link, dims, site, params,
                                       self.clock.streams, sharded_optimizer=sharded)
-        if self.pgs.rank == dims.rank_of(tp=0, dp_intra=0, pp=0, site=site):  # each site's first rank
+        if self.pgs.rank == dims.site_start(site):
             for line in describe(clock, self.config.simulation.scenario, params,
                                  optimizer_shard_scale(dims, site, sharded)):
                 print(line if self.pgs.site_rank == 0 else f"{line} [site {self.pgs.site_rank}]", flush=True)

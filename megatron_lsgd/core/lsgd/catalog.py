@@ -34,6 +34,15 @@ def _discover() -> None:
 _discover()
 
 
+def refusals(attribute: str, algorithms: Optional[List[str]] = None) -> Dict[str, str]:
+    """{algorithm: its reason} for those of `algorithms` (default: every registered one) that
+    refuse a shape of sites, by the class attribute `attribute` ("unequal_sites_refusal",
+    "mixed_layouts_refusal"; None: supported)."""
+    names = registered_algorithms() if algorithms is None else algorithms
+    return {n: getattr(synchronizer_class(n), attribute) for n in names
+            if getattr(synchronizer_class(n), attribute) is not None}
+
+
 def fault_tolerant_algorithms() -> List[str]:
     """The algorithms --lsgd-fault-tolerance torchft can run (`supports_fault_tolerance`)."""
     return [n for n in registered_algorithms() if synchronizer_class(n).supports_fault_tolerance]

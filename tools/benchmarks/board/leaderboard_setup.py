@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_lsgd.core.lsgd.catalog import synchronizer_class
+from megatron_lsgd.core.lsgd.catalog import refusals, synchronizer_class
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import write_text
 from tools.benchmarks.recipes import LAYERS, board_variants, recipe, recommended
@@ -51,10 +51,7 @@ def cell_ranks(scenario) -> int:
 def unequal_refusals(scenario, algorithms: Sequence[str]) -> Dict[str, str]:
     """{algorithm: why it does not run} on a scenario whose sites differ in size (the line
     pretrain_gpt.py would print); empty for equal sites."""
-    if not scenario.replicas_per_site:
-        return {}
-    return {a: synchronizer_class(a).unequal_sites_refusal for a in algorithms
-            if synchronizer_class(a).unequal_sites_refusal}
+    return refusals("unequal_sites_refusal", list(algorithms)) if scenario.replicas_per_site else {}
 
 
 def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
