@@ -459,6 +459,7 @@ class Trainer:
                                  "tokens": tokens, "tokens_per_s": tokens_per_s,
                                  "losses": line.means, "inter_site_bytes": moved_mb * 2**20,
                                  "exposed_comm_s": exposed_ms * acc.iters / 1e3,
+                                 "inter_site_totals": comm_now,  # this process's, since it started
                                  "sync_stats": self.synchronizer.stats(), **self.loop.tags})
         acc.reset(comm_now, self.consumed_samples, self.site_consumed_samples, self.clock.now())
 
@@ -526,7 +527,7 @@ class Trainer:
                 ranks = f"site {self.pgs.site_rank}'s ranks" if self.config.fault_tolerance.enabled else "all ranks"
                 print(summary_line(self.config.lsgd.algorithm, steps, result.traffic, ranks), flush=True)
             self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
-                                 "wall_s": self.clock.now() - run_start,
+                                 "wall_s": self.clock.now() - run_start, "inter_site_totals": result.comm,
                                  "straggler_sleep_s": self.straggler.slept_seconds, **record})
         self.json_log.close()
         self.tb.close()

@@ -114,7 +114,7 @@ def test_points_flags_and_selection():
 def test_finished_runs_are_cached_and_a_failed_one_is_left_out(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run(argv, world):
+    def fake_run(argv, world, work_dir=None):
         calls.append(argv)
         if "--seed" in argv:  # this test's marker of a run that fails
             raise RuntimeError("process 1 terminated with exit code 2")
@@ -146,7 +146,7 @@ def test_a_run_cached_under_other_defaults_is_trained_again(tmp_path, monkeypatc
     from tools.benchmarks import run_cache
 
     calls = []
-    monkeypatch.setattr(qf, "run", lambda argv, world: calls.append(argv) or {"valid": [float(len(calls))]})
+    monkeypatch.setattr(qf, "run", lambda argv, world, work_dir=None: calls.append(argv) or {"valid": [float(len(calls))]})
     argv = ["--lsgd-algorithm", "diloco"] + BASE
     first = qf.cached_run(argv, 2, str(tmp_path))
     resolved = qf.resolved_arguments(argv)
@@ -297,7 +297,7 @@ def test_a_ladder_rung_sets_its_model_budget_points_and_page(tmp_path, monkeypat
     the held-out file for validation, the ladder's points, its own page and cache."""
     seen = []
 
-    def fake_run(argv, world):
+    def fake_run(argv, world, work_dir=None):
         seen.append(argv)
         loss = 4.0 if "sync" in argv else 4.1
         return {"valid": [loss], "comm": {"bytes_sent": 100 if "sync" in argv else 2}}

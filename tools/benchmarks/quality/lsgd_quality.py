@@ -57,7 +57,8 @@ from megatron_lsgd.training.arguments import build_config, parse_args  # noqa: E
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.recipes import quality_runs  # noqa: E402
-from tools.benchmarks.run_cache import positive_int, results_path  # noqa: E402
+from tools.benchmarks.resumable_runs import WorkDir, joined, segment_argv  # noqa: E402
+from tools.benchmarks.run_cache import code_version, positive_int, results_path  # noqa: E402
 from tools.benchmarks.spawned_ranks import run_ranks, run_tool  # noqa: E402
 
 
@@ -77,7 +78,29 @@ def _worker(rank: int, world: int, port: int, argv: List[str], out: str) -> None
     shutdown_distributed()
 
 
-def run(argv: List[str], world: int) -> Dict:
+def run(argv: List[str], world: int, work_dir: Optional[str] = None) -> Dict:
+    """One run's result. With `work_dir` a lockstep run checkpoints there and, stopped, resumes
+    from its last checkpoint when run again (resumable_runs.py); the directory goes when it ends."""
+    if work_dir is None or not lockstep(argv):  # a-edit's sites log into one file each: not joined
+        return _run_once(argv, world)
+    work = WorkDir(work_dir)
+    argv = segment_argv(argv, work.begin_segment(code_version()))
+    try:
+        final = _run_once(argv, world)
+    except Exception:
+        if work.resumed():  # a checkpoint this code cannot resume would fail every time: start afresh next time
+            print(f"  the run failed after resuming: {work_dir} is removed, the next attempt starts at step 0",
+                  flush=True)
+            work.discard()
+        raise
+    result = joined(work.segments(), final)
+    if len(work.codes()) > 1:
+        result["segment_codes"] = work.codes()
+    work.discard()
+    return result
+
+
+def _run_once(argv: List[str], world: int) -> Dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
         run_ranks(_worker, (world, free_port(), argv, out), world)

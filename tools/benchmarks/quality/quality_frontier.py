@@ -38,7 +38,10 @@ digest of its flags, with every argument they resolve to: one made under other d
 trained again; by default results/runs/<page>, committed with the page it is the data of), so a
 sweep that stops is resumed by running the same command again, on any clone; move a run out
 of the cache after a change of the code that alters training (or `--refresh` the points it
-touches: each run records the commit it ran at, see run_cache.py).
+touches: each run records the commit it ran at, see run_cache.py). A run stopped midway
+(Ctrl-C, the machine's session ending) keeps a checkpoint of every 500 steps under
+CACHE_DIR/.partial/ (git-ignored), and the same command resumes it from the last one: a
+ladder cell of an hour loses at most a few minutes (tools/benchmarks/resumable_runs.py).
 `--cached-only` trains nothing and writes the table from what the cache holds. A run that
 fails is reported and left out; the others go on. `--smoke` shrinks everything to a check that the pipeline runs
 (tiny model, 20 iterations, mock data unless a corpus is given), which must not be read as
@@ -64,6 +67,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_lsgd.core.output_files import save_figure, write_json, write_text  # noqa: E402
 from tools.benchmarks.quality.lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
+from tools.benchmarks.resumable_runs import PARTIAL  # noqa: E402
 from tools.benchmarks.recipes import Point, points as recipe_points  # noqa: E402
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, results_path, seed_list)
@@ -339,7 +343,8 @@ def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = 
                refresh: bool = False) -> Optional[Dict]:
     """One run's result, from the cache or trained now and cached (None: it failed, its error
     printed and the sweep going on; or it is not cached and `cached_only`). `refresh` trains it
-    again even if cached."""
+    again even if cached. A run stopped midway resumes from its last checkpoint, kept under
+    CACHE_DIR/.partial/DIGEST (git-ignored) until it finishes (resumable_runs.py)."""
     digest = hashlib.sha256(json.dumps([sites] + relative_flags(argv)).encode()).hexdigest()[:16]
 
     def train() -> Optional[Dict]:
@@ -347,7 +352,7 @@ def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = 
             print("  not in the cache (--cached-only): left out", flush=True)
             return None
         try:
-            return run(argv, sites)
+            return run(argv, sites, work_dir=os.path.join(cache_dir, PARTIAL, digest))
         except Exception as err:  # a rank failed: its error line is above
             print(f"error: this run failed ({err}); it is left out of the table", flush=True)
             return None
