@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, ClassVar, List, Optional
 
 import torch
 
@@ -19,7 +19,7 @@ from megatron_lsgd.core.distributed.data_parallel import DDPConfig
 from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.config import LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions
-from megatron_lsgd.core.lsgd.options import finite_float
+from megatron_lsgd.core.lsgd.options import OptionGroup, finite_float, option
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig
@@ -29,28 +29,58 @@ from megatron_lsgd.training.megatron_compat import (CompatConfig, add_megatron_c
                                                     apply_megatron_compat_args, normalize_megatron_args)
 from megatron_lsgd.training.scenario import SimulationOptions, load_scenario
 from megatron_lsgd.training.stragglers import SLOW_MODES, StragglerConfig
-from megatron_lsgd.training.tokenizer.config import TOKENIZER_TYPES, TokenizerConfig
+from megatron_lsgd.training.tokenizer.config import TokenizerConfig
 
 
 @dataclass
-class TrainingConfig:
-    micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None
-    train_iters: int = 100  # given, or derived from a sample/token budget
-    train_samples: Optional[int] = None  # the job's sample budget (all sites), when given as one
-    exit_duration_in_mins: Optional[float] = None
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    full_validation: bool = False  # every evaluation covers the whole validation split, the same samples
-    skip_train: bool = False  # --skip-train: evaluate the held-out sets only
-    log_interval: int = 100
-    exit_interval: Optional[int] = None
-    seed: int = 1234
-    bf16: bool = False
-    fp16: bool = False
-    compile: bool = False  # --compile: each transformer layer's forward compiled (core/transformer/compile.py)
-    tensorboard_dir: Optional[str] = None
-    json_log: Optional[str] = None  # one JSON object per log interval (benchmarks)
+class TrainingConfig(OptionGroup):
+    """Each field with a flag declares it here once (the command line's training group); the
+    batch and the length of the run are resolved from them in build_config."""
+
+    title: ClassVar[str] = "training"
+
+    micro_batch_size: int = option("--micro-batch-size", 1, type=int, required=True)
+    global_batch_size: Optional[int] = option("--global-batch-size", None, type=int,
+                                              help="default: micro batch size x data-parallel size")
+    train_iters: Optional[int] = option("--train-iters", None, type=int,  # given, or derived from a budget
+                                        help="inner steps to train (or give a budget: --train-samples / "
+                                             "--train-tokens)")
+    train_samples: Optional[int] = option("--train-samples", None, type=int,  # the job's (all sites), when given
+                                          help="train on this many samples in total, all sites together (iterations "
+                                               "= samples // global batch size)")
+    train_tokens: Optional[int] = option("--train-tokens", None, type=int,
+                                         help="train on this many tokens in total, all sites together (samples = "
+                                              "tokens // --seq-length)")
+    exit_duration_in_mins: Optional[float] = option(
+        "--exit-duration-in-mins", None, type=float,
+        help="stop (saving a checkpoint with --save) once this many minutes have passed since start-up; every rank "
+             "stops at the same iteration and a resumed run continues exactly")
+    eval_interval: int = option("--eval-interval", 1000)
+    eval_iters: int = option("--eval-iters", 100, help="0 disables evaluation")
+    full_validation: bool = option(  # every evaluation covers the whole validation split, the same samples
+        "--full-validation", False,
+        help="every evaluation runs over the whole validation split, the same samples each time, so the points of a "
+             "validation curve (and runs with other seeds) are comparable; --eval-iters then only switches "
+             "evaluation on (> 0) or off (0)")
+    log_interval: int = option("--log-interval", 100)
+    exit_interval: Optional[int] = option("--exit-interval", None, type=int)
+    exit_signal_handler: bool = option(
+        "--exit-signal-handler", False,
+        help="on SIGTERM (a scheduler's notice before its time limit), save a checkpoint at the next iteration, on "
+             "every rank together, and exit 0; without it SIGTERM stops the run at once")
+    skip_train: bool = option("--skip-train", False,  # evaluate the held-out sets only
+                              help="train nothing: evaluate the model (from --load) on the validation and test sets "
+                                   "and exit; no --train-iters needed")
+    seed: int = option("--seed", 1234)
+    bf16: bool = option("--bf16", False)
+    fp16: bool = option("--fp16", False)
+    compile: bool = option(  # each transformer layer's forward compiled (core/transformer/compile.py)
+        "--compile", False,
+        help="compile each transformer layer's forward with torch.compile (regional: the layers share one graph, "
+             "hooks stay at layer boundaries); after the second step, once, prints the first step's graphs and "
+             "graph breaks and the second's breaks and recompilations (docs/performance.md)")
+    tensorboard_dir: Optional[str] = option("--tensorboard-dir", None)
+    json_log: Optional[str] = None  # --json-log (the benchmarking group): one JSON object per log interval
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, gloo otherwise
     inter_site_backend: Optional[str] = None  # dp_inter groups; None: nccl with CUDA, gloo otherwise
     distributed_timeout_minutes: int = 10
@@ -159,115 +189,6 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
-def _training_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default: micro batch size x data-parallel size")
-    g.add_argument("--train-iters", type=int, default=None,
-                   help="inner steps to train (or give a budget: --train-samples / --train-tokens)")
-    g.add_argument("--train-samples", type=int, default=None,
-                   help="train on this many samples in total, all sites together (iterations = samples // "
-                        "global batch size)")
-    g.add_argument("--train-tokens", type=int, default=None,
-                   help="train on this many tokens in total, all sites together (samples = tokens // "
-                        "--seq-length)")
-    g.add_argument("--exit-duration-in-mins", type=finite_float, default=None,
-                   help="stop (saving a checkpoint with --save) once this many minutes have passed since start-up; "
-                        "every rank stops at the same iteration and a resumed run continues exactly")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100, help="0 disables evaluation")
-    g.add_argument("--full-validation", action="store_true",
-                   help="every evaluation runs over the whole validation split, the same samples each time, "
-                        "so the points of a validation curve (and runs with other seeds) are comparable; "
-                        "--eval-iters then only switches evaluation on (> 0) or off (0)")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM (a scheduler's notice before its time limit), save a checkpoint at the next "
-                        "iteration, on every rank together, and exit 0; without it SIGTERM stops the run at once")
-    g.add_argument("--skip-train", action="store_true",
-                   help="train nothing: evaluate the model (from --load) on the validation and test sets and exit; "
-                        "no --train-iters needed")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--compile", action="store_true",
-                   help="compile each transformer layer's forward with torch.compile (regional: the layers share "
-                        "one graph, hooks stay at layer boundaries); after the second step, once, prints the first "
-                        "step's graphs and graph breaks and the second's breaks and recompilations "
-                        "(docs/performance.md)")
-    g.add_argument("--tensorboard-dir", type=str, default=None)
-
-
-def _optimizer_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=["adam", "sgd", "muon"], default="adam",
-                   help="adam: AdamW (decoupled weight decay); sgd: plain SGD, no momentum; muon: Muon for the "
-                        "hidden 2-D matrices (step lr x 0.2 x sqrt(max dim)), AdamW for embeddings, output layer "
-                        "and 1-D parameters (with any local-SGD algorithm: MuLoCo)")
-    g.add_argument("--muon-momentum", type=finite_float, default=0.95, help="--optimizer muon: Nesterov momentum")
-    g.add_argument("--muon-ns-steps", type=int, default=5,
-                   help="--optimizer muon: Newton-Schulz iterations (fp32) per matrix and step")
-    g.add_argument("--lr", type=finite_float, required=True)
-    g.add_argument("--min-lr", type=finite_float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--weight-decay", type=finite_float, default=0.01)
-    g.add_argument("--adam-beta1", type=finite_float, default=0.9)
-    g.add_argument("--adam-beta2", type=finite_float, default=0.999)
-    g.add_argument("--adam-eps", type=finite_float, default=1e-8)
-    g.add_argument("--clip-grad", type=finite_float, default=1.0)
-    g.add_argument("--loss-scale", type=finite_float, default=None, help="fp16 static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=finite_float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=finite_float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-
-
-def _data_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data and tokenizer")
-    g.add_argument("--data-path", nargs="*", default=[],
-                   help="prefix ... or weight prefix weight prefix ... (blended)")
-    g.add_argument("--split", type=str, default="969,30,1",
-                   help="train,valid,test shares of each --data-path file (contiguous document ranges)")
-    for split, what in (("train", "training"), ("valid", "validation"), ("test", "test")):
-        g.add_argument(f"--{split}-data-path", nargs="*", default=[],
-                       help=f"the {what} set's own files, used whole (prefix ... or weight prefix ...); instead of "
-                            f"--data-path and --split" + (": evaluated once at the end of training" if split == "test"
-                                                          else ""))
-    g.add_argument("--data-cache-path", type=str, default=None)
-    g.add_argument("--mock-data", action="store_true", help="deterministic synthetic tokens")
-    g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
-    g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    g.add_argument("--tokenizer-model", type=str, default=None)
-    g.add_argument("--vocab-file", type=str, default=None)
-    g.add_argument("--merge-file", type=str, default=None)
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer vocabulary size; TikTokenizer: its size (default there: 131072)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-
-
-def _checkpoint_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("checkpointing (docs/checkpointing.md)")
-    g.add_argument("--save", type=str, default=None, help="directory to save checkpoints to")
-    g.add_argument("--load", type=str, default=None,
-                   help="directory to resume from (its latest_checkpointed_iteration.txt); may equal --save")
-    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
-    g.add_argument("--no-save-optim", action="store_true", help="save the model and RNG only")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="do not load optimizer, LR scheduler and synchronizer state")
-    g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
-    g.add_argument("--finetune", action="store_true",
-                   help="load the model only and start at iteration 0 (fresh optimizer, scheduler, RNG, data)")
-    g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
-                   help="skip comparing every loaded file with the SHA-256 recorded in metadata.json at save time")
-
-
 def _emulation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmarking and heterogeneity emulation")
     g.add_argument("--json-log", type=str, default=None,
@@ -286,8 +207,9 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     p = cli.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=cli.HelpFormatter)
-    for add in (_model_args, _parallel_args, _training_args, _optimizer_args, _data_args, catalog.add_arguments,
-                FaultToleranceOptions.add_arguments, _checkpoint_args, _emulation_args, SimulationOptions.add_arguments, add_megatron_compat_args):
+    for add in (_model_args, _parallel_args, TrainingConfig.add_arguments, OptimizerConfig.add_arguments, DataConfig.add_arguments,
+                TokenizerConfig.add_arguments, catalog.add_arguments,
+                FaultToleranceOptions.add_arguments, CheckpointConfig.add_arguments, _emulation_args, SimulationOptions.add_arguments, add_megatron_compat_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -470,17 +392,10 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     if args.distributed_timeout_minutes < 1:
         raise ValueError("--distributed-timeout-minutes must be >= 1")
 
-    training = TrainingConfig(
-        micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, train_iters=train_iters,
-        train_samples=train_samples, exit_duration_in_mins=args.exit_duration_in_mins,
-        eval_interval=args.eval_interval, eval_iters=args.eval_iters, full_validation=args.full_validation,
-        skip_train=args.skip_train,
-        log_interval=args.log_interval,
-        exit_interval=args.exit_interval, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
-        compile=args.compile,
-        tensorboard_dir=args.tensorboard_dir, json_log=args.json_log, distributed_backend=args.distributed_backend,
-        inter_site_backend=args.inter_site_backend,
-        distributed_timeout_minutes=args.distributed_timeout_minutes)
+    training = TrainingConfig.from_args(
+        args, global_batch_size=global_batch, train_iters=train_iters, train_samples=train_samples,
+        json_log=args.json_log, distributed_backend=args.distributed_backend,
+        inter_site_backend=args.inter_site_backend, distributed_timeout_minutes=args.distributed_timeout_minutes)
     model = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -497,30 +412,14 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         params_dtype=training.params_dtype, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
     _validate_model_per_site(model, dims)
-    optimizer = OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        muon_momentum=args.muon_momentum, muon_ns_steps=args.muon_ns_steps,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.lr_decay_iters, loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+    optimizer = OptimizerConfig.from_args(args)
     optimizer.validate(train_iters)
     tokenizer_type = args.tokenizer_type or ("NullTokenizer" if args.mock_data else None)
     if tokenizer_type is None:
         raise ValueError("--tokenizer-type is required (NullTokenizer with --vocab-size for --mock-data)")
-    tokenizer = TokenizerConfig(
-        tokenizer_type=tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-        merge_file=args.merge_file, vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    tokenizer = TokenizerConfig.from_args(args, tokenizer_type=tokenizer_type)
     tokenizer.validate()
-    data = DataConfig(
-        data_path=list(args.data_path or []), train_data_path=list(args.train_data_path or []),
-        valid_data_path=list(args.valid_data_path or []), test_data_path=list(args.test_data_path or []),
-        split=args.split, data_cache_path=args.data_cache_path,
-        mock_data=args.mock_data, seq_length=args.seq_length, seed=args.seed, eod_mask_loss=args.eod_mask_loss,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        num_workers=args.num_workers)
+    data = DataConfig.from_args(args, seq_length=args.seq_length, seed=args.seed)
     data.validate(need_train_data=not args.skip_train)
     if args.skip_train and not (data.mock_data or data.valid_data_path or data.test_data_path or data.data_path):
         raise ValueError("--skip-train evaluates the validation and test sets: give --valid-data-path or "
@@ -535,10 +434,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         sample_budget_flag=budget, batch_schedule_flag=schedule,
         per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
         tied_embeddings=not args.untie_embeddings_and_output_weights, num_layers=args.num_layers))
-    checkpoint = CheckpointConfig(
-        save=args.save, load=args.load, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
-        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
-        verify_checksums=not args.no_verify_checkpoint_checksums)
+    checkpoint = CheckpointConfig.from_args(args)
     if args.skip_train:  # evaluation reads the model only: a checkpoint of any DP layout or site count
         checkpoint.no_load_optim = checkpoint.no_load_rng = True
     checkpoint.validate()

@@ -1,30 +1,45 @@
-"""Typed configuration of the data path (built from argparse in training/arguments.py)."""
+"""Typed configuration of the data path; its flags declared once on its fields (read by training/arguments.py)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional
+
+from megatron_lsgd.core.lsgd.options import OptionGroup, option
+
+
+def _own_files_help(what: str) -> str:
+    return f"the {what} set's own files, used whole (prefix ... or weight prefix ...); instead of --data-path and --split"
+
 
 
 @dataclass
-class DataConfig:
+class DataConfig(OptionGroup):
+    """Each field with a flag declares it here once (the command line's data group); the
+    sequence length and seed come from their own flags."""
+
+    title: ClassVar[str] = "data"
+
     # Megatron's --data-path: either [prefix, ...] or [weight, prefix, weight, prefix, ...].
-    data_path: List[str] = field(default_factory=list)
+    data_path: List[str] = option("--data-path", [], nargs="*", help="prefix ... or weight prefix weight prefix ... "
+                                                                     "(blended)")
+    split: str = option("--split", "969,30,1",
+                        help="train,valid,test shares of each --data-path file (contiguous document ranges)")
     # Megatron's --train-data-path / --valid-data-path / --test-data-path: each split from files of
     # its own, used whole (same syntax as --data-path; --split does not apply)
-    train_data_path: List[str] = field(default_factory=list)
-    valid_data_path: List[str] = field(default_factory=list)
-    test_data_path: List[str] = field(default_factory=list)
-    split: str = "969,30,1"
-    data_cache_path: Optional[str] = None
-    mock_data: bool = False
+    train_data_path: List[str] = option("--train-data-path", [], nargs="*", help=_own_files_help("training"))
+    valid_data_path: List[str] = option("--valid-data-path", [], nargs="*", help=_own_files_help("validation"))
+    test_data_path: List[str] = option("--test-data-path", [], nargs="*",
+                                       help=_own_files_help("test") + ": evaluated once at the end of training")
+    data_cache_path: Optional[str] = option("--data-cache-path", None)
+    mock_data: bool = option("--mock-data", False, help="deterministic synthetic tokens")
+    eod_mask_loss: bool = option("--eod-mask-loss", False)
+    reset_position_ids: bool = option("--reset-position-ids", False)
+    reset_attention_mask: bool = option("--reset-attention-mask", False)
+    num_workers: int = option("--num-workers", 0)
     seq_length: int = 1024
     seed: int = 1234
-    eod_mask_loss: bool = False
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    num_workers: int = 0
     mmap_bin_files: bool = True  # False (--no-mmap-bin-files): read each .bin into memory
 
     @property

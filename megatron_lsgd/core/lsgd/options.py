@@ -27,17 +27,33 @@ def finite_float(text: str) -> float:
     return value
 
 
-def option(flag: str, default: Any, help: str, *, choices: Optional[Sequence] = None, metavar: Optional[str] = None,
-           type: Optional[type] = None) -> Any:
-    """A dataclass field bound to `flag`. Booleans become store_true flags."""
+class AS_GIVEN:  # noqa: N801 (a marker, used as a type)
+    """`option(type=AS_GIVEN)`: the flag's text as argparse gives it, with no conversion (a
+    choice among strings, as core flags have always been declared)."""
+
+
+def option(flag: str, default: Any, help: Optional[str] = None, *, choices: Optional[Sequence] = None,
+           metavar: Optional[str] = None, type: Optional[type] = None, required: bool = False,
+           nargs: Optional[str] = None) -> Any:
+    """A dataclass field bound to `flag`. Booleans become store_true flags; a list default is
+    copied for each object (`nargs` then says how many values the flag takes). A `required`
+    flag must be given on the command line; its `default` serves objects built in code."""
     meta = {"flag": flag, "help": help, "choices": tuple(choices) if choices else None, "metavar": metavar,
-            "type": type}
+            "type": type, "required": required, "nargs": nargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
 def dest_of(flag: str) -> str:
     """A flag's argparse name (--lsgd-edit-clip -> lsgd_edit_clip)."""
     return flag.lstrip("-").replace("-", "_")
+
+
+def _default_of(f) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
 
 
 @dataclass
@@ -65,28 +81,36 @@ class OptionGroup:
             m = f.metadata
             if m["flag"] in skip:
                 continue
-            default = f.default if f.default is not MISSING else None
+            default = _default_of(f)
             if isinstance(default, bool) and m["type"] is None:
                 group.add_argument(m["flag"], action="store_true", help=m["help"])
                 continue
-            kind = m["type"] or (type(default) if default is not None else str)
+            extra = {"required": True} if m.get("required") else {}
+            if m.get("nargs") is not None:
+                extra["nargs"] = m["nargs"]
+            if isinstance(default, list) or m["type"] is AS_GIVEN:  # values as given, unless a type is declared
+                kind = None if m["type"] is AS_GIVEN else m["type"]
+            else:
+                kind = m["type"] or (type(default) if default is not None else str)
             kind = finite_float if kind is float else kind
-            group.add_argument(m["flag"], type=kind, default=default, choices=m["choices"], metavar=m["metavar"],
-                               help=m["help"])
+            group.add_argument(m["flag"], type=kind, default=None if m.get("required") else default,
+                               choices=m["choices"], metavar=m["metavar"], help=m["help"], **extra)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace):
+    def from_args(cls, args: argparse.Namespace, **others):
+        """The group from the parsed flags; `others`: its fields that other flags set (a
+        config's copy of --seq-length, say)."""
         values: Dict[str, Any] = {}
         for f in cls.option_fields():
             dest = dest_of(f.metadata["flag"])
-            values[f.name] = getattr(args, dest, f.default)
-        return cls(**values)
+            values[f.name] = getattr(args, dest, _default_of(f))
+        return cls(**{**values, **others})
 
     def changed_flags(self) -> List[str]:
         """Flags whose value differs from the declared default."""
         out = []
         for f in self.option_fields():
-            if getattr(self, f.name) != f.default:
+            if getattr(self, f.name) != _default_of(f):
                 out.append(f.metadata["flag"])
         return out
 

@@ -3,24 +3,45 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
+
+from megatron_lsgd.core.lsgd.options import AS_GIVEN, OptionGroup, option
 
 
 @dataclass
-class OptimizerConfig:
-    optimizer: str = "adam"  # adam (AdamW) | sgd (plain SGD, no momentum) | muon (Muon + AdamW, muon.py)
-    lr: float = 1e-4
-    muon_momentum: float = 0.95  # --optimizer muon: Nesterov momentum of the hidden matrices
-    muon_ns_steps: int = 5  # Newton-Schulz iterations
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
-    lr_decay_style: str = "linear"  # constant | linear | cosine
-    lr_warmup_iters: float = 0  # in lr_unit (a float with --lr-warmup-fraction)
-    lr_decay_iters: Optional[int] = None  # in lr_unit; default: --train-iters
+class OptimizerConfig(OptionGroup):
+    """The inner optimizer's settings; each field with a flag declares it here once (the
+    command line's "optimizer" group). Megatron's sample-based and decoupled schedules and its
+    NaN check are set from their own flags (training/megatron_compat.py)."""
+
+    title: ClassVar[str] = "optimizer"
+
+    optimizer: str = option(
+        "--optimizer", "adam", choices=["adam", "sgd", "muon"], type=AS_GIVEN,
+        help="adam: AdamW (decoupled weight decay); sgd: plain SGD, no momentum; muon: Muon for the hidden 2-D "
+             "matrices (step lr x 0.2 x sqrt(max dim)), AdamW for embeddings, output layer and 1-D parameters "
+             "(with any local-SGD algorithm: MuLoCo)")
+    muon_momentum: float = option("--muon-momentum", 0.95, help="--optimizer muon: Nesterov momentum")
+    muon_ns_steps: int = option("--muon-ns-steps", 5,
+                                help="--optimizer muon: Newton-Schulz iterations (fp32) per matrix and step")
+    lr: float = option("--lr", 1e-4, required=True)
+    min_lr: float = option("--min-lr", 0.0)
+    lr_decay_style: str = option("--lr-decay-style", "linear", choices=["constant", "linear", "cosine"],
+                                 type=AS_GIVEN)
+    lr_warmup_iters: float = option("--lr-warmup-iters", 0, type=int)  # in lr_unit (a float with --lr-warmup-fraction)
+    lr_decay_iters: Optional[int] = option("--lr-decay-iters", None, type=int)  # in lr_unit; default: --train-iters
+    weight_decay: float = option("--weight-decay", 0.01)
+    adam_beta1: float = option("--adam-beta1", 0.9)
+    adam_beta2: float = option("--adam-beta2", 0.999)
+    adam_eps: float = option("--adam-eps", 1e-8)
+    clip_grad: float = option("--clip-grad", 1.0)  # 0 disables clipping
+    # fp16 dynamic loss scaling (ignored unless --fp16)
+    loss_scale: Optional[float] = option("--loss-scale", None, type=float,
+                                         help="fp16 static loss scale (default: dynamic)")
+    initial_loss_scale: float = option("--initial-loss-scale", 2.0 ** 32)
+    min_loss_scale: float = option("--min-loss-scale", 1.0)
+    loss_scale_window: int = option("--loss-scale-window", 1000)
+    hysteresis: int = option("--hysteresis", 2)
     # "iterations", or "samples" (Megatron's sample-based schedule: the scheduler advances by
     # each step's global batch, warmup and decay spans count samples).
     lr_unit: str = "iterations"
@@ -28,12 +49,6 @@ class OptimizerConfig:
     # schedule shape between these bounds instead of lr / min_lr.
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
-    # fp16 dynamic loss scaling (ignored unless --fp16)
-    loss_scale: Optional[float] = None  # static scale when set
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
     # Stop (NonFiniteError) instead of applying an update whose gradient norm is NaN/Inf
     # (Megatron's --check-for-nan-in-loss-and-grad; fp16 overflow skips are not affected).
     check_for_nan_in_grad: bool = True

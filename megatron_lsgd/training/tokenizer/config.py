@@ -1,9 +1,11 @@
-"""Typed configuration of the tokenizer (built from argparse in training/arguments.py)."""
+"""Typed configuration of the tokenizer; its flags declared once on its fields (read by training/arguments.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import ClassVar, List, Optional
+
+from megatron_lsgd.core.lsgd.options import AS_GIVEN, OptionGroup, option
 
 TOKENIZER_TYPES = (
     "NullTokenizer",
@@ -16,13 +18,20 @@ TOKENIZER_TYPES = (
 
 
 @dataclass
-class TokenizerConfig:
-    tokenizer_type: str = "NullTokenizer"
-    tokenizer_model: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    vocab_size: Optional[int] = None  # NullTokenizer only
-    make_vocab_size_divisible_by: int = 128
+class TokenizerConfig(OptionGroup):
+    """Each field with a flag declares it here once (the command line's tokenizer group);
+    TikTokenizer's settings come from Megatron's flags (training/megatron_compat.py)."""
+
+    title: ClassVar[str] = "tokenizer"
+
+    tokenizer_type: Optional[str] = option("--tokenizer-type", None, choices=TOKENIZER_TYPES, type=AS_GIVEN)
+    tokenizer_model: Optional[str] = option("--tokenizer-model", None)
+    vocab_file: Optional[str] = option("--vocab-file", None)
+    merge_file: Optional[str] = option("--merge-file", None)
+    vocab_size: Optional[int] = option("--vocab-size", None, type=int,  # NullTokenizer only
+                                       help="NullTokenizer vocabulary size; TikTokenizer: its size (default there: "
+                                            "131072)")
+    make_vocab_size_divisible_by: int = option("--make-vocab-size-divisible-by", 128)
     # TikTokenizer (Megatron's): pre-tokenization pattern, ids reserved for special tokens
     # before the vocabulary, and the special tokens themselves (None: Megatron's default list).
     tiktoken_pattern: str = "v2"
