@@ -110,44 +110,10 @@ class RunConfig:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
-    g.add_argument("--hidden-size", type=int, required=True, help="width of the residual stream")
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="MLP width; default 4 x hidden (GELU) or about 8/3 x hidden rounded to 64 (SwiGLU)")
-    g.add_argument("--num-attention-heads", type=int, required=True, help="query heads per layer")
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="share key/value heads among groups of query heads (with --num-query-groups)")
-    g.add_argument("--num-query-groups", type=int, default=None,
-                   help="key/value heads under --group-query-attention")
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="width of one attention head; default --hidden-size / --num-attention-heads")
-    g.add_argument("--seq-length", type=int, required=True, help="tokens per training sample")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="positions a learned position embedding holds; default --seq-length")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
-                   help="learned absolute positions (GPT-2) or rotary embeddings (Llama)")
-    g.add_argument("--rotary-base", type=finite_float, default=10000.0, help="rope: base of the rotary frequencies")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
-                   help="normalization before attention, MLP and the output layer")
-    g.add_argument("--norm-epsilon", type=finite_float, default=1e-5, help="epsilon of the normalization")
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GELU")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no bias in the linear layers (Llama)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="a separate output layer instead of the word embedding reused")
-    g.add_argument("--hidden-dropout", type=finite_float, default=0.1,
-                   help="dropout after attention and MLP, before the residual add")
-    g.add_argument("--attention-dropout", type=finite_float, default=0.1, help="dropout on the attention weights")
-    g.add_argument("--init-method-std", type=finite_float, default=0.02,
-                   help="standard deviation of the normal weight initialization")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="recompute activations in backward: full transformer layers (with --recompute-method), "
-                        "or selective: the core attention of every layer")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                   help="full: uniform recomputes every layer in chunks of --recompute-num-layers; block only "
-                        "the first --recompute-num-layers layers of each pipeline stage")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="layers per recomputed chunk (uniform) or layers recomputed per stage (block)")
+    group = TransformerConfig.add_arguments(p)
+    # Megatron's switch for --num-query-groups; the groups themselves are the config's
+    group.add_argument("--group-query-attention", action="store_true",
+                       help="share key/value heads among groups of query heads (with --num-query-groups)")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -396,21 +362,9 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
         args, global_batch_size=global_batch, train_iters=train_iters, train_samples=train_samples,
         json_log=args.json_log, distributed_backend=args.distributed_backend,
         inter_site_backend=args.inter_site_backend, distributed_timeout_minutes=args.distributed_timeout_minutes)
-    model = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels, seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings,
-        padded_vocab_size=1,  # set from the tokenizer at start-up
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        normalization=args.normalization, norm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
-        add_bias_linear=not args.disable_bias_linear,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, sequence_parallel=args.sequence_parallel,
-        params_dtype=training.params_dtype, recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+    model = TransformerConfig.from_args(
+        args, padded_vocab_size=1,  # set from the tokenizer at start-up
+        sequence_parallel=args.sequence_parallel, params_dtype=training.params_dtype)
     _validate_model_per_site(model, dims)
     optimizer = OptimizerConfig.from_args(args)
     optimizer.validate(train_iters)

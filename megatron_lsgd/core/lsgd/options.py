@@ -34,12 +34,14 @@ class AS_GIVEN:  # noqa: N801 (a marker, used as a type)
 
 def option(flag: str, default: Any, help: Optional[str] = None, *, choices: Optional[Sequence] = None,
            metavar: Optional[str] = None, type: Optional[type] = None, required: bool = False,
-           nargs: Optional[str] = None) -> Any:
-    """A dataclass field bound to `flag`. Booleans become store_true flags; a list default is
-    copied for each object (`nargs` then says how many values the flag takes). A `required`
-    flag must be given on the command line; its `default` serves objects built in code."""
+           nargs: Optional[str] = None, negates: bool = False) -> Any:
+    """A dataclass field bound to `flag`. Booleans become store_true flags (`negates`: the flag
+    turns off a field that defaults to True, as --disable-bias-linear does add_bias_linear);
+    a list default is copied for each object (`nargs` then says how many values the flag
+    takes). A `required` flag must be given on the command line; its `default` serves objects
+    built in code."""
     meta = {"flag": flag, "help": help, "choices": tuple(choices) if choices else None, "metavar": metavar,
-            "type": type, "required": required, "nargs": nargs}
+            "type": type, "required": required, "nargs": nargs, "negates": negates}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -73,9 +75,9 @@ class OptionGroup:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, skip: Sequence[str] = (), title: Optional[str] = None,
-                      description: Optional[str] = None) -> None:
+                      description: Optional[str] = None):
         """Add one argparse group holding every flag of this class (except `skip`: flags an
-        earlier group already declared, e.g. a subclass sharing its parent's flags)."""
+        earlier group already declared, e.g. a subclass sharing its parent's flags); returns it."""
         group = parser.add_argument_group(title or cls.title, description or cls.description)
         for f in cls.option_fields():
             m = f.metadata
@@ -83,6 +85,9 @@ class OptionGroup:
                 continue
             default = _default_of(f)
             if isinstance(default, bool) and m["type"] is None:
+                if default and not m.get("negates"):  # a store_true flag could never give it False
+                    raise TypeError(f"{cls.__name__}.{f.name}: a flag for a field that defaults to True must "
+                                    f"negate it (option(..., negates=True))")
                 group.add_argument(m["flag"], action="store_true", help=m["help"])
                 continue
             extra = {"required": True} if m.get("required") else {}
@@ -95,6 +100,7 @@ class OptionGroup:
             kind = finite_float if kind is float else kind
             group.add_argument(m["flag"], type=kind, default=None if m.get("required") else default,
                                choices=m["choices"], metavar=m["metavar"], help=m["help"], **extra)
+        return group
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **others):
@@ -103,7 +109,10 @@ class OptionGroup:
         values: Dict[str, Any] = {}
         for f in cls.option_fields():
             dest = dest_of(f.metadata["flag"])
-            values[f.name] = getattr(args, dest, _default_of(f))
+            if f.metadata.get("negates"):
+                values[f.name] = not getattr(args, dest, False)
+            else:
+                values[f.name] = getattr(args, dest, _default_of(f))
         return cls(**{**values, **others})
 
     def changed_flags(self) -> List[str]:

@@ -3,44 +3,77 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
+from megatron_lsgd.core.lsgd.options import AS_GIVEN, OptionGroup, option
 from megatron_lsgd.core.transformer import recompute
 
 
 @dataclass
-class TransformerConfig:
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None  # default 4h (GELU) or Llama's 8h/3 rounded (SwiGLU)
-    num_query_groups: Optional[int] = None  # None: multi-head attention (groups == heads)
-    kv_channels: Optional[int] = None  # per-head size; default hidden / heads (left unset when it does not divide)
-    seq_length: int = 128
-    max_position_embeddings: Optional[int] = None
+class TransformerConfig(OptionGroup):
+    """Each field with a flag declares it here once (the command line's model group); the
+    vocabulary, dtype and sequence parallelism come from elsewhere, the Megatron extras
+    (--apply-layernorm-1p, --rotary-percent, --attention-backend, ...) from their own flags
+    (training/megatron_compat.py). Defaults serve models built in code; the flags marked
+    required must be given on the command line."""
+
+    title: ClassVar[str] = "model"
+
+    num_layers: int = option("--num-layers", 2, type=int, required=True, help="transformer layers")
+    hidden_size: int = option("--hidden-size", 64, type=int, required=True, help="width of the residual stream")
+    ffn_hidden_size: Optional[int] = option(  # default 4h (GELU) or Llama's 8h/3 rounded (SwiGLU)
+        "--ffn-hidden-size", None, type=int,
+        help="MLP width; default 4 x hidden (GELU) or about 8/3 x hidden rounded to 64 (SwiGLU)")
+    num_attention_heads: int = option("--num-attention-heads", 4, type=int, required=True,
+                                      help="query heads per layer")
+    num_query_groups: Optional[int] = option(  # None: multi-head attention (groups == heads)
+        "--num-query-groups", None, type=int, help="key/value heads under --group-query-attention")
+    kv_channels: Optional[int] = option(  # left unset when the heads do not divide the width
+        "--kv-channels", None, type=int, help="width of one attention head; default --hidden-size / "
+                                              "--num-attention-heads")
+    seq_length: int = option("--seq-length", 128, type=int, required=True, help="tokens per training sample")
+    max_position_embeddings: Optional[int] = option(
+        "--max-position-embeddings", None, type=int,
+        help="positions a learned position embedding holds; default --seq-length")
+    position_embedding_type: str = option("--position-embedding-type", "learned_absolute", type=AS_GIVEN,
+                                          choices=["learned_absolute", "rope"],
+                                          help="learned absolute positions (GPT-2) or rotary embeddings (Llama)")
+    rotary_base: float = option("--rotary-base", 10000.0, help="rope: base of the rotary frequencies")
+    normalization: str = option("--normalization", "LayerNorm", type=AS_GIVEN, choices=["LayerNorm", "RMSNorm"],
+                                help="normalization before attention, MLP and the output layer")
+    norm_epsilon: float = option("--norm-epsilon", 1e-5, help="epsilon of the normalization")
+    swiglu: bool = option("--swiglu", False, help="SwiGLU MLP (gated SiLU) instead of GELU")
+    add_bias_linear: bool = option("--disable-bias-linear", True, negates=True,
+                                   help="no bias in the linear layers (Llama)")
+    untie_embeddings_and_output_weights: bool = option(
+        "--untie-embeddings-and-output-weights", False, help="a separate output layer instead of the word embedding "
+                                                             "reused")
+    hidden_dropout: float = option("--hidden-dropout", 0.1, help="dropout after attention and MLP, before the "
+                                                                 "residual add")
+    attention_dropout: float = option("--attention-dropout", 0.1, help="dropout on the attention weights")
+    init_method_std: float = option("--init-method-std", 0.02,
+                                    help="standard deviation of the normal weight initialization")
+    # activation recomputation, Megatron's flags (recompute.py): full | selective; uniform | block
+    recompute_granularity: Optional[str] = option(
+        "--recompute-granularity", None, type=AS_GIVEN, choices=["full", "selective"],
+        help="recompute activations in backward: full transformer layers (with --recompute-method), or "
+             "selective: the core attention of every layer")
+    recompute_method: Optional[str] = option(
+        "--recompute-method", None, type=AS_GIVEN, choices=["uniform", "block"],
+        help="full: uniform recomputes every layer in chunks of --recompute-num-layers; block only the first "
+             "--recompute-num-layers layers of each pipeline stage")
+    recompute_num_layers: Optional[int] = option(
+        "--recompute-num-layers", None, type=int,
+        help="layers per recomputed chunk (uniform) or layers recomputed per stage (block)")
     padded_vocab_size: int = 128
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: float = 10000.0
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    untie_embeddings_and_output_weights: bool = False
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
     apply_layernorm_1p: bool = False  # norms multiply by (1 + weight), weights initialized to 0
     rotary_percent: float = 1.0  # share of each head's channels that rope rotates
     attention_backend: str = "auto"  # SDPA kernels: auto | flash | fused | unfused | local
     calculate_per_token_loss: bool = False  # loss normalized by the step's loss tokens (not per micro-batch)
-    # activation recomputation, Megatron's flags (recompute.py): full | selective; uniform | block
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None
-    recompute_num_layers: Optional[int] = None
 
     @property
     def rotary_dim(self) -> int:

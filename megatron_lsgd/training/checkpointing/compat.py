@@ -18,17 +18,15 @@ ARCHITECTURE_FIELDS = (
 # What a checkpoint written before a field existed meant by its absence.
 _ABSENT_MEANS = {"apply_layernorm_1p": False, "rotary_percent": 1.0}
 
-# Flags that set each architecture field, for error messages.
-_FLAG = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
-         "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
-         "kv_channels": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
-         "max_position_embeddings": "--max-position-embeddings",
-         "padded_vocab_size": "--vocab-size/--make-vocab-size-divisible-by (padded vocabulary)",
-         "position_embedding_type": "--position-embedding-type", "rotary_base": "--rotary-base",
-         "normalization": "--normalization", "norm_epsilon": "--norm-epsilon", "swiglu": "--swiglu",
-         "add_bias_linear": "--disable-bias-linear", "untie_embeddings_and_output_weights":
-         "--untie-embeddings-and-output-weights", "apply_layernorm_1p": "--apply-layernorm-1p",
-         "rotary_percent": "--rotary-percent"}
+# The flags of the architecture fields that the model group does not declare (for error messages).
+_OTHER_FLAGS = {"padded_vocab_size": "--vocab-size/--make-vocab-size-divisible-by (padded vocabulary)",
+                "apply_layernorm_1p": "--apply-layernorm-1p", "rotary_percent": "--rotary-percent"}
+
+
+def _flag(key: str) -> str:
+    """The flag that sets an architecture field: its own declaration, or _OTHER_FLAGS."""
+    declared = {f.name: f.metadata["flag"] for f in TransformerConfig.option_fields()}
+    return declared.get(key) or _OTHER_FLAGS[key]
 
 
 def model_config_dict(config: TransformerConfig) -> Dict:
@@ -55,7 +53,7 @@ def architecture_differences(saved: Dict, current: Dict) -> List[str]:
         else:
             same = a == b
         if not same:
-            out.append(f"{key} ({_FLAG[key]}): checkpoint {a!r}, this run {b!r}")
+            out.append(f"{key} ({_flag(key)}): checkpoint {a!r}, this run {b!r}")
     return out
 
 
