@@ -136,11 +136,6 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                         "has world / (TP_0 x PP_0 + TP_1 x PP_1 + ...) data-parallel replicas, unless "
                         "--site-data-parallel-sizes gives each its own")
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="ZeRO-1: shard the inner optimizer state over the data-parallel ranks of a site")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="launch each bucket's intra-site gradient reduction as soon as backward fills it")
-    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl when CUDA is available, gloo otherwise")
     g.add_argument("--device", choices=["cuda", "cpu"], default=None,
@@ -173,9 +168,12 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     p = cli.ArgumentParser(
         description="megatron_lsgd: 3D-parallel GPT pre-training across sites",
         allow_abbrev=False, formatter_class=cli.HelpFormatter)
-    for add in (_model_args, _parallel_args, TrainingConfig.add_arguments, OptimizerConfig.add_arguments, DataConfig.add_arguments,
-                TokenizerConfig.add_arguments, catalog.add_arguments,
-                FaultToleranceOptions.add_arguments, CheckpointConfig.add_arguments, _emulation_args, SimulationOptions.add_arguments, add_megatron_compat_args):
+    # each core config declares its own flags (option groups); parallelism, the benchmarking
+    # switches and Megatron's extras are read where they are resolved
+    for add in (_model_args, _parallel_args, DDPConfig.add_arguments, TrainingConfig.add_arguments,
+                OptimizerConfig.add_arguments, DataConfig.add_arguments, TokenizerConfig.add_arguments,
+                catalog.add_arguments, FaultToleranceOptions.add_arguments, CheckpointConfig.add_arguments,
+                _emulation_args, SimulationOptions.add_arguments, add_megatron_compat_args):
         add(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
@@ -401,8 +399,7 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     _check_site_layouts(dims, lsgd, simulation)
     if simulation.scenario is not None:
         _check_scenario_sites(load_scenario(simulation.scenario), dims)
-    ddp = DDPConfig(bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
-                    use_distributed_optimizer=args.use_distributed_optimizer)
+    ddp = DDPConfig.from_args(args)
     run = RunConfig(model=model, dims=dims, ddp=ddp, optimizer=optimizer, training=training, data=data,
                     tokenizer=tokenizer, lsgd=lsgd, num_microbatches=global_batch // per_step, raw_args=args,
                     checkpoint=checkpoint, stragglers=stragglers, simulation=simulation,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, ClassVar, List
 
 import torch
 import torch.distributed as dist
@@ -16,14 +16,24 @@ from torch import nn
 
 from megatron_lsgd.core.distributed.collectives import reduce_scatter_flat
 from megatron_lsgd.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megatron_lsgd.core.lsgd.options import OptionGroup, option
 from megatron_lsgd.core.parallel_state import ProcessGroups
 
 
 @dataclass
-class DDPConfig:
-    bucket_size: int = 40_000_000  # elements; <= 0 puts everything in one bucket
-    overlap_grad_reduce: bool = False  # launch a bucket's reduce as soon as backward fills it
-    use_distributed_optimizer: bool = False  # ZeRO-1: reduce-scatter instead of all-reduce
+class DDPConfig(OptionGroup):
+    """Each field with a flag declares it here once (the command line's group of the same title)."""
+
+    title: ClassVar[str] = "data parallelism inside a site (gradient buckets, ZeRO-1)"
+
+    use_distributed_optimizer: bool = option(  # ZeRO-1: reduce-scatter instead of all-reduce
+        "--use-distributed-optimizer", False,
+        help="ZeRO-1: shard the inner optimizer state over the data-parallel ranks of a site")
+    overlap_grad_reduce: bool = option("--overlap-grad-reduce", False,
+                                       help="launch each bucket's intra-site gradient reduction as soon as backward "
+                                            "fills it")
+    bucket_size: int = option("--ddp-bucket-size", 40_000_000,  # 0 puts everything in one bucket
+                              help="elements per gradient bucket")
     grad_dtype: torch.dtype = torch.float32
 
 
