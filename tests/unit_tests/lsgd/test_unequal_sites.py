@@ -88,7 +88,8 @@ def _config(extra, world):
     (["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "8"], 3,
      f"is not divisible by --micro-batch-size 2 x data-parallel size 3 (= the sum of {FLAG} 2,1)"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "dilocox"], 3,
-     f"{FLAG} 2,1 (sites of different sizes) is supported by --lsgd-algorithm diloco, sync only; dilocox:"),
+     f"{FLAG} 2,1 (sites of different sizes) is supported by --lsgd-algorithm diloco, streaming-diloco, sync only; "
+     f"dilocox:"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-compression", "int8"], 3, "cannot be combined with --lsgd-compression"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
      f"{FLAG} cannot be combined with --lsgd-fault-tolerance"),
@@ -100,16 +101,16 @@ def test_bad_sizes_and_unsupported_combinations_name_the_flag(extra, world, mess
     assert message in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("algorithm", ["streaming-diloco", "cocodc", "edit", "a-edit", "dreamddp", "acco", "dpu"])
+@pytest.mark.parametrize("algorithm", ["cocodc", "edit", "a-edit", "dreamddp", "acco", "dpu"])
 def test_every_other_algorithm_refuses_with_its_reason(algorithm):
     with pytest.raises(ValueError) as err:
         _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
     text = str(err.value)
-    assert f"diloco, sync only; {algorithm}: " in text and "\n" not in text
+    assert f"diloco, streaming-diloco, sync only; {algorithm}: " in text and "\n" not in text
 
 
-def test_sync_and_diloco_build():
-    for algorithm in ("sync", "diloco"):
+def test_the_supported_algorithms_build():
+    for algorithm in ("sync", "diloco", "streaming-diloco"):
         c = _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
         assert c.dims.site_dp == (2, 1) and c.num_microbatches == 2
 
@@ -243,3 +244,37 @@ def test_unequal_sites_with_two_pipeline_stages():
     _assert_same_training(sync, dp3)
     assert_replicas_identical(diloco)
     assert diloco[-1]["sync_stats"]["outer rounds"] == 3
+
+
+# streaming-diloco (H 4, K 2, tau 1, after one warm-up step): fragment 0's mean is in flight at
+# the pause at 2 (started after local step 1, it lands at 2)
+STREAMING = ["--lsgd-algorithm", "streaming-diloco", "--lsgd-interval", "4", "--lsgd-fragments", "2",
+             "--lsgd-fragment-sync-delay", "1", "--lsgd-warmup-iters", "1"]
+
+
+@pytest.mark.slow
+def test_fragment_means_of_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path):
+    """streaming-diloco with sites DP 2 + DP 1 == streaming-diloco on 3 sites of DP 1, on the twin
+    data: the diloco oracle above, fragment by fragment. Sites 0 and 1 of the 3-site run stay
+    bit-identical, so each fragment's mean is (Δ_a + Δ_a + Δ_b) / 3; site 0 of the 2-site run
+    follows them exactly ((g + g) / 2 = g) and sends Δ_a, weighted 2/3, site 1 Δ_b weighted 1/3,
+    lane by lane on the fragments' own groups; equal weights fail it. With and without ZeRO-1
+    (without it site 0's replicas split each fragment at the lanes' places); paused with a
+    fragment's mean in flight and resumed from each site's own files: bit for bit."""
+    ckpt = str(tmp_path / "ckpt")
+    argvs = {
+        "three-sites": COMMON + ["--num-sites", "3"] + STREAMING,
+        "streaming": COMMON + UNEQUAL + ZERO1 + STREAMING,
+        "streaming-plain": COMMON + UNEQUAL + STREAMING,
+        "paused": COMMON + UNEQUAL + ZERO1 + STREAMING + ["--save", ckpt, "--exit-interval", "2"],
+        "resumed": COMMON + UNEQUAL + ZERO1 + STREAMING + ["--save", ckpt, "--load", ckpt],
+    }
+    runs = dict(zip(argvs, run_distributed_many(list(argvs.values()), 3, setup_module=twin_replica_data.MODULE)))
+    for name in ("streaming", "streaming-plain"):
+        assert runs[name][-1]["sync_stats"] == runs["three-sites"][-1]["sync_stats"]  # the same schedule
+        assert_replicas_identical(runs[name])
+        _assert_same_training(runs[name], runs["three-sites"])
+    # fragment 0 after local steps 1 and 5 (landing in finish_training), fragment 1 after 3, and
+    # fragment 1's closing sync
+    assert runs["streaming"][-1]["sync_stats"]["fragment syncs"] == 4
+    assert_resumed_per_site(runs["streaming"], runs["paused"], runs["resumed"], 2)
