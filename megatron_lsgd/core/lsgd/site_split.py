@@ -39,6 +39,7 @@ class SiteSplit:
     (`mine`, `lane_cuts`, `lane_mean`, `gather_views`), which are the same on every site."""
 
     def __init__(self, pgs, sharded: bool, shard_sizes: Optional[List[int]] = None):
+        self.pgs = pgs
         self.parts = pgs.dp_intra_size
         self.index = pgs.dp_intra_rank
         self.group = pgs.dp_intra
@@ -47,6 +48,7 @@ class SiteSplit:
         # (sites of different layouts: their lanes are the canonical form's, CanonicalExchange's)
         self.lanes = [group for _, group in pgs.inter_lanes] \
             if pgs.dims.heterogeneous and not pgs.dims.mixed_layouts else []
+        self.lane_ids = [lane for lane, _ in pgs.inter_lanes] if self.lanes else []
         # the size of each main shard (a whole bucket without ZeRO-1): where its lanes lie
         self.shard_sizes = shard_sizes
 
@@ -140,6 +142,39 @@ class SiteSplit:
             for dest, m in zip(dests, means):
                 dest.copy_(m.reshape(-1))
         return out
+
+    def square_norm(self, views, tensors: List[torch.Tensor], spans, device: torch.device) -> float:
+        """The sum of squares over the site of `tensors` (laid out like `views`, this rank's
+        part) on `spans` (optimizer.counted_spans: each value of the model once), the same float
+        on every rank of every site when every site holds the same tensors: each lane is summed
+        piece by piece in bucket order, its (tp, pp) holders' sums in one order and the lanes
+        in lane order, as the sites' shards differ (a collective over the site)."""
+        lanes, dims, pgs = self.pgs.dims.lanes, self.pgs.dims, self.pgs
+        local = [0.0] * lanes
+        counted = {}
+        for r, lo, hi in spans:
+            counted.setdefault(r, []).append((lo, hi))
+        for lane, (_, pieces) in zip(self.lane_ids, self.lane_cuts(views)):
+            cut = [(i, max(lo, a), min(hi, b)) for i, lo, hi in pieces for a, b in counted.get(i, [])
+                   if max(lo, a) < min(hi, b)]
+            norms = [torch.linalg.vector_norm(tensors[i][a:b], dtype=torch.float64) for i, a, b in sorted(cut)]
+            for norm in torch.stack(norms).tolist() if norms else []:
+                local[lane] += norm ** 2
+        site = pgs.site_rank
+        ranks = dims.ranks_of_site(site)
+        mine = torch.tensor(local, dtype=torch.float64, device=device)
+        rows = [local]
+        if ranks > 1:
+            gathered = torch.empty(ranks * lanes, dtype=torch.float64, device=device)
+            all_gather_flat(gathered, mine, group=pgs.site)
+            rows = gathered.view(ranks, lanes).tolist()
+        start, per = dims.site_start(site), lanes // dims.dp_of(site)
+        total = 0.0
+        for lane in range(lanes):
+            for pp in range(dims.pp):
+                for tp in range(dims.tp):
+                    total += rows[dims.rank_of(tp, lane // per, pp, site) - start][lane]
+        return total
 
     def mine(self, views):
         """The part of `views` this rank sends across sites (at the lanes' places when the

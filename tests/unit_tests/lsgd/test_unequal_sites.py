@@ -88,8 +88,8 @@ def _config(extra, world):
     (["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "8"], 3,
      f"is not divisible by --micro-batch-size 2 x data-parallel size 3 (= the sum of {FLAG} 2,1)"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "dilocox"], 3,
-     f"{FLAG} 2,1 (sites of different sizes) is supported by --lsgd-algorithm diloco, streaming-diloco, sync only; "
-     f"dilocox:"),
+     f"{FLAG} 2,1 (sites of different sizes) is supported by --lsgd-algorithm cocodc, diloco, streaming-diloco, "
+     f"sync only; dilocox:"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-compression", "int8"], 3, "cannot be combined with --lsgd-compression"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
      f"{FLAG} cannot be combined with --lsgd-fault-tolerance"),
@@ -101,16 +101,16 @@ def test_bad_sizes_and_unsupported_combinations_name_the_flag(extra, world, mess
     assert message in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("algorithm", ["cocodc", "edit", "a-edit", "dreamddp", "acco", "dpu"])
+@pytest.mark.parametrize("algorithm", ["edit", "a-edit", "dreamddp", "acco", "dpu"])
 def test_every_other_algorithm_refuses_with_its_reason(algorithm):
     with pytest.raises(ValueError) as err:
         _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
     text = str(err.value)
-    assert f"diloco, streaming-diloco, sync only; {algorithm}: " in text and "\n" not in text
+    assert f"cocodc, diloco, streaming-diloco, sync only; {algorithm}: " in text and "\n" not in text
 
 
 def test_the_supported_algorithms_build():
-    for algorithm in ("sync", "diloco", "streaming-diloco"):
+    for algorithm in ("sync", "diloco", "streaming-diloco", "cocodc"):
         c = _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
         assert c.dims.site_dp == (2, 1) and c.num_microbatches == 2
 
@@ -173,7 +173,40 @@ def _weighted_mean_ranks(rank: int, port: int) -> None:
     samples = torch.tensor([8 if site == 0 else 4], dtype=torch.int64)
     membership.sum_over_sites(samples)
     assert abs(float(loss) - 3.0) < 1e-6 and int(samples) == 12  # 2/3 x 2 + 1/3 x 5; 8 + 4
+    _square_norm_is_one_float(pgs, site)
     dist.destroy_process_group()
+
+
+def _square_norm_is_one_float(pgs, site: int) -> None:
+    """cocodc's norm of a fragment's mean (SiteSplit.square_norm): every rank of both sites gets
+    the same float, although site 0's replicas hold halves of parameters that site 1's rank
+    holds whole (a norm per parameter piece, summed over the site, would differ in its last bits)."""
+    import math
+
+    import torch.distributed as dist
+
+    from megatron_lsgd.core.lsgd.site_split import SiteSplit
+    from megatron_lsgd.core.optimizer.shard_views import ShardRange, ShardViews
+
+    g = torch.Generator().manual_seed(5)
+    buckets = [torch.randn(4, generator=g) * 3, torch.randn(8, generator=g) / 7]  # the same mean on every site
+    params = [[(0, 4)], [(0, 3), (3, 8)]]  # bucket coordinates: one parameter of 4; one of 3 and one of 5
+    r = pgs.dp_intra_rank
+    ranges, tensors, spans, sizes = [], [], [], []
+    for b, t in enumerate(buckets):
+        n = t.numel()
+        lo, hi = (r * n // 2, (r + 1) * n // 2) if site == 0 else (0, n)  # ZeRO-1 shards
+        ranges.append(ShardRange(b, 0, hi - lo))
+        tensors.append(t[lo:hi].clone())
+        sizes.append(hi - lo)
+        spans += [(b, max(a, lo) - lo, min(c, hi) - lo) for a, c in params[b] if max(a, lo) < min(c, hi)]
+    views = ShardViews("fragment", (), ranges, [], tensors, tensors, [], False)
+    norm = SiteSplit(pgs, sharded=True, shard_sizes=sizes).square_norm(views, tensors, spans, torch.device("cpu"))
+    every = [torch.zeros(1, dtype=torch.float64) for _ in range(3)]
+    dist.all_gather(every, torch.tensor([norm], dtype=torch.float64))
+    assert len({float(x) for x in every}) == 1, [float(x) for x in every]
+    want = math.fsum(float(v) ** 2 for t in buckets for v in t)
+    assert abs(norm - want) <= 1e-12 * want
 
 
 @pytest.mark.slow
@@ -250,6 +283,10 @@ def test_unequal_sites_with_two_pipeline_stages():
 # the pause at 2 (started after local step 1, it lands at 2)
 STREAMING = ["--lsgd-algorithm", "streaming-diloco", "--lsgd-interval", "4", "--lsgd-fragments", "2",
              "--lsgd-fragment-sync-delay", "1", "--lsgd-warmup-iters", "1"]
+# cocodc on the same fragments, its adaptive choice with a fixed N (a measured N follows timing): N 4
+# over 11 local steps, so which fragment goes follows the means' norms (a norm of 0 fails the test)
+COCODC = ["--lsgd-algorithm", "cocodc", "--lsgd-interval", "4", "--lsgd-fragments", "2", "--lsgd-fragment-sync-delay",
+          "1", "--lsgd-warmup-iters", "1", "--lsgd-cocodc-syncs-per-round", "4", "--train-iters", "12"]
 
 
 @pytest.mark.slow
@@ -260,7 +297,10 @@ def test_fragment_means_of_sites_of_dp_two_and_one_train_like_their_equal_equiva
     follows them exactly ((g + g) / 2 = g) and sends Δ_a, weighted 2/3, site 1 Δ_b weighted 1/3,
     lane by lane on the fragments' own groups; equal weights fail it. With and without ZeRO-1
     (without it site 0's replicas split each fragment at the lanes' places); paused with a
-    fragment's mean in flight and resumed from each site's own files: bit for bit."""
+    fragment's mean in flight and resumed from each site's own files: bit for bit. cocodc the
+    same (its delay compensation is elementwise; its choice of fragment reads the mean's norm,
+    summed lane by lane so both sites choose alike); measuring its times, they ride in every
+    lane and every rank of both sites takes the same schedule."""
     ckpt = str(tmp_path / "ckpt")
     argvs = {
         "three-sites": COMMON + ["--num-sites", "3"] + STREAMING,
@@ -268,12 +308,22 @@ def test_fragment_means_of_sites_of_dp_two_and_one_train_like_their_equal_equiva
         "streaming-plain": COMMON + UNEQUAL + STREAMING,
         "paused": COMMON + UNEQUAL + ZERO1 + STREAMING + ["--save", ckpt, "--exit-interval", "2"],
         "resumed": COMMON + UNEQUAL + ZERO1 + STREAMING + ["--save", ckpt, "--load", ckpt],
+        "cocodc-three-sites": COMMON + ["--num-sites", "3"] + COCODC,
+        "cocodc": COMMON + UNEQUAL + ZERO1 + COCODC,
+        "cocodc-plain": COMMON + UNEQUAL + COCODC,
+        "cocodc-measured": COMMON + UNEQUAL + ZERO1 + COCODC + ["--lsgd-cocodc-syncs-per-round", "0"],
+        "cocodc-paused": COMMON + UNEQUAL + ZERO1 + COCODC + ["--save", ckpt + "-c", "--exit-interval", "2"],
+        "cocodc-resumed": COMMON + UNEQUAL + ZERO1 + COCODC + ["--save", ckpt + "-c", "--load", ckpt + "-c"],
     }
     runs = dict(zip(argvs, run_distributed_many(list(argvs.values()), 3, setup_module=twin_replica_data.MODULE)))
-    for name in ("streaming", "streaming-plain"):
-        assert runs[name][-1]["sync_stats"] == runs["three-sites"][-1]["sync_stats"]  # the same schedule
+    for name, want in (("streaming", "three-sites"), ("streaming-plain", "three-sites"),
+                       ("cocodc", "cocodc-three-sites"), ("cocodc-plain", "cocodc-three-sites")):
+        assert runs[name][-1]["sync_stats"] == runs[want][-1]["sync_stats"]  # the same schedule
         assert_replicas_identical(runs[name])
-        _assert_same_training(runs[name], runs["three-sites"])
+        _assert_same_training(runs[name], runs[want])
+    assert runs["cocodc-measured"][-1]["sync_stats"]["fragment syncs"] >= 3
+    assert_replicas_identical(runs["cocodc-measured"])
+    assert_resumed_per_site(runs["cocodc"], runs["cocodc-paused"], runs["cocodc-resumed"], 2)
     # fragment 0 after local steps 1 and 5 (landing in finish_training), fragment 1 after 3, and
     # fragment 1's closing sync
     assert runs["streaming"][-1]["sync_stats"]["fragment syncs"] == 4
