@@ -143,6 +143,53 @@ class SiteSplit:
                 dest.copy_(m.reshape(-1))
         return out
 
+    def lane_views(self, views) -> List[object]:
+        """`views` (this rank's part) cut into its lanes, one ShardViews per lane, named by the
+        lane (the same key on both ends of its group): what a compressor per lane is built on,
+        so both ends quantize the same values in the same blocks, with their own error feedback."""
+        out = []
+        for lane, (_, pieces) in zip(self.lane_ids, self.lane_cuts(views)):
+            bounds = [(r.lo, r.lo) for r in views.ranges]  # nothing of a range outside the lane
+            for i, lo, hi in pieces:
+                bounds[i] = (views.ranges[i].lo + lo, views.ranges[i].lo + hi)
+            out.append(views.clip(bounds, self.index, self.parts,
+                                  key=f"{views.fragment}/lane{lane}of{self.pgs.dims.lanes}"))
+        return out
+
+    def lane_reduce(self, comm, views, tensors: List[torch.Tensor],
+                    reducers: Sequence[Callable[[List[torch.Tensor]], Reduction]]) -> Reduction:
+        """The mean across sites of `tensors` (laid out like `views`), each lane by its own
+        reducer (a compressor's `reduce` over `lane_views`' tensors) on the lane's group, the
+        lanes' phases issued side by side; returns the means laid out like `tensors`. Weighting
+        is the reducer's (the comm's weight for an exact mean, the compressor's
+        contribution_scale for a compressed one)."""
+        cuts, lanes = self.lane_cuts(views), []
+        for (group, pieces), reduce in zip(cuts, reducers):
+            lane = {"group": group, "pieces": pieces, "handle": None, "result": []}
+            if pieces:
+                lane["gen"] = reduce([tensors[i][lo:hi] for i, lo, hi in pieces])
+                self._advance(comm, lane, first=True)
+            lanes.append(lane)
+        while any(lane["handle"] is not None for lane in lanes):
+            for lane in lanes:
+                if lane["handle"] is not None:
+                    yield lane["handle"]
+                    self._advance(comm, lane, first=False)
+        out = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
+        for lane in lanes:
+            for (i, lo, hi), mean in zip(lane["pieces"], lane["result"]):
+                out[i][lo:hi] = mean.reshape(-1)
+        return out
+
+    @staticmethod
+    def _advance(comm, lane, first: bool) -> None:
+        """Run a lane's reduction up to its next collective, issued on the lane's group."""
+        with comm.on_group(lane["group"]):
+            try:
+                lane["handle"] = next(lane["gen"]) if first else lane["gen"].send(None)
+            except StopIteration as stop:
+                lane["handle"], lane["result"] = None, stop.value
+
     def square_norm(self, views, tensors: List[torch.Tensor], spans, device: torch.device) -> float:
         """The sum of squares over the site of `tensors` (laid out like `views`, this rank's
         part) on `spans` (optimizer.counted_spans: each value of the model once), the same float

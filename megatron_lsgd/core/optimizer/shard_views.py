@@ -104,13 +104,15 @@ class ShardViews:
             spans.append((min(r.numel, index * chunk), min(r.numel, (index + 1) * chunk)))
         return self._cut(spans, f"{self.key}/part{index}of{parts}")
 
-    def clip(self, bounds: Sequence[Tuple[int, int]], index: int, parts: int) -> "ShardViews":
+    def clip(self, bounds: Sequence[Tuple[int, int]], index: int, parts: int,
+             key: Optional[str] = None) -> "ShardViews":
         """What of every range lies inside bounds[its range] (shard coordinates), as the index-th
-        of `parts` (its key is `part`'s): a site's replicas without ZeRO-1 splitting a set of
-        units at the same places in every bucket (sites of different sizes: at lane boundaries)."""
+        of `parts` (its key is `part`'s, unless `key`): a site's replicas without ZeRO-1
+        splitting a set of units at the same places in every bucket, or a rank's part cut
+        into lanes (sites of different sizes)."""
         spans = [(min(max(lo, r.lo), r.hi) - r.lo, max(min(hi, r.hi), r.lo) - r.lo)
                  for r, (lo, hi) in zip(self.ranges, bounds)]
-        return self._cut(spans, f"{self.key}/part{index}of{parts}")
+        return self._cut(spans, key or f"{self.key}/part{index}of{parts}")
 
     def _cut(self, spans: Sequence[Tuple[int, int]], key: str) -> "ShardViews":
         """spans[j] = (lo, hi) inside range j: those pieces of the ranges (empty ones dropped),
