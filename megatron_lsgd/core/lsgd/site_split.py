@@ -34,9 +34,13 @@ class SiteSplit:
     lane's dp_inter group (`lanes_of`, `mean`), so both sides of every group hold the same
     range of every bucket although their shards differ. A site's traffic is still spread
     over its ranks and nothing is gathered on one rank. The comm weights every mean by the
-    site's share of the round's tokens (InterSiteComm.site_weight). A part of the model (a
-    fragment's units, `shard_sizes` given) is cut at the lanes' places in every bucket
-    (`mine`, `lane_cuts`, `lane_mean`, `gather_views`), which are the same on every site."""
+    site's share of the round's tokens (InterSiteComm.site_weight). With `shard_sizes` given,
+    any part of the model (a fragment's units, the whole shard) is cut at the lanes' places in
+    its buckets, which are the same on every site (`mine`, `lane_cuts`, `gather_views`), for
+    means that overlap inner steps on lane groups of their own (`on_lanes`): exact with side
+    values riding along (`lane_mean`: streaming-diloco, cocodc), or by a reducer per lane
+    (`lane_views`, `lane_reduce`: dilocox's compressor per lane); `square_norm` sums a norm
+    over such cuts in one order on every site (cocodc's choice of fragment)."""
 
     def __init__(self, pgs, sharded: bool, shard_sizes: Optional[List[int]] = None):
         self.pgs = pgs
