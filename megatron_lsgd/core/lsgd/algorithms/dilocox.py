@@ -199,6 +199,8 @@ class DiLoCoX(LocalSGDBase):
         for compressor in self.lane_compressors:
             if compressor.kind != "none":
                 compressor.contribution_scale = ctx.comm.site_weight * ctx.comm.num_sites
+        if self.lane_compressors:  # the whole-shard compressor only sizes payloads: its error feedback is the lanes'
+            self.compressor.errors = []
         self.pending: Optional[PendingReduce] = None  # the mean in flight: the membership's ticket
         self.start_offsets: Optional[List[torch.Tensor]] = None
         # The round's Δ until the membership issues it (elastic sites: after the next round's
