@@ -125,8 +125,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--site-data-parallel-sizes", default=None, metavar="DP_0,DP_1,...",
                    help="data-parallel size of each site, comma-separated, one per --num-sites (sum x TP x PP = "
                         "world size; default: the world split evenly). Site s gets DP_s / DP of every global "
-                        "batch and weight DP_s / DP in every mean across sites (sync and diloco only; "
-                        "docs/heterogeneous_sites.md)")
+                        "batch and weight DP_s / DP in every mean across sites (sync, diloco, dilocox, "
+                        "streaming-diloco and cocodc; docs/heterogeneous_sites.md)")
     g.add_argument("--site-tensor-model-parallel-sizes", default=None, metavar="TP_0,TP_1,...",
                    help="tensor-parallel size of each site, comma-separated, one per --num-sites, instead of "
                         "--tensor-model-parallel-size (diloco, dilocox, streaming-diloco and cocodc only: they "
@@ -285,11 +285,14 @@ def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig) -> None:
     """Sites of different data-parallel sizes: what supports them (docs/heterogeneous_sites.md)."""
     if not dims.heterogeneous:
         return
+    cls = catalog.synchronizer_class(lsgd.algorithm)
+    kinds = cls.unequal_sites_compressions
     _refuse_for_site_shapes(f"--site-data-parallel-sizes {','.join(map(str, dims.site_dp))}", "sizes",
-                            _supporting("unequal_sites_refusal"), lsgd.algorithm,
-                            catalog.synchronizer_class(lsgd.algorithm).unequal_sites_refusal, (
-        ("--lsgd-compression", "compressed means are not weighted by tokens, nor cut into lanes, yet",
-         lsgd.compression.enabled),))
+                            _supporting("unequal_sites_refusal"), lsgd.algorithm, cls.unequal_sites_refusal, (
+        (f"--lsgd-compression {lsgd.compression.kind}",
+         (f"--lsgd-algorithm {lsgd.algorithm} weights and cuts into lanes {', '.join(kinds)} only" if kinds else
+          "its compressed means are not weighted by tokens, nor cut into lanes, yet"),
+         lsgd.compression.enabled and lsgd.compression.kind not in kinds),))
 
 
 def _check_scenario_sites(scenario, dims: ParallelDims) -> None:

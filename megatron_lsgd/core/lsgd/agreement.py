@@ -21,8 +21,12 @@ def agree_in_site(values: torch.Tensor, pgs, op=dist.ReduceOp.SUM) -> int:
     return ranks
 
 
-def agree_max_in_job(values: torch.Tensor, pgs, comm) -> None:
+def agree_max_in_job(values: torch.Tensor, pgs, comm, lanes=()) -> None:
     """Element-wise maximum over every rank of the job, in place: inside the site, then across
-    sites (each rank then holds its site's maximum, so the inter-site group completes it)."""
+    sites (each rank then holds its site's maximum, so the inter-site group completes it).
+    `lanes`: this rank's lane groups when sites differ in size (site_split.SiteSplit.lanes):
+    a group joins one rank of each site only per lane, so the maximum runs on every lane."""
     agree_in_site(values, pgs, dist.ReduceOp.MAX)
-    comm.all_reduce_max(values)
+    for group in lanes or [None]:
+        with comm.on_group(group):
+            comm.all_reduce_max(values)

@@ -187,10 +187,13 @@ def exchange_for(ctx) -> Optional[CanonicalExchange]:
     return CanonicalExchange(ctx.pgs, ctx.models[0].module.config, ctx.device)
 
 
-def use_dedicated_lanes(ctx, exchange: Optional[CanonicalExchange]) -> None:
+def use_dedicated_lanes(ctx, exchange: Optional[CanonicalExchange], split=None) -> None:
     """For reductions that advance between inner steps: the comm, and the exchange's lanes when
-    layouts differ, move to dp_inter groups of their own (collective: every rank calls it), so
-    nothing else issued on the shared groups (the loop's means) is matched out of order."""
+    layouts differ (or `split`'s, site_split.SiteSplit, when sizes differ), move to dp_inter
+    groups of their own (collective: every rank calls it), so nothing else issued on the shared
+    groups (the loop's means) is matched out of order."""
     groups = ctx.comm.use_dedicated_group(ctx.pgs.dims)
     if exchange is not None:
         exchange.on_lanes(groups)
+    if split is not None:
+        split.on_lanes(groups)

@@ -127,6 +127,10 @@ class ErrorFeedbackCompressor(Compressor, abc.ABC):
         self.bits = bits
         self.decay = decay
         self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
+        # Sites of different sizes: w_s x S, this site's weight times the number of sites. Each
+        # site sends C(k x M), so the sites' plain mean is the mean weighted by tokens; the
+        # error feedback stays in M's units (what was sent, divided by k). 1: equal sites.
+        self.contribution_scale = 1.0
 
     @abc.abstractmethod
     def _compressed_mean(self, ms: List[torch.Tensor], side: Optional[SideValues] = None) -> Reduction:
@@ -138,7 +142,12 @@ class ErrorFeedbackCompressor(Compressor, abc.ABC):
             ms = [d + e for d, e in zip(tensors, self.errors)]
         else:
             ms = [torch.add(d, e, alpha=self.decay) for d, e in zip(tensors, self.errors)]
-        means, sents = yield from self._compressed_mean(ms, side)
+        k = self.contribution_scale
+        if k == 1.0:
+            means, sents = yield from self._compressed_mean(ms, side)
+        else:
+            means, sents = yield from self._compressed_mean([m * k for m in ms], side)
+            sents = [s / k for s in sents]
         err_sq = in_sq = 0.0
         for e, m, s in zip(self.errors, ms, sents):
             torch.sub(m, s, out=e)

@@ -294,6 +294,9 @@ class Synchronizer:
     # lane: site_split.SiteSplit), else why not, in a few words (the run's one error line).
     unequal_sites_refusal: ClassVar[Optional[str]] = \
         "its cross-site exchange is not cut into lanes for sites of different sizes yet"
+    # The --lsgd-compression kinds it weights by tokens and cuts into lanes with such sites
+    # (any other is refused there, naming the flag).
+    unequal_sites_compressions: ClassVar[Tuple[str, ...]] = ()
     # Sites of different TP x PP (--site-tensor/pipeline-model-parallel-sizes): None when
     # what it sends across sites goes through the layout-free form (canonical_exchange.py).
     mixed_layouts_refusal: ClassVar[Optional[str]] = \

@@ -98,10 +98,27 @@ class ShardViews:
         last ones possibly shorter or empty), with their param pieces clipped: how ranks that
         all hold the same ranges split the work on them (e.g. a site's replicas without
         ZeRO-1, each sending only its part across sites)."""
-        ranges, main, grad, pieces, starts = [], [], [], [], {}
-        for j, r in enumerate(self.ranges):
+        spans = []
+        for r in self.ranges:
             chunk = -(-r.numel // parts)
-            lo, hi = min(r.numel, index * chunk), min(r.numel, (index + 1) * chunk)
+            spans.append((min(r.numel, index * chunk), min(r.numel, (index + 1) * chunk)))
+        return self._cut(spans, f"{self.key}/part{index}of{parts}")
+
+    def clip(self, bounds: Sequence[Tuple[int, int]], index: int, parts: int,
+             key: Optional[str] = None) -> "ShardViews":
+        """What of every range lies inside bounds[its range] (shard coordinates), as the index-th
+        of `parts` (its key is `part`'s, unless `key`): a site's replicas without ZeRO-1
+        splitting a set of units at the same places in every bucket, or a rank's part cut
+        into lanes (sites of different sizes)."""
+        spans = [(min(max(lo, r.lo), r.hi) - r.lo, max(min(hi, r.hi), r.lo) - r.lo)
+                 for r, (lo, hi) in zip(self.ranges, bounds)]
+        return self._cut(spans, key or f"{self.key}/part{index}of{parts}")
+
+    def _cut(self, spans: Sequence[Tuple[int, int]], key: str) -> "ShardViews":
+        """spans[j] = (lo, hi) inside range j: those pieces of the ranges (empty ones dropped),
+        with their param pieces clipped."""
+        ranges, main, grad, pieces, starts = [], [], [], [], {}
+        for j, (r, (lo, hi)) in enumerate(zip(self.ranges, spans)):
             if hi > lo:
                 starts[j] = (len(ranges), lo, hi)
                 ranges.append(ShardRange(r.shard, r.lo + lo, r.lo + hi))
@@ -114,8 +131,7 @@ class ShardViews:
             a, b = max(p.lo, lo), min(p.hi, hi)
             if a < b:
                 pieces.append(PieceView(p.name, p.shape, p.p_lo + a - p.lo, p.p_lo + b - p.lo, k, a - lo, b - lo))
-        return ShardViews(f"{self.key}/part{index}of{parts}", self.units, ranges, pieces, main, grad, [], False,
-                          fragment=self.fragment)
+        return ShardViews(key, self.units, ranges, pieces, main, grad, [], False, fragment=self.fragment)
 
     def select(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """The ranges of per-shard tensors shaped like the main shards (anchors, momenta)."""

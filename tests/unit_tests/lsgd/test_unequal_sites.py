@@ -87,9 +87,13 @@ def _config(extra, world):
     (["--num-sites", "2", FLAG, "2;1"], 3, f"{FLAG} '2;1': give one whole number per site"),
     (["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "8"], 3,
      f"is not divisible by --micro-batch-size 2 x data-parallel size 3 (= the sum of {FLAG} 2,1)"),
-    (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "dilocox"], 3,
-     f"{FLAG} 2,1 (sites of different sizes) is supported by --lsgd-algorithm diloco, sync only; dilocox:"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "edit"], 3,
+     f"{FLAG} 2,1 (sites of different sizes) is supported by --lsgd-algorithm cocodc, diloco, dilocox, "
+     f"streaming-diloco, sync only; edit:"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-compression", "int8"], 3, "cannot be combined with --lsgd-compression"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
+      "--lsgd-rank", "2"], 3, "cannot be combined with --lsgd-compression lowrank-int4: --lsgd-algorithm dilocox "
+                              "weights and cuts into lanes int8, int4 only"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
      f"{FLAG} cannot be combined with --lsgd-fault-tolerance"),
 ])
@@ -100,16 +104,16 @@ def test_bad_sizes_and_unsupported_combinations_name_the_flag(extra, world, mess
     assert message in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("algorithm", ["streaming-diloco", "cocodc", "edit", "a-edit", "dreamddp", "acco", "dpu"])
+@pytest.mark.parametrize("algorithm", ["edit", "a-edit", "dreamddp", "acco", "dpu"])
 def test_every_other_algorithm_refuses_with_its_reason(algorithm):
     with pytest.raises(ValueError) as err:
         _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
     text = str(err.value)
-    assert f"diloco, sync only; {algorithm}: " in text and "\n" not in text
+    assert f"cocodc, diloco, dilocox, streaming-diloco, sync only; {algorithm}: " in text and "\n" not in text
 
 
-def test_sync_and_diloco_build():
-    for algorithm in ("sync", "diloco"):
+def test_the_supported_algorithms_build():
+    for algorithm in ("sync", "diloco", "streaming-diloco", "cocodc", "dilocox"):
         c = _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
         assert c.dims.site_dp == (2, 1) and c.num_microbatches == 2
 
@@ -172,7 +176,89 @@ def _weighted_mean_ranks(rank: int, port: int) -> None:
     samples = torch.tensor([8 if site == 0 else 4], dtype=torch.int64)
     membership.sum_over_sites(samples)
     assert abs(float(loss) - 3.0) < 1e-6 and int(samples) == 12  # 2/3 x 2 + 1/3 x 5; 8 + 4
+    _square_norm_is_one_float(pgs, site)
+    _compressed_lane_means_are_weighted(pgs, site, dims.site_share(site))
     dist.destroy_process_group()
+
+
+def _shards_of(pgs, site: int, buckets):
+    """This rank's ZeRO-1 shards of `buckets` (site 0: replica r holds half r), as views."""
+    from megatron_lsgd.core.optimizer.shard_views import ShardRange, ShardViews
+
+    r = pgs.dp_intra_rank
+    ranges, tensors, bounds = [], [], []
+    for b, t in enumerate(buckets):
+        n = t.numel()
+        lo, hi = (r * n // 2, (r + 1) * n // 2) if site == 0 else (0, n)
+        ranges.append(ShardRange(b, 0, hi - lo))
+        tensors.append(t[lo:hi].clone())
+        bounds.append((lo, hi))
+    return ShardViews("fragment", (), ranges, [], tensors, tensors, [], False), tensors, bounds
+
+
+def _compressed_lane_means_are_weighted(pgs, site: int, weight: float) -> None:
+    """dilocox's int8 mean on sites 2 + 1 (both quantized variants): one compressor per lane,
+    each site sending C(w_s x S x M), gives the token-weighted mean 2/3 M_0 + 1/3 M_1 to within
+    int8's error (not bit for bit: quantizing is not linear), one result on both ends of each
+    lane. The plain mean (M_0 + M_1) / 2 is far outside that bound."""
+    import torch.distributed as dist
+
+    from megatron_lsgd.core.lsgd.comm import InterSiteComm
+    from megatron_lsgd.core.lsgd.compressors import QuantizedCompressor
+    from megatron_lsgd.core.lsgd.reduction import run_blocking
+    from megatron_lsgd.core.lsgd.site_split import SiteSplit
+
+    sites = [[torch.randn(8, generator=torch.Generator().manual_seed(10 * s + b)) * 3 for b in range(2)]
+             for s in range(2)]
+    views, tensors, bounds = _shards_of(pgs, site, sites[site])
+    split = SiteSplit(pgs, sharded=True, shard_sizes=[t.numel() for t in tensors])
+    comm = InterSiteComm(pgs.dp_inter, 2, site_weight=weight, rank=pgs.rank, site=site)
+    hand = [2 / 3 * a + 1 / 3 * b for a, b in zip(*sites)]
+    bound = 2 * max(float(t.abs().max()) for ts in sites for t in ts) / 127  # a step of each site's int8 code
+    for variant in ("allgather", "alltoall"):
+        lanes = [QuantizedCompressor(comm, [(r.numel,) for r in v.ranges], torch.device("cpu"), 4, variant, 8)
+                 for v in split.lane_views(views)]
+        for compressor in lanes:
+            compressor.contribution_scale = weight * 2
+        means = run_blocking(split.lane_reduce(comm, views, tensors, [c.reduce for c in lanes]))
+        for got, want, (lo, hi) in zip(means, hand, bounds):
+            assert float((got - want[lo:hi]).abs().max()) <= bound, variant
+        every = [None] * 3
+        dist.all_gather_object(every, [m.clone() for m in means])
+        for b in range(2):  # site 1's rank holds what site 0's two replicas hold, in halves
+            assert torch.equal(torch.cat([every[0][b], every[1][b]]), every[2][b]), variant
+
+
+def _square_norm_is_one_float(pgs, site: int) -> None:
+    """cocodc's norm of a fragment's mean (SiteSplit.square_norm): every rank of both sites gets
+    the same float, although site 0's replicas hold halves of parameters that site 1's rank
+    holds whole (a norm per parameter piece, summed over the site, would differ in its last bits)."""
+    import math
+
+    import torch.distributed as dist
+
+    from megatron_lsgd.core.lsgd.site_split import SiteSplit
+    from megatron_lsgd.core.optimizer.shard_views import ShardRange, ShardViews
+
+    g = torch.Generator().manual_seed(5)
+    buckets = [torch.randn(4, generator=g) * 3, torch.randn(8, generator=g) / 7]  # the same mean on every site
+    params = [[(0, 4)], [(0, 3), (3, 8)]]  # bucket coordinates: one parameter of 4; one of 3 and one of 5
+    r = pgs.dp_intra_rank
+    ranges, tensors, spans, sizes = [], [], [], []
+    for b, t in enumerate(buckets):
+        n = t.numel()
+        lo, hi = (r * n // 2, (r + 1) * n // 2) if site == 0 else (0, n)  # ZeRO-1 shards
+        ranges.append(ShardRange(b, 0, hi - lo))
+        tensors.append(t[lo:hi].clone())
+        sizes.append(hi - lo)
+        spans += [(b, max(a, lo) - lo, min(c, hi) - lo) for a, c in params[b] if max(a, lo) < min(c, hi)]
+    views = ShardViews("fragment", (), ranges, [], tensors, tensors, [], False)
+    norm = SiteSplit(pgs, sharded=True, shard_sizes=sizes).square_norm(views, tensors, spans, torch.device("cpu"))
+    every = [torch.zeros(1, dtype=torch.float64) for _ in range(3)]
+    dist.all_gather(every, torch.tensor([norm], dtype=torch.float64))
+    assert len({float(x) for x in every}) == 1, [float(x) for x in every]
+    want = math.fsum(float(v) ** 2 for t in buckets for v in t)
+    assert abs(norm - want) <= 1e-12 * want
 
 
 @pytest.mark.slow
@@ -243,3 +329,110 @@ def test_unequal_sites_with_two_pipeline_stages():
     _assert_same_training(sync, dp3)
     assert_replicas_identical(diloco)
     assert diloco[-1]["sync_stats"]["outer rounds"] == 3
+
+
+# streaming-diloco (H 4, K 2, tau 1, after one warm-up step): fragment 0's mean is in flight at
+# the pause at 2 (started after local step 1, it lands at 2)
+STREAMING = ["--lsgd-algorithm", "streaming-diloco", "--lsgd-interval", "4", "--lsgd-fragments", "2",
+             "--lsgd-fragment-sync-delay", "1", "--lsgd-warmup-iters", "1"]
+# cocodc on the same fragments, its adaptive choice with a fixed N (a measured N follows timing): N 4
+# over 11 local steps, so which fragment goes follows the means' norms (a norm of 0 fails the test)
+COCODC = ["--lsgd-algorithm", "cocodc", "--lsgd-interval", "4", "--lsgd-fragments", "2", "--lsgd-fragment-sync-delay",
+          "1", "--lsgd-warmup-iters", "1", "--lsgd-cocodc-syncs-per-round", "4", "--train-iters", "12"]
+
+
+@pytest.mark.slow
+def test_fragment_means_of_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path):
+    """streaming-diloco with sites DP 2 + DP 1 == streaming-diloco on 3 sites of DP 1, on the twin
+    data: the diloco oracle above, fragment by fragment. Sites 0 and 1 of the 3-site run stay
+    bit-identical, so each fragment's mean is (Δ_a + Δ_a + Δ_b) / 3; site 0 of the 2-site run
+    follows them exactly ((g + g) / 2 = g) and sends Δ_a, weighted 2/3, site 1 Δ_b weighted 1/3,
+    lane by lane on the fragments' own groups; equal weights fail it. With and without ZeRO-1
+    (without it site 0's replicas split each fragment at the lanes' places); paused with a
+    fragment's mean in flight and resumed from each site's own files: bit for bit. cocodc the
+    same (its delay compensation is elementwise; its choice of fragment reads the mean's norm,
+    summed lane by lane so both sites choose alike); measuring its times, they ride in every
+    lane and every rank of both sites takes the same schedule."""
+    ckpt = str(tmp_path / "ckpt")
+    argvs = {
+        "three-sites": COMMON + ["--num-sites", "3"] + STREAMING,
+        "streaming": COMMON + UNEQUAL + ZERO1 + STREAMING,
+        "streaming-plain": COMMON + UNEQUAL + STREAMING,
+        "paused": COMMON + UNEQUAL + ZERO1 + STREAMING + ["--save", ckpt, "--exit-interval", "2"],
+        "resumed": COMMON + UNEQUAL + ZERO1 + STREAMING + ["--save", ckpt, "--load", ckpt],
+        "cocodc-three-sites": COMMON + ["--num-sites", "3"] + COCODC,
+        "cocodc": COMMON + UNEQUAL + ZERO1 + COCODC,
+        "cocodc-plain": COMMON + UNEQUAL + COCODC,
+        "cocodc-measured": COMMON + UNEQUAL + ZERO1 + COCODC + ["--lsgd-cocodc-syncs-per-round", "0"],
+        "cocodc-paused": COMMON + UNEQUAL + ZERO1 + COCODC + ["--save", ckpt + "-c", "--exit-interval", "2"],
+        "cocodc-resumed": COMMON + UNEQUAL + ZERO1 + COCODC + ["--save", ckpt + "-c", "--load", ckpt + "-c"],
+    }
+    runs = dict(zip(argvs, run_distributed_many(list(argvs.values()), 3, setup_module=twin_replica_data.MODULE)))
+    for name, want in (("streaming", "three-sites"), ("streaming-plain", "three-sites"),
+                       ("cocodc", "cocodc-three-sites"), ("cocodc-plain", "cocodc-three-sites")):
+        assert runs[name][-1]["sync_stats"] == runs[want][-1]["sync_stats"]  # the same schedule
+        assert_replicas_identical(runs[name])
+        _assert_same_training(runs[name], runs[want])
+    assert runs["cocodc-measured"][-1]["sync_stats"]["fragment syncs"] >= 3
+    assert_replicas_identical(runs["cocodc-measured"])
+    assert_resumed_per_site(runs["cocodc"], runs["cocodc-paused"], runs["cocodc-resumed"], 2)
+    # fragment 0 after local steps 1 and 5 (landing in finish_training), fragment 1 after 3, and
+    # fragment 1's closing sync
+    assert runs["streaming"][-1]["sync_stats"]["fragment syncs"] == 4
+    assert_resumed_per_site(runs["streaming"], runs["paused"], runs["resumed"], 2)
+
+
+# dilocox (H 2, after one warm-up step): round 1's mean is in flight at the pause at 3
+DILOCOX = ["--lsgd-algorithm", "dilocox", "--lsgd-interval", "2", "--lsgd-warmup-iters", "1"]
+APPLY_STEP = ["--lsgd-dilocox-apply-step", "1"]  # the mean lands one step into the next round
+INT4 = ["--lsgd-compression", "int4"]
+
+
+@pytest.mark.slow
+def test_the_one_round_late_mean_of_sites_of_dp_two_and_one_trains_like_its_equal_equivalent(tmp_path):
+    """dilocox with sites DP 2 + DP 1 == dilocox on 3 sites of DP 1, on the twin data: the diloco
+    oracle above, one round late (its eager restart θ_g − Δ and the mid-round application are
+    elementwise, so site 0 still follows sites 0 and 1 of the 3-site run exactly). Uncompressed:
+    compression is refused with such sites. With and without ZeRO-1, with the mean applied one
+    step into the next round, with the adaptive H agreed on every lane (the run must not hang
+    and must end on one model), and paused with a mean in flight and resumed: bit for bit."""
+    ckpt = str(tmp_path / "ckpt")
+    argvs = {
+        "three-sites": COMMON + ["--num-sites", "3"] + DILOCOX,
+        "dilocox": COMMON + UNEQUAL + ZERO1 + DILOCOX,
+        "dilocox-plain": COMMON + UNEQUAL + DILOCOX,
+        "three-sites-apply-step": COMMON + ["--num-sites", "3"] + DILOCOX + APPLY_STEP,
+        "apply-step": COMMON + UNEQUAL + ZERO1 + DILOCOX + APPLY_STEP,
+        "adaptive": COMMON + UNEQUAL + ZERO1 + DILOCOX + ["--lsgd-adaptive", "--lsgd-adaptive-h-max", "4"],
+        "paused": COMMON + UNEQUAL + ZERO1 + DILOCOX + ["--save", ckpt, "--exit-interval", "3"],
+        "resumed": COMMON + UNEQUAL + ZERO1 + DILOCOX + ["--save", ckpt, "--load", ckpt],
+        "three-sites-int4": COMMON + ["--num-sites", "3"] + DILOCOX + INT4,
+        "int4": COMMON + UNEQUAL + ZERO1 + DILOCOX + INT4,
+        "int4-plain": COMMON + UNEQUAL + DILOCOX + INT4,
+        "int4-paused": COMMON + UNEQUAL + ZERO1 + DILOCOX + INT4 + ["--save", ckpt + "-q", "--exit-interval", "3"],
+        "int4-resumed": COMMON + UNEQUAL + ZERO1 + DILOCOX + INT4 + ["--save", ckpt + "-q", "--load", ckpt + "-q"],
+    }
+    runs = dict(zip(argvs, run_distributed_many(list(argvs.values()), 3, setup_module=twin_replica_data.MODULE)))
+    for name, want in (("dilocox", "three-sites"), ("dilocox-plain", "three-sites"),
+                       ("apply-step", "three-sites-apply-step")):
+        assert runs[name][-1]["sync_stats"] == runs[want][-1]["sync_stats"]  # the same rounds
+        assert_replicas_identical(runs[name])
+        _assert_same_training(runs[name], runs[want])
+    assert runs["dilocox"][-1]["sync_stats"]["outer rounds"] == 3
+    assert_replicas_identical(runs["adaptive"])
+    assert_resumed_per_site(runs["dilocox"], runs["paused"], runs["resumed"], 3)
+    # int4: each site sends C(w_s x S x Δ) per lane, so the mean is weighted, but not bit for bit
+    # the 3-site run's: quantizing is not linear, and the lanes' blocks start where the lanes do.
+    # So: one anchor on every replica, and the 3-site int4 run's model to within 3x int4's own
+    # error there (its distance to the 3-site fp32 run; measured 1.5x at most, equal weights 10x)
+    reference, exact = merge_full_params(runs["three-sites-int4"]), merge_full_params(runs["three-sites"])
+    for name in ("int4", "int4-plain"):
+        assert runs[name][-1]["sync_stats"]["outer rounds"] == 3
+        assert_replicas_identical(runs[name])
+        torch.testing.assert_close(torch.tensor(logged_losses(runs[name])),
+                                   torch.tensor(logged_losses(runs["three-sites-int4"])), rtol=1e-4, atol=0)
+        for key, got in merge_full_params(runs[name]).items():
+            own_error = float((reference[key] - exact[key]).abs().max())
+            assert float((got - reference[key]).abs().max()) <= 3 * own_error, (name, key)
+    assert runs["int4"][-1]["sync_stats"]["comp rel err"] > 0
+    assert_resumed_per_site(runs["int4"], runs["int4-paused"], runs["int4-resumed"], 3)

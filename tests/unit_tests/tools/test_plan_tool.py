@@ -244,7 +244,7 @@ def test_a_grid_points_flags_replace_the_recommended_ones_each_once():
 def test_sites_of_different_sizes_are_planned_for_the_algorithms_that_take_them(tmp_path):
     """16 + 8 GPUs: each site's share follows its size, so its compute per step is the
     job's tokens over all 24 GPUs (the scenario charges what 12 + 12 would); the memory is
-    the 8-GPU site's (larger shards); dilocox refuses such sites and is listed with its reason;
+    the 8-GPU site's (larger shards); edit refuses such sites and is listed with its reason;
     the pasted flags carry the sizes."""
     import plan
 
@@ -261,9 +261,9 @@ def test_sites_of_different_sizes_are_planned_for_the_algorithms_that_take_them(
     assert u.microbatch_seconds == pytest.approx(6 * 1e9 * 196608 / (24 * 400e12))
     assert u.optimizer_step_seconds == pytest.approx(16 * 1e9 / 8 / 3000e9)  # the 8-GPU site's
     assert unequal.smallest_site == 1 and unequal.microbatches() == 196608 // 4096 // 24
-    refused = plan.refusals(unequal, ["sync", "diloco", "dilocox"])
-    assert list(refused) == ["dilocox"] and "lanes" in refused["dilocox"]
-    assert plan.refusals(even, ["dilocox"]) == {}
+    refused = plan.refusals(unequal, ["sync", "diloco", "dilocox", "edit"])
+    assert list(refused) == ["edit"] and "dp_inter group" in refused["edit"]
+    assert plan.refusals(even, ["edit"]) == {}
     from tools.planning.pilots import Pace
     pace = Pace("diloco", ["--lsgd-interval", "100"], 300, 1.0, 0.1, 1.0, {})
     assert "--site-data-parallel-sizes 16,8" in plan.pretrain_flags(unequal, pace)

@@ -428,9 +428,12 @@ def test_a_scenario_of_unequal_sites_trains_one_rank_per_replica_and_leaves_out_
     assert argv[argv.index("--global-batch-size") + 1] == str(3 * lb_setup.MICRO_BATCH)  # one micro-batch a replica
     assert build_config(parse_args(argv), 3).dims.site_dp == (2, 1)
     rows = [run.label for run in lb_setup.scenario_runs("2site-16-8gpu-1gbit-1b", path, s, recipes.ALGORITHMS, "")]
-    assert rows == ["sync", "diloco"]  # the others refuse sites of different sizes
+    assert rows == ["sync", "diloco", "dilocox", "streaming-diloco", "cocodc"]  # the others refuse such sites
+    for algorithm in rows:  # each row's cell starts: its recommended flags (dilocox's int4) take such sites too
+        build_config(parse_args(lb_setup.cell_argv(path, algorithm, 1, 100, 25, s.sites)), 3)
     note = " ".join(lb_report.unequal_note(s))
-    assert "--site-data-parallel-sizes 2,1" in note and "dilocox (" in note and "sync (" not in note
+    assert "--site-data-parallel-sizes 2,1" in note and "edit (" in note and "sync (" not in note
+    assert "dilocox (" not in note and "streaming-diloco (" not in note and "cocodc (" not in note
     assert lb_report.unequal_note(load_scenario(EMULATED)) == []
     # the run's sites must be the scenario's: one line naming the flag
     with pytest.raises(ValueError, match=r"its sites have 2,1 data-parallel replicas \(replicas_per_site\), this run "

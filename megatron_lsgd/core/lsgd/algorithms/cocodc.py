@@ -45,6 +45,11 @@ own across sites:
     sent to the other sites inside the payload of the next fragment sync (`SideValues`: two
     fp32 numbers riding uncompressed in the reduction's last collective). When that sync
     lands every rank holds the job's mean and recomputes N from it.
+Sites of different data-parallel sizes: the fragments' means are streaming-diloco's, weighted
+by tokens, lane by lane; their shards differ, so ||Δ̄_p||² is summed lane by lane in one order
+on every site (SiteSplit.square_norm), and the job's times are read as every rank received
+them (a site's sum over its ranks divided by their count need not give the same value back
+when the sites' rank counts differ). The times ride weighted by the sites' tokens.
 `--lsgd-cocodc-syncs-per-round N` fixes N (the paper's "initial benchmarking" option); only
 then is the whole schedule independent of timing, and a resumed run repeats it exactly.
 `--lsgd-cocodc-schedule round-robin` keeps streaming-diloco's fixed slots (delay
@@ -178,8 +183,7 @@ class CoCoDC(StreamingDiLoCo):
     """Streaming DiLoCo with Taylor delay compensation and adaptive fragment transmission"""
 
     name = "cocodc"
-    unequal_sites_refusal = ("its fragment means overlap inner steps on a group of its own, which is not cut into "
-                             "lanes yet")
+    unequal_sites_refusal = None  # streaming-diloco's weighted lane-by-lane fragment means; exact norms by lane
     Options = CoCoDCOptions
     supports_fault_tolerance = True
 
@@ -198,6 +202,9 @@ class CoCoDC(StreamingDiLoCo):
         self.next_start = max(1, self.interval // self.num_fragments - self.tau)
         self.ratios = [math.inf] * self.num_fragments  # R_p
         self.spans = [ctx.optimizer.counted_spans(v) for v in self.views]  # a norm counts each value once
+        # sites whose rank counts differ would sum a norm, or the job's times, in another order
+        dims = ctx.pgs.dims
+        self.uneven_sites = len({dims.ranks_of_site(s) for s in range(dims.sites)}) > 1
         # measured times (seconds): this rank's, the site's (sent with the next sync), the job's
         self.step_seconds_sum, self.step_count = 0.0, 0
         self.site_step_seconds = self.site_sync_seconds = 0.0
@@ -271,7 +278,9 @@ class CoCoDC(StreamingDiLoCo):
         if not self.adaptive:
             return
         p = rec.fragment
-        values = [sum_of_squares(mean, self.spans[p]), 0.0, 0.0, 0.0, 0.0, 0.0]
+        device = self.ctx.optimizer.main_param_shards()[0].device  # the site group is NCCL on GPUs
+        lane_norm = self.split.square_norm(self.views[p], mean, self.spans[p], device) if self.split.lanes else None
+        values = [0.0 if lane_norm is not None else sum_of_squares(mean, self.spans[p]), 0.0, 0.0, 0.0, 0.0, 0.0]
         if self.measuring:
             if self.step_count:
                 values[1] = self.step_seconds_sum / self.step_count
@@ -280,10 +289,11 @@ class CoCoDC(StreamingDiLoCo):
                 values[2], values[3] = seconds, 1.0
             if rec.side is not None and rec.side.mean is not None:
                 values[4], values[5] = rec.side.mean[:2].tolist()  # one read back, not one per value
-        # on the training device: the site group is NCCL on GPUs
-        agreed = torch.tensor(values, dtype=torch.float64, device=self.ctx.optimizer.main_param_shards()[0].device)
+        agreed = torch.tensor(values, dtype=torch.float64, device=device)
         n = agree_in_site(agreed, self.ctx.pgs)
         agreed = agreed.tolist()  # one device sync for the six values
+        if lane_norm is not None:
+            agreed[0] = lane_norm
         self.ratios[p] = math.sqrt(agreed[0]) / max(1, rec.started - self.last_land[p])
         if not self.measuring:
             return
@@ -291,9 +301,12 @@ class CoCoDC(StreamingDiLoCo):
         self.site_step_seconds = agreed[1] / n
         if agreed[3] > 0:
             self.site_sync_seconds = agreed[2] / agreed[3]
+        job = (agreed[4] / n, agreed[5] / n)
+        if self.uneven_sites:  # as every rank received them: a site's (x + x + x) / 3 need not be x
+            job = (values[4], values[5])
         # online moving averages of the job's times (identical inputs everywhere, so identical results)
-        self.job_step_seconds = _moving_average(self.job_step_seconds, agreed[4] / n)
-        self.job_sync_seconds = _moving_average(self.job_sync_seconds, agreed[5] / n)
+        self.job_step_seconds = _moving_average(self.job_step_seconds, job[0])
+        self.job_sync_seconds = _moving_average(self.job_sync_seconds, job[1])
         self.num_syncs = syncs_per_round(self.num_fragments, self.interval, self.ctx.config.algo.gamma,
                                          self.job_step_seconds, self.job_sync_seconds)
         self.slot = max(1, self.interval // self.num_syncs)

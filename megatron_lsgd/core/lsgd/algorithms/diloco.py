@@ -40,7 +40,8 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
         self.interval = cfg.rounds.interval
         self.steps_in_round = 0
         self.outer_rounds = 0
-        self.split = SiteSplit(ctx.pgs, ctx.optimizer.sharded)
+        # (the shard sizes tell where the lanes lie: dilocox's mean cuts its shard at them)
+        self.split = SiteSplit(ctx.pgs, ctx.optimizer.sharded, [m.numel() for m in ctx.optimizer.main_param_shards()])
         self.whole = ctx.optimizer.views()  # the whole model: one fragment
         self.views = self.split.mine(self.whole)  # the part of it this rank sends across sites
         self.outer = OuterState(ctx.optimizer.main_param_shards(), cfg.outer) if self.active else None

@@ -38,6 +38,12 @@ Sites of different TP x PP (docs/heterogeneous_sites.md): Δ crosses sites in th
 form (CanonicalExchange, on lanes of its own): the site assembles it where the mean is
 issued, the lanes' means overlap the next round, and the site reads it back where it is
 applied (those two are site collectives on the compute thread, at step boundaries).
+Sites of different data-parallel sizes: Δ's mean is weighted by the sites' tokens and runs
+lane by lane on clones of the lane groups of its own (SiteSplit.lane_reduce), each lane by a
+compressor of its own (int8/int4: both ends of a lane quantize the same values in the same
+blocks), each site sending C(w_s x S x M) so the sites' plain mean is weighted by tokens (the
+error feedback stays in M's units); low rank and top-k are refused with such sites (their
+matrices and chunks are not cut into lanes yet). The adaptive H is agreed on every lane.
 
 Adaptive rules (`--lsgd-adaptive`, logged as `rank` and `H`):
   rank: window of effective ranks of the reduced P (smallest k holding `energy` of its
@@ -157,9 +163,8 @@ class DiLoCoX(LocalSGDBase):
     """DiLoCo with one-round-delay overlap, compressed pseudo-gradients, adaptive rank and H"""
 
     name = "dilocox"
-    unequal_sites_refusal = ("its one-round-late compressed mean (int4/low rank) runs between inner steps on a "
-                             "group of its own, which is not cut into lanes, and its compressed means are not "
-                             "weighted by tokens yet")
+    unequal_sites_refusal = None  # weighted, lane by lane on lanes of its own (SiteSplit.lane_reduce)
+    unequal_sites_compressions = ("int8", "int4")  # a compressor per lane, each site's contribution scaled
     mixed_layouts_refusal = None  # Δ crosses sites in the layout-free form, on lanes of its own (CanonicalExchange)
     Options = DiLoCoXOptions
     requires_multiple_sites = True
@@ -185,7 +190,17 @@ class DiLoCoX(LocalSGDBase):
                 raise ValueError(f"--lsgd-rank {cfg.compression.rank} is larger than the smallest weight matrix "
                                  f"dimension ({int(allowed)}) on some tensor/pipeline-parallel rank")
         if self.active:  # reductions advance between steps: keep them off the shared dp_inter groups
-            use_dedicated_lanes(ctx, self.exchange)
+            use_dedicated_lanes(ctx, self.exchange, self.split)
+        # sites of different sizes: one compressor per lane this rank holds (its own blocks and
+        # error feedback, the same values on both ends of the lane), each site's contribution
+        # scaled by its weight x S so the plain mean of the compressed values is weighted by tokens
+        lanes = self.split.lane_views(self.views) if self.split.lanes and self.active else []
+        self.lane_compressors = [self.compressors.for_views(v, self.compressor.device) for v in lanes]
+        for compressor in self.lane_compressors:
+            if compressor.kind != "none":
+                compressor.contribution_scale = ctx.comm.site_weight * ctx.comm.num_sites
+        if self.lane_compressors:  # the whole-shard compressor only sizes payloads: its error feedback is the lanes'
+            self.compressor.errors = []
         self.pending: Optional[PendingReduce] = None  # the mean in flight: the membership's ticket
         self.start_offsets: Optional[List[torch.Tensor]] = None
         # The round's Δ until the membership issues it (elastic sites: after the next round's
@@ -249,10 +264,13 @@ class DiLoCoX(LocalSGDBase):
         self._comm_issued = self.ctx.clock.now()
         if self.exchange is not None:  # sites of different layouts: the site's scatter runs now, here
             reduction = self.exchange.issue(self.ctx.comm, self.views, deltas)
+        elif self.lane_compressors:  # sites of different sizes: weighted, lane by lane
+            reduction = self.split.lane_reduce(self.ctx.comm, self.views, deltas,
+                                               [c.reduce for c in self.lane_compressors])
         else:
             reduction = self.compressor.reduce(deltas)
         self.pending = self.ctx.membership.start(lambda: PendingReduce(reduction),
-                                                 undo=[self.compressor, _Unsent(self, deltas)])
+                                                 undo=[self.compressor, *self.lane_compressors, _Unsent(self, deltas)])
         self.pending_round = self.outer_rounds - 1
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
@@ -373,7 +391,7 @@ class DiLoCoX(LocalSGDBase):
 
     def _agree_max(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)  # site group: NCCL on GPUs
-        agree_max_in_job(t, self.ctx.pgs, self.ctx.comm)
+        agree_max_in_job(t, self.ctx.pgs, self.ctx.comm, self.split.lanes)
         return int(t.item())
 
     # ---- state and stats -------------------------------------------------------------------------
@@ -387,6 +405,8 @@ class DiLoCoX(LocalSGDBase):
                      pending_mean=[m.clone() for m in self.pending.result] if self._has_mean() else [],
                      has_pending=int(self._has_mean()), comm_seconds=self._comm_seconds,
                      start_offsets=[o.clone() for o in self.start_offsets] if self.start_offsets else [])
+        if self.lane_compressors:  # sites of different sizes: each lane's error feedback
+            state["lane_reducers"] = [c.state_dict() for c in self.lane_compressors]
         for key in ("outgoing", "carry"):  # elastic sites only (a plain run's state has neither)
             value = getattr(self, key)
             if value is not None:
@@ -413,10 +433,14 @@ class DiLoCoX(LocalSGDBase):
             value = state.get(key)
             setattr(self, key, [t.to(self.compressor.device).clone() for t in value] if value is not None else None)
         self.finishing = bool(state.get("finishing", 0))
+        if self.lane_compressors:
+            for compressor, saved in zip(self.lane_compressors, state["lane_reducers"]):
+                compressor.load_state_dict(saved)
 
     def stats(self) -> Dict[str, float]:
         r = self.compressor
-        stats = {"H": self.interval, "outer rounds": self.outer_rounds, **compression_error([r])}
+        stats = {"H": self.interval, "outer rounds": self.outer_rounds,
+                 **compression_error([r, *self.lane_compressors])}
         if self.ctx.config.compression.kind == "lowrank-int4":  # rank means nothing for plain quantization
             stats["rank"] = r.rank
         return stats

@@ -36,6 +36,11 @@ own): the site assembles it where the sync starts, the lanes' means overlap the 
 and the site reads it back where it lands; every rank of the site takes part, also a stage
 that holds none of the fragment's units.
 
+Sites of different data-parallel sizes (docs/heterogeneous_sites.md): a fragment's mean is
+weighted by the sites' tokens and runs lane by lane (SiteSplit.lane_mean) on clones of the
+lane groups of its own; a rank cuts its part of the fragment at the lanes' places, which
+are the same ranges of every bucket on every site.
+
 When --train-iters is reached, `finish_training` lands the fragments still in flight and
 then gives every fragment that holds unsynchronized progress one last blocking sync (as
 diloco closes a partial round), so every site ends with the same model: the membership's
@@ -182,8 +187,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     """Streaming DiLoCo: one fragment synced per H/K inner steps, its all-reduce overlapping tau steps"""
 
     name = "streaming-diloco"
-    unequal_sites_refusal = ("its fragment means overlap inner steps on a group of its own, which is not cut into "
-                             "lanes yet")
+    unequal_sites_refusal = None  # fragment means weighted by tokens, lane by lane on lanes of its own (SiteSplit)
     mixed_layouts_refusal = None  # fragments cross sites in the layout-free form, on lanes of their own
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
@@ -207,7 +211,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         groups = partition(ctx.units, num_layers, self.num_fragments, algo.partition, tied)
         opt = ctx.optimizer
         self.fragment_units = [[u.name for u in g] for g in groups]
-        self.split = SiteSplit(ctx.pgs, opt.sharded)
+        # sites of different sizes: fragments are cut at the lanes' places (SiteSplit's shard sizes)
+        self.split = SiteSplit(ctx.pgs, opt.sharded, [m.numel() for m in opt.main_param_shards()])
         self.full_views = [opt.views(g) for g in groups]
         self.views = [self.split.mine(v) for v in self.full_views]  # what this rank sends across sites
         self.outer = OuterState(opt.main_param_shards(), cfg.outer) if self.active else None
@@ -222,7 +227,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
             [u.name for u in g] for g in partition(self.exchange.units, num_layers, self.num_fragments,
                                                    algo.partition, tied)]
         if self.active:  # reductions advance between steps: keep them off the shared dp_inter groups
-            use_dedicated_lanes(ctx, self.exchange)
+            use_dedicated_lanes(ctx, self.exchange, self.split)
         self.queue = ReductionQueue(ctx.comm)
         self.local_step = 0  # inner steps since the warm-up ended
         self.in_flight: List[InFlight] = []  # in start order
@@ -346,6 +351,10 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     def _reduction(self, p: int, deltas: List[torch.Tensor], side: Optional[SideValues]) -> Optional[Reduction]:
         if self.exchange is not None:  # every rank of the site takes part (its scatter runs now, here)
             return self.exchange.issue(self.ctx.comm, self.views[p], deltas, self.exchange_units[p], side)
+        if self.split.lanes:  # sites of different sizes: weighted, lane by lane (uncompressed: refused)
+            if self.views[p].empty and side is None:
+                return None  # so are this rank's lanes on their other ends
+            return self.split.lane_mean(self.ctx.comm, self.views[p], deltas, self.device, side)
         if not self.views[p].empty:
             return self.fragment_compressors[p].reduce(deltas, side)
         if side is None:
@@ -434,7 +443,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         """Fragment p's main parameters changed on this rank's part: the site gathers the parts
         (when split, SiteSplit) and the model takes the fragment."""
         full = self.full_views[p]
-        self.split.gather(full.main)
+        self.split.gather_views(full)
         self.ctx.optimizer.copy_main_to_model_params(full)
 
     def after_landing(self, rec: InFlight, mean: List[torch.Tensor], t: int) -> None:
