@@ -1,5 +1,6 @@
-"""What one call of Trainer.train keeps while it runs, and what it leaves behind; shared by
-the two training loops (lockstep_loop.py, meeting_loop.py) and the Trainer's common parts."""
+"""Where the run stands (Position), what one call of Trainer.train keeps while it runs, and
+what it leaves behind; shared by the two training loops (lockstep_loop.py, meeting_loop.py)
+and the Trainer's common parts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_lsgd.training.arguments import RunConfig
+
+
+@dataclass
+class Position:
+    """Where the run stands: the counters the training loop advances (and a checkpoint or a
+    heal replaces). The Trainer owns it and hands it to the loop, which needs nothing else
+    of the Trainer's to count progress."""
+
+    iteration: int = 0  # this site's steps
+    consumed_samples: int = 0  # the whole job's (all sites)
+    site_consumed_samples: int = 0  # this site's own position in its sample stream
+    agreed_iteration: int = 0  # non-lockstep: the job's progress at the last meeting, in global batches
+    consumed_valid_samples: int = 0  # the whole job's validation samples
+    ended: bool = False  # training has ended (finish_training ran); a resumed non-lockstep run stops at once
 
 
 @dataclass

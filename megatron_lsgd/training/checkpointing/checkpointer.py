@@ -166,8 +166,8 @@ def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"files": records, "site": pgs.site_rank,
-                                      "site_consumed_samples": trainer.site_consumed_samples,
-                                      "iteration": trainer.iteration,
+                                      "site_consumed_samples": trainer.position.site_consumed_samples,
+                                      "iteration": trainer.position.iteration,
                                       "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict()})
     error = None
     if dist.get_rank() == 0:
@@ -208,12 +208,12 @@ def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration:
     raw = trainer.config.raw_args
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
-        "consumed_samples": trainer.consumed_samples,
+        "consumed_samples": trainer.position.consumed_samples,
         "site_consumed_samples": site_samples,  # each site's position in its own sample stream
-        "consumed_valid_samples": getattr(trainer, "consumed_valid_samples", 0),  # the validation stream's
+        "consumed_valid_samples": trainer.position.consumed_valid_samples,  # the validation stream's
         "site_iterations": site_iterations,  # each site's own steps (differ in non-lockstep runs)
         "site_schedulers": site_schedulers,  # each site's own LR schedule position
-        "ended": bool(getattr(trainer, "ended", False)),
+        "ended": trainer.position.ended,
         "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites,
                    **({"site_dp": list(d.site_dp)} if d.heterogeneous else {}),
                    # sites of different layouts: tp and pp are site 0's, each site's files its own
@@ -438,23 +438,23 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
             raise CheckpointError(f"checkpoint {iter_dir}: {err}") from err
     if not cfg.finetune:
         site_iterations = meta.get("site_iterations") if per_site else None
-        trainer.iteration = int(site_iterations[pgs.site_rank]) if site_iterations else int(meta["iteration"])
-        trainer.agreed_iteration = int(meta["iteration"])
-        if not getattr(trainer, "lockstep", True):
-            trainer.ended = bool(meta.get("ended", False))
-        trainer.consumed_samples = int(meta["consumed_samples"])
+        pos = trainer.position
+        pos.iteration = int(site_iterations[pgs.site_rank]) if site_iterations else int(meta["iteration"])
+        pos.agreed_iteration = int(meta["iteration"])
+        if not trainer.lockstep:
+            pos.ended = bool(meta.get("ended", False))
+        pos.consumed_samples = int(meta["consumed_samples"])
         site_samples = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
-        trainer.site_consumed_samples = int(site_samples[pgs.site_rank]) if site_samples and per_site \
-            else pgs.dims.site_part(trainer.consumed_samples, pgs.site_rank)
+        pos.site_consumed_samples = int(site_samples[pgs.site_rank]) if site_samples and per_site \
+            else pgs.dims.site_part(pos.consumed_samples, pgs.site_rank)
         if not cfg.load_optim:  # the schedule continues at the loaded position
-            trainer.scheduler.num_steps = trainer.consumed_samples if trainer.scheduler.by_samples \
-                else trainer.iteration
+            trainer.scheduler.num_steps = pos.consumed_samples if trainer.scheduler.by_samples else pos.iteration
         t = trainer.config.training
-        trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
+        trainer.train_iterator = build_data_iterator(trainer.train_ds, pos.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
-        trainer.consumed_valid_samples = int(meta.get("consumed_valid_samples", 0))
+        pos.consumed_valid_samples = int(meta.get("consumed_valid_samples", 0))
         trainer.valid_iterator = build_data_iterator(trainer.valid_ds,
-                                                     pgs.dims.site_part(trainer.consumed_valid_samples, pgs.site_rank),
+                                                     pgs.dims.site_part(pos.consumed_valid_samples, pgs.site_rank),
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers,
                                                      cyclic=True)
     rng = "no"
