@@ -3,7 +3,8 @@
 
 This is Megatron's loop. Every rank holds the same iteration count, so the loop logs,
 evaluates, saves and stops at iteration counts (--log-interval, --eval-interval,
---save-interval; termination.py decides the stop, one step late for the clock), a
+--save-interval; its stop rule, termination.StepCountTermination, decides the stop, one
+step late for the clock), a
 checkpoint is named by that count, and one rank (the last stage of the last site) prints
 the job's line, with losses averaged over sites.
 
@@ -18,19 +19,24 @@ import torch
 
 from megatron_lsgd.training.logging_utils import mean_across_sites
 from megatron_lsgd.training.run_state import Interval, IntervalLine, Position, Run
-from megatron_lsgd.training.termination import Termination
+from megatron_lsgd.training.termination import StepCountTermination
 
 
 class LockstepLoop:
     """Its collaborators are explicit: the run's config and process groups, the Position it
-    advances, the membership (its few cross-site numbers go through it) and the run's
-    Termination; the Trainer's shared parts (a step, a log line, acting on decisions) are
-    handed to `run`."""
+    advances, the membership (its few cross-site numbers go through it), and the clock and
+    signals its stop rule reads; the Trainer's shared parts (a step, a log line, acting on
+    decisions) are handed to `run`."""
+
+    # Training ends at a step count: a run resumed from an ended checkpoint with a larger
+    # --train-iters trains on, so a checkpoint's `ended` is not restored.
+    resumes_ended = False
 
     def __init__(self, config, pgs, position: Position, membership, device: torch.device, line_rank: int,
-                 termination: Termination):
+                 clock, signals=None):
         self.config, self.pgs, self.position = config, pgs, position
-        self.membership, self.device, self.termination = membership, device, termination
+        self.membership, self.device = membership, device
+        self.termination = StepCountTermination(config.training, clock, signals)  # collective (its vote's group)
         self.line_rank = line_rank  # prints the job's training lines
         self.site_step_cap = config.training.train_iters  # the most steps a site takes
         self.tags: Dict[str, int] = {}  # the job's records carry no site

@@ -6,9 +6,10 @@ they meet (every synchronizer with `lockstep = False`: a-edit).
   site could consume the whole budget), and a site that has taken all of it without the
   sites agreeing to stop is an error.
 - The sites agree only at *meetings* the synchronizer holds in its own collectives (after
-  every step, termination.py asks it `agree_to_stop`, and the loop reads `meeting()`): the
-  loop evaluates, saves and stops only there. The point is named by the job's progress
-  (samples of all sites // global batch), which is also the checkpoint's iteration;
+  every step, its stop rule, termination.MeetingTermination, asks it `agree_to_stop`, and
+  the loop reads `meeting()`): the loop evaluates, saves and stops only there. The point
+  is named by the job's progress (samples of all sites // global batch), which is also the
+  checkpoint's iteration;
   --eval-interval, --save-interval and --exit-interval act at the first meeting at or past
   a multiple of it. Every site keeps its own iteration, LR schedule and sample position in
   the checkpoint.
@@ -26,7 +27,7 @@ from typing import Callable, Dict, Optional
 from megatron_lsgd.core.lsgd.protocol import Meeting, Stop
 from megatron_lsgd.training.logging_utils import print_rank
 from megatron_lsgd.training.run_state import Interval, IntervalLine, Position, Run
-from megatron_lsgd.training.termination import Termination
+from megatron_lsgd.training.termination import MeetingTermination
 
 
 def crossed(before: int, now: int, interval: Optional[int]) -> bool:
@@ -36,13 +37,19 @@ def crossed(before: int, now: int, interval: Optional[int]) -> bool:
 
 class MeetingLoop:
     """Its collaborators are explicit: the run's config and process groups, the Position it
-    advances, the synchronizer (whose meetings it reads), the LR scheduler (which follows the
-    job's progress) and the run's Termination; the Trainer's shared parts (a step, a log line,
-    acting on decisions) are handed to `run`."""
+    advances, the synchronizer (whose meetings it reads and which decides the stop), the LR
+    scheduler (which follows the job's progress), and the clock and signals its stop rule
+    reads; the Trainer's shared parts (a step, a log line, acting on decisions) are handed
+    to `run`."""
 
-    def __init__(self, config, pgs, position: Position, synchronizer, scheduler, termination: Termination):
+    # The sites agreed the job's end at a meeting: a run resumed from that checkpoint takes
+    # no step, so a checkpoint's `ended` is restored.
+    resumes_ended = True
+
+    def __init__(self, config, pgs, position: Position, synchronizer, scheduler, clock, signals=None):
         self.config, self.pgs, self.position = config, pgs, position
-        self.synchronizer, self.scheduler, self.termination = synchronizer, scheduler, termination
+        self.synchronizer, self.scheduler = synchronizer, scheduler
+        self.termination = MeetingTermination(config.training, synchronizer, clock, signals)
         site, t = pgs.site_rank, config.training
         ranks_per_site = config.dims.world_size // config.dims.sites
         self.line_rank = (site + 1) * ranks_per_site - 1  # this site's last rank (last stage) logs its line

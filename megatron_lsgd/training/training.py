@@ -1,8 +1,10 @@
 """`pretrain(datasets_provider, model_provider, forward_step_func)` and the Trainer.
 
 The Trainer builds the run (model, optimizer, synchronizer, data) and owns what both training
-loops share: one step, evaluation, saving, the log line and the run's end. It runs one of
-two loops, chosen by the synchronizer's declared `lockstep`, never by its name:
+loops share: the run's Position, one step, evaluation, saving, the log line and the run's
+end. It runs one of two loops, chosen once by the synchronizer's declared `lockstep`, never
+by its name; what depends on that choice (the stop rule, the checkpoint's name, the log
+line, what a resume restores) is the loop's:
 - lockstep_loop.py: every site takes the same steps; log, evaluate, save and stop at
   iteration counts (Megatron's loop);
 - meeting_loop.py: sites take different numbers of steps and agree only at the
@@ -58,7 +60,6 @@ from megatron_lsgd.training.run_state import BeforeHeal, Interval, Position, Run
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, optimizer_shard_scale, trained_parameters
 from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
-from megatron_lsgd.training.termination import Termination
 from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
 from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
 
@@ -125,11 +126,12 @@ class Trainer:
         gbs = t.global_batch_size
         # where the run stands: the loop advances it; a checkpoint load or a heal restores it in place
         self.position = Position()
-        self.termination = Termination(t, self.synchronizer, self.clock, range(dist.get_world_size()), signals)
-        self.lockstep = self.synchronizer.lockstep  # declared by the synchronizer: which loop runs
-        self.loop = LockstepLoop(config, pgs, self.position, self.membership, device, self.log_rank,
-                                 self.termination) if self.lockstep else \
-            MeetingLoop(config, pgs, self.position, self.synchronizer, self.scheduler, self.termination)
+        # The one lockstep decision, declared by the synchronizer: which loop runs. Everything that
+        # depends on it (the stop rule, the checkpoint's name, the log line, what a resume restores)
+        # is the loop's.
+        self.loop = LockstepLoop(config, pgs, self.position, self.membership, device, self.log_rank, self.clock,
+                                 signals) if self.synchronizer.lockstep else \
+            MeetingLoop(config, pgs, self.position, self.synchronizer, self.scheduler, self.clock, signals)
         eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
         # A synchronizer whose sites may take more micro-batches per step than configured
         # (ACCO/DPU's adaptive accumulation) says how many at most: size the stream for it.
@@ -487,7 +489,7 @@ class Trainer:
         if pos.ended:  # the budget is reached: a site that missed the end may take this state now
             self.membership.job_finished()
             self._count_from_heal(run)
-        self.termination.close()
+        self.loop.termination.close()
         self.loop.settle_job_samples()
         if self.test_ds is not None:  # --test-data-path: the trained model on the test set, once
             result.test_loss = self.evaluate("test", " on test set")

@@ -8,7 +8,9 @@ crash at any point leaves the previous checkpoint and the tracker pointing at it
 Each site's position is kept per site: its iteration, its LR schedule and its consumed
 samples (`site_iterations`, `site_schedulers`, `site_consumed_samples`). In a lockstep run
 they are equal; a non-lockstep run's sites differ, its checkpoint is named by the job's
-agreed progress (`trainer.checkpoint_iteration`) and `ended` says its training is over.
+agreed progress (`trainer.checkpoint_iteration`, which the training loop names) and `ended`
+says its training is over (restored where the loop says so, `loop.resumes_ended`: a
+lockstep run's end is a step count instead).
 
 "Rank 0" and every collective here are the torch.distributed world's. Under fault
 tolerance each site is a world of its own: it writes a checkpoint of its own (in
@@ -441,7 +443,7 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         pos = trainer.position
         pos.iteration = int(site_iterations[pgs.site_rank]) if site_iterations else int(meta["iteration"])
         pos.agreed_iteration = int(meta["iteration"])
-        if not trainer.lockstep:
+        if trainer.loop.resumes_ended:  # the loop says whether an ended run stays ended
             pos.ended = bool(meta.get("ended", False))
         pos.consumed_samples = int(meta["consumed_samples"])
         site_samples = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
