@@ -79,9 +79,7 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         return _copy({"model": model_state(unwrap(trainer.model)), "optimizer": trainer.optimizer.state_dict(),
                       "synchronizer": trainer.synchronizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
                       "rng": capture_rng_state(trainer.rng_tracker),
-                      "position": {"iteration": pos.iteration, "consumed_samples": pos.consumed_samples,
-                                   "site_consumed_samples": pos.site_consumed_samples,
-                                   "consumed_valid_samples": pos.consumed_valid_samples}})
+                      "position": pos.state_dict()})
 
     def restore(state) -> None:  # the order of a checkpoint load (checkpointer._load_local)
         # where the site stood (the trainer counts its log line and run from the new position)
@@ -92,11 +90,8 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.synchronizer.load_state_dict(state["synchronizer"])
         trainer.scheduler.load_state_dict(state["scheduler"])
-        position = state["position"]
-        pos.iteration = pos.agreed_iteration = int(position["iteration"])
-        pos.consumed_samples = int(position["consumed_samples"])
-        pos.site_consumed_samples = int(position["site_consumed_samples"])
-        pos.consumed_valid_samples = int(position["consumed_valid_samples"])
+        pos.load_state_dict(state["position"])
+        pos.agreed_iteration = pos.iteration  # elastic sites run lockstep algorithms: the job's count is the step count
         t, pgs = trainer.config.training, trainer.pgs
         trainer.train_iterator = build_data_iterator(trainer.train_ds, pos.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)

@@ -25,6 +25,21 @@ class Position:
     consumed_valid_samples: int = 0  # the whole job's validation samples
     ended: bool = False  # training has ended (finish_training ran); a resumed non-lockstep run stops at once
 
+    def state_dict(self) -> Dict[str, int]:
+        """This rank's counters, as a checkpoint gathers them (each site's iteration and sample
+        position, the job's samples) and a live site hands them to a healing one. The agreed
+        iteration and `ended` are the job's: a checkpoint's name and metadata (checkpointer.py)."""
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                "site_consumed_samples": self.site_consumed_samples,
+                "consumed_valid_samples": self.consumed_valid_samples}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """In place: the loop holds this object."""
+        self.iteration = int(state["iteration"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.site_consumed_samples = int(state["site_consumed_samples"])
+        self.consumed_valid_samples = int(state["consumed_valid_samples"])
+
 
 @dataclass
 class TrainingResult:

@@ -168,8 +168,7 @@ def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"files": records, "site": pgs.site_rank,
-                                      "site_consumed_samples": trainer.position.site_consumed_samples,
-                                      "iteration": trainer.position.iteration,
+                                      "position": trainer.position.state_dict(),
                                       "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict()})
     error = None
     if dist.get_rank() == 0:
@@ -203,9 +202,9 @@ def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration:
     records = {k: v for part in gathered for k, v in part["files"].items()}
     files = {k: size for k, (size, _) in records.items()}
     site_samples, site_iterations, site_schedulers = [0] * d.sites, [0] * d.sites, [None] * d.sites
-    for part in gathered:
-        site_samples[part["site"]] = part["site_consumed_samples"]
-        site_iterations[part["site"]] = part["iteration"]
+    for part in gathered:  # each site's own position (the same on every rank of a site)
+        site_samples[part["site"]] = part["position"]["site_consumed_samples"]
+        site_iterations[part["site"]] = part["position"]["iteration"]
         site_schedulers[part["site"]] = part["scheduler"]
     raw = trainer.config.raw_args
     metadata = {
@@ -385,6 +384,20 @@ def _same_path(a: Optional[str], b: Optional[str]) -> bool:
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
+def _saved_position(meta: Dict, pgs, per_site: bool) -> Dict[str, int]:
+    """This rank's Position.state_dict as the checkpoint recorded it: its site's own
+    iteration and sample position where the sites' layout matches (per_site), else the
+    job's, split as a fresh run would."""
+    site_iterations = meta.get("site_iterations") if per_site else None
+    site_samples = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
+    consumed = int(meta["consumed_samples"])
+    return {"iteration": site_iterations[pgs.site_rank] if site_iterations else meta["iteration"],
+            "consumed_samples": consumed,
+            "site_consumed_samples": site_samples[pgs.site_rank] if site_samples and per_site
+            else pgs.dims.site_part(consumed, pgs.site_rank),
+            "consumed_valid_samples": meta.get("consumed_valid_samples", 0)}
+
+
 def _load_local(trainer, cfg: CheckpointConfig) -> bool:
     if os.path.exists(cfg.load) and not os.path.isdir(cfg.load):
         raise CheckpointError(f"--load {cfg.load} is a file; give the checkpoint directory (the one holding "
@@ -439,22 +452,16 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         except ValueError as err:
             raise CheckpointError(f"checkpoint {iter_dir}: {err}") from err
     if not cfg.finetune:
-        site_iterations = meta.get("site_iterations") if per_site else None
         pos = trainer.position
-        pos.iteration = int(site_iterations[pgs.site_rank]) if site_iterations else int(meta["iteration"])
+        pos.load_state_dict(_saved_position(meta, pgs, per_site))
         pos.agreed_iteration = int(meta["iteration"])
         if trainer.loop.resumes_ended:  # the loop says whether an ended run stays ended
             pos.ended = bool(meta.get("ended", False))
-        pos.consumed_samples = int(meta["consumed_samples"])
-        site_samples = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
-        pos.site_consumed_samples = int(site_samples[pgs.site_rank]) if site_samples and per_site \
-            else pgs.dims.site_part(pos.consumed_samples, pgs.site_rank)
         if not cfg.load_optim:  # the schedule continues at the loaded position
             trainer.scheduler.num_steps = pos.consumed_samples if trainer.scheduler.by_samples else pos.iteration
         t = trainer.config.training
         trainer.train_iterator = build_data_iterator(trainer.train_ds, pos.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
-        pos.consumed_valid_samples = int(meta.get("consumed_valid_samples", 0))
         trainer.valid_iterator = build_data_iterator(trainer.valid_ds,
                                                      pgs.dims.site_part(pos.consumed_valid_samples, pgs.site_rank),
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from dataclasses import fields
 from types import SimpleNamespace
 
 import torch
@@ -161,3 +162,15 @@ def test_a_meeting_loop_whose_training_ended_takes_no_step():
     calls = _Calls(loop, site_samples=2)
     loop.run(None, calls.step, calls.log, calls.act)
     assert loop.position.iteration == 0 and not calls.acted
+
+
+def test_the_position_saves_and_restores_its_own_counters():
+    saved = Position(iteration=9, consumed_samples=72, site_consumed_samples=36, agreed_iteration=8,
+                     consumed_valid_samples=16, ended=True)
+    state = saved.state_dict()
+    # every counter but the job's agreed iteration and end, which a checkpoint keeps as its
+    # name and metadata (and a heal takes from the step count)
+    assert set(state) == {f.name for f in fields(Position)} - {"agreed_iteration", "ended"}
+    held = Position()
+    held.load_state_dict(state)
+    assert held.state_dict() == state and (held.agreed_iteration, held.ended) == (0, False)
