@@ -24,15 +24,10 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-from megatron_lsgd.core.lsgd.protocol import Meeting, Stop
+from megatron_lsgd.core.lsgd.protocol import Meeting
 from megatron_lsgd.training.logging_utils import print_rank
 from megatron_lsgd.training.run_state import Interval, IntervalLine, Position, Run
-from megatron_lsgd.training.termination import MeetingTermination
-
-
-def crossed(before: int, now: int, interval: Optional[int]) -> bool:
-    """A multiple of `interval` lies in (before, now]."""
-    return bool(interval) and now // interval > before // interval
+from megatron_lsgd.training.termination import MeetingTermination, crossed
 
 
 class MeetingLoop:
@@ -76,8 +71,7 @@ class MeetingLoop:
             before = pos.agreed_iteration
             if meeting is not None:  # agreed on every rank
                 self._agree(meeting)
-                if stop is None and crossed(before, pos.agreed_iteration, t.exit_interval):
-                    stop = Stop(False, f"--exit-interval {t.exit_interval}")
+                stop = self.termination.at_meeting(stop, before, pos.agreed_iteration)
             if pos.iteration % t.log_interval == 0 or stop is not None:
                 log(run)
             eval_due = meeting is not None and crossed(before, pos.agreed_iteration, t.eval_interval)

@@ -29,7 +29,8 @@ numbers of steps, `Synchronizer.lockstep = False`): the synchronizer decides in
 `protocol.stop_at_meeting`: the job's sample budget (--train-iters then counts global
 batches) or a site's --exit-duration-in-mins (a noted signal ends a site's time).
 --exit-interval then pauses at the first meeting at or past a multiple of it, counted in
-the job's global batches (the meeting loop checks it).
+the job's global batches (`at_meeting`, which the meeting loop asks once it has taken the
+meeting's progress).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.protocol import Progress, Stop
+
+
+def crossed(before: int, now: int, interval: Optional[int]) -> bool:
+    """A multiple of `interval` lies in (before, now]."""
+    return bool(interval) and now // interval > before // interval
 
 
 class StopVote:
@@ -141,3 +147,10 @@ class MeetingTermination(Termination):
                             0.0 if signalled else self.duration_s, self.cfg.global_batch_size)
         stop = self.synchronizer.agree_to_stop(progress)
         return Stop(False, self._signal_reason()) if signalled and stop and not stop.ends_training else stop
+
+    def at_meeting(self, stop: Optional[Stop], before: int, agreed: int) -> Optional[Stop]:
+        """At a meeting that moved the job's progress from `before` to `agreed` global
+        batches: --exit-interval pauses at the first meeting at or past a multiple of it."""
+        if stop is None and crossed(before, agreed, self.cfg.exit_interval):
+            return Stop(False, f"--exit-interval {self.cfg.exit_interval}")
+        return stop
