@@ -54,8 +54,10 @@ class LockstepLoop:
         pos, t = self.position, self.config.training
         save_interval = self.config.checkpoint.save_interval
         while pos.iteration < t.train_iters:
-            if step(run) is not None:  # training ended inside the step (no step taken): the final state is held
+            taken = step(run)
+            if taken.ended is not None:  # training ended inside the step (no step taken): the final state is held
                 return
+            run.acc.gbs = self.count_job_samples(taken.site_samples, taken.same_on_every_site)
             if pos.iteration % t.log_interval == 0 or pos.iteration == t.train_iters:
                 log(run)
             stop = self.termination.after_step(pos.iteration, pos.site_consumed_samples)

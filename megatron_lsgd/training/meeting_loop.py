@@ -64,8 +64,10 @@ class MeetingLoop:
         and stop (`step`, `log` and `act` are the Trainer's step, log_interval and act_on)."""
         pos, t, site = self.position, self.config.training, self.pgs.site_rank
         while not pos.ended:  # a resumed run whose training had already ended takes no step
-            if step(run) is not None:  # training ended inside the step (no step taken): the final state is held
+            taken = step(run)
+            if taken.ended is not None:  # training ended inside the step (no step taken): the final state is held
                 return
+            run.acc.gbs = self.count_job_samples(taken.site_samples, taken.same_on_every_site)
             stop = self.termination.after_step(pos.iteration, pos.site_consumed_samples)
             meeting = self.synchronizer.meeting()
             before = pos.agreed_iteration

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_lsgd.core.lsgd.protocol import Stop
 from megatron_lsgd.training.arguments import RunConfig
 
 
@@ -39,6 +40,17 @@ class Position:
         self.consumed_samples = int(state["consumed_samples"])
         self.site_consumed_samples = int(state["site_consumed_samples"])
         self.consumed_valid_samples = int(state["consumed_valid_samples"])
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What one of the Trainer's steps took, for the loop to count: this site's samples and
+    whether every site computed as many; or `ended`, training ended inside the step before
+    it computed anything (no step was taken)."""
+
+    site_samples: int = 0
+    same_on_every_site: bool = True
+    ended: Optional[Stop] = None
 
 
 @dataclass

@@ -56,7 +56,7 @@ from megatron_lsgd.training.logging_utils import (TensorboardWriter, mean_across
                                                   print_rank, training_log_line)
 from megatron_lsgd.training.meeting_loop import MeetingLoop
 from megatron_lsgd.training.model_build import build_model
-from megatron_lsgd.training.run_state import BeforeHeal, Interval, Position, Run, TrainingResult
+from megatron_lsgd.training.run_state import BeforeHeal, Interval, Position, Run, Taken, TrainingResult
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, optimizer_shard_scale, trained_parameters
 from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
@@ -365,8 +365,9 @@ class Trainer:
         run.start_checkpoint_iteration += self.checkpoint_iteration - heal.checkpoint_iteration
         run.acc.reset(heal.comm, self.position.consumed_samples, self.position.site_consumed_samples, heal.time)
 
-    def step(self, run: Run) -> Optional[Stop]:
-        """One training step and what the log line accumulates from it. Returns the step's
+    def step(self, run: Run) -> Taken:
+        """One training step and what the log line accumulates from it. Returns what it took,
+        for the loop to count the job's samples (and the step's global batch); or the step's
         Stop when training ended inside it, before it computed anything (StepResult.ended:
         an elastic site healed to the job's final state): no step was taken, and the loop
         stops at once (finish_training is not called again)."""
@@ -379,14 +380,13 @@ class Trainer:
         self._count_from_heal(run)  # (before this step's counts: a heal happens at a step's start)
         if step.ended is not None:
             pos.ended = True
-            return step.ended
+            return Taken(ended=step.ended)
         losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
         pos.iteration += 1
         self._report_compile()
         # This site's position advances by its own micro-batches; the loop counts the job's.
         site_samples = step.num_microbatches * t.micro_batch_size * self.pgs.dp_intra_size
         pos.site_consumed_samples += site_samples
-        acc.gbs = self.loop.count_job_samples(site_samples, step.same_count_on_every_site)
         acc.lr = step.lr  # None: the loop owns the scheduler and reads it when it logs (after any meeting)
         acc.iters += 1
         self.compat.after_step(pos.iteration)
@@ -402,7 +402,7 @@ class Trainer:
             check_finite_loss(site_losses, t.fp16)
         for k, v in site_losses.items():
             acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
-        return None
+        return Taken(site_samples, step.same_count_on_every_site)
 
     def _report_compile(self) -> None:
         """--compile: the graph-break/recompilation line, once, from one rank per pipeline stage

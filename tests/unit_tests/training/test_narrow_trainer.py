@@ -18,7 +18,7 @@ from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.protocol import Meeting, Stop, stop_at_meeting
 from megatron_lsgd.training.lockstep_loop import LockstepLoop
 from megatron_lsgd.training.meeting_loop import MeetingLoop
-from megatron_lsgd.training.run_state import Position
+from megatron_lsgd.training.run_state import Position, Taken
 
 LOOPS = (lockstep_loop, meeting_loop)
 
@@ -72,12 +72,13 @@ class _Calls:
     def __init__(self, loop, site_samples: int):
         self.loop, self.site_samples = loop, site_samples
         self.logged, self.acted = [], []
+        self.run = SimpleNamespace(acc=SimpleNamespace(gbs=0))  # what the loop sets of Run: the step's global batch
 
     def step(self, run):
         pos = self.loop.position
         pos.iteration += 1
         pos.site_consumed_samples += self.site_samples
-        self.loop.count_job_samples(self.site_samples, True)
+        return Taken(self.site_samples, same_on_every_site=True)
 
     def log(self, run):
         self.logged.append(self.loop.position.iteration)
@@ -96,18 +97,18 @@ def _lockstep(config):
 def test_the_lockstep_loop_logs_evaluates_saves_and_stops_at_step_counts():
     loop = _lockstep(_config())
     calls = _Calls(loop, site_samples=2)
-    loop.run(None, calls.step, calls.log, calls.act)
+    loop.run(calls.run, calls.step, calls.log, calls.act)
     assert calls.logged == [3, 6, 7]  # every --log-interval and the last step
     assert [(it, ev, sv) for it, _, ev, sv in calls.acted] == [(i, i % 4 == 0, i % 2 == 0) for i in range(1, 8)]
     assert [stop for _, stop, _, _ in calls.acted] == [None] * 6 + [Stop(True, "--train-iters 7")]
     # the job advances by every site's samples: 2 per site's rank x dp 4 / dp_intra 2
-    assert loop.position.consumed_samples == 7 * 4 and loop.checkpoint_iteration == 7
+    assert loop.position.consumed_samples == 7 * 4 and loop.checkpoint_iteration == 7 and calls.run.acc.gbs == 4
 
 
 def test_the_lockstep_loop_pauses_at_the_exit_interval():
     loop = _lockstep(_config(exit_interval=5))
     calls = _Calls(loop, site_samples=2)
-    loop.run(None, calls.step, calls.log, calls.act)
+    loop.run(calls.run, calls.step, calls.log, calls.act)
     assert calls.acted[-1][:2] == (5, Stop(False, "--exit-interval 5")) and loop.position.iteration == 5
 
 
@@ -139,7 +140,7 @@ def test_the_meeting_loop_acts_only_at_meetings_on_the_jobs_progress(capsys):
     position = Position()
     loop = _meeting(_config(train_iters=5, eval_interval=3), position)
     calls = _Calls(loop, site_samples=2)
-    loop.run(None, calls.step, calls.log, calls.act)
+    loop.run(calls.run, calls.step, calls.log, calls.act)
     assert [(it, ev, sv) for it, _, ev, sv in calls.acted] == [(1, False, False), (2, False, True),
                                                                (3, False, False), (4, True, True)]
     assert calls.acted[-1][1] == Stop(True, "--train-iters budget of 20 samples reached (20 consumed, site "
@@ -147,20 +148,21 @@ def test_the_meeting_loop_acts_only_at_meetings_on_the_jobs_progress(capsys):
     assert calls.logged == [3, 4]  # every --log-interval of this site's steps, and the stop
     assert (position.agreed_iteration, position.consumed_samples, position.site_consumed_samples) == (5, 20, 8)
     assert loop.checkpoint_iteration == 5 and loop.scheduler.num_steps == 5  # the LR follows the job's progress
+    assert calls.run.acc.gbs == 2 * 2  # as if every site had computed as many
     assert "training ends at iteration 4 of site 0 (--train-iters budget" in capsys.readouterr().out
 
 
 def test_the_meeting_loop_pauses_at_the_first_meeting_past_the_exit_interval():
     loop = _meeting(_config(train_iters=100, exit_interval=2), Position())
     calls = _Calls(loop, site_samples=2)
-    loop.run(None, calls.step, calls.log, calls.act)
+    loop.run(calls.run, calls.step, calls.log, calls.act)
     assert calls.acted[-1][:2] == (2, Stop(False, "--exit-interval 2"))
 
 
 def test_a_meeting_loop_whose_training_ended_takes_no_step():
     loop = _meeting(_config(), Position(ended=True))
     calls = _Calls(loop, site_samples=2)
-    loop.run(None, calls.step, calls.log, calls.act)
+    loop.run(calls.run, calls.step, calls.log, calls.act)
     assert loop.position.iteration == 0 and not calls.acted
 
 
