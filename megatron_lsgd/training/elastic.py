@@ -73,32 +73,29 @@ def _copy(state):
 def register_healing_state(trainer, membership: TorchftMembership) -> None:
     """What a healing rank receives from the same rank of a live site (both at a quorum, at
     a step's start or at the job's end); with --lsgd-ft-digests, the anchor digests too."""
+    pos = trainer.position  # the Trainer's for the run's life: a heal replaces its counters in place
+
     def snapshot():
         return _copy({"model": model_state(unwrap(trainer.model)), "optimizer": trainer.optimizer.state_dict(),
                       "synchronizer": trainer.synchronizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
                       "rng": capture_rng_state(trainer.rng_tracker),
-                      "position": {"iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
-                                   "site_consumed_samples": trainer.site_consumed_samples,
-                                   "consumed_valid_samples": trainer.consumed_valid_samples}})
+                      "position": pos.state_dict()})
 
     def restore(state) -> None:  # the order of a checkpoint load (checkpointer._load_local)
         # where the site stood (the trainer counts its log line and run from the new position)
-        trainer.heal = BeforeHeal(trainer.iteration, trainer.checkpoint_iteration, trainer.comm.snapshot(),
+        trainer.heal = BeforeHeal(pos.iteration, trainer.checkpoint_iteration, trainer.comm.snapshot(),
                                   trainer.clock.now())
         load_model_state(unwrap(trainer.model), state["model"], "the state received from a live site")
         refresh_main_params(trainer.optimizer)
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.synchronizer.load_state_dict(state["synchronizer"])
         trainer.scheduler.load_state_dict(state["scheduler"])
-        position = state["position"]
-        trainer.iteration = trainer.agreed_iteration = int(position["iteration"])
-        trainer.consumed_samples = int(position["consumed_samples"])
-        trainer.site_consumed_samples = int(position["site_consumed_samples"])
-        trainer.consumed_valid_samples = int(position["consumed_valid_samples"])
+        pos.load_state_dict(state["position"])
+        pos.agreed_iteration = pos.iteration  # elastic sites run lockstep algorithms: the job's count is the step count
         t, pgs = trainer.config.training, trainer.pgs
-        trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
+        trainer.train_iterator = build_data_iterator(trainer.train_ds, pos.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
-        trainer.valid_iterator = build_data_iterator(trainer.valid_ds, trainer.consumed_valid_samples // pgs.dims.sites,
+        trainer.valid_iterator = build_data_iterator(trainer.valid_ds, pos.consumed_valid_samples // pgs.dims.sites,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers,
                                                      cyclic=True)
         restore_rng_state(state["rng"], trainer.rng_tracker)  # last: building iterators draws from torch's

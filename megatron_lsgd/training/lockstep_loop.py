@@ -3,7 +3,8 @@
 
 This is Megatron's loop. Every rank holds the same iteration count, so the loop logs,
 evaluates, saves and stops at iteration counts (--log-interval, --eval-interval,
---save-interval; termination.py decides the stop, one step late for the clock), a
+--save-interval; its stop rule, termination.StepCountTermination, decides the stop, one
+step late for the clock), a
 checkpoint is named by that count, and one rank (the last stage of the last site) prints
 the job's line, with losses averaged over sites.
 
@@ -12,18 +13,32 @@ with the non-lockstep loop (meeting_loop.py); this module holds what lockstep de
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
-from megatron_lsgd.training.run_state import Interval, IntervalLine, Run
+from megatron_lsgd.training.logging_utils import mean_across_sites
+from megatron_lsgd.training.run_state import Interval, IntervalLine, Position, Run
+from megatron_lsgd.training.termination import StepCountTermination
 
 
 class LockstepLoop:
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.line_rank = trainer.log_rank  # prints the job's training lines
-        self.site_step_cap = trainer.config.training.train_iters  # the most steps a site takes
+    """Its collaborators are explicit: the run's config and process groups, the Position it
+    advances, the membership (its few cross-site numbers go through it), and the clock and
+    signals its stop rule reads; the Trainer's shared parts (a step, a log line, acting on
+    decisions) are handed to `run`."""
+
+    # Training ends at a step count: a run resumed from an ended checkpoint with a larger
+    # --train-iters trains on, so a checkpoint's `ended` is not restored.
+    resumes_ended = False
+
+    def __init__(self, config, pgs, position: Position, membership, device: torch.device, line_rank: int,
+                 clock, signals=None):
+        self.config, self.pgs, self.position = config, pgs, position
+        self.membership, self.device = membership, device
+        self.termination = StepCountTermination(config.training, clock, signals)  # collective (its vote's group)
+        self.line_rank = line_rank  # prints the job's training lines
+        self.site_step_cap = config.training.train_iters  # the most steps a site takes
         self.tags: Dict[str, int] = {}  # the job's records carry no site
         self.where = ""  # the done line speaks for the job
         self._job_samples_stale = False  # sites counted differently since consumed_samples was summed
@@ -31,22 +46,24 @@ class LockstepLoop:
     @property
     def checkpoint_iteration(self) -> int:
         """A checkpoint is named by the step count, the same on every site."""
-        return self.trainer.iteration
+        return self.position.iteration
 
-    def run(self, run: Run) -> None:
-        """Step, log, let termination decide, evaluate and save by iteration."""
-        tr = self.trainer
-        t = tr.config.training
-        while tr.iteration < t.train_iters:
-            if tr.step(run) is not None:  # training ended inside the step (no step taken): the final state is held
+    def run(self, run: Run, step: Callable, log: Callable, act: Callable) -> None:
+        """Step, log, let termination decide, evaluate and save by iteration (`step`, `log`
+        and `act` are the Trainer's step, log_interval and act_on)."""
+        pos, t = self.position, self.config.training
+        save_interval = self.config.checkpoint.save_interval
+        while pos.iteration < t.train_iters:
+            taken = step(run)
+            if taken.ended is not None:  # training ended inside the step (no step taken): the final state is held
                 return
-            if tr.iteration % t.log_interval == 0 or tr.iteration == t.train_iters:
-                tr.log_interval(run)
-            stop = tr.termination.after_step(tr.iteration, tr.site_consumed_samples)
-            eval_due = tr.iteration % t.eval_interval == 0
-            save_due = bool(tr.config.checkpoint.save_interval) and \
-                tr.iteration % tr.config.checkpoint.save_interval == 0
-            if tr.act_on(run, stop, eval_due, save_due):
+            run.acc.gbs = self.count_job_samples(taken.site_samples, taken.same_on_every_site)
+            if pos.iteration % t.log_interval == 0 or pos.iteration == t.train_iters:
+                log(run)
+            stop = self.termination.after_step(pos.iteration, pos.site_consumed_samples)
+            eval_due = pos.iteration % t.eval_interval == 0
+            save_due = bool(save_interval) and pos.iteration % save_interval == 0
+            if act(run, stop, eval_due, save_due):
                 return
 
     # ---- counting the job's samples ----------------------------------------------------------
@@ -55,10 +72,9 @@ class LockstepLoop:
         every site computed as many; otherwise it becomes the sum of every site's own
         position, taken (settle_job_samples) where the loop logs or saves. Returns the
         step's global batch when known (None: sites differed)."""
-        tr = self.trainer
-        job = site_samples * tr.config.dims.dp // tr.pgs.dp_intra_size  # S x site_samples when sites are equal
+        job = site_samples * self.config.dims.dp // self.pgs.dp_intra_size  # S x site_samples when sites are equal
         if same_on_every_site and not self._job_samples_stale:
-            tr.consumed_samples += job
+            self.position.consumed_samples += job
             return job
         self._job_samples_stale = True
         return None
@@ -68,20 +84,18 @@ class LockstepLoop:
         a few bytes across sites, only after steps whose counts differed (collective)."""
         if not self._job_samples_stale:
             return
-        tr = self.trainer
-        total = torch.tensor([tr.site_consumed_samples], dtype=torch.int64, device=tr.device)
-        tr.membership.sum_over_sites(total)
-        tr.consumed_samples = int(total.item())
+        total = torch.tensor([self.position.site_consumed_samples], dtype=torch.int64, device=self.device)
+        self.membership.sum_over_sites(total)
+        self.position.consumed_samples = int(total.item())
         self._job_samples_stale = False
 
     # ---- the log line ------------------------------------------------------------------------
     def interval_line(self, acc: Interval) -> IntervalLine:
         """The job's line: its samples and losses averaged over sites (collectives, at log
         intervals only)."""
-        tr = self.trainer
         self.settle_job_samples()
-        means = tr.mean_across_sites({k: v / acc.iters for k, v in acc.sums.items()}) \
-            if tr.pgs.is_last_stage else {}
-        return IntervalLine(samples=tr.consumed_samples - acc.consumed_before, means=means,
-                            consumed=tr.consumed_samples, of_iters=tr.config.training.train_iters,
-                            ranks=tr.config.dims.world_size)
+        consumed, dims = self.position.consumed_samples, self.config.dims
+        means = mean_across_sites({k: v / acc.iters for k, v in acc.sums.items()}, self.membership, dims.sites) \
+            if self.pgs.is_last_stage else {}
+        return IntervalLine(samples=consumed - acc.consumed_before, means=means, consumed=consumed,
+                            of_iters=self.config.training.train_iters, ranks=dims.world_size)

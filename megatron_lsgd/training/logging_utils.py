@@ -1,4 +1,5 @@
-"""Megatron's log line, plus our cross-site fields, and tensorboard scalars."""
+"""Megatron's log line, plus our cross-site fields (and its losses averaged over sites), and
+tensorboard scalars."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ from megatron_lsgd.core.output_files import os_error_in, write_error
 def print_rank(msg: str, rank: int, only: Optional[int] = 0) -> None:
     if only is None or rank == only:
         print(msg, flush=True)
+
+
+def mean_across_sites(values: Dict[str, torch.Tensor], membership, sites: int) -> Dict[str, float]:
+    """The losses a log line or an evaluation reports, each averaged over sites (collective
+    over the sites through the membership: every site calls it)."""
+    if sites > 1 and values:
+        stacked = torch.cat(list(values.values()))
+        membership.mean_over_sites(stacked)  # a few bytes, at log intervals only
+        values = dict(zip(values.keys(), stacked.split(1)))
+    return {k: float(v.item()) for k, v in values.items()}
 
 
 def training_log_line(iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float, lr: float,

@@ -1,5 +1,6 @@
-"""What one call of Trainer.train keeps while it runs, and what it leaves behind; shared by
-the two training loops (lockstep_loop.py, meeting_loop.py) and the Trainer's common parts."""
+"""Where the run stands (Position), what one call of Trainer.train keeps while it runs, and
+what it leaves behind; shared by the two training loops (lockstep_loop.py, meeting_loop.py)
+and the Trainer's common parts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,48 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_lsgd.core.lsgd.protocol import Stop
 from megatron_lsgd.training.arguments import RunConfig
+
+
+@dataclass
+class Position:
+    """Where the run stands: the counters the training loop advances (and a checkpoint or a
+    heal replaces). The Trainer owns it and hands it to the loop, which needs nothing else
+    of the Trainer's to count progress."""
+
+    iteration: int = 0  # this site's steps
+    consumed_samples: int = 0  # the whole job's (all sites)
+    site_consumed_samples: int = 0  # this site's own position in its sample stream
+    agreed_iteration: int = 0  # non-lockstep: the job's progress at the last meeting, in global batches
+    consumed_valid_samples: int = 0  # the whole job's validation samples
+    ended: bool = False  # training has ended (finish_training ran); a resumed non-lockstep run stops at once
+
+    def state_dict(self) -> Dict[str, int]:
+        """This rank's counters, as a checkpoint gathers them (each site's iteration and sample
+        position, the job's samples) and a live site hands them to a healing one. The agreed
+        iteration and `ended` are the job's: a checkpoint's name and metadata (checkpointer.py)."""
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                "site_consumed_samples": self.site_consumed_samples,
+                "consumed_valid_samples": self.consumed_valid_samples}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """In place: the loop holds this object."""
+        self.iteration = int(state["iteration"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.site_consumed_samples = int(state["site_consumed_samples"])
+        self.consumed_valid_samples = int(state["consumed_valid_samples"])
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What one of the Trainer's steps took, for the loop to count: this site's samples and
+    whether every site computed as many; or `ended`, training ended inside the step before
+    it computed anything (no step was taken)."""
+
+    site_samples: int = 0
+    same_on_every_site: bool = True
+    ended: Optional[Stop] = None
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""When the run stops, at the same step on every rank.
+"""When the run stops, at the same step on every rank: one stop rule per training loop,
+each built by its loop (the loop is chosen once, by the synchronizer's `lockstep`; nothing
+here asks which it is).
 
 Conditions, checked after every inner step:
 - `--train-iters N` (or a budget, `--train-samples` / `--train-tokens`, which build_config
@@ -8,21 +10,27 @@ Conditions, checked after every inner step:
   continues exactly as if it had not stopped, so nothing is closed early).
 - `--exit-duration-in-mins M`: the run pauses once M minutes have passed since start-up
   (Megatron's meaning: leave in time before a job's time limit, with a checkpoint).
+- `--exit-signal-handler`: a noted SIGTERM pauses the run like time running out.
 
-Iteration counts agree on every rank of a lockstep run by construction. Clocks do not, so
-each rank's elapsed time (the run's clock, core/clock.py) is all-reduced (MAX) over the
-world's ranks on a small gloo group of its own, asynchronously and one step late: the 8-byte
-collective's latency (a WAN round trip) hides behind a step, and every rank reads the same
-elapsed time, so the same verdict and message, at the same iteration. Under fault
-tolerance (--lsgd-fault-tolerance) the world is one site: its ranks agree, and a site that
-pauses for time or a signal leaves the others as a failed site would (they go on, or wait
-at --lsgd-min-sites); no vote crosses sites, so a dead site cannot stall it. Under
---simulate-clock the elapsed times are virtual and the stop is exactly reproducible.
-Algorithms whose sites take different numbers of steps (`Synchronizer.lockstep = False`)
-decide in `Synchronizer.agree_to_stop`, at the points where their sites meet, by the shared
-rule `protocol.stop_at_meeting`: the job's sample budget (--train-iters then counts global
-batches) or a site's --exit-duration-in-mins. --exit-interval then pauses at the first
-meeting at or past a multiple of it, counted in the job's global batches (the loop checks it).
+`StepCountTermination` (the lockstep loop's): iteration counts agree on every rank by
+construction. Clocks do not, so each rank's elapsed time (the run's clock, core/clock.py)
+is all-reduced (MAX) over the world's ranks on a small gloo group of its own,
+asynchronously and one step late: the 8-byte collective's latency (a WAN round trip) hides
+behind a step, and every rank reads the same elapsed time, so the same verdict and message,
+at the same iteration. Under fault tolerance (--lsgd-fault-tolerance) the world is one
+site: its ranks agree, and a site that pauses for time or a signal leaves the others as a
+failed site would (they go on, or wait at --lsgd-min-sites); no vote crosses sites, so a
+dead site cannot stall it. Under --simulate-clock the elapsed times are virtual and the
+stop is exactly reproducible.
+
+`MeetingTermination` (the meeting loop's, for algorithms whose sites take different
+numbers of steps, `Synchronizer.lockstep = False`): the synchronizer decides in
+`agree_to_stop`, at the points where its sites meet, by the shared rule
+`protocol.stop_at_meeting`: the job's sample budget (--train-iters then counts global
+batches) or a site's --exit-duration-in-mins (a noted signal ends a site's time).
+--exit-interval then pauses at the first meeting at or past a multiple of it, counted in
+the job's global batches (`at_meeting`, which the meeting loop asks once it has taken the
+meeting's progress).
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.protocol import Progress, Stop
+
+
+def crossed(before: int, now: int, interval: Optional[int]) -> bool:
+    """A multiple of `interval` lies in (before, now]."""
+    return bool(interval) and now // interval > before // interval
 
 
 class StopVote:
@@ -63,29 +76,45 @@ class StopVote:
 
 
 class Termination:
-    def __init__(self, training_config, synchronizer, clock: Clock, world_ranks, signals=None):
+    """What both stop rules share: the run's clock, --exit-duration-in-mins and the signals."""
+
+    def __init__(self, training_config, clock: Clock, signals=None):
         self.cfg = training_config
         self.signals = signals  # --exit-signal-handler: a noted SIGTERM pauses the run like time running out
-        self.synchronizer = synchronizer
         self.clock = clock
         self.duration_s = 60.0 * training_config.exit_duration_in_mins \
             if training_config.exit_duration_in_mins is not None else None
-        self.vote = None
-        watch_signals = signals is not None and signals.exit_signal_handler
-        if (self.duration_s is not None or watch_signals) and synchronizer.lockstep and dist.is_initialized():
-            # Collective: every rank runs this constructor with the same config.
-            self.vote = StopVote(dist.new_group(list(world_ranks), backend="gloo"))
 
     def elapsed(self) -> float:
         return self.clock.elapsed()
 
+    def signalled(self) -> bool:
+        return self.signals is not None and self.signals.noted is not None
+
     def after_step(self, iteration: int, site_samples: int) -> Optional[Stop]:
-        signalled = self.signals is not None and self.signals.noted is not None
-        if not self.synchronizer.lockstep:  # a noted signal ends the time at the next meeting
-            progress = Progress(iteration, site_samples, self.elapsed(), self.cfg.train_iters, self.cfg.train_samples,
-                                0.0 if signalled else self.duration_s, self.cfg.global_batch_size)
-            stop = self.synchronizer.agree_to_stop(progress)
-            return Stop(False, self._signal_reason()) if signalled and stop and not stop.ends_training else stop
+        raise NotImplementedError
+
+    def _signal_reason(self) -> str:
+        return f"--exit-signal-handler: {self.signals.noted or 'SIGTERM'} on some rank"
+
+    def close(self) -> None:
+        """Nothing in flight to wait for (the lockstep rule's vote overrides this)."""
+
+
+class StepCountTermination(Termination):
+    """The lockstep loop's rule: stop at step counts; elapsed time and signals are agreed
+    over the world's ranks one step late."""
+
+    def __init__(self, training_config, clock: Clock, signals=None):
+        super().__init__(training_config, clock, signals)
+        self.vote = None
+        watch_signals = signals is not None and signals.exit_signal_handler
+        if (self.duration_s is not None or watch_signals) and dist.is_initialized():
+            # Collective: every rank runs this constructor with the same config.
+            self.vote = StopVote(dist.new_group(list(range(dist.get_world_size())), backend="gloo"))
+
+    def after_step(self, iteration: int, site_samples: int) -> Optional[Stop]:
+        signalled = self.signalled()
         # every rank's elapsed time and signal, a step ago
         agreed = self.vote.cast(self.elapsed(), signalled) if self.vote is not None else None
         elapsed, any_signal = agreed if agreed is not None else (None, False)
@@ -100,9 +129,28 @@ class Termination:
             return Stop(False, f"--exit-interval {self.cfg.exit_interval}")
         return None
 
-    def _signal_reason(self) -> str:
-        return f"--exit-signal-handler: {self.signals.noted or 'SIGTERM'} on some rank"
-
     def close(self) -> None:
         if self.vote is not None:
             self.vote.close()
+
+
+class MeetingTermination(Termination):
+    """The meeting loop's rule: the synchronizer's `agree_to_stop`, where its sites meet."""
+
+    def __init__(self, training_config, synchronizer, clock: Clock, signals=None):
+        super().__init__(training_config, clock, signals)
+        self.synchronizer = synchronizer
+
+    def after_step(self, iteration: int, site_samples: int) -> Optional[Stop]:
+        signalled = self.signalled()  # a noted signal ends the time at the next meeting
+        progress = Progress(iteration, site_samples, self.elapsed(), self.cfg.train_iters, self.cfg.train_samples,
+                            0.0 if signalled else self.duration_s, self.cfg.global_batch_size)
+        stop = self.synchronizer.agree_to_stop(progress)
+        return Stop(False, self._signal_reason()) if signalled and stop and not stop.ends_training else stop
+
+    def at_meeting(self, stop: Optional[Stop], before: int, agreed: int) -> Optional[Stop]:
+        """At a meeting that moved the job's progress from `before` to `agreed` global
+        batches: --exit-interval pauses at the first meeting at or past a multiple of it."""
+        if stop is None and crossed(before, agreed, self.cfg.exit_interval):
+            return Stop(False, f"--exit-interval {self.cfg.exit_interval}")
+        return stop

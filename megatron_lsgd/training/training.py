@@ -1,8 +1,10 @@
 """`pretrain(datasets_provider, model_provider, forward_step_func)` and the Trainer.
 
 The Trainer builds the run (model, optimizer, synchronizer, data) and owns what both training
-loops share: one step, evaluation, saving, the log line and the run's end. It runs one of
-two loops, chosen by the synchronizer's declared `lockstep`, never by its name:
+loops share: the run's Position, one step, evaluation, saving, the log line and the run's
+end. It runs one of two loops, chosen once by the synchronizer's declared `lockstep`, never
+by its name; what depends on that choice (the stop rule, the checkpoint's name, the log
+line, what a resume restores) is the loop's:
 - lockstep_loop.py: every site takes the same steps; log, evaluate, save and stop at
   iteration counts (Megatron's loop);
 - meeting_loop.py: sites take different numbers of steps and agree only at the
@@ -50,14 +52,14 @@ from megatron_lsgd.training.initialize import init_distributed, initialize
 from megatron_lsgd.training.inner_step import InnerStep, UnitHookPhase
 from megatron_lsgd.training.json_log import JsonLog
 from megatron_lsgd.training.lockstep_loop import LockstepLoop
-from megatron_lsgd.training.logging_utils import TensorboardWriter, peak_cuda_memory_mb, print_rank, training_log_line
+from megatron_lsgd.training.logging_utils import (TensorboardWriter, mean_across_sites, peak_cuda_memory_mb,
+                                                  print_rank, training_log_line)
 from megatron_lsgd.training.meeting_loop import MeetingLoop
 from megatron_lsgd.training.model_build import build_model
-from megatron_lsgd.training.run_state import BeforeHeal, Interval, Run, TrainingResult
+from megatron_lsgd.training.run_state import BeforeHeal, Interval, Position, Run, Taken, TrainingResult
 from megatron_lsgd.training.scenario import build_simulated_clock, describe, optimizer_shard_scale, trained_parameters
 from megatron_lsgd.training.signals import Interrupted, RunSignals
 from megatron_lsgd.training.stragglers import Straggler
-from megatron_lsgd.training.termination import Termination
 from megatron_lsgd.training.traffic_summary import cross_site_traffic, summary_line
 from megatron_lsgd.training.tokenizer import build_tokenizer, padded_vocab_size
 
@@ -122,8 +124,14 @@ class Trainer:
 
         t = config.training
         gbs = t.global_batch_size
-        self.lockstep = self.synchronizer.lockstep  # declared by the synchronizer: which loop runs
-        self.loop = LockstepLoop(self) if self.lockstep else MeetingLoop(self)
+        # where the run stands: the loop advances it; a checkpoint load or a heal restores it in place
+        self.position = Position()
+        # The one lockstep decision, declared by the synchronizer: which loop runs. Everything that
+        # depends on it (the stop rule, the checkpoint's name, the log line, what a resume restores)
+        # is the loop's.
+        self.loop = LockstepLoop(config, pgs, self.position, self.membership, device, self.log_rank, self.clock,
+                                 signals) if self.synchronizer.lockstep else \
+            MeetingLoop(config, pgs, self.position, self.synchronizer, self.scheduler, self.clock, signals)
         eval_runs = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
         # A synchronizer whose sites may take more micro-batches per step than configured
         # (ACCO/DPU's adaptive accumulation) says how many at most: size the stream for it.
@@ -148,11 +156,8 @@ class Trainer:
         self.test_batches = self._evaluation_batches(self.test_ds, "test")
         self.test_iterator = build_data_iterator(self.test_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
                                                  cyclic=True)
-        self.consumed_samples = 0  # the whole job's (all sites)
-        self.site_consumed_samples = 0  # this site's own position in its sample stream
         self.train_ds = train_ds  # kept so a checkpoint load can restart the sampler at its consumed samples
         self.valid_ds = valid_ds
-        self.consumed_valid_samples = 0  # the whole job's validation samples, restored on resume
         self.train_iterator = build_data_iterator(train_ds, 0, t.micro_batch_size, pgs, config.data.num_workers)
         self.train_data = _CurrentIterator(self)  # what a step reads: train_iterator, even if replaced mid-step
         self.valid_iterator = build_data_iterator(valid_ds, 0, t.micro_batch_size, pgs, config.data.num_workers,
@@ -167,10 +172,6 @@ class Trainer:
                                     empty_unused_memory_level=config.compat.empty_unused_memory_level)
         self.compat = CompatRuntime(config.compat, pgs.rank)  # --manual-gc, --profile
         self.flops_per_sample = compat_flops_per_sample(config.model, config.model.padded_vocab_size)
-        self.termination = Termination(t, self.synchronizer, self.clock, range(dist.get_world_size()), signals)
-        self.iteration = 0  # this site's steps
-        self.agreed_iteration = 0  # non-lockstep: the job's progress at the last meeting, in global batches
-        self.ended = False  # training has ended (finish_training ran); a resumed non-lockstep run stops at once
         self.heal: Optional[BeforeHeal] = None  # elastic sites: where this site stood when it took a live peer's state
         self.tb = TensorboardWriter(t.tensorboard_dir, enabled=pgs.rank == self.loop.line_rank)
         self.json_log = JsonLog(t.json_log, enabled=pgs.rank == self.loop.line_rank)
@@ -251,14 +252,6 @@ class Trainer:
             out[key] = value
         return out
 
-    def mean_across_sites(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
-        """Every site's values averaged over sites (collective over dp_inter: every site calls it)."""
-        if self.config.dims.sites > 1 and values:
-            stacked = torch.cat(list(values.values()))
-            self.membership.mean_over_sites(stacked)  # a few bytes, at log intervals only
-            values = dict(zip(values.keys(), stacked.split(1)))
-        return {k: float(v.item()) for k, v in values.items()}
-
     def _report_data_passes(self, train_ds, adaptive: bool) -> None:
         """Say how often the run's budget reads its training split: past one pass the model sees
         repeated data, and its losses (and gaps between runs) are no longer held-out figures."""
@@ -317,30 +310,31 @@ class Trainer:
                                                self._schedule_spec(True), self.pgs)
             self.clock.compute(self.config.num_microbatches, forward_only=True)
         if valid:
-            self.consumed_valid_samples += batches * t.global_batch_size
+            self.position.consumed_valid_samples += batches * t.global_batch_size
         self.model.train()
         self.compat.around_eval()
-        reduced = self.mean_across_sites(self._reduce_site_losses(collected)) if self.pgs.is_last_stage else {}
+        reduced = mean_across_sites(self._reduce_site_losses(collected), self.membership, self.config.dims.sites) \
+            if self.pgs.is_last_stage else {}
         loss = reduced.get("lm loss")
         if loss is not None and self.pgs.rank == self.log_rank:
             ppl = math.exp(min(20.0, loss))
-            line = (f" validation loss at iteration {self.iteration}{label} | lm loss value: {loss:.6E} | "
+            line = (f" validation loss at iteration {self.position.iteration}{label} | lm loss value: {loss:.6E} | "
                     f"lm loss PPL: {ppl:.6E} |")
             print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
             name = "validation" if valid else "test"
-            self.tb.scalars({f"lm loss {name}": loss, f"lm loss {name} ppl": ppl}, self.iteration)
+            self.tb.scalars({f"lm loss {name}": loss, f"lm loss {name} ppl": ppl}, self.position.iteration)
         return loss
 
     def evaluate_only(self) -> TrainingResult:
         """--skip-train: one evaluation of the validation set and one of the test set (each if
         there is one), the model as loaded; nothing trained, nothing saved."""
-        result = TrainingResult(model=self.model.module, config=self.config, iteration=self.iteration)
+        result = TrainingResult(model=self.model.module, config=self.config, iteration=self.position.iteration)
         loss = self.evaluate("valid", " on validation set")
         if loss is not None:
             result.validation_losses.append(loss)
-            result.validation_iterations.append(self.iteration)
+            result.validation_iterations.append(self.position.iteration)
         result.test_loss = self.evaluate("test", " on test set")
-        self.json_log.write({"event": "evaluated", "iteration": self.iteration, "validation_loss": loss,
+        self.json_log.write({"event": "evaluated", "iteration": self.position.iteration, "validation_loss": loss,
                              "test_loss": result.test_loss})
         self.json_log.close()
         self.tb.close()
@@ -354,11 +348,11 @@ class Trainer:
         meeting_loop.py), then finish: the last save, the summary and the result."""
         run = Run(result=TrainingResult(model=self.model.module, config=self.config),
                   acc=Interval(comm=self.comm.snapshot(), start=self.clock.now(),
-                               consumed_before=self.consumed_samples,
-                               site_consumed_before=self.site_consumed_samples),
-                  start_iter=self.iteration, start_checkpoint_iteration=self.checkpoint_iteration)
+                               consumed_before=self.position.consumed_samples,
+                               site_consumed_before=self.position.site_consumed_samples),
+                  start_iter=self.position.iteration, start_checkpoint_iteration=self.checkpoint_iteration)
         run.start = run.acc.run_start
-        self.loop.run(run)
+        self.loop.run(run, self.step, self.log_interval, self.act_on)
         return self._finish(run)
 
     def _count_from_heal(self, run: Run) -> None:
@@ -367,35 +361,35 @@ class Trainer:
         if self.heal is None:
             return
         heal, self.heal = self.heal, None
-        run.start_iter += self.iteration - heal.iteration
+        run.start_iter += self.position.iteration - heal.iteration
         run.start_checkpoint_iteration += self.checkpoint_iteration - heal.checkpoint_iteration
-        run.acc.reset(heal.comm, self.consumed_samples, self.site_consumed_samples, heal.time)
+        run.acc.reset(heal.comm, self.position.consumed_samples, self.position.site_consumed_samples, heal.time)
 
-    def step(self, run: Run) -> Optional[Stop]:
-        """One training step and what the log line accumulates from it. Returns the step's
+    def step(self, run: Run) -> Taken:
+        """One training step and what the log line accumulates from it. Returns what it took,
+        for the loop to count the job's samples (and the step's global batch); or the step's
         Stop when training ended inside it, before it computed anything (StepResult.ended:
         an elastic site healed to the job's final state): no step was taken, and the loop
         stops at once (finish_training is not called again)."""
-        t, acc = self.config.training, run.acc
-        self.inner_step.iteration = self.iteration
+        t, acc, pos = self.config.training, run.acc, self.position
+        self.inner_step.iteration = pos.iteration
         batch_schedule = self.config.compat.batch_schedule
         if batch_schedule is not None:
-            self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(self.consumed_samples))
-        step = self.synchronizer.train_step(self.inner_step, self.train_data, self.iteration)
+            self.inner_step.set_num_microbatches(batch_schedule.num_microbatches(pos.consumed_samples))
+        step = self.synchronizer.train_step(self.inner_step, self.train_data, pos.iteration)
         self._count_from_heal(run)  # (before this step's counts: a heal happens at a step's start)
         if step.ended is not None:
-            self.ended = True
-            return step.ended
+            pos.ended = True
+            return Taken(ended=step.ended)
         losses, ok, grad_norm = step.losses, step.update_successful, step.grad_norm
-        self.iteration += 1
+        pos.iteration += 1
         self._report_compile()
         # This site's position advances by its own micro-batches; the loop counts the job's.
         site_samples = step.num_microbatches * t.micro_batch_size * self.pgs.dp_intra_size
-        self.site_consumed_samples += site_samples
-        acc.gbs = self.loop.count_job_samples(site_samples, step.same_count_on_every_site)
+        pos.site_consumed_samples += site_samples
         acc.lr = step.lr  # None: the loop owns the scheduler and reads it when it logs (after any meeting)
         acc.iters += 1
-        self.compat.after_step(self.iteration)
+        self.compat.after_step(pos.iteration)
         if not ok:
             acc.skipped += 1
             run.skipped += 1
@@ -408,12 +402,12 @@ class Trainer:
             check_finite_loss(site_losses, t.fp16)
         for k, v in site_losses.items():
             acc.sums[k] = acc.sums.get(k, torch.zeros_like(v)) + v
-        return None
+        return Taken(site_samples, step.same_count_on_every_site)
 
     def _report_compile(self) -> None:
         """--compile: the graph-break/recompilation line, once, from one rank per pipeline stage
         (stages compile different layers, so each speaks for its own)."""
-        line = self.compile_report.after_step(self.iteration) if self.compile_report is not None else None
+        line = self.compile_report.after_step(self.position.iteration) if self.compile_report is not None else None
         pgs = self.pgs
         if line and pgs.tp_rank == 0 and pgs.dp_intra_rank == 0 and pgs.site_rank == 0:
             print(f"> {line}" + (f" [PP stage {pgs.pp_rank}]" if pgs.dims.pp > 1 else ""), flush=True)
@@ -436,6 +430,7 @@ class Trainer:
         tokens_per_s = tokens / elapsed
         result.tokens_per_second = tokens_per_s
         if self.pgs.rank == self.loop.line_rank:
+            iteration = self.position.iteration
             norm = acc.norm_sum / acc.norm_count if acc.norm_count else None
             lr = acc.lr if acc.lr is not None else self.scheduler.current_lr
             extra = {"tokens/s": f"{tokens_per_s:.1f}", "inter-site MB": f"{moved_mb:.2f}",
@@ -445,7 +440,7 @@ class Trainer:
                 extra["throughput per GPU (TFLOP/s/GPU)"] = f"{tflops:.3f}"
             extra = {**line.lead, **extra, **line.tail}
             extra.update({k: f"{v:.4g}" for k, v in self.synchronizer.stats().items()})
-            print(training_log_line(self.iteration, line.of_iters, line.consumed, 1e3 * elapsed / acc.iters,
+            print(training_log_line(iteration, line.of_iters, line.consumed, 1e3 * elapsed / acc.iters,
                                     lr, gbs, line.means, self.optimizer.loss_scale, norm,
                                     acc.skipped, acc.nans, extra), flush=True)
             self.tb.scalars({**{k: v for k, v in line.means.items()},
@@ -453,21 +448,21 @@ class Trainer:
                              "loss-scale": self.optimizer.loss_scale, "batch-size": gbs,
                              "iteration-time": elapsed / acc.iters, "tokens-per-sec": tokens_per_s,
                              "inter-site-MB": moved_mb, "exposed-comm-ms": exposed_ms,
-                             **self.synchronizer.stats()}, self.iteration)
-            self.json_log.write({"iteration": self.iteration, "interval_iters": acc.iters,
+                             **self.synchronizer.stats()}, iteration)
+            self.json_log.write({"iteration": iteration, "interval_iters": acc.iters,
                                  "elapsed_s": elapsed, "wall_s": self.clock.now() - acc.run_start,
                                  "tokens": tokens, "tokens_per_s": tokens_per_s,
                                  "losses": line.means, "inter_site_bytes": moved_mb * 2**20,
                                  "exposed_comm_s": exposed_ms * acc.iters / 1e3,
                                  "inter_site_totals": comm_now,  # this process's, since it started
                                  "sync_stats": self.synchronizer.stats(), **self.loop.tags})
-        acc.reset(comm_now, self.consumed_samples, self.site_consumed_samples, self.clock.now())
+        acc.reset(comm_now, self.position.consumed_samples, self.position.site_consumed_samples, self.clock.now())
 
     def act_on(self, run: Run, stop: Optional[Stop], eval_due: bool, save_due: bool) -> bool:
         """After a step's decisions: close training, evaluate, save; True when the loop stops."""
         if stop is not None and stop.ends_training:  # before the final evaluation and save
-            self.synchronizer.finish_training(self.iteration)
-            self.ended = True
+            self.synchronizer.finish_training(self.position.iteration)
+            self.position.ended = True
             if self.synchronizer.ended() is not None:  # healed to the job's final state while closing: the
                 return True  # others have left (no evaluation over the sites); _finish saves it
         if self.config.training.eval_iters > 0 and eval_due:
@@ -476,7 +471,7 @@ class Trainer:
             if loss is not None:
                 run.result.validation_losses.append(loss)
                 run.result.validation_seconds.append(before - run.start - run.result.evaluation_seconds)
-                run.result.validation_iterations.append(self.iteration)
+                run.result.validation_iterations.append(self.position.iteration)
             run.acc.start = self.clock.now()
             run.result.evaluation_seconds += run.acc.start - before
         if self.config.checkpoint.save and save_due:
@@ -484,37 +479,38 @@ class Trainer:
         if stop is None:
             return False
         if not stop.ends_training:
-            print_rank(f"exiting at iteration {self.iteration} ({stop.reason})", self.pgs.rank, self.loop.line_rank)
+            print_rank(f"exiting at iteration {self.position.iteration} ({stop.reason})", self.pgs.rank,
+                       self.loop.line_rank)
         return True
 
     def _finish(self, run: Run) -> TrainingResult:
         """Quiesce, the last save, the run's summary and its log lines."""
-        result, run_start, total_skipped = run.result, run.start, run.skipped
+        result, run_start, total_skipped, pos = run.result, run.start, run.skipped, self.position
         self.synchronizer.quiesce()
-        if self.ended:  # the budget is reached: a site that missed the end may take this state now
+        if pos.ended:  # the budget is reached: a site that missed the end may take this state now
             self.membership.job_finished()
             self._count_from_heal(run)
-        self.termination.close()
+        self.loop.termination.close()
         self.loop.settle_job_samples()
         if self.test_ds is not None:  # --test-data-path: the trained model on the test set, once
             result.test_loss = self.evaluate("test", " on test set")
-        result.iteration = self.iteration
+        result.iteration = pos.iteration
         result.skipped_iterations = total_skipped
-        result.consumed_samples, result.site_consumed_samples = self.consumed_samples, self.site_consumed_samples
+        result.consumed_samples, result.site_consumed_samples = pos.consumed_samples, pos.site_consumed_samples
         if self.config.checkpoint.save and self.last_saved_iteration != self.checkpoint_iteration and \
-                self.iteration > 0:
+                pos.iteration > 0:
             self.save_checkpoint()
         result.comm, result.sync_stats = self.comm.snapshot(), self.synchronizer.stats()
         result.clock_seconds = self.clock.now() - run_start
         result.synchronizer = self.synchronizer
         result.compile_counts = self.compile_report.counts if self.compile_report is not None else None
         if self.config.dims.sites > 1:  # collective: what crossed sites against per-step sync (each rank's own steps)
-            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, self.iteration - run.start_iter,
+            result.traffic = cross_site_traffic(self.comm, self.optimizer.views().grad, pos.iteration - run.start_iter,
                                                 self.device)
         if self.pgs.rank == self.loop.line_rank:
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             clock = " on the simulated clock" if self.clock.simulated else ""
-            print(f" done: {self.iteration} iterations{self.loop.where} in {self.clock.now() - run_start:.1f} s"
+            print(f" done: {pos.iteration} iterations{self.loop.where} in {self.clock.now() - run_start:.1f} s"
                   f"{clock} | skipped iterations: {total_skipped} | peak RSS (MB): {rss_mb:.0f}", flush=True)
             record = dict(self.loop.tags)
             cuda_memory = peak_cuda_memory_mb(self.device)
@@ -526,7 +522,7 @@ class Trainer:
                 steps = self.checkpoint_iteration - run.start_checkpoint_iteration  # the job's, in global batches
                 ranks = f"site {self.pgs.site_rank}'s ranks" if self.config.fault_tolerance.enabled else "all ranks"
                 print(summary_line(self.config.lsgd.algorithm, steps, result.traffic, ranks), flush=True)
-            self.json_log.write({"event": "done", "iteration": self.iteration, "peak_rss_mb": rss_mb,
+            self.json_log.write({"event": "done", "iteration": pos.iteration, "peak_rss_mb": rss_mb,
                                  "wall_s": self.clock.now() - run_start, "inter_site_totals": result.comm,
                                  "straggler_sleep_s": self.straggler.slept_seconds, **record})
         self.json_log.close()
@@ -645,7 +641,7 @@ def _pretrain(args, clock: Clock, signals: RunSignals, train_valid_test_datasets
         try:  # a diverged run, a failed save (disk full), a corrupt sample, a lost peer
             return trainer.evaluate_only() if config.training.skip_train else trainer.train()
         except RUN_ERRORS as err:
-            _exit_on_bad_input(err, prefix=f"iteration {trainer.iteration + 1}: " if isinstance(
+            _exit_on_bad_input(err, prefix=f"iteration {trainer.position.iteration + 1}: " if isinstance(
                 err, NonFiniteError) else "")
         except RuntimeError as err:
             if is_out_of_memory(err):

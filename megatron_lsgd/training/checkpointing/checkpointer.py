@@ -8,7 +8,9 @@ crash at any point leaves the previous checkpoint and the tracker pointing at it
 Each site's position is kept per site: its iteration, its LR schedule and its consumed
 samples (`site_iterations`, `site_schedulers`, `site_consumed_samples`). In a lockstep run
 they are equal; a non-lockstep run's sites differ, its checkpoint is named by the job's
-agreed progress (`trainer.checkpoint_iteration`) and `ended` says its training is over.
+agreed progress (`trainer.checkpoint_iteration`, which the training loop names) and `ended`
+says its training is over (restored where the loop says so, `loop.resumes_ended`: a
+lockstep run's end is a step count instead).
 
 "Rank 0" and every collective here are the torch.distributed world's. Under fault
 tolerance each site is a world of its own: it writes a checkpoint of its own (in
@@ -166,8 +168,7 @@ def _save(trainer, cfg: CheckpointConfig, partial: str) -> None:
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"files": records, "site": pgs.site_rank,
-                                      "site_consumed_samples": trainer.site_consumed_samples,
-                                      "iteration": trainer.iteration,
+                                      "position": trainer.position.state_dict(),
                                       "scheduler": None if cfg.no_save_optim else trainer.scheduler.state_dict()})
     error = None
     if dist.get_rank() == 0:
@@ -201,19 +202,19 @@ def _commit(trainer, cfg: CheckpointConfig, partial: str, final: str, iteration:
     records = {k: v for part in gathered for k, v in part["files"].items()}
     files = {k: size for k, (size, _) in records.items()}
     site_samples, site_iterations, site_schedulers = [0] * d.sites, [0] * d.sites, [None] * d.sites
-    for part in gathered:
-        site_samples[part["site"]] = part["site_consumed_samples"]
-        site_iterations[part["site"]] = part["iteration"]
+    for part in gathered:  # each site's own position (the same on every rank of a site)
+        site_samples[part["site"]] = part["position"]["site_consumed_samples"]
+        site_iterations[part["site"]] = part["position"]["iteration"]
         site_schedulers[part["site"]] = part["scheduler"]
     raw = trainer.config.raw_args
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
-        "consumed_samples": trainer.consumed_samples,
+        "consumed_samples": trainer.position.consumed_samples,
         "site_consumed_samples": site_samples,  # each site's position in its own sample stream
-        "consumed_valid_samples": getattr(trainer, "consumed_valid_samples", 0),  # the validation stream's
+        "consumed_valid_samples": trainer.position.consumed_valid_samples,  # the validation stream's
         "site_iterations": site_iterations,  # each site's own steps (differ in non-lockstep runs)
         "site_schedulers": site_schedulers,  # each site's own LR schedule position
-        "ended": bool(getattr(trainer, "ended", False)),
+        "ended": trainer.position.ended,
         "layout": {"tp": d.tp, "pp": d.pp, "dp_intra": d.dp_intra, "sites": d.sites,
                    **({"site_dp": list(d.site_dp)} if d.heterogeneous else {}),
                    # sites of different layouts: tp and pp are site 0's, each site's files its own
@@ -383,6 +384,20 @@ def _same_path(a: Optional[str], b: Optional[str]) -> bool:
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
+def _saved_position(meta: Dict, pgs, per_site: bool) -> Dict[str, int]:
+    """This rank's Position.state_dict as the checkpoint recorded it: its site's own
+    iteration and sample position where the sites' layout matches (per_site), else the
+    job's, split as a fresh run would."""
+    site_iterations = meta.get("site_iterations") if per_site else None
+    site_samples = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
+    consumed = int(meta["consumed_samples"])
+    return {"iteration": site_iterations[pgs.site_rank] if site_iterations else meta["iteration"],
+            "consumed_samples": consumed,
+            "site_consumed_samples": site_samples[pgs.site_rank] if site_samples and per_site
+            else pgs.dims.site_part(consumed, pgs.site_rank),
+            "consumed_valid_samples": meta.get("consumed_valid_samples", 0)}
+
+
 def _load_local(trainer, cfg: CheckpointConfig) -> bool:
     if os.path.exists(cfg.load) and not os.path.isdir(cfg.load):
         raise CheckpointError(f"--load {cfg.load} is a file; give the checkpoint directory (the one holding "
@@ -437,24 +452,18 @@ def _load_local(trainer, cfg: CheckpointConfig) -> bool:
         except ValueError as err:
             raise CheckpointError(f"checkpoint {iter_dir}: {err}") from err
     if not cfg.finetune:
-        site_iterations = meta.get("site_iterations") if per_site else None
-        trainer.iteration = int(site_iterations[pgs.site_rank]) if site_iterations else int(meta["iteration"])
-        trainer.agreed_iteration = int(meta["iteration"])
-        if not getattr(trainer, "lockstep", True):
-            trainer.ended = bool(meta.get("ended", False))
-        trainer.consumed_samples = int(meta["consumed_samples"])
-        site_samples = meta.get("site_consumed_samples")  # absent in checkpoints that predate per-site streams
-        trainer.site_consumed_samples = int(site_samples[pgs.site_rank]) if site_samples and per_site \
-            else pgs.dims.site_part(trainer.consumed_samples, pgs.site_rank)
+        pos = trainer.position
+        pos.load_state_dict(_saved_position(meta, pgs, per_site))
+        pos.agreed_iteration = int(meta["iteration"])
+        if trainer.loop.resumes_ended:  # the loop says whether an ended run stays ended
+            pos.ended = bool(meta.get("ended", False))
         if not cfg.load_optim:  # the schedule continues at the loaded position
-            trainer.scheduler.num_steps = trainer.consumed_samples if trainer.scheduler.by_samples \
-                else trainer.iteration
+            trainer.scheduler.num_steps = pos.consumed_samples if trainer.scheduler.by_samples else pos.iteration
         t = trainer.config.training
-        trainer.train_iterator = build_data_iterator(trainer.train_ds, trainer.site_consumed_samples,
+        trainer.train_iterator = build_data_iterator(trainer.train_ds, pos.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
-        trainer.consumed_valid_samples = int(meta.get("consumed_valid_samples", 0))
         trainer.valid_iterator = build_data_iterator(trainer.valid_ds,
-                                                     pgs.dims.site_part(trainer.consumed_valid_samples, pgs.site_rank),
+                                                     pgs.dims.site_part(pos.consumed_valid_samples, pgs.site_rank),
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers,
                                                      cyclic=True)
     rng = "no"

@@ -33,7 +33,7 @@ def test_checkpoint_save_on_a_full_disk_names_the_file_and_keeps_the_previous_on
     real_save = training.save_checkpoint
 
     def disk_full_at_iteration_4(trainer, cfg):
-        if trainer.iteration != 4:
+        if trainer.position.iteration != 4:
             return real_save(trainer, cfg)
         with no_room_for_files():
             return real_save(trainer, cfg)

@@ -9,7 +9,7 @@
   each site from its own step, sample position and LR schedule, the interval's elapsed
   time included, and reproduces the uninterrupted run per site, to the same final
   checkpoint. The uninterrupted run meets its budget exactly, the fast site taking twice
-  the slow site's steps.
+  the slow site's steps; a start from its final checkpoint takes no step.
 """
 
 from __future__ import annotations
@@ -89,3 +89,9 @@ def test_a_edit_pauses_mid_interval_and_resumes_exactly(tmp_path):
             assert loss == want[site][it], f"site {site} iteration {it}: resumed {loss} vs {want[site][it]}"
     final = "iter_0000012"
     assert_same(load_tree(str(tmp_path / "ref" / final)), load_tree(os.path.join(ckpt, final)), final)
+
+    # The job has ended: a start from its final checkpoint takes no step and saves nothing (the
+    # meeting loop has the checkpoint's `ended` restored).
+    again = run_env(common + ["--save", ckpt, "--load", ckpt], 4, str(tmp_path / "again.log"), env)
+    assert not SITE_LOSS.search(again) and " saved checkpoint" not in again, again[-2000:]
+    assert "done: 16 iterations on site 0" in again and "done: 8 iterations on site 1" in again

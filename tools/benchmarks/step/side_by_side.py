@@ -50,9 +50,9 @@ def build(argv: List[str], lr: float = 1e-4, clip_grad: float = 1.0, with_plain:
     batch = {k: v.to(device) for k, v in next(trainer.train_iterator).items()}
 
     def ours_step():  # the loop's step: the synchronizer composes the inner step's parts
-        trainer.inner_step.iteration = trainer.iteration
-        trainer.synchronizer.train_step(trainer.inner_step, iter([batch]), trainer.iteration)
-        trainer.iteration += 1
+        trainer.inner_step.iteration = trainer.position.iteration
+        trainer.synchronizer.train_step(trainer.inner_step, iter([batch]), trainer.position.iteration)
+        trainer.position.iteration += 1
 
     tokens = config.training.micro_batch_size * config.model.seq_length
     if not with_plain:
