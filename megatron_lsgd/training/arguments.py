@@ -214,7 +214,7 @@ def _check_fault_tolerance(ft: FaultToleranceOptions, args: argparse.Namespace, 
         ("--lsgd-warmup-iters", "a synchronous warm-up averages gradients across sites every step, outside any "
                                 "quorum", lsgd.rounds.warmup_iters > 0),
         ("--simulate-clock", "the simulated clock models a fixed set of sites", simulation.active)) if given]
-    if ft.enabled and catalog.synchronizer_class(lsgd.algorithm).supports_fault_tolerance:  # its own refusals
+    if ft.enabled and catalog.synchronizer_class(lsgd.algorithm).fault_tolerance_refusal is None:  # its own refusals
         refused += catalog.synchronizer_class(lsgd.algorithm).refused_with_fault_tolerance(lsgd)
     ft.validate(algorithm=lsgd.algorithm, num_sites=dims.sites, refused=refused, need_site=True)
     if ft.enabled:

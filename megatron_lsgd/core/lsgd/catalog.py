@@ -37,15 +37,16 @@ _discover()
 def refusals(attribute: str, algorithms: Optional[List[str]] = None) -> Dict[str, str]:
     """{algorithm: its reason} for those of `algorithms` (default: every registered one) that
     refuse a shape of sites, by the class attribute `attribute` ("unequal_sites_refusal",
-    "mixed_layouts_refusal"; None: supported)."""
+    "mixed_layouts_refusal", "fault_tolerance_refusal"; None: supported)."""
     names = registered_algorithms() if algorithms is None else algorithms
     return {n: getattr(synchronizer_class(n), attribute) for n in names
             if getattr(synchronizer_class(n), attribute) is not None}
 
 
 def fault_tolerant_algorithms() -> List[str]:
-    """The algorithms --lsgd-fault-tolerance torchft can run (`supports_fault_tolerance`)."""
-    return [n for n in registered_algorithms() if synchronizer_class(n).supports_fault_tolerance]
+    """The algorithms --lsgd-fault-tolerance torchft can run (no `fault_tolerance_refusal`)."""
+    refused = refusals("fault_tolerance_refusal")
+    return [n for n in registered_algorithms() if n not in refused]
 
 
 def _summary(cls: type) -> str:

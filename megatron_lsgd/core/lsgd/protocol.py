@@ -284,11 +284,11 @@ class Synchronizer:
     # True when its state is organised by pipeline stage (fragments or schedules made of a
     # stage's units): tools/checkpoint/convert.py then keeps the pipeline-parallel size.
     state_follows_pipeline: ClassVar[bool] = False
-    # True when its outer rounds run through SiteMembership (quorum, commit or roll back), so
-    # --lsgd-fault-tolerance torchft can run it (its settings that cannot: refused_with_fault_tolerance).
-    supports_fault_tolerance: ClassVar[bool] = False
-    # Why not, in a few words, when it does not (the run's one error line, docs/fault_tolerance.md).
-    fault_tolerance_refusal: ClassVar[str] = "its rounds do not run through SiteMembership's quorums yet"
+    # Elastic sites (--lsgd-fault-tolerance torchft): None when its outer rounds run through
+    # SiteMembership (quorum, commit or roll back; its settings that cannot:
+    # refused_with_fault_tolerance), else why not, in a few words (the run's one error line,
+    # docs/fault_tolerance.md), as the other shapes of sites are declared below.
+    fault_tolerance_refusal: ClassVar[Optional[str]] = "its rounds do not run through SiteMembership's quorums yet"
     # Sites of different data-parallel sizes (--site-data-parallel-sizes): None when the
     # algorithm supports them (its means weighted by each site's tokens, exchanged lane by
     # lane: site_split.SiteSplit), else why not, in a few words (the run's one error line).

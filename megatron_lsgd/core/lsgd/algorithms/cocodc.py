@@ -185,7 +185,7 @@ class CoCoDC(StreamingDiLoCo):
     name = "cocodc"
     unequal_sites_refusal = None  # streaming-diloco's weighted lane-by-lane fragment means; exact norms by lane
     Options = CoCoDCOptions
-    supports_fault_tolerance = True
+    fault_tolerance_refusal = None  # its rounds run through SiteMembership's quorums
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)

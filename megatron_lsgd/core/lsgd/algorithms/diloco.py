@@ -117,7 +117,7 @@ class DiLoCo(LocalSGDBase):
     """H local steps, then a blocking mean of the pseudo-gradient and an outer Nesterov step"""
 
     name = "diloco"
-    supports_fault_tolerance = True
+    fault_tolerance_refusal = None  # its rounds run through SiteMembership's quorums
     unequal_sites_refusal = None  # weighted by tokens, lane by lane (SiteSplit)
     mixed_layouts_refusal = None  # the pseudo-gradient crosses sites in the layout-free form (CanonicalExchange)
 

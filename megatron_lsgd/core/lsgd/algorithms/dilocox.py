@@ -168,7 +168,7 @@ class DiLoCoX(LocalSGDBase):
     mixed_layouts_refusal = None  # Δ crosses sites in the layout-free form, on lanes of its own (CanonicalExchange)
     Options = DiLoCoXOptions
     requires_multiple_sites = True
-    supports_fault_tolerance = True
+    fault_tolerance_refusal = None  # its rounds run through SiteMembership's quorums
 
     @classmethod
     def refused_with_fault_tolerance(cls, config) -> List:

@@ -192,7 +192,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
     state_follows_pipeline = True  # a fragment is the stage's units of it (its key names them)
-    supports_fault_tolerance = True
+    fault_tolerance_refusal = None  # its rounds run through SiteMembership's quorums
 
     @classmethod
     def refused_with_fault_tolerance(cls, config) -> List:

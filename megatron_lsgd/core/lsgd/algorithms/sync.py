@@ -32,7 +32,7 @@ class SyncEveryStep(Synchronizer):
     mixed_layouts_refusal = ("its every-step gradient mean and lane-by-lane gradient norm keep every site's replica "
                              "identical only when the sites share one layout")
     uses = frozenset({"compression"})
-    supports_fault_tolerance = True
+    fault_tolerance_refusal = None  # its rounds run through SiteMembership's quorums
 
     def __init__(self, ctx: SyncContext):
         super().__init__(ctx)
