@@ -77,7 +77,10 @@ def parser() -> cli.ArgumentParser:
                         "leaderboard's pilot length for round-based algorithms, whose pace then is the board's; "
                         "50 for the others)")
     p.add_argument("--grid", action="store_true",
-                   help="also run each round-based algorithm at half and twice its recommended H (a row each)")
+                   help="also a row for each setting moved away from the recommended ones, one at a time: a "
+                        "round-based algorithm at half and twice its H; streaming-diloco and cocodc at 1 and 4 "
+                        "fragments; an algorithm that takes a compressor at int4 (dilocox: uncompressed). Not the "
+                        "inter-site backend: the simulated clock charges nccl and gloo alike")
     p.add_argument("--evidence", default=EVIDENCE, help="glob of quality JSON files (quality_frontier.py's)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': stdout, no table)")
     return p
@@ -229,7 +232,7 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         if pace is None:
             continue
         algorithm = pace.algorithm
-        s = pace.settings  # the pilot's: its recipe's recommended flags
+        s = pace.settings  # the pilot's: its recipe's recommended flags, a grid point's in their place
         compression = s[s.index("--lsgd-compression") + 1] if "--lsgd-compression" in s else "none"
         mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(small), algorithm,
                              compression, outer_momentum=False, seq=job.seq_length,
@@ -279,6 +282,13 @@ def _first_per_algorithm(rows: List[Dict]) -> List[Dict]:
     return out
 
 
+def _memory_rows(rows: List[Dict]) -> List[Dict]:
+    """One row per algorithm, and a grid row whose memory differs from it (a compressor's
+    residual), under its own label."""
+    first = {r["algorithm"]: r for r in _first_per_algorithm(rows)}
+    return [r for r in rows if first[r["algorithm"]] is r or r["memory_gib"] != first[r["algorithm"]]["memory_gib"]]
+
+
 def table(result: Dict) -> str:
     job = result["job"]
     gpus = job["gpus_per_site"]
@@ -300,8 +310,8 @@ def table(result: Dict) -> str:
         lines.append(f"| {i} | {r['label']} | {r['seconds_per_step']:.4g} | {r['exposed_comm_seconds_per_step']:.4g} "
                      f"| {r['cross_site_bytes_per_step'] / 1e9:.4g} | {r['cross_site_bytes_per_run'] / 1e12:.4g} "
                      f"| {r['memory_total_gib']:.1f} | {_duration(r['train_seconds'])} | {mult} | {to} |")
-    lines += ["", "quality evidence (per algorithm: the measurement nearest this job; a grid row's H is its "
-                  "pace's, its multiplier the measured point's):"]
+    lines += ["", "quality evidence (per algorithm: the measurement nearest this job; a grid row's settings are "
+                  "its pace's, its multiplier the measured point's):"]
     for r in _first_per_algorithm(result["rows"]):
         q = r["quality"]
         far = f"; FAR BEYOND WHAT WAS MEASURED: {', '.join(q['far'])}, the multiplier is not extrapolated" \
@@ -311,9 +321,9 @@ def table(result: Dict) -> str:
     smallest = " on the smallest site (its replicas hold the largest shards)" if len(set(gpus)) > 1 else ""
     lines += ["", f"memory per GPU{smallest} (GiB: weights / gradients / optimizer / outer state / compressor / "
                   "algorithm buffers / activations):"]
-    for r in _first_per_algorithm(result["rows"]):
+    for r in _memory_rows(result["rows"]):
         m = r["memory_gib"]
-        lines.append(f"- {r['algorithm']}: " + " / ".join(f"{v:.2f}" for v in m.values()))
+        lines.append(f"- {r['label']}: " + " / ".join(f"{v:.2f}" for v in m.values()))
     if result.get("refused"):
         lines += ["", "not planned (they refuse sites of different sizes, docs/heterogeneous_sites.md):"]
         lines += [f"- {a}: {why}" for a, why in result["refused"].items()]

@@ -175,7 +175,7 @@ def test_the_grid_halves_and_doubles_h_in_whole_fragments():
     path = os.path.join(SCENARIOS, "3site-1gbit-straggler.toml")
     scenario = load_scenario(path)
     h = recommended_interval(scenario)
-    pilots = grid(["sync", "streaming-diloco", "a-edit"], scenario)
+    pilots = [p for p in grid(["sync", "streaming-diloco", "a-edit"], scenario) if not p.differs]  # H's points
     assert [p.label for p in pilots][:1] == ["sync"] and len(pilots) == 1 + 3 + 3
     streaming = [p for p in pilots if p.algorithm == "streaming-diloco" and p.interval]
     assert sorted(p.interval for p in streaming) == sorted({-(-round(h * f) // 2) * 2 for f in (0.5, 2.0)})
@@ -183,6 +183,72 @@ def test_the_grid_halves_and_doubles_h_in_whole_fragments():
         assert p.extra[p.extra.index("--lsgd-fragment-sync-delay") + 1] == str(min(5, max(1, p.interval // 8)))
         assert pilot_steps(p.algorithm, scenario, None, p.interval) % p.interval == 0
     assert all("--lsgd-aedit-interval-seconds" in p.extra for p in pilots if p.algorithm == "a-edit" and p.interval)
+
+
+def test_the_grid_moves_one_setting_at_a_time_labelled_by_it():
+    """Fragments for the streaming family (4: a stand-in of 4 layers, a fragment needing a layer;
+    not a setting), int4 for what sends uncompressed, none for dilocox; dreamddp takes no
+    compressor; the pasted flags carry each setting once, the stand-in's layers not at all."""
+    from tools.planning.pilots import _argv, grid, pace_from_cell
+
+    path = os.path.join(SCENARIOS, "2x8gpu-1gbit-1b.toml")
+    scenario = load_scenario(path)
+    pilots = {p.label: p for p in grid(["sync", "dilocox", "streaming-diloco", "cocodc", "dreamddp"], scenario)}
+    assert [label for label in pilots if label.startswith("streaming-diloco")] == [
+        "streaming-diloco", "streaming-diloco H=50", "streaming-diloco H=200", "streaming-diloco fragments=1",
+        "streaming-diloco fragments=4", "streaming-diloco compression=int4"]
+    assert "cocodc fragments=1" in pilots and "cocodc fragments=4" in pilots
+    assert "sync compression=int4" in pilots and "dilocox compression=none" in pilots
+    assert not [label for label in pilots if label.startswith("dreamddp ") and "H=" not in label]
+    four = pilots["streaming-diloco fragments=4"]
+    assert four.stand_in == ["--num-layers", "4"] and pilots["streaming-diloco fragments=1"].stand_in == []
+    argv = _argv(four, path, scenario, 300)
+    assert argv[len(argv) - 1 - argv[::-1].index("--num-layers") + 1] == "4"  # the last one counts
+    cell = {"seconds": 30.0, "iterations": 300, "traffic": {"bytes": 8.0e9, "sync_bytes": 16 * 300 * 1.9e6}}
+    for label, flag, value in (("streaming-diloco fragments=4", "--lsgd-fragments", "4"),
+                               ("dilocox compression=none", "--lsgd-compression", "none"),
+                               ("sync compression=int4", "--lsgd-compression", "int4")):
+        settings = pace_from_cell(pilots[label], scenario, 300, cell).settings
+        assert settings.count(flag) == 1 and settings[settings.index(flag) + 1] == value
+        assert "--num-layers" not in settings
+
+
+def test_a_grid_point_the_algorithm_would_refuse_is_not_run():
+    """K must cut H into slots longer than tau (H = 78: not 4); sites of different sizes take no
+    compressor (their means are not weighted by tokens)."""
+    from tools.benchmarks.recipes import recommended_interval
+    from tools.planning.pilots import compression_points, fragment_points
+
+    scenario = load_scenario(os.path.join(SCENARIOS, "emulated-straggler2x.toml"))
+    assert recommended_interval(scenario) == 78
+    assert [p.label for p in fragment_points("cocodc", scenario)] == ["cocodc fragments=1"]
+    unequal = load_scenario(os.path.join(SCENARIOS, "2site-16-8gpu-1gbit-1b.toml"))
+    assert compression_points("diloco", unequal) == [] and compression_points("diloco", scenario)
+    assert fragment_points("diloco", scenario) == []
+
+
+def test_a_stand_in_of_other_layers_charges_bytes_scaled_by_its_own_parameters():
+    """The board's stand-in is scaled by the board's count; a 4-layer one by its own, read from
+    what per-step sync would have moved (16 (S - 1) bytes per parameter per step)."""
+    from tools.planning.pilots import TRAINED_PARAMS_GUESS, Pilot, pace_from_cell, trained_params
+
+    scenario = load_scenario(os.path.join(SCENARIOS, "3site-1gbit-straggler.toml"))
+    cell = {"seconds": 30.0, "iterations": 100, "traffic": {"bytes": 3.0e9, "sync_bytes": 16 * 2 * 100 * 1.9e6}}
+    assert trained_params(cell, 3) == pytest.approx(1.9e6)
+    standard = pace_from_cell(Pilot("streaming-diloco"), scenario, 100, cell)
+    four = pace_from_cell(Pilot("streaming-diloco", ["--lsgd-fragments", "4"], stand_in=["--num-layers", "4"]),
+                          scenario, 100, cell)
+    assert standard.cross_site_bytes_per_step == pytest.approx(3.0e7 * scenario.bytes_scale_for(TRAINED_PARAMS_GUESS))
+    assert four.cross_site_bytes_per_step == pytest.approx(3.0e7 * scenario.bytes_scale_for(1.9e6))
+
+
+def test_a_grid_rows_memory_follows_its_compressor():
+    import plan
+
+    rows = [{"algorithm": "diloco", "label": "diloco", "memory_gib": {"compressor": 0.0}},
+            {"algorithm": "diloco", "label": "diloco H=50", "memory_gib": {"compressor": 0.0}},
+            {"algorithm": "diloco", "label": "diloco compression=int4", "memory_gib": {"compressor": 0.5}}]
+    assert [r["label"] for r in plan._memory_rows(rows)] == ["diloco", "diloco compression=int4"]
 
 
 def test_a_step_is_a_global_batch_of_the_jobs_tokens_not_an_update(monkeypatch):
