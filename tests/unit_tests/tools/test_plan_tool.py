@@ -168,6 +168,61 @@ def test_pilot_pace_equals_the_boards_pilot_and_a_failed_pilot_is_left_out_alone
     assert "--seq-length" not in paces["dilocox"].settings  # the pilot's short sequence is not a setting
 
 
+@pytest.mark.slow
+def test_a_grid_points_pace_follows_its_setting():
+    """On 2x8gpu-1gbit-1b (1B over 1 Gbit/s, one round's pilots): sync at int4 moves int4's bytes
+    (half a byte and a 4-byte scale per 64 values, all-gathered between two sites: 0.5625 / 4 of
+    fp32's ring) and waits that much less; streaming-diloco's exchanges are the whole model at 1
+    fragment (16 bytes per parameter between two sites) and smaller each at 2 and 4, and its step
+    differs; dilocox uncompressed sends fp32, as diloco does."""
+    from tools.planning.pilots import Pilot, grid, run_pilots
+
+    path = os.path.join(SCENARIOS, "2x8gpu-1gbit-1b.toml")
+    scenario = load_scenario(path)
+    pilots = [p for p in grid(["sync", "streaming-diloco", "dilocox"], scenario) if p.interval is None]
+    paces = run_pilots([], path, scenario, 10, progress=None, pilots=pilots + [Pilot("diloco")])
+    sync, int4 = paces["sync"], paces["sync compression=int4"]
+    ratio = 0.5625 / 4
+    assert int4.cross_site_bytes_per_step == pytest.approx(ratio * sync.cross_site_bytes_per_step, rel=0.01)
+    assert int4.exposed_seconds_per_step == pytest.approx(ratio * sync.exposed_seconds_per_step, rel=0.02)
+    assert "--lsgd-compression" not in sync.settings
+
+    def per_exchange(label):
+        pace = paces[label]
+        return pace.cross_site_bytes_per_step * pace.steps / pace.stats["fragment syncs"]
+
+    whole, two, four = (per_exchange(f"streaming-diloco{k}") for k in (" fragments=1", "", " fragments=4"))
+    assert whole == pytest.approx(16 * 1e9, rel=0.01) and whole > 1.1 * two and two > 1.1 * four
+    # one exchange per round instead of K, each with tau = 5 steps to hide in: the step cannot stay the same
+    one, recommended = (paces[f"streaming-diloco{k}"].seconds_per_step for k in (" fragments=1", ""))
+    assert abs(one - recommended) > 0.01 * recommended
+    assert paces["dilocox compression=none"].cross_site_bytes_per_step == \
+        pytest.approx(paces["diloco"].cross_site_bytes_per_step, rel=0.01)
+    assert paces["dilocox compression=none"].cross_site_bytes_per_step > 5 * paces["dilocox"].cross_site_bytes_per_step
+
+
+@pytest.mark.slow
+def test_the_pilots_short_sequence_keeps_the_boards_pace(monkeypatch):
+    """The clock charges a micro-batch at the scenario's cost whatever its length, and with rotary
+    positions the parameters do not depend on it: the pilots' sequence (PILOT_SEQ) gives the paces
+    of the board's (SEQ) bit for bit, while training less. acco's adaptive accumulation and the
+    streaming family's overlapped fragments are the most timing-driven."""
+    from tools.benchmarks.board.leaderboard_setup import SEQ
+    from tools.planning import pilots
+
+    path = os.path.join(SCENARIOS, "4site-10gbit-8b.toml")
+    scenario = load_scenario(path)
+    runs = [pilots.Pilot("streaming-diloco", pilots.interval_flags("streaming-diloco", scenario, 16), 16),
+            pilots.Pilot("acco")]
+    assert pilots.PILOT_SEQ < SEQ
+    short = pilots.run_pilots([], path, scenario, 10, progress=None, pilots=runs)
+    monkeypatch.setattr(pilots, "PILOT_SEQ", SEQ)
+    board = pilots.run_pilots([], path, scenario, 10, progress=None, pilots=runs)
+    for label in short:
+        for key in ("seconds_per_step", "exposed_seconds_per_step", "cross_site_bytes_per_step"):
+            assert getattr(short[label], key) == getattr(board[label], key), (label, key)
+
+
 def test_the_grid_halves_and_doubles_h_in_whole_fragments():
     from tools.benchmarks.recipes import recommended_interval
     from tools.planning.pilots import grid, pilot_steps
