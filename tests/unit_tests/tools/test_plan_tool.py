@@ -297,13 +297,19 @@ def test_a_stand_in_of_other_layers_charges_bytes_scaled_by_its_own_parameters()
     assert four.cross_site_bytes_per_step == pytest.approx(3.0e7 * scenario.bytes_scale_for(1.9e6))
 
 
-def test_a_grid_rows_memory_follows_its_compressor():
+def test_a_grid_rows_memory_and_quality_follow_its_setting():
+    """Ranked first, a compressed row shows its own memory; an H row whose memory is the
+    recommended row's shows under the recommended label, once. Compressed sync is not the
+    reference: its multiplier is unmeasured (a lower bound), not 1."""
     import plan
 
-    rows = [{"algorithm": "diloco", "label": "diloco", "memory_gib": {"compressor": 0.0}},
-            {"algorithm": "diloco", "label": "diloco H=50", "memory_gib": {"compressor": 0.0}},
-            {"algorithm": "diloco", "label": "diloco compression=int4", "memory_gib": {"compressor": 0.5}}]
-    assert [r["label"] for r in plan._memory_rows(rows)] == ["diloco", "diloco compression=int4"]
+    rows = [{"algorithm": "diloco", "label": "diloco compression=int4", "memory_gib": {"compressor": 0.5}},
+            {"algorithm": "diloco", "label": "diloco H=200", "memory_gib": {"compressor": 0.0}},
+            {"algorithm": "diloco", "label": "diloco", "memory_gib": {"compressor": 0.0}},
+            {"algorithm": "diloco", "label": "diloco H=50", "memory_gib": {"compressor": 0.0}}]
+    assert [r["label"] for r in plan._differing_rows(rows, "memory_gib")] == ["diloco compression=int4", "diloco"]
+    assert plan.quality(None, "sync", [], "int4")["multiplier"] is None
+    assert plan.quality(None, "sync", [])["multiplier"] == 1.0
 
 
 def test_a_step_is_a_global_batch_of_the_jobs_tokens_not_an_update(monkeypatch):
