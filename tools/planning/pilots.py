@@ -17,9 +17,9 @@ Three things make the pilots cheap without changing what the clock charges:
   batch after 10 steps, +0.3% and +0.6% after 100, on 2x8gpu-1gbit-1b);
 - the pilots train sequences of PILOT_SEQ tokens: the clock charges a micro-batch at the
   scenario's cost whatever its length, and with rotary positions the parameters (so the
-  bytes and the fragments) do not depend on it, so only the real compute shrinks (the output
-  layer's, over the 8k vocabulary, most: at 1 token instead of 8 the ranks of four pilots on
-  4site-10gbit-8b took 75 CPU s instead of 116, their paces the same bit for bit);
+  bytes and the fragments) do not depend on it, so only the real compute of the forward and
+  backward passes shrinks (at 1 token instead of 8 the ranks of four pilots on 4site-10gbit-8b
+  took 75 CPU s instead of 116, their paces the same bit for bit);
 - every pilot runs in one set of spawned ranks, one after another (start-up, imports and
   the data index are paid once); when one stops the batch, the rest run again as a batch,
   and one that stops it twice is reported for itself alone and left out.
@@ -231,16 +231,36 @@ def run_pilot(algorithm: str, scenario_path: str, scenario: Scenario, steps: int
                                                            scenario.sites))
 
 
+PORT_WAIT_SECONDS = 600  # the other ranks wait this long for rank 0 to name a pilot's port
+
+
+def _port_for(rank: int, folder: str) -> int:
+    """A pilot's port, chosen by rank 0 when the pilot starts and read by the others from a
+    file: chosen up front for every pilot, a port could be taken by another job in the minutes
+    before its pilot (a grid's batch runs for many) and stop the batch."""
+    path = os.path.join(folder, "port")
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(free_port()))
+        os.replace(path + ".tmp", path)  # whole or absent for the readers
+    deadline = time.monotonic() + PORT_WAIT_SECONDS
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 named no port for the pilot in {folder} within {PORT_WAIT_SECONDS} s")
+        time.sleep(0.02)
+    return int(open(path).read())
+
+
 def _pilots_worker(rank: int, world: int, runs: List, out_dir: str, announce: bool) -> None:
     """Every pilot in turn, in this rank's one process: each joins a world of its own (a port
-    of its own) and leaves it before the next; the last rank announces each one's pace."""
+    of its own, _port_for) and leaves it before the next; the last rank announces each one's pace."""
     from tools.benchmarks.board.leaderboard import _worker
 
-    for i, (label, port, argv) in enumerate(runs):
+    for i, (label, argv) in enumerate(runs):
         start = time.monotonic()
         folder = os.path.join(out_dir, str(i))
         os.makedirs(folder, exist_ok=True)
-        _worker(rank, world, port, argv, folder)
+        _worker(rank, world, _port_for(rank, folder), argv, folder)
         if announce and rank == world - 1:
             record = json.load(open(os.path.join(folder, f"{rank}.json")))
             batches = global_batches(record, world, record["iterations"])
@@ -272,9 +292,10 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
                minimum_steps: Optional[int] = None, progress=print,
                pilots: Optional[Sequence[Pilot]] = None) -> Dict[str, Optional[Pace]]:
     """One pilot per algorithm (or the given `pilots`, e.g. grid()'s), keyed by label. They run
-    as one batch; when the batch stops at a pilot, the unfinished ones run again as a batch
-    (fresh ports: a port taken meanwhile by another job is the usual cause), and a pilot that
-    stops it twice is reported and left out (None)."""
+    as one batch, each on a port chosen as it starts (_port_for); when the batch stops at a
+    pilot, the unfinished ones run again as a batch (a port taken by another job between its
+    choice and its use is the usual cause), and a pilot that stops it twice is reported and
+    left out (None)."""
     from tools.benchmarks.board.leaderboard import cell_of
     from tools.benchmarks.spawned_ranks import run_ranks
 
@@ -294,7 +315,7 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
                 break
             folder = os.path.join(d, str(attempt))
             try:
-                run_ranks(_pilots_worker, (world, [(pilots[i].label, free_port(), argvs[i]) for i in remaining],
+                run_ranks(_pilots_worker, (world, [(pilots[i].label, argvs[i]) for i in remaining],
                                            folder, announce), world)
             except Exception as err:  # a rank's error is printed above
                 say(f"warning: the pilots stopped ({err})")

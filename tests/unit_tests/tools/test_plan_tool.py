@@ -312,6 +312,18 @@ def test_a_grid_rows_memory_and_quality_follow_its_setting():
     assert plan.quality(None, "sync", [])["multiplier"] == 1.0
 
 
+def test_a_pilots_port_is_chosen_by_rank_0_when_it_starts_and_read_by_the_others(tmp_path, monkeypatch):
+    """Ports chosen up front for a grid's dozens of pilots were taken by other jobs minutes
+    later and stopped the batch: rank 0 names each pilot's port as it starts."""
+    from tools.planning import pilots
+
+    monkeypatch.setattr(pilots, "PORT_WAIT_SECONDS", 0.1)
+    with pytest.raises(RuntimeError, match="named no port"):
+        pilots._port_for(1, str(tmp_path))  # rank 0 has not started this pilot
+    port = pilots._port_for(0, str(tmp_path))
+    assert pilots._port_for(1, str(tmp_path)) == port > 0
+
+
 def test_a_step_is_a_global_batch_of_the_jobs_tokens_not_an_update(monkeypatch):
     """acco/dpu's adaptive accumulation puts several global batches in one update: the pace is
     per global batch consumed (a pilot of 10 updates that read 80 batches: seconds / 80)."""
