@@ -79,7 +79,8 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--grid", action="store_true",
                    help="also a row for each setting moved away from the recommended ones, one at a time: a "
                         "round-based algorithm at half and twice its H; streaming-diloco and cocodc at 1 and 4 "
-                        "fragments; an algorithm that takes a compressor at int4 (dilocox: uncompressed). Not the "
+                        "fragments (where they cut H into slots longer than tau); an algorithm that takes a "
+                        "compressor at int4 (dilocox: uncompressed; not for sites of different sizes). Not the "
                         "inter-site backend: the simulated clock charges nccl and gloo alike")
     p.add_argument("--evidence", default=EVIDENCE, help="glob of quality JSON files (quality_frontier.py's)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': stdout, no table)")
