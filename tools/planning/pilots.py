@@ -44,6 +44,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
+from megatron_lsgd.core.output_files import write_text  # noqa: E402
 from megatron_lsgd.training.scenario import Scenario  # noqa: E402
 from tools.benchmarks.board.leaderboard_setup import MICRO_BATCH, PILOT_STEPS, cell_argv  # noqa: E402
 from tools.benchmarks.recipes import LAYERS, TRAINED_PARAMS_GUESS, recommended, recommended_interval  # noqa: E402
@@ -240,9 +241,7 @@ def _port_for(rank: int, folder: str) -> int:
     before its pilot (a grid's batch runs for many) and stop the batch."""
     path = os.path.join(folder, "port")
     if rank == 0:
-        with open(path + ".tmp", "w") as f:
-            f.write(str(free_port()))
-        os.replace(path + ".tmp", path)  # whole or absent for the readers
+        write_text(path, str(free_port()))  # atomic: whole or absent for the readers
     deadline = time.monotonic() + PORT_WAIT_SECONDS
     while not os.path.exists(path):
         if time.monotonic() > deadline:
