@@ -77,7 +77,11 @@ def parser() -> cli.ArgumentParser:
                         "leaderboard's pilot length for round-based algorithms, whose pace then is the board's; "
                         "50 for the others)")
     p.add_argument("--grid", action="store_true",
-                   help="also run each round-based algorithm at half and twice its recommended H (a row each)")
+                   help="also a row for each setting moved away from the recommended ones, one at a time: a "
+                        "round-based algorithm at half and twice its H; streaming-diloco and cocodc at 1 and 4 "
+                        "fragments (where they cut H into slots longer than tau); an algorithm that takes a "
+                        "compressor at int4 (dilocox: uncompressed; not for sites of different sizes). Not the "
+                        "inter-site backend: the simulated clock charges nccl and gloo alike")
     p.add_argument("--evidence", default=EVIDENCE, help="glob of quality JSON files (quality_frontier.py's)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': stdout, no table)")
     return p
@@ -170,9 +174,12 @@ def pretrain_flags(job: Job, pace: Pace) -> str:
     return " ".join(flags)
 
 
-def quality(job: Job, algorithm: str, evidence: List[Evidence]) -> Dict:
+def quality(job: Job, algorithm: str, evidence: List[Evidence], compression: str = "none") -> Dict:
     """The measured token multiplier to reach sync's loss, with its provenance."""
     if algorithm == "sync":
+        if compression != "none":  # a grid row: compressed gradients are not the reference
+            return {"multiplier": None, "source": f"sync with --lsgd-compression {compression}: not measured",
+                    "far": []}
         return {"multiplier": 1.0, "source": "the reference (sync's loss is the target)", "far": []}
     tpp = job.total_tokens / job.params
     e = nearest(evidence, algorithm, job.params, tpp)
@@ -229,14 +236,14 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         if pace is None:
             continue
         algorithm = pace.algorithm
-        s = pace.settings  # the pilot's: its recipe's recommended flags
+        s = pace.settings  # the pilot's: its recipe's recommended flags, a grid point's in their place
         compression = s[s.index("--lsgd-compression") + 1] if "--lsgd-compression" in s else "none"
         mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(small), algorithm,
                              compression, outer_momentum=False, seq=job.seq_length,
                              micro_batch=job.micro_batch_size, hidden=job.model.hidden_for_memory(),
                              heads=job.model.num_attention_heads or max(1, job.model.hidden_for_memory() // 128),
                              layers=job.model.layers_for_memory(), recompute=job.recompute, microbatches=microbatches)
-        q = quality(job, algorithm, evidence)
+        q = quality(job, algorithm, evidence, compression)
         train_seconds = pace.seconds_per_step * job.steps
         # without a measured multiplier only a lower bound: the tokens' time (x 1)
         to_loss = train_seconds * (q["multiplier"] if q["multiplier"] is not None else 1.0)
@@ -269,13 +276,18 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
-def _first_per_algorithm(rows: List[Dict]) -> List[Dict]:
-    """One row per algorithm (a grid's rows share their evidence and memory)."""
-    seen, out = set(), []
+def _differing_rows(rows: List[Dict], key: str) -> List[Dict]:
+    """Per algorithm, its recommended row and each grid row whose `key` (memory, quality)
+    differs from it (a compressor's residual, compressed sync's unmeasured quality), under its
+    own label; in the ranking's order."""
+    base = {r["algorithm"]: r for r in rows if r["label"] == r["algorithm"]}
+    out, seen = [], set()
     for r in rows:
-        if r["algorithm"] not in seen:
-            seen.add(r["algorithm"])
-            out.append(r)
+        ref = base.get(r["algorithm"], r)
+        shown = ref if r[key] == ref[key] else r
+        if id(shown) not in seen:
+            seen.add(id(shown))
+            out.append(shown)
     return out
 
 
@@ -300,20 +312,20 @@ def table(result: Dict) -> str:
         lines.append(f"| {i} | {r['label']} | {r['seconds_per_step']:.4g} | {r['exposed_comm_seconds_per_step']:.4g} "
                      f"| {r['cross_site_bytes_per_step'] / 1e9:.4g} | {r['cross_site_bytes_per_run'] / 1e12:.4g} "
                      f"| {r['memory_total_gib']:.1f} | {_duration(r['train_seconds'])} | {mult} | {to} |")
-    lines += ["", "quality evidence (per algorithm: the measurement nearest this job; a grid row's H is its "
-                  "pace's, its multiplier the measured point's):"]
-    for r in _first_per_algorithm(result["rows"]):
+    lines += ["", "quality evidence (per algorithm: the measurement nearest this job; a grid row's settings are "
+                  "its pace's, its multiplier the measured point's):"]
+    for r in _differing_rows(result["rows"], "quality"):
         q = r["quality"]
         far = f"; FAR BEYOND WHAT WAS MEASURED: {', '.join(q['far'])}, the multiplier is not extrapolated" \
             if q["far"] else ""
         point = f" (point {q['point']}, seeds {','.join(q['seeds'])})" if "point" in q else ""
-        lines.append(f"- {r['algorithm']}: {q['source']}{point}{far}")
+        lines.append(f"- {r['label']}: {q['source']}{point}{far}")
     smallest = " on the smallest site (its replicas hold the largest shards)" if len(set(gpus)) > 1 else ""
     lines += ["", f"memory per GPU{smallest} (GiB: weights / gradients / optimizer / outer state / compressor / "
                   "algorithm buffers / activations):"]
-    for r in _first_per_algorithm(result["rows"]):
+    for r in _differing_rows(result["rows"], "memory_gib"):
         m = r["memory_gib"]
-        lines.append(f"- {r['algorithm']}: " + " / ".join(f"{v:.2f}" for v in m.values()))
+        lines.append(f"- {r['label']}: " + " / ".join(f"{v:.2f}" for v in m.values()))
     if result.get("refused"):
         lines += ["", "not planned (they refuse sites of different sizes, docs/heterogeneous_sites.md):"]
         lines += [f"- {a}: {why}" for a, why in result["refused"].items()]

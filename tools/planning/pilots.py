@@ -17,7 +17,9 @@ Three things make the pilots cheap without changing what the clock charges:
   batch after 10 steps, +0.3% and +0.6% after 100, on 2x8gpu-1gbit-1b);
 - the pilots train sequences of PILOT_SEQ tokens: the clock charges a micro-batch at the
   scenario's cost whatever its length, and with rotary positions the parameters (so the
-  bytes and the fragments) do not depend on it, so only the real compute shrinks;
+  bytes and the fragments) do not depend on it, so only the real compute of the forward and
+  backward passes shrinks (at 1 token instead of 8 the ranks of four pilots on 4site-10gbit-8b
+  took 75 CPU s instead of 116, their paces the same bit for bit);
 - every pilot runs in one set of spawned ranks, one after another (start-up, imports and
   the data index are paid once); when one stops the batch, the rest run again as a batch,
   and one that stops it twice is reported for itself alone and left out.
@@ -42,6 +44,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
+from megatron_lsgd.core.output_files import write_text  # noqa: E402
 from megatron_lsgd.training.scenario import Scenario  # noqa: E402
 from tools.benchmarks.board.leaderboard_setup import MICRO_BATCH, PILOT_STEPS, cell_argv  # noqa: E402
 from tools.benchmarks.recipes import LAYERS, TRAINED_PARAMS_GUESS, recommended, recommended_interval  # noqa: E402
@@ -51,9 +54,15 @@ from tools.benchmarks.recipes import LAYERS, TRAINED_PARAMS_GUESS, recommended, 
 # others every step), and a grid point at another H sets them as its recipe does at that H.
 INTERVAL_FLAGS = ("--lsgd-interval", "--lsgd-aedit-interval-seconds", "--lsgd-fragment-sync-delay")
 EVERY_STEP_PILOT = 50
-PILOT_SEQ = 8
-# --grid: each round-based algorithm also at these multiples of the recommended H.
+PILOT_SEQ = 1
+# --grid: each round-based algorithm also at these multiples of the recommended H; the streaming
+# family also at these fragments (one: the whole model in one exchange; twice the stand-in's
+# layers: smaller exchanges each); a compressing algorithm also with int4 (its bytes per value
+# do not depend on the matrices' shapes, so the stand-in's scaled bytes are the target's;
+# lowrank-int4's do; int8 and topk-2bit are flags to try, not searched).
 GRID_FACTORS = (0.5, 2.0)
+FRAGMENT_GRID = (1, 2 * LAYERS)
+GRID_COMPRESSION = "int4"
 
 
 @dataclass
@@ -62,10 +71,15 @@ class Pilot:
     algorithm: str
     extra: List[str] = field(default_factory=list)
     interval: Optional[int] = None  # H of a grid point (None: the recommended one)
+    # the label's other differences from the recommended settings ("fragments=4", "compression=int4")
+    differs: List[str] = field(default_factory=list)
+    # the stand-in's flags, not settings: more layers for more fragments (a fragment needs a layer)
+    stand_in: List[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
-        return self.algorithm if self.interval is None else f"{self.algorithm} H={self.interval}"
+        return " ".join([self.algorithm] + ([f"H={self.interval}"] if self.interval is not None else [])
+                        + self.differs)
 
 
 @dataclass
@@ -79,6 +93,7 @@ class Pace:
     cross_site_bytes_per_step: float  # every site's sent + received, scaled to the target model
     stats: Dict
     label: str = ""
+    trained_params: Optional[float] = None  # the stand-in's, from the pilot's traffic (trained_params)
 
 
 def interval_flags(algorithm: str, scenario: Scenario, interval: Optional[int] = None) -> List[str]:
@@ -103,20 +118,58 @@ def pilot_steps(algorithm: str, scenario: Scenario, minimum: Optional[int] = Non
     return max(h, math.ceil(minimum / h) * h)
 
 
+def _value(flags: Sequence[str], flag: str, default: str) -> str:
+    return flags[flags.index(flag) + 1] if flag in flags else default
+
+
+def fragment_points(algorithm: str, scenario: Scenario) -> List[Pilot]:
+    """The streaming family at FRAGMENT_GRID fragments instead of its recommended one per layer
+    of the stand-in: K that cut its round into whole slots longer than tau (as it requires). More
+    fragments than the stand-in's layers train a stand-in of one layer per fragment: the clock
+    charges the scenario's compute and scales the bytes to the target whatever the layers."""
+    flags = recommended(algorithm, scenario)
+    if "--lsgd-fragments" not in flags:
+        return []
+    h, tau = recommended_interval(scenario), int(_value(flags, "--lsgd-fragment-sync-delay", "0"))
+    out = []
+    for k in FRAGMENT_GRID:
+        if str(k) == _value(flags, "--lsgd-fragments", "") or h % k or tau >= h // k:
+            continue
+        out.append(Pilot(algorithm, ["--lsgd-fragments", str(k)], differs=[f"fragments={k}"],
+                         stand_in=["--num-layers", str(k)] if k > LAYERS else []))
+    return out
+
+
+def compression_points(algorithm: str, scenario: Scenario) -> List[Pilot]:
+    """An algorithm that takes a compressor at GRID_COMPRESSION when it sends uncompressed, and
+    uncompressed when it compresses (dilocox: what its int4 buys). Not where the sites differ in
+    size (compressed means are not weighted by tokens: pretrain_gpt.py refuses them)."""
+    from megatron_lsgd.core.lsgd.catalog import synchronizer_class
+
+    if "compression" not in synchronizer_class(algorithm).uses or \
+            (scenario.replicas_per_site and len(set(scenario.replicas_per_site)) > 1):
+        return []
+    kind = "none" if _value(recommended(algorithm, scenario), "--lsgd-compression", "none") != "none" \
+        else GRID_COMPRESSION
+    return [Pilot(algorithm, ["--lsgd-compression", kind], differs=[f"compression={kind}"])]
+
+
 def grid(algorithms: Sequence[str], scenario: Scenario) -> List[Pilot]:
-    """Each algorithm at its recommended settings, and each round-based one also at
-    GRID_FACTORS x its H (whole fragments), with the flags that follow H as its recipe sets them
-    there (the streaming family's tau, a-edit's interval of H steps' time)."""
+    """Each algorithm at its recommended settings, and one setting at a time away from them: a
+    round-based one at GRID_FACTORS x its H (whole fragments, with the flags that follow H as its
+    recipe sets them there: the streaming family's tau, a-edit's interval of H steps' time), the
+    streaming family at FRAGMENT_GRID fragments, a compressing one with its compression switched
+    (compression_points). Not the inter-site backend: the clock's cost model does not read it."""
     h = recommended_interval(scenario)
     out = []
     for algorithm in algorithms:
         out.append(Pilot(algorithm))
-        if not interval_flags(algorithm, scenario):
-            continue
-        for factor in GRID_FACTORS:
-            hh = max(LAYERS, -(-int(round(h * factor)) // LAYERS) * LAYERS)
-            if hh != h:
-                out.append(Pilot(algorithm, interval_flags(algorithm, scenario, hh), hh))
+        if interval_flags(algorithm, scenario):
+            for factor in GRID_FACTORS:
+                hh = max(LAYERS, -(-int(round(h * factor)) // LAYERS) * LAYERS)
+                if hh != h:
+                    out.append(Pilot(algorithm, interval_flags(algorithm, scenario, hh), hh))
+        out += fragment_points(algorithm, scenario) + compression_points(algorithm, scenario)
     return out
 
 
@@ -140,21 +193,34 @@ def global_batches(cell: Dict, sites: int, steps: int) -> float:
     return cell["samples"] / (MICRO_BATCH * sites) if cell.get("samples") else steps
 
 
+def trained_params(cell: Dict, sites: int) -> Optional[float]:
+    """The stand-in's parameters, from what per-step sync would have moved in the pilot (its
+    `sync_bytes`: each rank's fp32 ring all-reduce of its shard, sent + received, every step,
+    summed over the ranks: 16 (S - 1) bytes per parameter of a replica per step). Exact where
+    the sites step in lockstep (acco's and dpu's do not: there it is approximate)."""
+    traffic = cell.get("traffic") or {}
+    if not traffic.get("sync_bytes") or not cell.get("iterations"):
+        return None
+    return traffic["sync_bytes"] / (16 * (sites - 1) * cell["iterations"])
+
+
 def pace_from_cell(pilot: Pilot, scenario: Scenario, steps: int, cell: Dict) -> Pace:
-    scale = scenario.bytes_scale_for(TRAINED_PARAMS_GUESS)
+    # the board's stand-in is the board's count; another stand-in (more layers) counts its own
+    trained = trained_params(cell, scenario.sites)
+    scale = scenario.bytes_scale_for(trained if pilot.stand_in else TRAINED_PARAMS_GUESS)
     comm = cell.get("comm") or {}
     batches = global_batches(cell, scenario.sites, steps)
     return Pace(algorithm=pilot.algorithm, settings=merged(recommended(pilot.algorithm, scenario), pilot.extra),
                 steps=steps, seconds_per_step=cell["seconds"] / batches,
                 exposed_seconds_per_step=comm.get("exposed_seconds", 0.0) / batches,
                 cross_site_bytes_per_step=cell["traffic"]["bytes"] * scale / batches, stats=cell.get("stats") or {},
-                label=pilot.label)
+                label=pilot.label, trained_params=trained)
 
 
 def _argv(pilot: Pilot, scenario_path: str, scenario: Scenario, steps: int) -> List[str]:
-    # the short sequence is the pilot's, not a setting: it stays out of Pace.settings
+    # the short sequence and the stand-in's layers are the pilot's, not settings: they stay out of Pace.settings
     return cell_argv(scenario_path, pilot.algorithm, 1, steps, 0, scenario.sites,
-                     extra=list(pilot.extra) + ["--seq-length", str(PILOT_SEQ)])
+                     extra=list(pilot.extra) + list(pilot.stand_in) + ["--seq-length", str(PILOT_SEQ)])
 
 
 def run_pilot(algorithm: str, scenario_path: str, scenario: Scenario, steps: int, extra: Sequence[str] = ()) -> Pace:
@@ -166,16 +232,34 @@ def run_pilot(algorithm: str, scenario_path: str, scenario: Scenario, steps: int
                                                            scenario.sites))
 
 
+PORT_WAIT_SECONDS = 600  # the other ranks wait this long for rank 0 to name a pilot's port
+
+
+def _port_for(rank: int, folder: str) -> int:
+    """A pilot's port, chosen by rank 0 when the pilot starts and read by the others from a
+    file: chosen up front for every pilot, a port could be taken by another job in the minutes
+    before its pilot (a grid's batch runs for many) and stop the batch."""
+    path = os.path.join(folder, "port")
+    if rank == 0:
+        write_text(path, str(free_port()))  # atomic: whole or absent for the readers
+    deadline = time.monotonic() + PORT_WAIT_SECONDS
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 named no port for the pilot in {folder} within {PORT_WAIT_SECONDS} s")
+        time.sleep(0.02)
+    return int(open(path).read())
+
+
 def _pilots_worker(rank: int, world: int, runs: List, out_dir: str, announce: bool) -> None:
     """Every pilot in turn, in this rank's one process: each joins a world of its own (a port
-    of its own) and leaves it before the next; the last rank announces each one's pace."""
+    of its own, _port_for) and leaves it before the next; the last rank announces each one's pace."""
     from tools.benchmarks.board.leaderboard import _worker
 
-    for i, (label, port, argv) in enumerate(runs):
+    for i, (label, argv) in enumerate(runs):
         start = time.monotonic()
         folder = os.path.join(out_dir, str(i))
         os.makedirs(folder, exist_ok=True)
-        _worker(rank, world, port, argv, folder)
+        _worker(rank, world, _port_for(rank, folder), argv, folder)
         if announce and rank == world - 1:
             record = json.load(open(os.path.join(folder, f"{rank}.json")))
             batches = global_batches(record, world, record["iterations"])
@@ -207,9 +291,10 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
                minimum_steps: Optional[int] = None, progress=print,
                pilots: Optional[Sequence[Pilot]] = None) -> Dict[str, Optional[Pace]]:
     """One pilot per algorithm (or the given `pilots`, e.g. grid()'s), keyed by label. They run
-    as one batch; when the batch stops at a pilot, the unfinished ones run again as a batch
-    (fresh ports: a port taken meanwhile by another job is the usual cause), and a pilot that
-    stops it twice is reported and left out (None)."""
+    as one batch, each on a port chosen as it starts (_port_for); when the batch stops at a
+    pilot, the unfinished ones run again as a batch (a port taken by another job between its
+    choice and its use is the usual cause), and a pilot that stops it twice is reported and
+    left out (None)."""
     from tools.benchmarks.board.leaderboard import cell_of
     from tools.benchmarks.spawned_ranks import run_ranks
 
@@ -229,7 +314,7 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
                 break
             folder = os.path.join(d, str(attempt))
             try:
-                run_ranks(_pilots_worker, (world, [(pilots[i].label, free_port(), argvs[i]) for i in remaining],
+                run_ranks(_pilots_worker, (world, [(pilots[i].label, argvs[i]) for i in remaining],
                                            folder, announce), world)
             except Exception as err:  # a rank's error is printed above
                 say(f"warning: the pilots stopped ({err})")
@@ -253,4 +338,4 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
     return out
 
 
-__all__ = ["Pace", "Pilot", "grid", "pilot_steps", "ranks_output_to", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]
+__all__ = ["Pace", "Pilot", "compression_points", "fragment_points", "grid", "pilot_steps", "ranks_output_to", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]

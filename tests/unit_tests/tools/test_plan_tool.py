@@ -168,6 +168,61 @@ def test_pilot_pace_equals_the_boards_pilot_and_a_failed_pilot_is_left_out_alone
     assert "--seq-length" not in paces["dilocox"].settings  # the pilot's short sequence is not a setting
 
 
+@pytest.mark.slow
+def test_a_grid_points_pace_follows_its_setting():
+    """On 2x8gpu-1gbit-1b (1B over 1 Gbit/s, one round's pilots): sync at int4 moves int4's bytes
+    (half a byte and a 4-byte scale per 64 values, all-gathered between two sites: 0.5625 / 4 of
+    fp32's ring) and waits that much less; streaming-diloco's exchanges are the whole model at 1
+    fragment (16 bytes per parameter between two sites) and smaller each at 2 and 4, and its step
+    differs; dilocox uncompressed sends fp32, as diloco does."""
+    from tools.planning.pilots import Pilot, grid, run_pilots
+
+    path = os.path.join(SCENARIOS, "2x8gpu-1gbit-1b.toml")
+    scenario = load_scenario(path)
+    pilots = [p for p in grid(["sync", "streaming-diloco", "dilocox"], scenario) if p.interval is None]
+    paces = run_pilots([], path, scenario, 10, progress=None, pilots=pilots + [Pilot("diloco")])
+    sync, int4 = paces["sync"], paces["sync compression=int4"]
+    ratio = 0.5625 / 4
+    assert int4.cross_site_bytes_per_step == pytest.approx(ratio * sync.cross_site_bytes_per_step, rel=0.01)
+    assert int4.exposed_seconds_per_step == pytest.approx(ratio * sync.exposed_seconds_per_step, rel=0.02)
+    assert "--lsgd-compression" not in sync.settings
+
+    def per_exchange(label):
+        pace = paces[label]
+        return pace.cross_site_bytes_per_step * pace.steps / pace.stats["fragment syncs"]
+
+    whole, two, four = (per_exchange(f"streaming-diloco{k}") for k in (" fragments=1", "", " fragments=4"))
+    assert whole == pytest.approx(16 * 1e9, rel=0.01) and whole > 1.1 * two and two > 1.1 * four
+    # one exchange per round instead of K, each with tau = 5 steps to hide in: the step cannot stay the same
+    one, recommended = (paces[f"streaming-diloco{k}"].seconds_per_step for k in (" fragments=1", ""))
+    assert abs(one - recommended) > 0.01 * recommended
+    assert paces["dilocox compression=none"].cross_site_bytes_per_step == \
+        pytest.approx(paces["diloco"].cross_site_bytes_per_step, rel=0.01)
+    assert paces["dilocox compression=none"].cross_site_bytes_per_step > 5 * paces["dilocox"].cross_site_bytes_per_step
+
+
+@pytest.mark.slow
+def test_the_pilots_short_sequence_keeps_the_boards_pace(monkeypatch):
+    """The clock charges a micro-batch at the scenario's cost whatever its length, and with rotary
+    positions the parameters do not depend on it: the pilots' sequence (PILOT_SEQ) gives the paces
+    of the board's (SEQ) bit for bit, while training less. acco's adaptive accumulation and the
+    streaming family's overlapped fragments are the most timing-driven."""
+    from tools.benchmarks.board.leaderboard_setup import SEQ
+    from tools.planning import pilots
+
+    path = os.path.join(SCENARIOS, "4site-10gbit-8b.toml")
+    scenario = load_scenario(path)
+    runs = [pilots.Pilot("streaming-diloco", pilots.interval_flags("streaming-diloco", scenario, 16), 16),
+            pilots.Pilot("acco")]
+    assert pilots.PILOT_SEQ < SEQ
+    short = pilots.run_pilots([], path, scenario, 10, progress=None, pilots=runs)
+    monkeypatch.setattr(pilots, "PILOT_SEQ", SEQ)
+    board = pilots.run_pilots([], path, scenario, 10, progress=None, pilots=runs)
+    for label in short:
+        for key in ("seconds_per_step", "exposed_seconds_per_step", "cross_site_bytes_per_step"):
+            assert getattr(short[label], key) == getattr(board[label], key), (label, key)
+
+
 def test_the_grid_halves_and_doubles_h_in_whole_fragments():
     from tools.benchmarks.recipes import recommended_interval
     from tools.planning.pilots import grid, pilot_steps
@@ -175,7 +230,7 @@ def test_the_grid_halves_and_doubles_h_in_whole_fragments():
     path = os.path.join(SCENARIOS, "3site-1gbit-straggler.toml")
     scenario = load_scenario(path)
     h = recommended_interval(scenario)
-    pilots = grid(["sync", "streaming-diloco", "a-edit"], scenario)
+    pilots = [p for p in grid(["sync", "streaming-diloco", "a-edit"], scenario) if not p.differs]  # H's points
     assert [p.label for p in pilots][:1] == ["sync"] and len(pilots) == 1 + 3 + 3
     streaming = [p for p in pilots if p.algorithm == "streaming-diloco" and p.interval]
     assert sorted(p.interval for p in streaming) == sorted({-(-round(h * f) // 2) * 2 for f in (0.5, 2.0)})
@@ -183,6 +238,90 @@ def test_the_grid_halves_and_doubles_h_in_whole_fragments():
         assert p.extra[p.extra.index("--lsgd-fragment-sync-delay") + 1] == str(min(5, max(1, p.interval // 8)))
         assert pilot_steps(p.algorithm, scenario, None, p.interval) % p.interval == 0
     assert all("--lsgd-aedit-interval-seconds" in p.extra for p in pilots if p.algorithm == "a-edit" and p.interval)
+
+
+def test_the_grid_moves_one_setting_at_a_time_labelled_by_it():
+    """Fragments for the streaming family (4: a stand-in of 4 layers, a fragment needing a layer;
+    not a setting), int4 for what sends uncompressed, none for dilocox; dreamddp takes no
+    compressor; the pasted flags carry each setting once, the stand-in's layers not at all."""
+    from tools.planning.pilots import _argv, grid, pace_from_cell
+
+    path = os.path.join(SCENARIOS, "2x8gpu-1gbit-1b.toml")
+    scenario = load_scenario(path)
+    pilots = {p.label: p for p in grid(["sync", "dilocox", "streaming-diloco", "cocodc", "dreamddp"], scenario)}
+    assert [label for label in pilots if label.startswith("streaming-diloco")] == [
+        "streaming-diloco", "streaming-diloco H=50", "streaming-diloco H=200", "streaming-diloco fragments=1",
+        "streaming-diloco fragments=4", "streaming-diloco compression=int4"]
+    assert "cocodc fragments=1" in pilots and "cocodc fragments=4" in pilots
+    assert "sync compression=int4" in pilots and "dilocox compression=none" in pilots
+    assert not [label for label in pilots if label.startswith("dreamddp ") and "H=" not in label]
+    four = pilots["streaming-diloco fragments=4"]
+    assert four.stand_in == ["--num-layers", "4"] and pilots["streaming-diloco fragments=1"].stand_in == []
+    argv = _argv(four, path, scenario, 300)
+    assert argv[len(argv) - 1 - argv[::-1].index("--num-layers") + 1] == "4"  # the last one counts
+    cell = {"seconds": 30.0, "iterations": 300, "traffic": {"bytes": 8.0e9, "sync_bytes": 16 * 300 * 1.9e6}}
+    for label, flag, value in (("streaming-diloco fragments=4", "--lsgd-fragments", "4"),
+                               ("dilocox compression=none", "--lsgd-compression", "none"),
+                               ("sync compression=int4", "--lsgd-compression", "int4")):
+        settings = pace_from_cell(pilots[label], scenario, 300, cell).settings
+        assert settings.count(flag) == 1 and settings[settings.index(flag) + 1] == value
+        assert "--num-layers" not in settings
+
+
+def test_a_grid_point_the_algorithm_would_refuse_is_not_run():
+    """K must cut H into slots longer than tau (H = 78: not 4); sites of different sizes take no
+    compressor (their means are not weighted by tokens)."""
+    from tools.benchmarks.recipes import recommended_interval
+    from tools.planning.pilots import compression_points, fragment_points
+
+    scenario = load_scenario(os.path.join(SCENARIOS, "emulated-straggler2x.toml"))
+    assert recommended_interval(scenario) == 78
+    assert [p.label for p in fragment_points("cocodc", scenario)] == ["cocodc fragments=1"]
+    unequal = load_scenario(os.path.join(SCENARIOS, "2site-16-8gpu-1gbit-1b.toml"))
+    assert compression_points("diloco", unequal) == [] and compression_points("diloco", scenario)
+    assert fragment_points("diloco", scenario) == []
+
+
+def test_a_stand_in_of_other_layers_charges_bytes_scaled_by_its_own_parameters():
+    """The board's stand-in is scaled by the board's count; a 4-layer one by its own, read from
+    what per-step sync would have moved (16 (S - 1) bytes per parameter per step)."""
+    from tools.planning.pilots import TRAINED_PARAMS_GUESS, Pilot, pace_from_cell, trained_params
+
+    scenario = load_scenario(os.path.join(SCENARIOS, "3site-1gbit-straggler.toml"))
+    cell = {"seconds": 30.0, "iterations": 100, "traffic": {"bytes": 3.0e9, "sync_bytes": 16 * 2 * 100 * 1.9e6}}
+    assert trained_params(cell, 3) == pytest.approx(1.9e6)
+    standard = pace_from_cell(Pilot("streaming-diloco"), scenario, 100, cell)
+    four = pace_from_cell(Pilot("streaming-diloco", ["--lsgd-fragments", "4"], stand_in=["--num-layers", "4"]),
+                          scenario, 100, cell)
+    assert standard.cross_site_bytes_per_step == pytest.approx(3.0e7 * scenario.bytes_scale_for(TRAINED_PARAMS_GUESS))
+    assert four.cross_site_bytes_per_step == pytest.approx(3.0e7 * scenario.bytes_scale_for(1.9e6))
+
+
+def test_a_grid_rows_memory_and_quality_follow_its_setting():
+    """Ranked first, a compressed row shows its own memory; an H row whose memory is the
+    recommended row's shows under the recommended label, once. Compressed sync is not the
+    reference: its multiplier is unmeasured (a lower bound), not 1."""
+    import plan
+
+    rows = [{"algorithm": "diloco", "label": "diloco compression=int4", "memory_gib": {"compressor": 0.5}},
+            {"algorithm": "diloco", "label": "diloco H=200", "memory_gib": {"compressor": 0.0}},
+            {"algorithm": "diloco", "label": "diloco", "memory_gib": {"compressor": 0.0}},
+            {"algorithm": "diloco", "label": "diloco H=50", "memory_gib": {"compressor": 0.0}}]
+    assert [r["label"] for r in plan._differing_rows(rows, "memory_gib")] == ["diloco compression=int4", "diloco"]
+    assert plan.quality(None, "sync", [], "int4")["multiplier"] is None
+    assert plan.quality(None, "sync", [])["multiplier"] == 1.0
+
+
+def test_a_pilots_port_is_chosen_by_rank_0_when_it_starts_and_read_by_the_others(tmp_path, monkeypatch):
+    """Ports chosen up front for a grid's dozens of pilots were taken by other jobs minutes
+    later and stopped the batch: rank 0 names each pilot's port as it starts."""
+    from tools.planning import pilots
+
+    monkeypatch.setattr(pilots, "PORT_WAIT_SECONDS", 0.1)
+    with pytest.raises(RuntimeError, match="named no port"):
+        pilots._port_for(1, str(tmp_path))  # rank 0 has not started this pilot
+    port = pilots._port_for(0, str(tmp_path))
+    assert pilots._port_for(1, str(tmp_path)) == port > 0
 
 
 def test_a_step_is_a_global_batch_of_the_jobs_tokens_not_an_update(monkeypatch):
