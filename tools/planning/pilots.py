@@ -142,15 +142,19 @@ def fragment_points(algorithm: str, scenario: Scenario) -> List[Pilot]:
 
 def compression_points(algorithm: str, scenario: Scenario) -> List[Pilot]:
     """An algorithm that takes a compressor at GRID_COMPRESSION when it sends uncompressed, and
-    uncompressed when it compresses (dilocox: what its int4 buys). Not where the sites differ in
-    size (compressed means are not weighted by tokens: pretrain_gpt.py refuses them)."""
+    uncompressed when it compresses (dilocox: what its int4 buys). Where the sites differ in
+    size, only a compressor the class weights by tokens (`unequal_sites_compressions`: the
+    others are refused by pretrain_gpt.py)."""
     from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 
-    if "compression" not in synchronizer_class(algorithm).uses or \
-            (scenario.replicas_per_site and len(set(scenario.replicas_per_site)) > 1):
+    cls = synchronizer_class(algorithm)
+    if "compression" not in cls.uses:
         return []
     kind = "none" if _value(recommended(algorithm, scenario), "--lsgd-compression", "none") != "none" \
         else GRID_COMPRESSION
+    unequal = scenario.replicas_per_site and len(set(scenario.replicas_per_site)) > 1
+    if unequal and kind != "none" and kind not in cls.unequal_sites_compressions:
+        return []
     return [Pilot(algorithm, ["--lsgd-compression", kind], differs=[f"compression={kind}"])]
 
 

@@ -279,6 +279,8 @@ def test_a_grid_point_the_algorithm_would_refuse_is_not_run():
     assert [p.label for p in fragment_points("cocodc", scenario)] == ["cocodc fragments=1"]
     unequal = load_scenario(os.path.join(SCENARIOS, "2site-16-8gpu-1gbit-1b.toml"))
     assert compression_points("diloco", unequal) == [] and compression_points("diloco", scenario)
+    # sites of different sizes: only what the class weights by tokens (dilocox: int4 and none)
+    assert [p.label for p in compression_points("dilocox", unequal)] == ["dilocox compression=none"]
     assert fragment_points("diloco", scenario) == []
 
 
