@@ -98,7 +98,7 @@ def read_lsgd(load_dir: str, with_optimizer: bool = False) -> FullModel:
                               f"converted with --model-only): pass --model-only to convert the model weights alone")
     src = CheckpointFiles(iter_dir, meta)
     resume = read_resume_state(src) if with_optimizer else None
-    params = resume.sites[0].params if resume is not None else site_model(src, 0)[0]
+    params = resume.sites[0].params if resume is not None else site_model(src.for_site(0), 0)[0]
     full = FullModel(config_from_dict(meta["model_config"]), params, meta.get("args", {}), meta["iteration"],
                      meta["consumed_samples"], tokenizer=dict(meta.get("tokenizer") or {}),
                      source_has_optimizer=has_optimizer, resume=resume, release=src.files.release)
