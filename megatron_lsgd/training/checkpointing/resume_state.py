@@ -178,12 +178,9 @@ def _site_state(src: CheckpointFiles, site: int) -> SiteState:
 def read_resume_state(src: CheckpointFiles) -> ResumeState:
     """Every site's model and its optimizer/synchronizer state, full tensors by name, each
     made from the source files when asked for (the index of what lies where is read here:
-    the files' structure, no tensor values). Sites of different data-parallel sizes are
-    each read with their own: the by-parameter form does not depend on it."""
-    if src.meta["layout"].get("site_tp"):
-        raise CheckpointError(f"{src.iter_dir} was saved by sites of different tensor x pipeline layouts: converting "
-                              f"its optimizer state is not supported yet; resume it with the same site layouts, or "
-                              f"convert site 0's model with --model-only")
+    the files' structure, no tensor values). Sites of different data-parallel sizes or
+    TP x PP layouts are each read in their own layout: the by-parameter form does not
+    depend on it."""
     sites = [_site_state(src, site) for site in range(src.meta["layout"]["sites"])]
     metadata = {k: src.meta[k] for k in CARRIED if k in src.meta}
     site_dp = src.meta["layout"].get("site_dp")

@@ -39,7 +39,8 @@ import torch
 from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
 from megatron_lsgd.training.arguments import build_config, parse_args
 from tests.unit_tests.harness import (assert_replicas_identical, assert_resumed_per_site,
-                                      free_port, logged_losses, merge_full_params, run_distributed_many, spawn)
+                                      assert_same_by_parameter_state, by_parameter_state, convert_lsgd, free_port,
+                                      logged_losses, merge_full_params, run_distributed_many, spawn)
 from tests.unit_tests.lsgd import twin_replica_data
 from tests.unit_tests.training.test_arguments import BASE
 
@@ -318,43 +319,6 @@ def test_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path, ca
     _assert_converted_optimizer_state_resumes(ckpt, tmp_path, runs)
 
 
-def _convert(src: str, dst: str, tp: int) -> str:
-    from tools.checkpoint.convert import main as convert
-
-    assert convert(["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", src, "--save-dir",
-                    dst, "--target-tensor-parallel-size", str(tp)]) == 0
-    return dst
-
-
-def _by_parameter(ckpt: str) -> list:
-    """Every site's (model, optimizer and synchronizer tensors, values) as convert.py reads
-    them, full tensors by name, copied out of the files."""
-    from megatron_lsgd.training.checkpointing.checkpointer import find_checkpoint, read_metadata
-    from megatron_lsgd.training.checkpointing.resume_state import CheckpointFiles, read_resume_state
-
-    iter_dir = find_checkpoint(ckpt)
-    src = CheckpointFiles(iter_dir, read_metadata(iter_dir))
-    sites = [({n: site.params[n].clone() for n in site.params},
-              {k: {n: by_name[n].clone() for n in by_name} for k, by_name in site.tensors.items()}, site.values)
-             for site in read_resume_state(src).sites]
-    src.files.release()
-    return sites
-
-
-def _assert_same_state(got: list, want: list, what: str) -> None:
-    from megatron_lsgd.training.checkpointing.parameter_state import _first_difference
-
-    assert len(got) == len(want)
-    for site, ((params, tensors, values), (params_w, tensors_w, values_w)) in enumerate(zip(got, want)):
-        assert list(params) == list(params_w) and all(torch.equal(params[n], params_w[n]) for n in params), (what, site)
-        assert sorted(tensors) == sorted(tensors_w), (what, site)
-        for key, by_name in tensors_w.items():
-            assert list(tensors[key]) == list(by_name), (what, site, key)
-            for name, value in by_name.items():
-                assert torch.equal(tensors[key][name], value), (what, site, key, name)
-        assert _first_difference(values, values_w) is None, (what, site, _first_difference(values, values_w))
-
-
 def _assert_converted_optimizer_state_resumes(ckpt: str, tmp_path, runs: dict) -> None:
     """tools/checkpoint/convert.py converts the diloco run paused at 3 (sites 2 + 1, ZeRO-1: site
     0's Adam moments and anchors lie in two shards, site 1's in one, each of buckets padded to
@@ -369,12 +333,12 @@ def _assert_converted_optimizer_state_resumes(ckpt: str, tmp_path, runs: dict) -
     DP 1 (another batch split, so no bitwise trajectory to compare with): each site starts from
     its own saved model and at its share of the job's samples (36 / 2, not the 2:1 shares of
     the source), and the loaded optimizer state changes the training (a fresh one does not)."""
-    source = _by_parameter(ckpt)
+    source = by_parameter_state(ckpt)
     moments = [site[1]["torch/exp_avg"] for site in source]
     assert all(not torch.equal(moments[0][n], moments[1][n]) for n in moments[0]), "each site's own state"
-    tp1, tp2 = _convert(ckpt, str(tmp_path / "tp1"), 1), _convert(ckpt, str(tmp_path / "tp2"), 2)
-    _assert_same_state(_by_parameter(tp1), source, "TP 1")
-    _assert_same_state(_by_parameter(tp2), source, "TP 2")
+    tp1, tp2 = convert_lsgd(ckpt, str(tmp_path / "tp1"), 1), convert_lsgd(ckpt, str(tmp_path / "tp2"), 2)
+    assert_same_by_parameter_state(by_parameter_state(tp1), source, "TP 1")
+    assert_same_by_parameter_state(by_parameter_state(tp2), source, "TP 2")
 
     resumed = run_distributed_many([COMMON + UNEQUAL + ZERO1 + DILOCO + ["--load", tp1, "--no-load-rng"]], 3,
                                    setup_module=twin_replica_data.MODULE)[0]
