@@ -279,7 +279,8 @@ def _assert_trains_like(run, reference):
 
 @pytest.mark.slow
 def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(tmp_path, capsys):
-    ckpt, ckpt_x, ckpt_s = (str(tmp_path / name) for name in ("ckpt", "ckpt-dilocox", "ckpt-streaming"))
+    ckpt, ckpt_x, ckpt_s, ckpt_pp = (str(tmp_path / name) for name in ("ckpt", "ckpt-dilocox", "ckpt-streaming",
+                                                                      "ckpt-pp"))
 
     def paused_and_resumed(argv, at, where):  # the resumed run saves elsewhere: `where` keeps the pause
         return [argv + [TP, "2,1", "--save", where, "--exit-interval", str(at)],
@@ -293,11 +294,16 @@ def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(t
         [STREAMING + [TP, "2,1"]] + paused_and_resumed(STREAMING, 2, ckpt_s) + [COCODC + [TP, "2,1"]] +
         [COCODC + [TP, "2,1", "--lsgd-cocodc-syncs-per-round", "0"], DILOCOX + APPLY_STEP + [TP, "2,1"],
          ONE_REPLICA + [TP, "2,1", "--load", ckpt] + to4], 3)
+    tp2_pp2, tp2_unequal, s_tp2_pp2, _, pp_source_to4 = run_distributed_many(
+        [ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"], STREAMING + [TP, "2,1", PP, "2,1"],
+         ONE_REPLICA + [TP, "2,1", PP, "2,1", "--save", ckpt_pp, "--exit-interval", "3"],
+         ONE_REPLICA + [TP, "2,1", PP, "2,1", "--load", ckpt_pp] + to4], 5)
     tp1, tp2_all = convert_lsgd(ckpt, str(tmp_path / "tp1"), 1), convert_lsgd(ckpt, str(tmp_path / "tp2"), 2)
-    reference, x_reference, s_reference, c_reference, xa_reference, tp1_to4 = run_distributed_many(
-        [ONE_REPLICA, DILOCOX, STREAMING, COCODC, DILOCOX + APPLY_STEP, ONE_REPLICA + ["--load", tp1] + to4], 2)
-    tp2_pp2, tp2_unequal, s_tp2_pp2 = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"],
-                                                            STREAMING + [TP, "2,1", PP, "2,1"]], 5)
+    pp_tp1 = convert_lsgd(ckpt_pp, str(tmp_path / "pp-tp1"), 1)
+    pp_pp2 = convert_lsgd(ckpt_pp, str(tmp_path / "pp-pp2"), 1, 2)
+    reference, x_reference, s_reference, c_reference, xa_reference, tp1_to4, pp_tp1_to4 = run_distributed_many(
+        [ONE_REPLICA, DILOCOX, STREAMING, COCODC, DILOCOX + APPLY_STEP, ONE_REPLICA + ["--load", tp1] + to4,
+         ONE_REPLICA + ["--load", pp_tp1] + to4], 2)
     reference_dp2, tp2_to4 = run_distributed_many(
         [TWO_REPLICAS + ZERO1, ONE_REPLICA + ["--tensor-model-parallel-size", "2", "--load", tp2_all] + to4], 4)
     zero1, plain = run_distributed_many([TWO_REPLICAS + [TP, "2,1"] + ZERO1, TWO_REPLICAS + [TP, "2,1"]], 6)
@@ -326,25 +332,26 @@ def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(t
     assert_replicas_identical(c_measured)
     assert_resumed_per_site(x_tp2, x_paused, x_resumed, 3)
     assert_resumed_per_site(s_tp2, s_paused, s_resumed, 2)
-    _assert_converted_per_site(ckpt, tp1, tp2_all, source_to4, tp1_to4, tp2_to4)
+    _assert_converted_per_site(ckpt, [tp1, tp2_all], source_to4, [(tp1_to4, 1), (tp2_to4, 0)])
+    _assert_converted_per_site(ckpt_pp, [pp_tp1, pp_pp2], pp_source_to4, [(pp_tp1_to4, 1)])
 
 
-def _assert_converted_per_site(ckpt, tp1, tp2, source, on_tp1, on_tp2) -> None:
-    """tools/checkpoint/convert.py converts the diloco pause at 3 of a TP 2 site beside a TP 1
-    site (each site's files in its own layout) with every site's optimizer and synchronizer
-    state. Oracles: (1) the by-parameter state read from the source equals, bit for bit and
-    site by site, the one read back from its conversions to TP 1 and TP 2 (values are moved,
-    TP slices cut and merged, nothing computed). (2) Iteration 4 is an inner step (rounds end
-    at 3 and 5; --exit-interval does not close a round): each site steps alone, so a site
-    resumed in its source layout from the conversion repeats the source's step exactly: on
-    2 sites of TP 1 site 1 (TP 1 in the source) ends bit for bit on the source's site 1
-    model and anchor, on 2 sites of TP 2 site 0 does on site 0's. A moment, step count or
-    anchor gathered to the wrong parameter or site breaks it. The other site computes at
-    another TP, so it agrees to the module's 1e-5."""
+def _assert_converted_per_site(ckpt, converted, source, resumed) -> None:
+    """tools/checkpoint/convert.py converts the diloco pause at 3 of a TP 2 (x PP 2) site beside a
+    TP 1 site (each site's files in its own layout) with every site's optimizer and
+    synchronizer state. Oracles: (1) the by-parameter state read from the source equals, bit
+    for bit and site by site, the one read back from each of its `converted` checkpoints (TP 1,
+    TP 2, PP 2: values are moved, TP slices and stages cut and merged, nothing computed).
+    (2) Iteration 4 is an inner step (rounds end at 3 and 5; --exit-interval does not close a
+    round): each site steps alone, so a site resumed from the conversion in its source layout
+    repeats the source's step exactly; `resumed` pairs each run with that site (on 2 sites of
+    TP 1, site 1; on 2 sites of TP 2, site 0), which ends bit for bit on the source's model and
+    anchor. A moment, step count or anchor gathered to the wrong parameter or site breaks it.
+    The other site computes in another layout, so it agrees to the module's 1e-5."""
     source_state = by_parameter_state(ckpt)
-    assert_same_by_parameter_state(by_parameter_state(tp1), source_state, "TP 1")
-    assert_same_by_parameter_state(by_parameter_state(tp2), source_state, "TP 2")
-    for run, exact in ((on_tp1, 1), (on_tp2, 0)):
+    for where in converted:
+        assert_same_by_parameter_state(by_parameter_state(where), source_state, where)
+    for run, exact in resumed:
         for site in range(2):
             got, want = merge_full_params(run, site=site), merge_full_params(source, site=site)
             for name in want:
@@ -352,8 +359,8 @@ def _assert_converted_per_site(ckpt, tp1, tp2, source, on_tp1, on_tp2) -> None:
                     assert torch.equal(got[name], want[name]), (site, name)
                 else:
                     torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
-        anchors = {(r["coords"].site, r["coords"].tp): r["anchors"] for r in source}
+        anchors = {(r["coords"].site, r["coords"].tp, r["coords"].pp): r["anchors"] for r in source}
         for rec in run:
             if rec["coords"].site == exact:
-                want = anchors[(exact, rec["coords"].tp)]
+                want = anchors[(exact, rec["coords"].tp, rec["coords"].pp)]
                 assert len(rec["anchors"]) == len(want) and all(map(torch.equal, rec["anchors"], want)), exact
