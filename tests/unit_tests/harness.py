@@ -180,15 +180,46 @@ def assert_resumed_per_site(whole: List[dict], paused: List[dict], resumed: List
         assert all(torch.equal(got[n], want[n]) for n in want), f"site {site} resumed differently"
 
 
-def assert_converts_model_only(ckpt: str, out_dir: str, capsys, refusal: str) -> None:
-    """tools/checkpoint/convert.py converts the checkpoint's model (--model-only) and refuses
-    its optimizer state with `refusal` in its error line."""
+def convert_lsgd(src: str, dst: str, tp: int, pp: int = 1) -> str:
+    """tools/checkpoint/convert.py lsgd -> lsgd with the optimizer state, to TP `tp` x PP `pp`;
+    returns `dst`."""
     from tools.checkpoint.convert import main as convert
 
-    base = ["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", ckpt]
-    assert convert(base + ["--save-dir", os.path.join(out_dir, "model"), "--model-only"]) == 0
-    assert convert(base + ["--save-dir", os.path.join(out_dir, "full")]) == 2
-    assert refusal in capsys.readouterr().err
+    assert convert(["--model-type", "GPT", "--loader", "lsgd", "--saver", "lsgd", "--load-dir", src, "--save-dir",
+                    dst, "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp)]) == 0
+    return dst
+
+
+def by_parameter_state(ckpt: str) -> list:
+    """Every site's (model, optimizer and synchronizer tensors, values) as convert.py reads
+    them (resume_state.py), full tensors by name, copied out of the files."""
+    from megatron_lsgd.training.checkpointing.checkpointer import find_checkpoint, read_metadata
+    from megatron_lsgd.training.checkpointing.resume_state import CheckpointFiles, read_resume_state
+
+    iter_dir = find_checkpoint(ckpt)
+    src = CheckpointFiles(iter_dir, read_metadata(iter_dir))
+    sites = [({n: site.params[n].clone() for n in site.params},
+              {k: {n: by_name[n].clone() for n in by_name} for k, by_name in site.tensors.items()}, site.values)
+             for site in read_resume_state(src).sites]
+    src.files.release()
+    return sites
+
+
+def assert_same_by_parameter_state(got: list, want: list, what: str) -> None:
+    """Two by_parameter_state results hold the same values, bit for bit, site by site."""
+    from megatron_lsgd.training.checkpointing.parameter_state import _first_difference
+
+    assert len(got) == len(want)
+    for site, ((params, tensors, values), (params_w, tensors_w, values_w)) in enumerate(zip(got, want)):
+        # by name: the order a layout lists names in is its own
+        assert sorted(params) == sorted(params_w), (what, site)
+        assert all(torch.equal(params[n], params_w[n]) for n in params), (what, site)
+        assert sorted(tensors) == sorted(tensors_w), (what, site)
+        for key, by_name in tensors_w.items():
+            assert sorted(tensors[key]) == sorted(by_name), (what, site, key)
+            for name, value in by_name.items():
+                assert torch.equal(tensors[key][name], value), (what, site, key, name)
+        assert _first_difference(values, values_w) is None, (what, site, _first_difference(values, values_w))
 
 
 @contextlib.contextmanager

@@ -19,8 +19,9 @@ from and one full tensor, not by the model (tools/benchmarks/parts/convert_memor
 lsgd -> lsgd also reshards the optimizer state (Adam moments and step counts, the fp32
 main weights of bf16/fp16 models, ZeRO-1 shards, Muon momentum, the loss scaler), the LR
 schedule and data positions, and the synchronizer's per-parameter state (local-SGD
-anchors and outer momentum), for every site: the result resumes with --no-load-rng at any
-DP_intra, with or without --use-distributed-optimizer (RNG states are not converted). A
+anchors and outer momentum), for every site (sites of different data-parallel sizes or
+TP x PP layouts each read in their own): the result resumes with --no-load-rng at any DP_intra, with or without
+--use-distributed-optimizer (RNG states are not converted). A
 synchronizer state that cannot be mapped to parameters (error feedback, values in
 flight) is refused naming the algorithm; --model-only converts the weights alone (resume
 with --no-load-optim --no-load-rng). See docs/checkpointing.md.
@@ -54,7 +55,8 @@ def _plugin(kind: str, name: str):
 
 EPILOG = ("lsgd -> lsgd converts every site's model with its optimizer state (ZeRO-1 shards, Adam moments, fp32 main "
           "weights, loss scale), the LR schedule, the data positions and the synchronizer's per-parameter state "
-          "(local-SGD anchors, outer momentum); resume the result with --no-load-rng at any data-parallel size. "
+          "(local-SGD anchors, outer momentum), also of sites of different data-parallel sizes or layouts; resume "
+          "the result with --no-load-rng at any data-parallel size. "
           "Synchronizer state that cannot be resharded is refused naming the algorithm. See docs/checkpointing.md.")
 
 

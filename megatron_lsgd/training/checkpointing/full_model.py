@@ -98,7 +98,7 @@ def read_lsgd(load_dir: str, with_optimizer: bool = False) -> FullModel:
                               f"converted with --model-only): pass --model-only to convert the model weights alone")
     src = CheckpointFiles(iter_dir, meta)
     resume = read_resume_state(src) if with_optimizer else None
-    params = resume.sites[0].params if resume is not None else site_model(src, 0)[0]
+    params = resume.sites[0].params if resume is not None else site_model(src.for_site(0), 0)[0]
     full = FullModel(config_from_dict(meta["model_config"]), params, meta.get("args", {}), meta["iteration"],
                      meta["consumed_samples"], tokenizer=dict(meta.get("tokenizer") or {}),
                      source_has_optimizer=has_optimizer, resume=resume, release=src.files.release)
@@ -175,7 +175,9 @@ def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
             del state
             full.release()
         args = dict(full.args)
-        args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        # one TP x PP on every site now, whatever the source's sites had
+        args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                    site_tensor_model_parallel_sizes=None, site_pipeline_model_parallel_sizes=None)
         if full.tokenizer_files:  # carried along; point the args at the copy
             args["tokenizer_model"] = os.path.join(os.path.abspath(final), "tokenizer")
         metadata = {

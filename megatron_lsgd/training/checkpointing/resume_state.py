@@ -40,7 +40,7 @@ class SiteState:
 class ResumeState:
     sites: List[SiteState]
     metadata: Dict  # the CARRIED fields of the source's metadata.json
-    source_pp: int = 1
+    source_pp: List[int]  # every site's pipeline-parallel size in the source
 
 
 def check_target_layout(state: ResumeState, pp: int) -> None:
@@ -49,22 +49,35 @@ def check_target_layout(state: ResumeState, pp: int) -> None:
     from megatron_lsgd.core.lsgd.registry import synchronizer_class
 
     algorithm = state.metadata.get("lsgd_algorithm", "sync")
-    if pp != state.source_pp and len(state.sites) > 1 and synchronizer_class(algorithm).state_follows_pipeline:
+    sizes = sorted(set(state.source_pp))
+    if sizes != [pp] and len(state.sites) > 1 and synchronizer_class(algorithm).state_follows_pipeline:
+        # sites of different PP sizes: no one target size keeps every site's stages
+        keep = f"Keep --target-pipeline-parallel-size {sizes[0]} (TP and DP_intra may change), or convert" \
+            if len(sizes) == 1 else "The sites' pipeline sizes differ, so convert"
         raise CheckpointError(
-            f"cannot reshard the --lsgd-algorithm {algorithm} state from pipeline-parallel size {state.source_pp} to "
-            f"{pp}: it is organised by pipeline stage (fragments or schedules of a stage's units). Keep "
-            f"--target-pipeline-parallel-size {state.source_pp} (TP and DP_intra may change), or convert with "
-            f"--model-only (the optimizer and synchronizer start fresh)")
+            f"cannot reshard the --lsgd-algorithm {algorithm} state from pipeline-parallel size "
+            f"{','.join(map(str, state.source_pp)) if len(sizes) > 1 else sizes[0]} to {pp}: it is organised by "
+            f"pipeline stage (fragments or schedules of a stage's units). {keep} with --model-only (the optimizer "
+            f"and synchronizer start fresh)")
 
 
 class CheckpointFiles:
     """The files of one checkpoint iteration, opened memory-mapped through `files` (kept
-    until `files.release()`), each checked against metadata.json's size and checksum."""
+    until `files.release()`), each checked against metadata.json's size and checksum.
+    `tp`, `pp` and `dp` are site 0's (`for_site`: another site's, whose files follow its
+    own layout when the sites' sizes differ)."""
 
-    def __init__(self, iter_dir: str, meta: Dict, files: Optional[OpenFiles] = None):
+    def __init__(self, iter_dir: str, meta: Dict, files: Optional[OpenFiles] = None, site: int = 0):
         self.iter_dir, self.meta = iter_dir, meta
         self.files = files or OpenFiles()
-        self.tp, self.pp = meta["layout"]["tp"], meta["layout"]["pp"]
+        saved = meta["layout"]
+        self.tp = saved["site_tp"][site] if saved.get("site_tp") else saved["tp"]
+        self.pp = saved["site_pp"][site] if saved.get("site_pp") else saved["pp"]
+        self.dp = saved["site_dp"][site] if saved.get("site_dp") else saved["dp_intra"]
+
+    def for_site(self, site: int) -> "CheckpointFiles":
+        """The same files (and open handles) seen with `site`'s TP, PP and DP."""
+        return CheckpointFiles(self.iter_dir, self.meta, self.files, site)
 
     def read(self, rel: str) -> Dict:
         return self.files.torch_file(os.path.join(self.iter_dir, rel), self.meta["files"].get(rel),
@@ -119,6 +132,7 @@ def site_model(src: CheckpointFiles, site: int) -> Tuple[LazyTensors, Dict[str, 
 
 
 def _site_state(src: CheckpointFiles, site: int) -> SiteState:
+    src = src.for_site(site)  # each site's files follow its own TP x PP, its ZeRO-1 shards its own DP size
     meta = src.meta
     algorithm = meta.get("lsgd_algorithm", "sync")
     params, partition = site_model(src, site)
@@ -136,7 +150,7 @@ def _site_state(src: CheckpointFiles, site: int) -> SiteState:
         else:
             where = os.path.join(src.iter_dir, mp_dir, f"(site {site})")
             ranks = [src.read(os.path.join(mp_dir, layout.rank_file_name(site, dp)))
-                     for dp in range(meta["layout"]["dp_intra"])]
+                     for dp in range(src.dp)]
             local_shapes = {name: tuple(v.shape) for name, v in src.read(src.model_rel(slot, site))["params"].items()}
             part = from_rank_states(ranks, local_shapes, algorithm, where)
             shapes = {key: {name: local_shapes[name] for name in by_name} for key, by_name in part["pieces"].items()}
@@ -164,18 +178,30 @@ def _site_state(src: CheckpointFiles, site: int) -> SiteState:
 def read_resume_state(src: CheckpointFiles) -> ResumeState:
     """Every site's model and its optimizer/synchronizer state, full tensors by name, each
     made from the source files when asked for (the index of what lies where is read here:
-    the files' structure, no tensor values)."""
+    the files' structure, no tensor values). Sites of different data-parallel sizes or
+    TP x PP layouts are each read in their own layout: the by-parameter form does not
+    depend on it."""
+    sites = [_site_state(src, site) for site in range(src.meta["layout"]["sites"])]
+    metadata = {k: src.meta[k] for k in CARRIED if k in src.meta}
     site_dp = src.meta["layout"].get("site_dp")
     if site_dp:
-        raise CheckpointError(f"{src.iter_dir} was saved by sites of different data-parallel sizes "
-                              f"({','.join(map(str, site_dp))}): converting such a checkpoint is not supported "
-                              f"yet; resume it with the same --site-data-parallel-sizes")
-    if src.meta["layout"].get("site_tp"):
-        raise CheckpointError(f"{src.iter_dir} was saved by sites of different tensor x pipeline layouts: converting "
-                              f"its optimizer state is not supported yet; resume it with the same site layouts, or "
-                              f"convert site 0's model with --model-only")
-    sites = [_site_state(src, site) for site in range(src.meta["layout"]["sites"])]
-    return ResumeState(sites, {k: src.meta[k] for k in CARRIED if k in src.meta}, source_pp=src.pp)
+        _check_in_step(src, site_dp)
+        # A site's count is its share of the samples (DP_s / DP), which a layout of other
+        # sizes does not keep; without it each site resumes at its share of the job's
+        # count (checkpointer.py), the same position of the global order.
+        metadata.pop("site_consumed_samples", None)
+    return ResumeState(sites, metadata, source_pp=[src.for_site(s).pp for s in range(len(sites))])
+
+
+def _check_in_step(src: CheckpointFiles, site_dp: List[int]) -> None:
+    """Sites of different sizes are at one position of the global order (every algorithm
+    that takes them runs in lockstep): site s has read DP_s / DP of the job's samples."""
+    total, counts = src.meta.get("consumed_samples", 0), src.meta.get("site_consumed_samples")
+    if counts and any(c * sum(site_dp) != total * dp for c, dp in zip(counts, site_dp)):
+        raise CheckpointError(f"{src.iter_dir}: the sites' consumed samples {counts} are not their shares of the "
+                              f"job's {total} for data-parallel sizes {','.join(map(str, site_dp))}, so no other "
+                              f"layout can continue their data positions; resume it with the same "
+                              f"--site-data-parallel-sizes")
 
 
 def padded_rows(tensors: Mapping, names, padded: int) -> Mapping:

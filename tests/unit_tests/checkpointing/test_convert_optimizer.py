@@ -250,8 +250,9 @@ def test_a_pipeline_change_is_refused_for_state_organised_by_stage():
     from megatron_lsgd.training.checkpointing.resume_state import (ResumeState, SiteState,
                                                                    check_target_layout)
 
-    def state(algorithm, sites=2):
-        return ResumeState([SiteState({}, {}, {}) for _ in range(sites)], {"lsgd_algorithm": algorithm}, source_pp=1)
+    def state(algorithm, sites=2, pp=(1, 1)):
+        return ResumeState([SiteState({}, {}, {}) for _ in range(sites)], {"lsgd_algorithm": algorithm},
+                           source_pp=list(pp[:sites]))
 
     for algorithm in ("streaming-diloco", "cocodc", "dreamddp"):
         with pytest.raises(CheckpointError, match=f"cannot reshard the --lsgd-algorithm {algorithm} state from "
@@ -259,5 +260,29 @@ def test_a_pipeline_change_is_refused_for_state_organised_by_stage():
             check_target_layout(state(algorithm), 2)
         check_target_layout(state(algorithm), 1)  # TP and DP_intra may change
         check_target_layout(state(algorithm, sites=1), 2)  # one site: the synchronizer does nothing
+        # sites of different PP sizes: any target moves one site's stages
+        for pp in (1, 2):
+            with pytest.raises(CheckpointError, match=f"from pipeline-parallel size 2,1 to {pp}: .* The sites' "
+                                                      f"pipeline sizes differ, so convert with --model-only"):
+                check_target_layout(state(algorithm, pp=(2, 1)), pp)
     for algorithm in ("sync", "diloco", "edit"):
         check_target_layout(state(algorithm), 2)
+
+
+def test_sites_of_different_sizes_convert_only_at_one_data_position():
+    """A checkpoint of sites 2 + 1 drops each site's sample count (its 2:1 share would not fit
+    another layout: each site resumes at its share of the job's count), which is right only
+    when the sites stand at one position of the global order."""
+    from types import SimpleNamespace
+
+    from megatron_lsgd.training.checkpointing.errors import CheckpointError
+    from megatron_lsgd.training.checkpointing.resume_state import _check_in_step
+
+    def src(counts):
+        return SimpleNamespace(iter_dir="ck/iter_0000003", meta={"consumed_samples": 36,
+                                                                  "site_consumed_samples": counts})
+    _check_in_step(src([24, 12]), [2, 1])
+    for counts in ([18, 18], [24, 16]):
+        with pytest.raises(CheckpointError, match=r"ck/iter_0000003: the sites' consumed samples .* are not their "
+                                                  r"shares of the job's 36 for data-parallel sizes 2,1"):
+            _check_in_step(src(counts), [2, 1])

@@ -15,8 +15,8 @@
     every site whatever the shard they sit in (no clipping: the gradient norm is summed in
     another order on each layout, so a clip factor could differ in its last bit);
   * a pause and resume (--exit-interval, --load) reproduces the uninterrupted TP2 + TP1 run bit
-    for bit, each site from its own files in its own layout; convert.py converts site 0's
-    model and refuses the optimizer state;
+    for bit, each site from its own files in its own layout; convert.py converts every site's
+    optimizer state (the oracles are _assert_converted_per_site's docstring);
   * equivalence: each of those runs trains like the same run on sites of TP1 (same seed, same
     data: a replica's samples follow its data-parallel index, which the layouts keep). The
     TP1 site computes the same thing in both runs; the TP2 / PP2 site's forward and backward
@@ -47,8 +47,9 @@ import torch
 
 from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
 from megatron_lsgd.training.arguments import build_config, parse_args
-from tests.unit_tests.harness import (assert_converts_model_only, assert_replicas_identical, assert_resumed_per_site,
-                                     logged_losses, merge_full_params, run_distributed_many)
+from tests.unit_tests.harness import (assert_replicas_identical, assert_resumed_per_site,
+                                     assert_same_by_parameter_state, by_parameter_state, convert_lsgd, logged_losses,
+                                     merge_full_params, run_distributed_many)
 from tests.unit_tests.training.test_arguments import BASE
 
 TP, PP = "--site-tensor-model-parallel-sizes", "--site-pipeline-model-parallel-sizes"
@@ -278,22 +279,33 @@ def _assert_trains_like(run, reference):
 
 @pytest.mark.slow
 def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(tmp_path, capsys):
-    ckpt, ckpt_x, ckpt_s = (str(tmp_path / name) for name in ("ckpt", "ckpt-dilocox", "ckpt-streaming"))
+    ckpt, ckpt_x, ckpt_s, ckpt_pp = (str(tmp_path / name) for name in ("ckpt", "ckpt-dilocox", "ckpt-streaming",
+                                                                      "ckpt-pp"))
 
-    def paused_and_resumed(argv, at, where):
-        return [argv + [TP, "2,1", "--save", where] + extra for extra in (["--exit-interval", str(at)],
-                                                                          ["--load", where])]
-    reference, x_reference, s_reference, c_reference, xa_reference = run_distributed_many(
-        [ONE_REPLICA, DILOCOX, STREAMING, COCODC, DILOCOX + APPLY_STEP], 2)
+    def paused_and_resumed(argv, at, where):  # the resumed run saves elsewhere: `where` keeps the pause
+        return [argv + [TP, "2,1", "--save", where, "--exit-interval", str(at)],
+                argv + [TP, "2,1", "--save", where + "-end", "--load", where]]
+    # the diloco pause resumed to iteration 4, an inner step: each site's own state, not yet mixed
+    to4 = ["--no-load-rng", "--exit-interval", "4"]
     (tp2, paused, resumed, reference_unequal, x_tp2, x_paused, x_resumed, s_tp2, s_paused, s_resumed,
-     c_tp2, c_measured, xa_tp2) = run_distributed_many(
+     c_tp2, c_measured, xa_tp2, source_to4) = run_distributed_many(
         [ONE_REPLICA + [TP, "2,1"]] + paused_and_resumed(ONE_REPLICA, 3, ckpt) + [UNEQUAL] +
         [DILOCOX + [TP, "2,1"]] + paused_and_resumed(DILOCOX, 3, ckpt_x) +
         [STREAMING + [TP, "2,1"]] + paused_and_resumed(STREAMING, 2, ckpt_s) + [COCODC + [TP, "2,1"]] +
-        [COCODC + [TP, "2,1", "--lsgd-cocodc-syncs-per-round", "0"], DILOCOX + APPLY_STEP + [TP, "2,1"]], 3)
-    tp2_pp2, tp2_unequal, s_tp2_pp2 = run_distributed_many([ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"],
-                                                            STREAMING + [TP, "2,1", PP, "2,1"]], 5)
-    (reference_dp2,) = run_distributed_many([TWO_REPLICAS + ZERO1], 4)
+        [COCODC + [TP, "2,1", "--lsgd-cocodc-syncs-per-round", "0"], DILOCOX + APPLY_STEP + [TP, "2,1"],
+         ONE_REPLICA + [TP, "2,1", "--load", ckpt] + to4], 3)
+    tp2_pp2, tp2_unequal, s_tp2_pp2, _, pp_source_to4 = run_distributed_many(
+        [ONE_REPLICA + [TP, "2,1", PP, "2,1"], UNEQUAL + [TP, "2,1"], STREAMING + [TP, "2,1", PP, "2,1"],
+         ONE_REPLICA + [TP, "2,1", PP, "2,1", "--save", ckpt_pp, "--exit-interval", "3"],
+         ONE_REPLICA + [TP, "2,1", PP, "2,1", "--load", ckpt_pp] + to4], 5)
+    tp1, tp2_all = convert_lsgd(ckpt, str(tmp_path / "tp1"), 1), convert_lsgd(ckpt, str(tmp_path / "tp2"), 2)
+    pp_tp1 = convert_lsgd(ckpt_pp, str(tmp_path / "pp-tp1"), 1)
+    pp_pp2 = convert_lsgd(ckpt_pp, str(tmp_path / "pp-pp2"), 1, 2)
+    reference, x_reference, s_reference, c_reference, xa_reference, tp1_to4, pp_tp1_to4 = run_distributed_many(
+        [ONE_REPLICA, DILOCOX, STREAMING, COCODC, DILOCOX + APPLY_STEP, ONE_REPLICA + ["--load", tp1] + to4,
+         ONE_REPLICA + ["--load", pp_tp1] + to4], 2)
+    reference_dp2, tp2_to4 = run_distributed_many(
+        [TWO_REPLICAS + ZERO1, ONE_REPLICA + ["--tensor-model-parallel-size", "2", "--load", tp2_all] + to4], 4)
     zero1, plain = run_distributed_many([TWO_REPLICAS + [TP, "2,1"] + ZERO1, TWO_REPLICAS + [TP, "2,1"]], 6)
     assert logged_losses(reference)[-1] < logged_losses(reference)[0], "the reference run should learn"
     for run in (tp2, tp2_pp2, zero1, plain, tp2_unequal):
@@ -320,6 +332,35 @@ def test_sites_of_different_layouts_end_on_one_anchor_and_train_like_tp1_sites(t
     assert_replicas_identical(c_measured)
     assert_resumed_per_site(x_tp2, x_paused, x_resumed, 3)
     assert_resumed_per_site(s_tp2, s_paused, s_resumed, 2)
-    # tools/checkpoint/convert.py: site 0's model converts, the optimizer state of such sites is refused
-    assert_converts_model_only(ckpt, str(tmp_path), capsys, "saved by sites of different tensor x pipeline layouts: "
-                                                            "converting its optimizer state is not supported")
+    _assert_converted_per_site(ckpt, [tp1, tp2_all], source_to4, [(tp1_to4, 1), (tp2_to4, 0)])
+    _assert_converted_per_site(ckpt_pp, [pp_tp1, pp_pp2], pp_source_to4, [(pp_tp1_to4, 1)])
+
+
+def _assert_converted_per_site(ckpt, converted, source, resumed) -> None:
+    """tools/checkpoint/convert.py converts the diloco pause at 3 of a TP 2 (x PP 2) site beside a
+    TP 1 site (each site's files in its own layout) with every site's optimizer and
+    synchronizer state. Oracles: (1) the by-parameter state read from the source equals, bit
+    for bit and site by site, the one read back from each of its `converted` checkpoints (TP 1,
+    TP 2, PP 2: values are moved, TP slices and stages cut and merged, nothing computed).
+    (2) Iteration 4 is an inner step (rounds end at 3 and 5; --exit-interval does not close a
+    round): each site steps alone, so a site resumed from the conversion in its source layout
+    repeats the source's step exactly; `resumed` pairs each run with that site (on 2 sites of
+    TP 1, site 1; on 2 sites of TP 2, site 0), which ends bit for bit on the source's model and
+    anchor. A moment, step count or anchor gathered to the wrong parameter or site breaks it.
+    The other site computes in another layout, so it agrees to the module's 1e-5."""
+    source_state = by_parameter_state(ckpt)
+    for where in converted:
+        assert_same_by_parameter_state(by_parameter_state(where), source_state, where)
+    for run, exact in resumed:
+        for site in range(2):
+            got, want = merge_full_params(run, site=site), merge_full_params(source, site=site)
+            for name in want:
+                if site == exact:
+                    assert torch.equal(got[name], want[name]), (site, name)
+                else:
+                    torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+        anchors = {(r["coords"].site, r["coords"].tp, r["coords"].pp): r["anchors"] for r in source}
+        for rec in run:
+            if rec["coords"].site == exact:
+                want = anchors[(exact, rec["coords"].tp, rec["coords"].pp)]
+                assert len(rec["anchors"]) == len(want) and all(map(torch.equal, rec["anchors"], want)), exact

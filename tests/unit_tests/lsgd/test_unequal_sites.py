@@ -23,20 +23,24 @@
   * the same diloco run without ZeRO-1 (site 0's replicas then split what they send);
   * a checkpoint: the diloco run paused at iteration 3 (--exit-interval) and resumed with
     --load reproduces the uninterrupted run bit for bit, each site from its own files; the
-    converter takes its model and refuses its optimizer state;
+    converter carries every site's optimizer state (the oracles are
+    _assert_converted_optimizer_state_resumes's docstring);
 - the same with two pipeline stages (6 ranks): sync against one site of DP 3, diloco's
   replicas equal at the end.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
 from megatron_lsgd.training.arguments import build_config, parse_args
-from tests.unit_tests.harness import (assert_converts_model_only, assert_replicas_identical, assert_resumed_per_site,
-                                      free_port, logged_losses, merge_full_params, run_distributed_many, spawn)
+from tests.unit_tests.harness import (assert_replicas_identical, assert_resumed_per_site,
+                                      assert_same_by_parameter_state, by_parameter_state, convert_lsgd, free_port,
+                                      logged_losses, merge_full_params, run_distributed_many, spawn)
 from tests.unit_tests.lsgd import twin_replica_data
 from tests.unit_tests.training.test_arguments import BASE
 
@@ -297,7 +301,7 @@ def test_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path, ca
         "diloco": COMMON + UNEQUAL + ZERO1 + DILOCO,
         "diloco-plain": COMMON + UNEQUAL + DILOCO,
         "paused": COMMON + UNEQUAL + ZERO1 + DILOCO + ["--save", ckpt, "--exit-interval", "3"],
-        "resumed": COMMON + UNEQUAL + ZERO1 + DILOCO + ["--save", ckpt, "--load", ckpt],
+        "resumed": COMMON + UNEQUAL + ZERO1 + DILOCO + ["--save", ckpt + "-end", "--load", ckpt],
     }
     runs = dict(zip(argvs, run_distributed_many(list(argvs.values()), 3, setup_module=twin_replica_data.MODULE)))
     losses = logged_losses(runs["dp3"])
@@ -312,9 +316,44 @@ def test_sites_of_dp_two_and_one_train_like_their_equal_equivalents(tmp_path, ca
     assert [r["consumed"] for r in runs["diloco"]] == [(72, 48), (72, 48), (72, 24)]
     # paused at 3, resumed from each site's own files: the uninterrupted run, bit for bit
     assert_resumed_per_site(runs["diloco"], runs["paused"], runs["resumed"], 3)
-    # tools/checkpoint/convert.py: the model converts, the optimizer state of unequal sites is refused
-    assert_converts_model_only(ckpt, str(tmp_path), capsys, "saved by sites of different data-parallel sizes (2,1): "
-                                                            "converting such a checkpoint is not supported")
+    _assert_converted_optimizer_state_resumes(ckpt, tmp_path, runs)
+
+
+def _assert_converted_optimizer_state_resumes(ckpt: str, tmp_path, runs: dict) -> None:
+    """tools/checkpoint/convert.py converts the diloco run paused at 3 (sites 2 + 1, ZeRO-1: site
+    0's Adam moments and anchors lie in two shards, site 1's in one, each of buckets padded to
+    L = 2 lanes), each site gathered with its own DP size.
+
+    Oracles: (1) the by-parameter state read from the source equals, bit for bit and for every
+    site, the one read back from its conversions to TP 1 and to TP 2 (the converter moves values;
+    merging the TP 2 slices is the inverse of cutting them). (2) The TP 1 conversion resumed by
+    sites 2 + 1 is the source's own resume bit for bit: loading places each parameter's values in
+    this run's shards, and AdamW and the outer step are elementwise, so any value the gather put
+    at a wrong parameter, lane or site would change the trajectory. (3) Resumed by equal sites of
+    DP 1 (another batch split, so no bitwise trajectory to compare with): each site starts from
+    its own saved model and at its share of the job's samples (36 / 2, not the 2:1 shares of
+    the source), and the loaded optimizer state changes the training (a fresh one does not)."""
+    source = by_parameter_state(ckpt)
+    moments = [site[1]["torch/exp_avg"] for site in source]
+    assert all(not torch.equal(moments[0][n], moments[1][n]) for n in moments[0]), "each site's own state"
+    tp1, tp2 = convert_lsgd(ckpt, str(tmp_path / "tp1"), 1), convert_lsgd(ckpt, str(tmp_path / "tp2"), 2)
+    assert_same_by_parameter_state(by_parameter_state(tp1), source, "TP 1")
+    assert_same_by_parameter_state(by_parameter_state(tp2), source, "TP 2")
+
+    resumed = run_distributed_many([COMMON + UNEQUAL + ZERO1 + DILOCO + ["--load", tp1, "--no-load-rng"]], 3,
+                                   setup_module=twin_replica_data.MODULE)[0]
+    assert_resumed_per_site(runs["diloco"], runs["paused"], resumed, 3)
+
+    equal = COMMON + ["--num-sites", "2"] + ZERO1 + DILOCO + ["--load", tp1, "--no-load-rng"]
+    loaded, trained, fresh = run_distributed_many([equal + ["--train-iters", "3"], equal, equal + ["--no-load-optim"]],
+                                                  2)
+    for site in range(2):
+        got, want = merge_full_params(loaded, site=site), merge_full_params(runs["paused"], site=site)
+        assert all(torch.equal(got[n], want[n]) for n in want), f"site {site} loaded another model"
+    assert [r["consumed"] for r in trained] == [(72, 36), (72, 36)]
+    losses = logged_losses(trained)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert max(abs(a - b) for a, b in zip(losses, logged_losses(fresh))) > 1e-3, "the optimizer state was loaded"
 
 
 @pytest.mark.slow
