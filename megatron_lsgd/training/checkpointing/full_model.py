@@ -175,9 +175,11 @@ def write_lsgd(full: FullModel, save_dir: str, tp: int, pp: int) -> str:
             del state
             full.release()
         args = dict(full.args)
-        # one TP x PP on every site now, whatever the source's sites had
+        # one TP x PP on every site now and sites of one size, whatever the source's sites had
+        # (a refused resume names the flags that differ from these: checkpointer._changed_flags)
         args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                    site_tensor_model_parallel_sizes=None, site_pipeline_model_parallel_sizes=None)
+                    site_tensor_model_parallel_sizes=None, site_pipeline_model_parallel_sizes=None,
+                    site_data_parallel_sizes=None)
         if full.tokenizer_files:  # carried along; point the args at the copy
             args["tokenizer_model"] = os.path.join(os.path.abspath(final), "tokenizer")
         metadata = {

@@ -31,13 +31,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 import torch
 
 from megatron_lsgd.core.parallel_state import ParallelDims, enumerate_group_ranks
 from megatron_lsgd.training.arguments import build_config, parse_args
+from megatron_lsgd.training.checkpointing.layout import read_tracker
 from tests.unit_tests.harness import (assert_replicas_identical, assert_resumed_per_site,
                                       assert_same_by_parameter_state, by_parameter_state, convert_lsgd, free_port,
                                       logged_losses, merge_full_params, run_distributed_many, spawn)
@@ -339,6 +342,9 @@ def _assert_converted_optimizer_state_resumes(ckpt: str, tmp_path, runs: dict) -
     tp1, tp2 = convert_lsgd(ckpt, str(tmp_path / "tp1"), 1), convert_lsgd(ckpt, str(tmp_path / "tp2"), 2)
     assert_same_by_parameter_state(by_parameter_state(tp1), source, "TP 1")
     assert_same_by_parameter_state(by_parameter_state(tp2), source, "TP 2")
+    with open(os.path.join(tp1, read_tracker(tp1), "metadata.json")) as f:
+        args = json.load(f)["args"]  # the target's sites are of one size: no flag names the source's
+    assert args["site_data_parallel_sizes"] is None and args["tensor_model_parallel_size"] == 1
 
     resumed = run_distributed_many([COMMON + UNEQUAL + ZERO1 + DILOCO + ["--load", tp1, "--no-load-rng"]], 3,
                                    setup_module=twin_replica_data.MODULE)[0]
