@@ -19,7 +19,7 @@ from megatron_lsgd.core.distributed.data_parallel import DDPConfig
 from megatron_lsgd.core.lsgd import catalog
 from megatron_lsgd.core.lsgd.config import LsgdConfig, RunFacts
 from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions
-from megatron_lsgd.core.lsgd.options import OptionGroup, finite_float, option
+from megatron_lsgd.core.options import OptionGroup, finite_float, option
 from megatron_lsgd.core.optimizer.config import OptimizerConfig
 from megatron_lsgd.core.parallel_state import ParallelDims
 from megatron_lsgd.core.transformer.config import TransformerConfig

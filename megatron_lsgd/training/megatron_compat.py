@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megatron_lsgd.core.lsgd.options import finite_float
+from megatron_lsgd.core.options import finite_float
 from megatron_lsgd.training.batch_schedule import BatchSchedule
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")

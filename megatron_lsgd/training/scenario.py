@@ -45,7 +45,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.simulation import CostModel, LinkModel, SimulatedClock
 
 DEFAULT_MICROBATCH_SECONDS = 0.05

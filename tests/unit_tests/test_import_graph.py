@@ -1,6 +1,6 @@
 """No import circles: the package's imports (a lazy import inside a function counts too:
 it only hides the circle) form a DAG (core/lsgd reads
-top-down: options/config -> comm/means/compressors -> protocol -> registry -> algorithms ->
+top-down: config -> comm/means/compressors -> protocol -> registry -> algorithms ->
 catalog), and core/ never imports training/."""
 
 import ast

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, List, Optional
 
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 
 
 def _own_files_help(what: str) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron_lsgd.core.distributed.collectives import reduce_scatter_flat
 from megatron_lsgd.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.parallel_state import ProcessGroups
 
 

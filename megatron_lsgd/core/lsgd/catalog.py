@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 from megatron_lsgd.core.lsgd import algorithms
 from megatron_lsgd.core.lsgd.config import COMPRESSIONS, SHARED_GROUPS, LinkOptions, LsgdConfig, RunFacts
-from megatron_lsgd.core.lsgd.options import OptionGroup, dest_of
+from megatron_lsgd.core.options import OptionGroup, dest_of
 from megatron_lsgd.core.lsgd.registry import registered_algorithms, synchronizer_class
 
 __all__ = ["add_arguments", "arguments_it_ignores", "config_from_args", "fault_tolerant_algorithms",

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_lsgd.core.lsgd.options import NoOptions, OptionGroup, option
+from megatron_lsgd.core.options import NoOptions, OptionGroup, option
 
 COMPRESSIONS = ("none", "int8", "int4", "lowrank-int4", "topk-2bit")
 QUANTIZED_MEAN_VARIANTS = ("auto", "allgather", "alltoall")

@@ -60,7 +60,7 @@ from megatron_lsgd.core.clock import Clock
 from megatron_lsgd.core.lsgd.comm import InterSiteComm
 from megatron_lsgd.core.lsgd.config import LsgdConfig
 from megatron_lsgd.core.lsgd.membership import AllSites, SiteMembership
-from megatron_lsgd.core.lsgd.options import NoOptions
+from megatron_lsgd.core.options import NoOptions
 from megatron_lsgd.core.parallel_state import ProcessGroups
 
 if TYPE_CHECKING:  # types only: the optimizer and the DDP wrapper import nothing from here

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from megatron_lsgd.core.lsgd.options import AS_GIVEN, OptionGroup, option
+from megatron_lsgd.core.options import AS_GIVEN, OptionGroup, option
 
 
 @dataclass

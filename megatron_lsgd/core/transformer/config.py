@@ -7,7 +7,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from megatron_lsgd.core.lsgd.options import AS_GIVEN, OptionGroup, option
+from megatron_lsgd.core.options import AS_GIVEN, OptionGroup, option
 from megatron_lsgd.core.transformer import recompute
 
 

@@ -1,4 +1,4 @@
-"""Typed option groups (core/lsgd/options.py): a flag declared once on a dataclass field gives
+"""Typed option groups (core/options.py): a flag declared once on a dataclass field gives
 the argparse flag, the typed object and the changed flags; the core configs are declared so
 (arguments.py reads them with from_args)."""
 
@@ -10,7 +10,7 @@ from typing import ClassVar, List, Optional
 
 import pytest
 
-from megatron_lsgd.core.lsgd.options import AS_GIVEN, OptionGroup, option
+from megatron_lsgd.core.options import AS_GIVEN, OptionGroup, option
 
 
 @dataclass

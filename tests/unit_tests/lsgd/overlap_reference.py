@@ -28,7 +28,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register, registered_algorithms
 

@@ -630,4 +630,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    run_tool(main, "finished runs are kept in the cache; the same command resumes after them")
+    run_tool(main, "finished runs are kept in the cache and a run stopped midway keeps its last checkpoint; the same command resumes both")

@@ -124,7 +124,7 @@ from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.comm import Tally
 from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_error
 from megatron_lsgd.core.lsgd.devices import worker_group_backend
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import StepResult, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import run_blocking
 from megatron_lsgd.core.lsgd.registry import register

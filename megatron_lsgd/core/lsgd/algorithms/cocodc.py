@@ -66,7 +66,7 @@ import torch
 
 from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.means import SideValues
-from megatron_lsgd.core.lsgd.options import option
+from megatron_lsgd.core.options import option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.registry import register
 from megatron_lsgd.core.lsgd.algorithms.streaming import FragmentOptions, InFlight, StreamingDiLoCo

@@ -69,7 +69,7 @@ from megatron_lsgd.core.lsgd.agreement import agree_max_in_job
 from megatron_lsgd.core.lsgd.canonical_exchange import use_dedicated_lanes
 from megatron_lsgd.core.lsgd.compressors import compression_error
 from megatron_lsgd.core.lsgd.algorithms.diloco import LocalSGDBase
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.reduction import PendingReduce
 from megatron_lsgd.core.lsgd.registry import register

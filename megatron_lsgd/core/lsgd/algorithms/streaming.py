@@ -71,7 +71,7 @@ from megatron_lsgd.core.lsgd.compressors import CompressorBank, compression_erro
 from megatron_lsgd.core.lsgd.fragments import PARTITIONS, partition
 from megatron_lsgd.core.lsgd.means import SideValues, fp32_mean
 from megatron_lsgd.core.lsgd.membership import Finished
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import QueuedReduce, Reduction, ReductionQueue

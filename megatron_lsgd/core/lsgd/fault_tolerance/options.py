@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lsgd.core.lsgd import catalog
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 
 MODES = ("none", "torchft")
 LONE_SITE = ("stop", "train")

@@ -63,7 +63,7 @@ from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import (BackwardRecorde
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
                                                       fastest_sample, probe_link, read_profile_file, stage_of)
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import SCHEDULERS
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
 from megatron_lsgd.core.lsgd.site_split import SiteSplit, average_grads_across_sites

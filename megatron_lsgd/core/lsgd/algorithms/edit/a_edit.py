@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.algorithms.edit.edit import EDiT, EDiTOptions
-from megatron_lsgd.core.lsgd.options import option
+from megatron_lsgd.core.options import option
 from megatron_lsgd.core.lsgd.protocol import Meeting, Progress, Stop, SyncContext, stop_at_meeting
 from megatron_lsgd.core.lsgd.registry import register
 

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from megatron_lsgd.core.lsgd.compressors import CompressorBank
 from megatron_lsgd.core.lsgd.algorithms.edit.penalty import PARTS, Decision, Penalty, clip_coefficient, parse_parts
-from megatron_lsgd.core.lsgd.options import OptionGroup, option
+from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.reduction import PendingReduce

@@ -1,7 +1,7 @@
 """Typed option groups: a dataclass whose fields carry their command-line flag.
 
-Each group (a shared piece such as the outer optimizer, or one algorithm's own knobs)
-declares its fields once, with `option(...)`; the same declaration gives the argparse
+Each group (a core config such as the model's or the optimizer's, a shared lsgd piece such as
+the outer optimizer, or one algorithm's own knobs) declares its fields once, with `option(...)`; the same declaration gives the argparse
 group (`add_arguments`), the typed object (`from_args`) and the list of flags a user set
 to something other than the default (`changed_flags`, for "this flag needs another
 algorithm" errors). Validation is each group's own `validate()`.
