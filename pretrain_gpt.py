@@ -15,7 +15,7 @@ import torch
 
 from megatron_lsgd.core.datasets import build_train_valid_test_datasets
 from megatron_lsgd.core.models.gpt import GPTModel
-from megatron_lsgd.training.initialize import shutdown_distributed
+from megatron_lsgd.training.initialize import exit_finished_run, shutdown_distributed
 from megatron_lsgd.training.training import pretrain
 
 
@@ -60,3 +60,4 @@ def main(argv=None):
 if __name__ == "__main__":
     main()
     shutdown_distributed()
+    exit_finished_run()  # gloo's teardown can abort a finished run (initialize.exit_finished_run)

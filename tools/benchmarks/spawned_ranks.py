@@ -8,26 +8,22 @@ at once and raises KeyboardInterrupt, for the tool to say what it kept and how t
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from typing import Callable, Sequence
 
 import torch.multiprocessing as mp
 
+from megatron_lsgd.training.initialize import exit_finished_run
 from tools.benchmarks.tool_input import tool_errors
 
 
 def _rank(rank: int, worker: Callable, *args) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the ranks, all at once
     worker(rank, *args)
-    # The rank's work is done and written (a worker writes its result before it returns). What
-    # is left is the interpreter's teardown, which after gloo process groups can abort
-    # ("terminate called without an active exception": once, 2026-11-28, in rank 0 of a
-    # finished 1400-step run, the rank that hosts the TCPStore) and would fail a complete run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The rank's work is done and written (a worker writes its result before it returns); the
+    # interpreter's teardown after gloo process groups can abort and would fail a complete run.
+    exit_finished_run()
 
 
 def _interrupt(signum, frame) -> None:
