@@ -262,25 +262,11 @@ def gather_parts(tensors, parts: int, index: int, group, bounds=None) -> None:
     Shared by every synchronizer that splits a site's cross-site traffic over its DP_intra
     ranks without ZeRO-1 (sync, edit, acco, dreamddp). `bounds[t][q]`: rank q's (lo, hi) of
     tensor t instead (ShardViews.clip's parts; each padded to the largest)."""
-    if bounds is not None:
-        return _gather_bounds(tensors, parts, index, group, bounds)
-    chunks = [-(-t.numel() // parts) for t in tensors]
-    send = torch.zeros(sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
-    offset = 0
-    for t, chunk in zip(tensors, chunks):
-        lo, hi = min(t.numel(), index * chunk), min(t.numel(), (index + 1) * chunk)
-        send[offset:offset + hi - lo] = t[lo:hi]
-        offset += chunk
-    recv = torch.empty(parts * send.numel(), dtype=send.dtype, device=send.device)
-    all_gather_flat(recv, send, group=group)
-    whole = recv.view(parts, -1)
-    offset = 0
-    for t, chunk in zip(tensors, chunks):
-        t.copy_(whole[:, offset:offset + chunk].reshape(-1)[:t.numel()])
-        offset += chunk
-
-
-def _gather_bounds(tensors, parts: int, index: int, group, bounds) -> None:
+    if bounds is None:  # equal parts (the last ones shorter or empty)
+        bounds = []
+        for t in tensors:
+            chunk = -(-t.numel() // parts)
+            bounds.append([(min(t.numel(), q * chunk), min(t.numel(), (q + 1) * chunk)) for q in range(parts)])
     chunks = [max(hi - lo for lo, hi in b) for b in bounds]
     send = torch.zeros(sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0
