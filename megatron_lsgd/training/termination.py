@@ -35,6 +35,7 @@ meeting's progress).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Optional, Tuple
 
 import torch
@@ -75,8 +76,9 @@ class StopVote:
         return elapsed, signalled > 0
 
 
-class Termination:
-    """What both stop rules share: the run's clock, --exit-duration-in-mins and the signals."""
+class Termination(ABC):
+    """What both stop rules share: the run's clock, --exit-duration-in-mins and the signals;
+    each loop's rule (below) decides after a step."""
 
     def __init__(self, training_config, clock: Clock, signals=None):
         self.cfg = training_config
@@ -91,8 +93,9 @@ class Termination:
     def signalled(self) -> bool:
         return self.signals is not None and self.signals.noted is not None
 
+    @abstractmethod
     def after_step(self, iteration: int, site_samples: int) -> Optional[Stop]:
-        raise NotImplementedError
+        """The stop this step calls for, or None to go on."""
 
     def _signal_reason(self) -> str:
         return f"--exit-signal-handler: {self.signals.noted or 'SIGTERM'} on some rank"
