@@ -11,8 +11,8 @@ import torch
 
 from megatron_lsgd.core.distributed.collectives import all_gather_flat
 from megatron_lsgd.core.lsgd.canonical_exchange import CanonicalExchange
-from megatron_lsgd.core.lsgd.compressors import CompressorBank
-from megatron_lsgd.core.lsgd.means import SideValues
+from megatron_lsgd.core.lsgd.compressors import Compressor, CompressorBank
+from megatron_lsgd.core.lsgd.means import SideValues, fp32_mean
 from megatron_lsgd.core.lsgd.protocol import SyncContext
 from megatron_lsgd.core.lsgd.reduction import Reduction, run_blocking
 
@@ -39,7 +39,7 @@ class SiteSplit:
     its buckets, which are the same on every site (`mine`, `lane_cuts`, `gather_views`), for
     means that overlap inner steps on lane groups of their own (`on_lanes`): exact with side
     values riding along (`lane_mean`: streaming-diloco, cocodc), or by a reducer per lane
-    (`lane_views`, `lane_reduce`: dilocox's compressor per lane); `square_norm` sums a norm
+    (`lane_compressors`, `lane_reduce`: the DiLoCo family's compressed means); `square_norm` sums a norm
     over such cuts in one order on every site (cocodc's choice of fragment)."""
 
     def __init__(self, pgs, sharded: bool, shard_sizes: Optional[List[int]] = None):
@@ -160,19 +160,40 @@ class SiteSplit:
                                   key=f"{views.fragment}/lane{lane}of{self.pgs.dims.lanes}"))
         return out
 
+    def lane_compressors(self, bank: CompressorBank, views, device: torch.device, comm) -> List[Compressor]:
+        """A compressor per lane this rank holds of `views` (built on `lane_views`: its own
+        blocks and error feedback, the same values on both ends of the lane), each site's
+        contribution scaled by its weight x S, so that the plain mean of the compressed values
+        is the mean weighted by tokens: `lane_reduce`'s reducers. Empty when the sites are equal."""
+        compressors = [bank.for_views(v, device) for v in self.lane_views(views)] if self.lanes else []
+        for compressor in compressors:
+            if compressor.kind != "none":
+                compressor.contribution_scale = comm.site_weight * comm.num_sites
+        return compressors
+
     def lane_reduce(self, comm, views, tensors: List[torch.Tensor],
-                    reducers: Sequence[Callable[[List[torch.Tensor]], Reduction]]) -> Reduction:
+                    reducers: Sequence[Callable[[List[torch.Tensor]], Reduction]],
+                    side: Optional[SideValues] = None, device: Optional[torch.device] = None) -> Reduction:
         """The mean across sites of `tensors` (laid out like `views`), each lane by its own
         reducer (a compressor's `reduce` over `lane_views`' tensors) on the lane's group, the
         lanes' phases issued side by side; returns the means laid out like `tensors`. Weighting
         is the reducer's (the comm's weight for an exact mean, the compressor's
-        contribution_scale for a compressed one)."""
+        contribution_scale for a compressed one). `side` (on `device`) is averaged exactly and
+        weighted, as `lane_mean` does, in a collective of its own on every lane, also one with
+        none of `views`: every lane gives the same mean, whatever its reducer."""
         cuts, lanes = self.lane_cuts(views), []
         for (group, pieces), reduce in zip(cuts, reducers):
             lane = {"group": group, "pieces": pieces, "handle": None, "result": []}
             if pieces:
                 lane["gen"] = reduce([tensors[i][lo:hi] for i, lo, hi in pieces])
                 self._advance(comm, lane, first=True)
+            lanes.append(lane)
+        for group, _ in (cuts if side is not None else []):
+            # issued after every lane's first phase, and a lane's next phases only after the
+            # loop below waits for its first: one order on each group, on both its ends
+            lane = {"group": group, "pieces": [], "handle": None, "result": [],
+                    "gen": fp32_mean(comm, torch.zeros(0, device=device), side)}
+            self._advance(comm, lane, first=True)
             lanes.append(lane)
         while any(lane["handle"] is not None for lane in lanes):
             for lane in lanes:

@@ -7,7 +7,8 @@ Each rank handles only its own ZeRO-1 shard: the whole model is one fragment
 by default, any `--lsgd-compression` with error feedback), and the site's all-gather in
 copy_main_to_model_params() spreads the result inside the site. Sites of different TP x PP
 exchange in the layout-free form instead (canonical_exchange.py). Sites of different sizes:
-the mean is weighted by each site's tokens and runs lane by lane (`SiteSplit.mean`). Without ZeRO-1 each rank
+the mean is weighted by each site's tokens and runs lane by lane (`SiteSplit.mean`; int8/int4
+by a compressor per lane, each site's contribution scaled: `SiteSplit.lane_compressors`). Without ZeRO-1 each rank
 of a site takes 1/DP_intra of the model instead (`SiteSplit`), and `publish` gathers the
 parts inside the site. With one site there is
 nothing to average and the synchronizer does nothing, so S = 1 is plain Megatron.
@@ -48,6 +49,12 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed, energy)
         device = self.outer.device if self.outer else self.views.main[0].device
         self.compressor = self.compressors.for_views(self.views, device)
+        # sites of different sizes: a compressor per lane, weighted (SiteSplit.lane_compressors);
+        # the whole-shard one then only sizes payloads: its error feedback is the lanes'
+        self.lane_compressors = self.split.lane_compressors(self.compressors, self.views, device, ctx.comm) \
+            if self.active else []
+        if self.lane_compressors:
+            self.compressor.errors = []
         # sites of different TP x PP: what crosses sites goes in the layout-free form (None otherwise)
         self.exchange = exchange_for(ctx) if self.active else None
 
@@ -100,7 +107,9 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
     def _base_state(self) -> Dict:
         return {"steps_in_round": self.steps_in_round, "outer_rounds": self.outer_rounds,
                 "interval": self.interval, "outer": self.outer.state_dict() if self.outer else {},
-                "reducer": self.compressor.state_dict()}
+                "reducer": self.compressor.state_dict(),
+                # sites of different sizes: each lane's error feedback
+                **({"lane_reducers": [c.state_dict() for c in self.lane_compressors]} if self.lane_compressors else {})}
 
     def _load_base_state(self, state: Dict) -> None:
         self.steps_in_round = int(state["steps_in_round"])
@@ -110,6 +119,8 @@ class LocalSGDBase(SynchronousWarmup, Synchronizer, abc.ABC):
             self.outer.load_state_dict(state["outer"])
         if "reducer" in state:  # absent in diloco checkpoints written before diloco could compress
             self.compressor.load_state_dict(state["reducer"])
+        for compressor, saved in zip(self.lane_compressors, state.get("lane_reducers", [])):
+            compressor.load_state_dict(saved)
 
 
 @register
@@ -119,12 +130,17 @@ class DiLoCo(LocalSGDBase):
     name = "diloco"
     fault_tolerance_refusal = None  # its rounds run through SiteMembership's quorums
     unequal_sites_refusal = None  # weighted by tokens, lane by lane (SiteSplit)
+    unequal_sites_compressions = ("int8", "int4")  # a compressor per lane, each site's contribution scaled
     mixed_layouts_refusal = None  # the pseudo-gradient crosses sites in the layout-free form (CanonicalExchange)
 
     def end_round(self) -> None:
         deltas = self.outer.pseudo_gradient(self.views)
         if self.exchange is not None:
             mean = self.ctx.membership.reduce(lambda: self.exchange.mean(self.ctx.comm, self.views, deltas))
+        elif self.lane_compressors and self.ctx.config.compression.enabled:  # sites of different sizes
+            mean = self.ctx.membership.reduce(lambda: run_blocking(self.split.lane_reduce(
+                self.ctx.comm, self.views, deltas, [c.reduce for c in self.lane_compressors])),
+                undo=self.lane_compressors)
         else:
             mean = self.ctx.membership.reduce(
                 lambda: self.split.mean(self.ctx.comm, deltas, lambda ds: run_blocking(self.compressor.reduce(ds))),
@@ -140,4 +156,5 @@ class DiLoCo(LocalSGDBase):
         self._load_base_state(state)
 
     def stats(self) -> Dict[str, float]:
-        return {"H": self.interval, "outer rounds": self.outer_rounds, **compression_error([self.compressor])}
+        return {"H": self.interval, "outer rounds": self.outer_rounds,
+                **compression_error([self.compressor, *self.lane_compressors])}

@@ -191,16 +191,6 @@ class DiLoCoX(LocalSGDBase):
                                  f"dimension ({int(allowed)}) on some tensor/pipeline-parallel rank")
         if self.active:  # reductions advance between steps: keep them off the shared dp_inter groups
             use_dedicated_lanes(ctx, self.exchange, self.split)
-        # sites of different sizes: one compressor per lane this rank holds (its own blocks and
-        # error feedback, the same values on both ends of the lane), each site's contribution
-        # scaled by its weight x S so the plain mean of the compressed values is weighted by tokens
-        lanes = self.split.lane_views(self.views) if self.split.lanes and self.active else []
-        self.lane_compressors = [self.compressors.for_views(v, self.compressor.device) for v in lanes]
-        for compressor in self.lane_compressors:
-            if compressor.kind != "none":
-                compressor.contribution_scale = ctx.comm.site_weight * ctx.comm.num_sites
-        if self.lane_compressors:  # the whole-shard compressor only sizes payloads: its error feedback is the lanes'
-            self.compressor.errors = []
         self.pending: Optional[PendingReduce] = None  # the mean in flight: the membership's ticket
         self.start_offsets: Optional[List[torch.Tensor]] = None
         # The round's Δ until the membership issues it (elastic sites: after the next round's
@@ -405,8 +395,6 @@ class DiLoCoX(LocalSGDBase):
                      pending_mean=[m.clone() for m in self.pending.result] if self._has_mean() else [],
                      has_pending=int(self._has_mean()), comm_seconds=self._comm_seconds,
                      start_offsets=[o.clone() for o in self.start_offsets] if self.start_offsets else [])
-        if self.lane_compressors:  # sites of different sizes: each lane's error feedback
-            state["lane_reducers"] = [c.state_dict() for c in self.lane_compressors]
         for key in ("outgoing", "carry"):  # elastic sites only (a plain run's state has neither)
             value = getattr(self, key)
             if value is not None:
@@ -433,9 +421,6 @@ class DiLoCoX(LocalSGDBase):
             value = state.get(key)
             setattr(self, key, [t.to(self.compressor.device).clone() for t in value] if value is not None else None)
         self.finishing = bool(state.get("finishing", 0))
-        if self.lane_compressors:
-            for compressor, saved in zip(self.lane_compressors, state["lane_reducers"]):
-                compressor.load_state_dict(saved)
 
     def stats(self) -> Dict[str, float]:
         r = self.compressor

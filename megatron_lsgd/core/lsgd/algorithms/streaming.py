@@ -39,7 +39,9 @@ that holds none of the fragment's units.
 Sites of different data-parallel sizes (docs/heterogeneous_sites.md): a fragment's mean is
 weighted by the sites' tokens and runs lane by lane (SiteSplit.lane_mean) on clones of the
 lane groups of its own; a rank cuts its part of the fragment at the lanes' places, which
-are the same ranges of every bucket on every site.
+are the same ranges of every bucket on every site. Compressed (int8/int4), each lane of a
+fragment has a compressor of its own and each site's contribution is scaled by its weight
+(SiteSplit.lane_compressors, lane_reduce; CoCoDC's times then ride exactly beside them).
 
 When --train-iters is reached, `finish_training` lands the fragments still in flight and
 then gives every fragment that holds unsynchronized progress one last blocking sync (as
@@ -188,6 +190,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
 
     name = "streaming-diloco"
     unequal_sites_refusal = None  # fragment means weighted by tokens, lane by lane on lanes of its own (SiteSplit)
+    unequal_sites_compressions = ("int8", "int4")  # a compressor per lane of each fragment, contributions scaled
     mixed_layouts_refusal = None  # fragments cross sites in the layout-free form, on lanes of their own
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
@@ -218,8 +221,13 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.outer = OuterState(opt.main_param_shards(), cfg.outer) if self.active else None
         self.device = self.outer.device if self.outer else opt.main_param_shards()[0].device
         self.compressors = CompressorBank(cfg.compression, ctx.comm, cfg.seed)
-        self.fragment_compressors = [None if v.empty else self.compressors.for_views(v, self.device)
-                                     for v in self.views]
+        # sites of different sizes, compressed: a compressor per lane of each fragment, weighted
+        # (SiteSplit.lane_compressors), in place of the fragment's own
+        self.lane_compressors = [self.split.lane_compressors(self.compressors, v, self.device, ctx.comm)
+                                 if self.active and cfg.compression.enabled and not v.empty else []
+                                 for v in self.views]
+        self.fragment_compressors = [None if v.empty or lanes else self.compressors.for_views(v, self.device)
+                                     for v, lanes in zip(self.views, self.lane_compressors)]
         # sites of different TP x PP: fragments cross sites in the layout-free form, as the sets
         # of units they are on every stage and site (None otherwise)
         self.exchange = exchange_for(ctx) if self.active else None
@@ -351,9 +359,12 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     def _reduction(self, p: int, deltas: List[torch.Tensor], side: Optional[SideValues]) -> Optional[Reduction]:
         if self.exchange is not None:  # every rank of the site takes part (its scatter runs now, here)
             return self.exchange.issue(self.ctx.comm, self.views[p], deltas, self.exchange_units[p], side)
-        if self.split.lanes:  # sites of different sizes: weighted, lane by lane (uncompressed: refused)
+        if self.split.lanes:  # sites of different sizes: weighted, lane by lane
             if self.views[p].empty and side is None:
                 return None  # so are this rank's lanes on their other ends
+            if self.ctx.config.compression.enabled:
+                return self.split.lane_reduce(self.ctx.comm, self.views[p], deltas,
+                                              [c.reduce for c in self.lane_compressors[p]], side, self.device)
             return self.split.lane_mean(self.ctx.comm, self.views[p], deltas, self.device, side)
         if not self.views[p].empty:
             return self.fragment_compressors[p].reduce(deltas, side)
@@ -381,7 +392,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         undone if it does not commit): its ticket and the queue's item (a finished empty one
         when nothing was queued). Every rank of the site takes the round, even one with
         nothing to send."""
-        compressor = self.fragment_compressors[p]
+        undo = [c for c in [self.fragment_compressors[p], *self.lane_compressors[p]] if c is not None]
         issued: List[_Queued] = []
 
         def issue():
@@ -389,7 +400,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
                 return Finished([])
             issued.append(_Queued(self.queue, gen))
             return issued[0]
-        round_ = self.ctx.membership.start(issue, undo=[compressor] if compressor is not None else [])
+        round_ = self.ctx.membership.start(issue, undo=undo)
         return round_, issued[0].item if issued else QueuedReduce.finished([])
 
     def snapshot(self, p: int) -> List[torch.Tensor]:
@@ -540,8 +551,10 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         self.finishing = bool(state.get("finishing", 0))
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
-        self.compressors.load_state_dict(state["compressors"], {v.key: v for v in self.views if not v.empty},
-                                         self.device)
+        lane_views = [lv for v in self.views if not v.empty for lv in self.split.lane_views(v)] \
+            if self.split.lanes else []
+        self.compressors.load_state_dict(state["compressors"], {v.key: v for v in [*self.views, *lane_views]
+                                                                if not v.empty}, self.device)
         self.in_flight = []
         for f in state["in_flight"]:
             side = None
@@ -555,5 +568,5 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
 
     def stats(self) -> Dict[str, float]:
         stats = {"H": self.interval, "K": self.num_fragments, "fragment syncs": self.syncs}
-        stats.update(compression_error(self.fragment_compressors))
+        stats.update(compression_error([*self.fragment_compressors, *(c for cs in self.lane_compressors for c in cs)]))
         return stats
