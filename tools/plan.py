@@ -80,7 +80,8 @@ def parser() -> cli.ArgumentParser:
                    help="also a row for each setting moved away from the recommended ones, one at a time: a "
                         "round-based algorithm at half and twice its H; streaming-diloco and cocodc at 1 and 4 "
                         "fragments (where they cut H into slots longer than tau); an algorithm that takes a "
-                        "compressor at int4 (dilocox: uncompressed; not for sites of different sizes). Not the "
+                        "compressor at int4 (dilocox: uncompressed; with sites of different sizes only where the algorithm "
+                        "weights it by tokens). Not the "
                         "inter-site backend: the simulated clock charges nccl and gloo alike")
     p.add_argument("--evidence", default=EVIDENCE, help="glob of quality JSON files (quality_frontier.py's)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': stdout, no table)")

@@ -269,8 +269,8 @@ def test_the_grid_moves_one_setting_at_a_time_labelled_by_it():
 
 
 def test_a_grid_point_the_algorithm_would_refuse_is_not_run():
-    """K must cut H into slots longer than tau (H = 78: not 4); sites of different sizes take no
-    compressor (their means are not weighted by tokens)."""
+    """K must cut H into slots longer than tau (H = 78: not 4); sites of different sizes take
+    only the compressors the class weights by tokens (sync: none)."""
     from tools.benchmarks.recipes import recommended_interval
     from tools.planning.pilots import compression_points, fragment_points
 
@@ -278,8 +278,9 @@ def test_a_grid_point_the_algorithm_would_refuse_is_not_run():
     assert recommended_interval(scenario) == 78
     assert [p.label for p in fragment_points("cocodc", scenario)] == ["cocodc fragments=1"]
     unequal = load_scenario(os.path.join(SCENARIOS, "2site-16-8gpu-1gbit-1b.toml"))
-    assert compression_points("diloco", unequal) == [] and compression_points("diloco", scenario)
-    # sites of different sizes: only what the class weights by tokens (dilocox: int4 and none)
+    assert compression_points("sync", unequal) == [] and compression_points("sync", scenario)
+    # sites of different sizes: only what the class weights by tokens (diloco, dilocox: int8, int4 and none)
+    assert [p.label for p in compression_points("diloco", unequal)] == ["diloco compression=int4"]
     assert [p.label for p in compression_points("dilocox", unequal)] == ["dilocox compression=none"]
     assert fragment_points("diloco", scenario) == []
 
