@@ -41,7 +41,7 @@ from tools.benchmarks.recipes import ALGORITHMS
 from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
 from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
-from tools.planning.pilots import Pace, Pilot, grid, ranks_output_to, run_pilots
+from tools.planning.pilots import Pace, base_pilot, grid, ranks_output_to, run_pilots
 
 EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "results", "quality*.json")  # the quality pages' raw JSON
 
@@ -67,8 +67,9 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--total-tokens", type=float, help="tokens to train (default: 20 per parameter)")
     p.add_argument("--seq-length", type=int)
     p.add_argument("--micro-batch-size", type=int)
-    p.add_argument("--tensor-parallel", type=int, help="per site (default 1)")
-    p.add_argument("--pipeline-parallel", type=int, help="per site (default 1)")
+    p.add_argument("--tensor-parallel", type=_ints, help="one for every site, or one per site (comma-separated; "
+                   "sites of different layouts: docs/heterogeneous_sites.md); default 1")
+    p.add_argument("--pipeline-parallel", type=_ints, help="likewise (default 1)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], help="activation recomputation")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, for the warning")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated")
@@ -157,13 +158,17 @@ def pretrain_flags(job: Job, pace: Pace) -> str:
     """The flags one site's `pretrain_gpt.py` needs for this plan (besides model and data)."""
     micro = job.micro_batch_size
     global_batch = round(job.tokens_per_step / job.seq_length)
-    flags = [f"--num-sites {job.sites}", f"--tensor-model-parallel-size {job.tensor_parallel}",
-             f"--pipeline-model-parallel-size {job.pipeline_parallel}", f"--seq-length {job.seq_length}",
+    sites = range(job.sites)
+    layout = [f"--site-tensor-model-parallel-sizes {','.join(str(job.tp(s)) for s in sites)}",
+              f"--site-pipeline-model-parallel-sizes {','.join(str(job.pp(s)) for s in sites)}"] \
+        if job.mixed_layouts else [f"--tensor-model-parallel-size {job.tp()}",
+                                   f"--pipeline-model-parallel-size {job.pp()}"]
+    flags = [f"--num-sites {job.sites}", *layout, f"--seq-length {job.seq_length}",
              f"--micro-batch-size {micro}", f"--global-batch-size {global_batch}",
              f"--train-tokens {int(job.total_tokens)}", "--use-distributed-optimizer", "--bf16"]
     if job.unequal:
-        flags.append("--site-data-parallel-sizes " + ",".join(str(job.dp_intra(s)) for s in range(job.sites)))
-    if job.tensor_parallel > 1:
+        flags.append("--site-data-parallel-sizes " + ",".join(str(job.dp_intra(s)) for s in sites))
+    if any(job.tp(s) > 1 for s in sites):
         flags.append("--sequence-parallel")
     if job.recompute != "none":
         flags.append(f"--recompute-granularity {job.recompute}")
@@ -205,13 +210,27 @@ def warnings_for(job: Job, pace: Pace, memory_total: float, sync_pace: Optional[
 
 
 def refusals(job: Job, algorithms: List[str]) -> Dict[str, str]:
-    """The algorithms that refuse this job's sites of different sizes, with their reasons
-    (each synchronizer's `unequal_sites_refusal`, the line pretrain_gpt.py would print)."""
-    if not job.unequal:
-        return {}
+    """The algorithms that refuse this job's sites of different sizes or layouts, with their
+    reasons (each synchronizer's `unequal_sites_refusal`, `mixed_layouts_refusal`: the line
+    pretrain_gpt.py would print)."""
     from megatron_lsgd.core.lsgd.catalog import refusals as refused_by
 
-    return refused_by("unequal_sites_refusal", algorithms)
+    out: Dict[str, str] = {}
+    for shape, attribute in ((job.unequal, "unequal_sites_refusal"), (job.mixed_layouts, "mixed_layouts_refusal")):
+        for algorithm, why in (refused_by(attribute, algorithms) if shape else {}).items():
+            out.setdefault(algorithm, why)
+    return out
+
+
+def memory_for(job: Job, algorithm: str, compression: str, microbatches: int):
+    """Memory per GPU on the site that needs the most (the fewest GPUs per replica's shards, or
+    the layout that leaves each GPU the most)."""
+    hidden = job.model.hidden_for_memory()
+    return max((memory_per_gpu(job.params, job.tp(s), job.pp(s), job.dp_intra(s), algorithm, compression,
+                               outer_momentum=False, seq=job.seq_length, micro_batch=job.micro_batch_size,
+                               hidden=hidden, heads=job.model.num_attention_heads or max(1, hidden // 128),
+                               layers=job.model.layers_for_memory(), recompute=job.recompute,
+                               microbatches=microbatches) for s in range(job.sites)), key=lambda m: m.total)
 
 
 def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_glob: str, log_path: str,
@@ -220,18 +239,22 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
     refused = refusals(job, algorithms)
     algorithms = [a for a in algorithms if a not in refused]
     if not algorithms:
-        raise ValueError("--algorithms: every one refuses sites of different sizes (--gpus-per-site "
-                         f"{job.gpus_per_site}): " + "; ".join(f"{a}: {why}" for a, why in refused.items()))
+        raise ValueError("--algorithms: every one refuses these sites of different sizes or layouts "
+                         f"(--gpus-per-site {job.gpus_per_site}, --tensor-parallel {job.tensor_parallel}, "
+                         f"--pipeline-parallel {job.pipeline_parallel}): "
+                         + "; ".join(f"{a}: {why}" for a, why in refused.items()))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "job.toml")
         write_text(path, job.scenario_toml())
         scenario = load_scenario(path)
         say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         with ranks_output_to(log_path):
-            pilots = grid(algorithms, scenario) if with_grid else [Pilot(a) for a in algorithms]
+            # sites of different layouts exchange in the layout-free form, which is not compressed
+            uncompressed = job.mixed_layouts
+            pilots = grid(algorithms, scenario, uncompressed) if with_grid else \
+                [base_pilot(a, scenario, uncompressed) for a in algorithms]
             paces = run_pilots(algorithms, path, scenario, pilot_steps, progress=say, pilots=pilots)
     microbatches = job.microbatches()
-    small = job.smallest_site  # its replicas hold the largest shards
     rows = []
     for label, pace in paces.items():
         if pace is None:
@@ -239,11 +262,7 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         algorithm = pace.algorithm
         s = pace.settings  # the pilot's: its recipe's recommended flags, a grid point's in their place
         compression = s[s.index("--lsgd-compression") + 1] if "--lsgd-compression" in s else "none"
-        mem = memory_per_gpu(job.params, job.tensor_parallel, job.pipeline_parallel, job.dp_intra(small), algorithm,
-                             compression, outer_momentum=False, seq=job.seq_length,
-                             micro_batch=job.micro_batch_size, hidden=job.model.hidden_for_memory(),
-                             heads=job.model.num_attention_heads or max(1, job.model.hidden_for_memory() // 128),
-                             layers=job.model.layers_for_memory(), recompute=job.recompute, microbatches=microbatches)
+        mem = memory_for(job, algorithm, compression, microbatches)
         q = quality(job, algorithm, evidence, compression)
         train_seconds = pace.seconds_per_step * job.steps
         # without a measured multiplier only a lower bound: the tokens' time (x 1)
@@ -296,10 +315,12 @@ def table(result: Dict) -> str:
     job = result["job"]
     gpus = job["gpus_per_site"]
     per_site = str(gpus[0]) if len(set(gpus)) == 1 else "+".join(map(str, gpus))
+    tp, pp = (str(v[0]) if len(set(v)) == 1 else ",".join(map(str, v))
+              for v in (job["tensor_parallel"], job["pipeline_parallel"]))
     lines = [f"job: {job['sites']} sites x {per_site} GPUs, links {job['rate_mbit']} Mbit/s "
              f"{job['latency_ms']} ms, slowdowns {job['site_factors']}, {job['params'] / 1e9:.3g}B params, "
              f"{job['tokens_per_step']:.3g} tokens/step, {job['total_tokens']:.3g} tokens = {job['steps']} steps, "
-             f"TP {job['tensor_parallel']} PP {job['pipeline_parallel']}, recompute {job['recompute']}"]
+             f"TP {tp} PP {pp}, recompute {job['recompute']}"]
     lines += [f"note: {n}" for n in job["notes"]]
     lines += [f"timing: {result['timing']}", "",
               "| rank | algorithm | s/step | exposed comm s/step | cross-site GB/step | cross-site TB/run | "
@@ -321,14 +342,15 @@ def table(result: Dict) -> str:
             if q["far"] else ""
         point = f" (point {q['point']}, seeds {','.join(q['seeds'])})" if "point" in q else ""
         lines.append(f"- {r['label']}: {q['source']}{point}{far}")
-    smallest = " on the smallest site (its replicas hold the largest shards)" if len(set(gpus)) > 1 else ""
+    smallest = " on the site that needs the most" if len(set(gpus)) > 1 or "," in tp + pp else ""
     lines += ["", f"memory per GPU{smallest} (GiB: weights / gradients / optimizer / outer state / compressor / "
                   "algorithm buffers / activations):"]
     for r in _differing_rows(result["rows"], "memory_gib"):
         m = r["memory_gib"]
         lines.append(f"- {r['label']}: " + " / ".join(f"{v:.2f}" for v in m.values()))
     if result.get("refused"):
-        lines += ["", "not planned (they refuse sites of different sizes, docs/heterogeneous_sites.md):"]
+        lines += ["", "not planned (they refuse these sites of different sizes or layouts, "
+                      "docs/heterogeneous_sites.md):"]
         lines += [f"- {a}: {why}" for a, why in result["refused"].items()]
     warned = [(r["label"], w) for r in result["rows"] for w in r["warnings"]]
     if warned:
@@ -338,6 +360,12 @@ def table(result: Dict) -> str:
         if best["seconds_to_sync_loss_is_lower_bound"]:
             lines += ["", f"note: {best['label']}'s time to sync's loss is a lower bound: where it was measured it "
                           f"did not reach sync's loss (see its quality evidence)"]
+            gaps = sorted((r["quality"]["final_gap"], r["label"]) for r in _differing_rows(result["rows"], "quality")
+                          if r["seconds_to_sync_loss_is_lower_bound"] and "final_gap" in r["quality"])
+            if len(gaps) > 1:  # lower bounds rank by their tokens' time alone: say what each gives up
+                lines.append("note: rows with a lower bound are ranked by the time for the tokens alone; the loss "
+                             "each ended at, against sync's, where measured: "
+                             + ", ".join(f"{label} {100 * gap:+.1f}%" for gap, label in gaps))
         lines += ["", f"recommended ({best['label']}), on every site:",
                   f"  python pretrain_gpt.py <model and data flags> {best['pretrain_gpt_flags']}"]
     return "\n".join(lines)

@@ -18,14 +18,21 @@ tables the simulated clock does not read:
     total_tokens = 2e12
     seq_length = 4096
     micro_batch_size = 1
-    tensor_parallel = 8          # per site
-    pipeline_parallel = 1
+    tensor_parallel = 8          # one for every site, or one per site: [8, 4]
+    pipeline_parallel = 1        # likewise
     recompute = "selective"      # none, selective or full
 
 A leaderboard scenario file is a job as it stands: its target_params is the model and
 sites x tokens_per_microbatch the tokens per step. What the clock needs is written back as a
 plain scenario file (`scenario_toml`), so the planner's pilots and the board's read the same
 kind of file through the same loader.
+
+Sites of different TP x PP (docs/heterogeneous_sites.md) keep one replica's share of a step
+everywhere, so a site whose replicas are fewer GPUs computes its share more slowly: the
+scenario carries that as the site's compute factor (`layout_factors`; the clock applies a
+site's factor to its optimizer step too, a small part of a step). The pilots themselves train
+the stand-in on one rank per site, as for any job: the clock charges the bytes as the target
+model's, which cross sites once per site whatever the layout (the layout-free exchange).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Union
 
 MODEL_KEYS = {"params", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "vocab_size", "swiglu", "untie_embeddings"}
@@ -103,8 +110,8 @@ class Job:
     gpu_memory_gb: float = 80.0
     seq_length: int = DEFAULT_SEQ
     micro_batch_size: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    tensor_parallel: Union[int, List[int]] = 1  # one for every site, or one per site (validate: a list)
+    pipeline_parallel: Union[int, List[int]] = 1
     recompute: str = "selective"
     description: str = ""
     source: str = "flags"
@@ -118,19 +125,45 @@ class Job:
     def steps(self) -> int:
         return max(1, math.ceil(self.total_tokens / self.tokens_per_step))
 
+    def tp(self, site: int = 0) -> int:
+        return _at(self.tensor_parallel, site)
+
+    def pp(self, site: int = 0) -> int:
+        return _at(self.pipeline_parallel, site)
+
+    def model_parallel(self, site: int = 0) -> int:
+        """GPUs of one replica of the model on `site`."""
+        return self.tp(site) * self.pp(site)
+
     def dp_intra(self, site: int = 0) -> int:
-        return self.gpus_per_site[site] // (self.tensor_parallel * self.pipeline_parallel)
+        return self.gpus_per_site[site] // self.model_parallel(site)
 
     @property
     def unequal(self) -> bool:
-        """Sites of different sizes (--site-data-parallel-sizes, docs/heterogeneous_sites.md)."""
-        return len(set(self.gpus_per_site)) > 1
+        """Sites of different data-parallel sizes (--site-data-parallel-sizes,
+        docs/heterogeneous_sites.md)."""
+        return len({self.dp_intra(s) for s in range(self.sites)}) > 1
+
+    @property
+    def mixed_layouts(self) -> bool:
+        """Sites of different TP x PP (--site-tensor/pipeline-model-parallel-sizes)."""
+        return len({(self.tp(s), self.pp(s)) for s in range(self.sites)}) > 1
 
     @property
     def smallest_site(self) -> int:
-        """The site with the fewest GPUs: its replicas hold the largest ZeRO-1 shards (the
-        memory to plan for) and take the longest optimizer step (the lockstep's pace)."""
+        """The site with the fewest GPUs: its GPUs hold the largest ZeRO-1 shards of the
+        optimizer and take the longest optimizer step (the lockstep's pace)."""
         return min(range(self.sites), key=lambda s: self.gpus_per_site[s])
+
+    def layout_factors(self) -> List[float]:
+        """Each site's compute per step against the scenario's (the smallest site's share of a
+        step over its GPUs, the same on every site of one layout): a replica computes the job's
+        tokens / replicas on TP x PP GPUs, so site s takes GPUs / (replicas x TP_s x PP_s) of
+        it. 1 for every site of one layout, whatever their sizes."""
+        if not self.mixed_layouts:
+            return [1.0] * self.sites
+        replicas = sum(self.dp_intra(s) for s in range(self.sites))
+        return [sum(self.gpus_per_site) / (replicas * self.model_parallel(s)) for s in range(self.sites)]
 
     def microbatches(self) -> int:
         """Micro-batches per replica per step: every replica of every site computes the same
@@ -153,6 +186,8 @@ class Job:
             raise ValueError(f"{where}: --rate-mbit {self.rate_mbit}: every link needs a rate > 0")
         if any(f <= 0 for f in self.site_factors):
             raise ValueError(f"{where}: --site-factors {self.site_factors}: slowdowns must be > 0 (1 = nominal)")
+        for name, flag in (("tensor_parallel", "--tensor-parallel"), ("pipeline_parallel", "--pipeline-parallel")):
+            setattr(self, name, _per_site_ints(getattr(self, name), self.sites, f"{where}: {flag}"))
         if self.model.params is None and not self.model.has_shape:
             raise ValueError(f"{where}: give the model: --params, or --num-layers and --hidden-size")
         if self.params <= 0:
@@ -168,21 +203,18 @@ class Job:
         if self.total_tokens < self.tokens_per_step:
             raise ValueError(f"{where}: --total-tokens {self.total_tokens:g} is less than one step's "
                              f"--tokens-per-step {self.tokens_per_step:g}")
-        per_site = self.tokens_per_step * min(self.gpus_per_site) / sum(self.gpus_per_site)
+        for s in range(self.sites):
+            if self.gpus_per_site[s] % self.model_parallel(s):
+                raise ValueError(f"{where}: --gpus-per-site {self.gpus_per_site[s]} is not a multiple of "
+                                 f"--tensor-parallel x --pipeline-parallel = {self.model_parallel(s)}"
+                                 + (f" (site {s})" if self.mixed_layouts else ""))
+        replicas = sum(self.dp_intra(s) for s in range(self.sites))
+        per_site = self.tokens_per_step * min(self.dp_intra(s) for s in range(self.sites)) / replicas
         if per_site < self.seq_length * self.micro_batch_size:
             raise ValueError(f"{where}: --tokens-per-step {self.tokens_per_step:g} gives the smallest site "
                              f"{per_site:g} tokens, less than one micro-batch (--seq-length x --micro-batch-size)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"{where}: --recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
-        for name, value in (("--tensor-parallel", self.tensor_parallel), ("--pipeline-parallel", self.pipeline_parallel)):
-            if value < 1:
-                raise ValueError(f"{where}: {name} {value}: must be >= 1")
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
-        for gpus in self.gpus_per_site:
-            if gpus % model_parallel:
-                raise ValueError(f"{where}: --gpus-per-site {gpus} is not a multiple of "
-                                 f"--tensor-parallel x --pipeline-parallel = {model_parallel}")
-        replicas = sum(self.dp_intra(s) for s in range(self.sites))
         unit = self.seq_length * self.micro_batch_size * replicas  # one micro-batch on every replica
         if self.tokens_per_step % unit:
             lower = max(unit, self.tokens_per_step // unit * unit)
@@ -190,16 +222,18 @@ class Job:
                              f"data-parallel replicas x --micro-batch-size {self.micro_batch_size} x --seq-length "
                              f"{self.seq_length} (pretrain_gpt.py would refuse its global batch): give a multiple of "
                              f"{unit:g}, e.g. {lower:g} or {lower + unit:g}")
-        if self.model.num_layers and self.model.num_layers % self.pipeline_parallel:
-            raise ValueError(f"{where}: --num-layers {self.model.num_layers} is not a multiple of "
-                             f"--pipeline-parallel {self.pipeline_parallel}")
+        for pp in sorted(set(self.pipeline_parallel)):
+            if self.model.num_layers and self.model.num_layers % pp:
+                raise ValueError(f"{where}: --num-layers {self.model.num_layers} is not a multiple of "
+                                 f"--pipeline-parallel {pp}")
 
     def scenario_toml(self) -> str:
         """The simulated clock's scenario for this job (the leaderboard's format): one trained
         micro-batch per site per step stands for the site's share of a step's tokens. Sites of
         different sizes take shares that follow their sizes, so each site's compute per step
         is the same (its tokens / its GPUs); the scenario is written for the smallest site,
-        whose optimizer step (the largest shard) is the slowest and so sets the lockstep."""
+        whose optimizer step (the largest shard) is the slowest and so sets the lockstep. Sites of
+        different layouts: each site's factor times its `layout_factors`."""
         small = self.gpus_per_site[self.smallest_site]
         lines = [f"# written by tools/plan.py for: {self.description or 'the job on its command line'}",
                  f"description = {json.dumps(self.description or 'planned job')}", f"sites = {self.sites}", "",
@@ -213,10 +247,28 @@ class Job:
                       f"gpus_per_replica = {small}",
                       f"sustained_tflops = {self.sustained_tflops!r}",
                       f"hbm_gbyte_s = {self.hbm_gbyte_s!r}"]
-        lines += [f"intra_site_gbit = {self.intra_site_gbit!r}", f"site_factors = {self.site_factors!r}", "",
+        factors = [f * k for f, k in zip(self.site_factors, self.layout_factors())] if self.mixed_layouts \
+            else self.site_factors
+        lines += [f"intra_site_gbit = {self.intra_site_gbit!r}", f"site_factors = {factors!r}", "",
                   "[link]", f"rate_mbit = {self.rate_mbit!r}", f"latency_ms = {self.latency_ms!r}",
                   f"target_params = {self.params!r}"]
         return "\n".join(lines) + "\n"
+
+
+def _at(value: Union[int, Sequence[int]], site: int) -> int:
+    """A per-site setting's value on `site` (one value: every site's)."""
+    return value if isinstance(value, int) else value[site if len(value) > 1 else 0]
+
+
+def _per_site_ints(value, sites: int, name: str) -> List[int]:
+    """One whole number >= 1 for every site, from one or one per site; `name` in errors."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if len(values) not in (1, sites):
+        raise ValueError(f"{name} has {len(values)} values for {sites} sites")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} {value!r}: give a whole number >= 1 (one for all sites, or one per site)")
+    return values * sites if len(values) == 1 else values
 
 
 def _spread(values: List[float], sites: int) -> List[float]:
@@ -263,6 +315,14 @@ def job_from_toml(path: str, overrides: Optional[Dict] = None) -> Job:
             raise ValueError(f"{where}: {key} = {value!r} must be a {'whole ' if kind is int else ''}number")
         return kind(value)
 
+    def per_site_number(table: dict, key: str):
+        """A whole number, or a list of them (one per site); checked by Job.validate."""
+        value = table.get(key, 1)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+                raise ValueError(f"{where}: {key} = {value!r} must be a whole number or a list of them")
+        return [int(v) for v in value] if isinstance(value, list) else int(value)
+
     model = Model(params=number(model_t, "params") or number(compute, "target_params") or number(link, "target_params"),
                   num_layers=number(model_t, "num_layers", int), hidden_size=number(model_t, "hidden_size", int),
                   num_attention_heads=number(model_t, "num_attention_heads", int),
@@ -285,8 +345,8 @@ def job_from_toml(path: str, overrides: Optional[Dict] = None) -> Job:
         hbm_gbyte_s=number(compute, "hbm_gbyte_s", float, 3000.0),
         intra_site_gbit=number(compute, "intra_site_gbit", float, 3200.0),
         seq_length=seq, micro_batch_size=number(job_t, "micro_batch_size", int, 1),
-        tensor_parallel=number(job_t, "tensor_parallel", int, 1),
-        pipeline_parallel=number(job_t, "pipeline_parallel", int, 1),
+        tensor_parallel=per_site_number(job_t, "tensor_parallel"),
+        pipeline_parallel=per_site_number(job_t, "pipeline_parallel"),
         recompute=str(job_t.get("recompute", "selective")), description=str(data.get("description", "")),
         source=where)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})

@@ -158,22 +158,35 @@ def compression_points(algorithm: str, scenario: Scenario) -> List[Pilot]:
     return [Pilot(algorithm, ["--lsgd-compression", kind], differs=[f"compression={kind}"])]
 
 
-def grid(algorithms: Sequence[str], scenario: Scenario) -> List[Pilot]:
+def base_pilot(algorithm: str, scenario: Scenario, uncompressed: bool = False) -> Pilot:
+    """The algorithm at its recommended settings; `uncompressed` (sites of different layouts,
+    whose layout-free exchange pretrain_gpt.py does not compress): without its compressor."""
+    if uncompressed and _value(recommended(algorithm, scenario), "--lsgd-compression", "none") != "none":
+        return Pilot(algorithm, ["--lsgd-compression", "none"], differs=["compression=none"])
+    return Pilot(algorithm)
+
+
+def grid(algorithms: Sequence[str], scenario: Scenario, uncompressed: bool = False) -> List[Pilot]:
     """Each algorithm at its recommended settings, and one setting at a time away from them: a
     round-based one at GRID_FACTORS x its H (whole fragments, with the flags that follow H as its
     recipe sets them there: the streaming family's tau, a-edit's interval of H steps' time), the
     streaming family at FRAGMENT_GRID fragments, a compressing one with its compression switched
-    (compression_points). Not the inter-site backend: the clock's cost model does not read it."""
+    (compression_points; `uncompressed`: never compressed, as base_pilot). Not the inter-site
+    backend: the clock's cost model does not read it."""
     h = recommended_interval(scenario)
     out = []
     for algorithm in algorithms:
-        out.append(Pilot(algorithm))
+        base = base_pilot(algorithm, scenario, uncompressed)
+        out.append(base)
         if interval_flags(algorithm, scenario):
             for factor in GRID_FACTORS:
                 hh = max(LAYERS, -(-int(round(h * factor)) // LAYERS) * LAYERS)
                 if hh != h:
-                    out.append(Pilot(algorithm, interval_flags(algorithm, scenario, hh), hh))
-        out += fragment_points(algorithm, scenario) + compression_points(algorithm, scenario)
+                    out.append(Pilot(algorithm, interval_flags(algorithm, scenario, hh) + base.extra, hh,
+                                     differs=list(base.differs)))
+        out += [Pilot(p.algorithm, p.extra + base.extra, p.interval, p.differs + base.differs, p.stand_in)
+                for p in fragment_points(algorithm, scenario)]
+        out += [] if uncompressed else compression_points(algorithm, scenario)
     return out
 
 
@@ -342,4 +355,4 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
     return out
 
 
-__all__ = ["Pace", "Pilot", "compression_points", "fragment_points", "grid", "pilot_steps", "ranks_output_to", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]
+__all__ = ["Pace", "Pilot", "base_pilot", "compression_points", "fragment_points", "grid", "pilot_steps", "ranks_output_to", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]

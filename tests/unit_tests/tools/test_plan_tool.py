@@ -46,7 +46,8 @@ def test_job_file_with_model_shape_and_job_table(tmp_path):
     # tied embedding 100 x 64
     assert job.params == 2 * 49280 + 64 + 6400
     assert job.rate_mbit == [1000.0, 500.0] and job.latency_ms == [30.0, 30.0]
-    assert job.tensor_parallel == 2 and job.dp_intra() == 4 and job.steps == 123  # ceil(1e6 / 8192)
+    assert job.tensor_parallel == [2, 2] and job.dp_intra() == 4 and job.steps == 123  # ceil(1e6 / 8192)
+    assert not job.mixed_layouts and job.layout_factors() == [1.0, 1.0]
 
 
 def test_llama_shape_counts_like_llama_7b():
@@ -412,6 +413,53 @@ def test_sites_of_different_sizes_are_planned_for_the_algorithms_that_take_them(
     assert "--site-data-parallel-sizes" not in plan.pretrain_flags(even, pace)
 
 
+def test_sites_of_different_layouts_are_planned_for_the_algorithms_that_take_them(tmp_path):
+    """16 GPUs at TP 8 beside 8 GPUs at TP 4: 2 replicas each, so each replica computes a quarter
+    of a step, on 8 GPUs at site 0 and on 4 at site 1, which takes twice as long: site factors
+    24 / (4 x 8) = 0.75 and 24 / (4 x 4) = 1.5 of the scenario's compute (its tokens over all 24
+    GPUs). Only what exchanges in the layout-free form is planned (sync and edit are listed with
+    their reasons), without a compressor (dilocox's recommended int4 is refused with such sites,
+    also in the grid); the memory is the site's that needs the most; the pasted flags carry the
+    layouts and no --site-data-parallel-sizes (the replicas are equal in number)."""
+    import plan
+    from tools.planning.pilots import Pace, base_pilot, grid
+
+    def job(tp, gpus="16,8", pp="1"):
+        return plan.job_from_args(plan.parser().parse_args(
+            ["--sites", "2", "--gpus-per-site", gpus, "--tensor-parallel", tp, "--pipeline-parallel", pp,
+             "--sustained-tflops", "400", "--rate-mbit", "1000", "--params", "1e9", "--num-layers", "16",
+             "--hidden-size", "2048", "--tokens-per-step", "65536", "--total-tokens", "20e9", "--seq-length", "4096"]))
+
+    mixed, plain = job("8,4"), job("4", gpus="8")
+    assert mixed.mixed_layouts and not mixed.unequal and [mixed.dp_intra(s) for s in (0, 1)] == [2, 2]
+    assert mixed.layout_factors() == [0.75, 1.5] and plain.layout_factors() == [1.0, 1.0]
+    (tmp_path / "m.toml").write_text(mixed.scenario_toml())
+    scenario = load_scenario(str(tmp_path / "m.toml"))
+    assert scenario.site_factors == [0.75, 1.5]
+    assert scenario.microbatch_seconds == pytest.approx(6 * mixed.params * 65536 / (24 * 400e12))
+    refused = plan.refusals(mixed, ["sync", "diloco", "dilocox", "streaming-diloco", "edit"])
+    assert list(refused) == ["sync", "edit"] and plan.refusals(plain, ["sync", "edit"]) == {}
+    assert base_pilot("dilocox", scenario, uncompressed=True).label == "dilocox compression=none"
+    assert base_pilot("dilocox", scenario).label == "dilocox"
+    labels = [p.label for p in grid(["dilocox", "streaming-diloco"], scenario, uncompressed=True)]
+    assert labels and all("compression=int4" not in label for label in labels)
+    assert all("compression=none" in label for label in labels if label.startswith("dilocox"))
+    assert all("--lsgd-compression" not in p.extra or p.extra[p.extra.index("--lsgd-compression") + 1] == "none"
+               for p in grid(["dilocox"], scenario, uncompressed=True))
+    # site 1 (TP 4) holds twice the parameters per GPU of site 0 (TP 8)
+    site1 = plan.memory_per_gpu(mixed.params, 4, 1, 2, "diloco", "none", False, 4096, 1, 2048, 16, 16, "selective",
+                                mixed.microbatches())
+    assert plan.memory_for(mixed, "diloco", "none", mixed.microbatches()).total == site1.total
+    flags = plan.pretrain_flags(mixed, Pace("diloco", ["--lsgd-interval", "100"], 300, 1.0, 0.1, 1.0, {}))
+    assert "--site-tensor-model-parallel-sizes 8,4 --site-pipeline-model-parallel-sizes 1,1" in flags
+    assert "--tensor-model-parallel-size" not in flags and "--site-data-parallel-sizes" not in flags
+    # a pipeline that does not divide the layers on one site is named
+    with pytest.raises(ValueError, match="--num-layers 16 is not a multiple of --pipeline-parallel 3"):
+        job("8,1", gpus="8,3", pp="1,3")
+    with pytest.raises(ValueError, match="--tensor-parallel has 3 values for 2 sites"):
+        job("8,4,2")
+
+
 def test_a_site_that_does_not_hold_whole_model_replicas_is_named():
     import plan
 
@@ -433,3 +481,26 @@ def test_a_step_that_does_not_divide_into_the_replicas_is_named_with_the_nearest
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "--tokens-per-step 131072" in err and "24 data-parallel replicas" in err
     assert "98304" in err and "196608" in err and len(err.splitlines()) == 1
+
+
+def test_lower_bounds_say_what_loss_each_gave_up():
+    """Where no measured multiplier exists, the ranking orders rows by the time for the tokens
+    alone (a lower bound each), which would put a row 13% behind sync's loss above one 3%
+    behind without a word: the table then lists the loss each ended at, best first."""
+    import plan
+
+    def row(label, seconds, gap):
+        return {"algorithm": label, "label": label, "seconds_per_step": 1.0, "exposed_comm_seconds_per_step": 0.0,
+                "cross_site_bytes_per_step": 0.0, "cross_site_bytes_per_run": 0.0, "memory_total_gib": 1.0,
+                "memory_gib": {"weights": 1.0}, "train_seconds": seconds, "seconds_to_sync_loss": seconds,
+                "seconds_to_sync_loss_is_lower_bound": True, "warnings": [], "pretrain_gpt_flags": "",
+                "quality": {"multiplier": None, "final_gap": gap, "source": "q.json", "far": []}}
+
+    job = {"sites": 2, "gpus_per_site": [8, 8], "rate_mbit": [1000.0] * 2, "latency_ms": [30.0] * 2,
+           "site_factors": [1.0] * 2, "params": 1e9, "tokens_per_step": 1e5, "total_tokens": 2e10, "steps": 1,
+           "tensor_parallel": [1, 1], "pipeline_parallel": [1, 1], "recompute": "selective", "notes": []}
+    text = plan.table({"job": job, "timing": "t", "rows": [row("dilocox", 10.0, 0.136), row("diloco", 20.0, 0.03)]})
+    assert "| 1 | dilocox |" in text and "TP 1 PP 1" in text
+    assert "the loss each ended at, against sync's, where measured: diloco +3.0%, dilocox +13.6%" in text
+    one = plan.table({"job": job, "timing": "t", "rows": [row("diloco", 20.0, 0.03)]})
+    assert "the loss each ended at" not in one
