@@ -85,14 +85,17 @@ def lighthouse_floor(script: Sequence[str]) -> int:
     return int(script_flag(script, "--lsgd-min-sites") or 1)
 
 
-def lighthouse_cmd(min_sites: int, port: int, join_timeout_ms: int) -> List[str]:
-    """torchft's lighthouse (installed with torchft): forms each round's quorum of sites."""
+def lighthouse_cmd(min_sites: int, port: int, join_timeout_ms: int,
+                   heartbeat_timeout_ms: Optional[int] = None) -> List[str]:
+    """torchft's lighthouse (installed with torchft): forms each round's quorum of sites
+    (`heartbeat_timeout_ms`: how soon a silent site is dropped; torchft's default 5 s)."""
     exe = shutil.which("torchft_lighthouse")
     if exe is None:
         raise ValueError('--lsgd-fault-tolerance torchft needs torchft\'s torchft_lighthouse, which is not installed; '
                          'install it with pip install -e ".[ft]"')
+    heartbeat = ["--heartbeat_timeout_ms", str(heartbeat_timeout_ms)] if heartbeat_timeout_ms else []
     return [exe, "--min_replicas", str(min_sites), "--bind", f"[::]:{port}", "--join_timeout_ms",
-            str(join_timeout_ms), "--quorum_tick_ms", "100"]
+            str(join_timeout_ms), "--quorum_tick_ms", "100", *heartbeat]
 
 
 def elastic_site_flags(site: int, lighthouse: str, host: str) -> List[str]:

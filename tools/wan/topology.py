@@ -85,6 +85,12 @@ class WanTopology:
     def in_site(self, i: int, cmd: Sequence[str]) -> List[str]:
         return in_ns(self.site_ns(i), cmd)
 
+    def set_link(self, i: int, up: bool) -> None:
+        """Cut site i off the WAN (`up` False) or join it again: its `wan0` goes down, so
+        nothing crosses either way (TCP connections stay open and retransmit once it is
+        back up; the address is kept). Either backend."""
+        run(["ip", "-n", self.site_ns(i), "link", "set", IFNAME, "up" if up else "down"])
+
     # ---- life cycle -----------------------------------------------------------------------------
     def __enter__(self) -> "WanTopology":
         self.up()

@@ -11,7 +11,7 @@ import pytest
 from tools.benchmarks.elastic.chaos import (check_digests, final_validation, job_setup, load_baseline, main, save_baseline,
                                     site_argv, summarize_pretrain)
 
-ARGS = SimpleNamespace(sites=3, min_sites=2, timeout=20.0, kill="site", fault_every=120.0)
+ARGS = SimpleNamespace(sites=3, min_sites=2, timeout=20.0, faults=["site"], fault_every=120.0)
 
 
 def test_every_site_gets_fault_tolerance_digests_a_final_validation_and_resumable_checkpoints():
@@ -57,6 +57,7 @@ def test_the_report():
                          "site1_rank0.jsonl": _records((9, 10, "w", 1))}}
     report = summarize_pretrain(ARGS, base, chaos)
     assert report["faults_injected"] == report["faults_survived"] == 3 and report["job_finished"]
+    assert report["faults_by_kind"] == {"site": 3} and report["network"] == "loopback"
     assert (report["rounds_committed"], report["rounds_attempted"], report["baseline_rounds"]) == (9, 10, 10)
     assert report["goodput"] == round(0.9 * 100 / 125, 3)
     assert report["rejoin_s"] == {"mean": 35.0, "max": 40.0} and report["killed_sites_rejoined"] == 2
@@ -74,6 +75,60 @@ def test_bad_command_lines(capsys):
     assert main(["--target", "toy", "--", "--train-iters", "4"]) == 2
     assert main(["--", "--num-layers", "2"]) == 2
     assert capsys.readouterr().err.count("error:") == 3
+    for argv, says in ((["--faults", "cut"], "--faults cut needs --wan-rate-mbit"),
+                       (["--faults", "site,boom"], "'boom' is not one of site, rank, freeze, cut"),
+                       (["--kill", "site", "--faults", "rank"], "--kill and --faults: give one"),
+                       (["--target", "toy", "--wan-rate-mbit", "100", "--"], "are for --target pretrain"),
+                       (["--faults", "freeze", "--freeze-s", "0"], "--freeze-s 0: must be > 0")):
+        assert main(argv if "--" in argv else argv + ["--", "--train-iters", "4"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and len(err.splitlines()) == 1, err
+
+
+def test_fault_kinds_are_taken_in_turn_and_a_freeze_or_a_cut_ends_on_time(tmp_path):
+    """--faults site,freeze,cut gives site, freeze, cut, site, ...; a frozen site's processes
+    are stopped until its time is up, then continued, and it is not hit again before --timeout
+    has passed (its first collective after it is back fails within that); a cut asks the WAN
+    to take its link down, then up."""
+    import signal
+    import subprocess
+    import time
+
+    from tools.benchmarks.elastic.chaos import PretrainSite, fault_kind
+
+    assert [fault_kind(["site", "freeze", "cut"], i) for i in range(4)] == ["site", "freeze", "cut", "site"]
+
+    def stopped(pid, want=True):
+        """Whether the process is (want) or is not stopped, within 5 s: a signal lands a little later."""
+        deadline = time.monotonic() + 5
+        while True:
+            with open(f"/proc/{pid}/stat") as f:
+                is_stopped = f.read().rsplit(")", 1)[1].split()[0] == "T"
+            if is_stopped == want or time.monotonic() > deadline:
+                return is_stopped
+            time.sleep(0.02)
+
+    calls = []
+    wan = SimpleNamespace(set_link=lambda i, up: calls.append((i, up)))
+    site = PretrainSite(1, [], SimpleNamespace(timeout=5.0), str(tmp_path / "site1.log"), wan)
+    (tmp_path / "site1.log").write_text("")
+    site.proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        site.trained = True
+        assert site.training(100.0)
+        site.disturb("freeze", until=110.0)
+        assert stopped(site.proc.pid) and not site.training(200.0)
+        assert not site.restore_if_due(109.0) and stopped(site.proc.pid)
+        assert site.restore_if_due(110.0) and not stopped(site.proc.pid, want=False)
+        site.trained = True  # it logs a step again
+        assert not site.training(114.0) and site.training(115.0)  # --timeout after it is back
+        site.disturb("cut", until=120.0)
+        assert calls == [(1, False)] and not site.training(119.0)
+        assert site.restore_if_due(130.0) and calls == [(1, False), (1, True)]
+    finally:
+        site.proc.send_signal(signal.SIGCONT)
+        site.kill_site()
 
 
 def test_a_baseline_is_kept_for_later_runs_of_the_same_job_only(tmp_path, capsys):
@@ -87,6 +142,9 @@ def test_a_baseline_is_kept_for_later_runs_of_the_same_job_only(tmp_path, capsys
         load_baseline(str(tmp_path), job_setup(args, ["--train-iters", "80"]))
     with pytest.raises(ValueError, match="differs in: sites"):
         load_baseline(str(tmp_path), job_setup(SimpleNamespace(**dict(vars(args), sites=4)), job))
+    wan = SimpleNamespace(**dict(vars(args), wan_rate_mbit=100.0, wan_delay_ms=20.0))
+    with pytest.raises(ValueError, match="differs in: wan_delay_ms, wan_rate_mbit"):  # a loopback baseline
+        load_baseline(str(tmp_path), job_setup(wan, job))
     assert main(["--baseline-from", str(tmp_path / "nowhere"), "--", "--train-iters", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "--baseline-from" in err and "baseline.json" in err

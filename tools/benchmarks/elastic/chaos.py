@@ -10,15 +10,21 @@ faults (the baseline for goodput and for the final validation loss), unless
     # the toy site (tools/benchmarks/elastic/ft_site.py: the real diloco synchronizer, a toy inner step)
     python -m tools.bench chaos --target toy --sites 3 --min-sites 2 --steps 400 --fault-every 10
 
-A fault is a SIGKILL of every process of a random site (`--kill site`: its torchrun and
-ranks; the tool starts the site again at once, from its checkpoint when the job saves, else
-fresh) or of one rank (`--kill rank`: torchrun's --max-restarts restarts the site's ranks).
-Only a site that is training (it logged a step or was healed since it last started) is
-killed, at most --max-down sites at once (default: --sites minus --min-sites, so the floor
-is never hit), none after the first site finished. Reported (and written to
---out-dir/chaos.json):
-- faults injected, and survived (the job reached its budget with at least --min-sites
-  sites, none of them exiting with an error, and every site's digests agree);
+A fault (`--faults`, the kinds taken in turn) is a SIGKILL of every process of a random
+site (`site`: its torchrun and ranks; the tool starts the site again at once, from its
+checkpoint when the job saves, else fresh), of one rank (`rank`: torchrun's --max-restarts
+restarts the site's ranks), a site frozen with SIGSTOP for --freeze-s (`freeze`: past
+--timeout, so the others go on without it; SIGCONT then lets it find out and rejoin), or
+its link cut for --cut-s (`cut`: its `wan0` down, with --wan-rate-mbit). Only a site that
+is training (it logged a step or was healed since it last started, and a frozen or cut
+site also --timeout after it is back) is hit, at most --max-down sites at once (default:
+--sites minus --min-sites, so the floor is never hit), none after the first site
+finished. With --wan-rate-mbit the sites run in the emulated WAN (tools/wan: a network
+namespace per site, a shaped link of that rate and --wan-delay-ms between them) and the
+lighthouse on a host of its own on it (one namespace more), so no site's fault takes it
+down; pretrain target only. Reported (and written to --out-dir/chaos.json):
+- faults injected (and by kind), and survived (the job reached its budget with at least
+  --min-sites sites, none of them exiting with an error, and every site's digests agree);
 - killed sites that rejoined (healed from a peer), and the time from the kill to the
   restarted site's `rejoined` line;
 - rounds committed vs attempted (torchft rounds: an outer round, or a fragment sync);
@@ -36,15 +42,18 @@ is never hit), none after the first site finished. Reported (and written to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from collections import Counter
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if REPO not in sys.path:
@@ -57,6 +66,9 @@ from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks.elastic.ft_site import SiteSpec, launch, read_log, start_lighthouse, starts, wait_started  # noqa: E402
 from tools.benchmarks.process_tree import descendants, kill_tree, sigkill  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object, tool_errors  # noqa: E402
+
+FAULT_KINDS = ("site", "rank", "freeze", "cut")
+LIGHTHOUSE_PORT = 29510
 
 
 # ---- the toy site (ft_site.py) -------------------------------------------------------------------
@@ -287,15 +299,20 @@ def _flag(argv: List[str], name: str) -> Optional[str]:
 
 class PretrainSite:
     """One site: a torchrun job of --ranks-per-site pretrain_gpt.py ranks, its log appended
-    across restarts (`offset`: where the current start's lines begin)."""
+    across restarts (`offset`: where the current start's lines begin); in the emulated WAN's
+    namespace `wan.site_ns(site)` when `wan` is given."""
 
-    def __init__(self, site: int, argv: List[str], args, log_path: str):
-        self.site, self.argv, self.args, self.log_path = site, argv, args, log_path
+    def __init__(self, site: int, argv: List[str], args, log_path: str, wan=None):
+        self.site, self.argv, self.args, self.log_path, self.wan = site, argv, args, log_path, wan
         self.proc: Optional[subprocess.Popen] = None
         self.offset = 0
         self.starts = 0
         self.trained = self.rejoined = self.finished = False  # since the current start (the log read so far)
         self._read = 0
+        # a freeze or a cut under way: when it ends and what ends it; then --timeout to settle
+        self.disturbed_until: Optional[float] = None
+        self._restore: Optional[Callable[[], None]] = None
+        self.settled_at = 0.0
 
     def restarted(self, note: str) -> None:
         """The lines from here on are a new start's."""
@@ -327,6 +344,11 @@ class PretrainSite:
                str(self.args.ranks_per_site), "--master-port", str(free_port()), "--max-restarts",
                str(self.args.max_restarts), "pretrain_gpt.py"] + argv + ["--lsgd-site", str(self.site)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MASTER_ADDR="127.0.0.1")
+        if self.wan is not None:  # the other sites reach it at its WAN address, over wan0
+            from tools.wan.launch import site_env
+
+            cmd = self.wan.in_site(self.site, cmd + ["--lsgd-ft-host", self.wan.site_ip(self.site)])
+            env = site_env(env)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -335,9 +357,38 @@ class PretrainSite:
             f.seek(self.offset if since_start else 0)
             return f.read()
 
-    def training(self) -> bool:
-        """It logged a step or was healed since its last start, and has not finished."""
-        return (self.trained or self.rejoined) and not self.finished
+    def training(self, now: float) -> bool:
+        """It logged a step or was healed since its last start, has not finished, and is not
+        frozen or cut off, nor was less than --timeout ago (its first collective after it is
+        back fails within that, and it rejoins)."""
+        return (self.trained or self.rejoined) and not self.finished and self.disturbed_until is None and \
+            now >= self.settled_at
+
+    def signal_tree(self, signum: int) -> None:
+        """`signum` to its torchrun and every process below it (SIGSTOP / SIGCONT: a freeze)."""
+        for pid in [self.proc.pid] + descendants(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def disturb(self, kind: str, until: float) -> None:
+        """Freeze it (SIGSTOP) or cut its link until `until`; `restore_if_due` ends it."""
+        if kind == "freeze":
+            self.signal_tree(signal.SIGSTOP)
+            self._restore = lambda: self.signal_tree(signal.SIGCONT)
+        else:
+            self.wan.set_link(self.site, up=False)
+            self._restore = lambda: self.wan.set_link(self.site, up=True)
+        self.disturbed_until = until
+
+    def restore_if_due(self, now: float, force: bool = False) -> bool:
+        """End a freeze or a cut whose time is up (or any, `force`); True when one ended."""
+        if self.disturbed_until is None or (now < self.disturbed_until and not force):
+            return False
+        self._restore()
+        self.disturbed_until, self._restore = None, None
+        self.settled_at = now + self.args.timeout
+        self.restarted("back from a freeze or a cut: the same processes")
+        return True
 
     def kill_site(self) -> None:
         kill_tree(self.proc, timeout_s=60)
@@ -385,14 +436,53 @@ def site_argv(args, job: List[str], out_dir: str, lighthouse: str) -> List[str]:
     return argv
 
 
-def run_pretrain_job(args, job: List[str], out_dir: str, faults: bool, log=print) -> Dict:
-    from tools.benchmarks.elastic.ft_site import start_lighthouse
+def fault_kind(kinds: Sequence[str], index: int) -> str:
+    """The index-th fault's kind: the kinds in turn, so that a run holds as many of each."""
+    return kinds[index % len(kinds)]
 
+
+@contextlib.contextmanager
+def network(args, out_dir: str) -> Iterator[Tuple[str, object]]:
+    """(the lighthouse's address, the emulated WAN or None). Loopback: the lighthouse in this
+    process. --wan-rate-mbit: a namespace per site and one more holding torchft's lighthouse,
+    a host of its own on the shaped links (a cut or a killed site leaves it up)."""
+    if not getattr(args, "wan_rate_mbit", 0):
+        from tools.benchmarks.elastic.ft_site import start_lighthouse
+
+        lh = start_lighthouse(args.min_sites, heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=args.join_ms)
+        try:
+            yield lh.address(), None
+        finally:
+            lh.shutdown()
+        return
+    from tools.wan.launch import lighthouse_cmd
+    from tools.wan.link import LinkSpec
+    from tools.wan.topology import WanTopology
+
+    with WanTopology(args.sites + 1, LinkSpec(args.wan_rate_mbit, args.wan_delay_ms)) as wan:
+        cmd = lighthouse_cmd(args.min_sites, LIGHTHOUSE_PORT, args.join_ms, args.heartbeat_ms)
+        with open(os.path.join(out_dir, "lighthouse.log"), "a") as log:
+            lh = subprocess.Popen(wan.in_site(args.sites, cmd), stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            time.sleep(1.0)  # it binds at once; a site asks for a quorum only after its start-up
+            if lh.poll() is not None:
+                raise RuntimeError(f"the lighthouse stopped at once (exit {lh.returncode}; {out_dir}/lighthouse.log)")
+            yield f"http://{wan.site_ip(args.sites)}:{LIGHTHOUSE_PORT}", wan
+        finally:
+            kill_tree(lh, timeout_s=10)
+
+
+def run_pretrain_job(args, job: List[str], out_dir: str, faults: bool, log=print) -> Dict:
     os.makedirs(out_dir, exist_ok=True)
-    lh = start_lighthouse(args.min_sites, heartbeat_timeout_ms=args.heartbeat_ms, join_timeout_ms=args.join_ms)
+    with network(args, out_dir) as (lighthouse, wan):
+        return _run_pretrain_sites(args, job, out_dir, faults, lighthouse, wan, log)
+
+
+def _run_pretrain_sites(args, job: List[str], out_dir: str, faults: bool, lighthouse: str, wan, log) -> Dict:
     rng = random.Random(args.seed)
-    argv = site_argv(args, job, out_dir, lh.address())
-    sites = {k: PretrainSite(k, argv, args, os.path.join(out_dir, f"site{k}.log")) for k in range(args.sites)}
+    argv = site_argv(args, job, out_dir, lighthouse)
+    sites = {k: PretrainSite(k, argv, args, os.path.join(out_dir, f"site{k}.log"), wan) for k in range(args.sites)}
     kills: List[Dict] = []
     late: List[int] = []
     t0 = time.time()
@@ -417,28 +507,35 @@ def run_pretrain_job(args, job: List[str], out_dir: str, faults: bool, log=print
                 raise RuntimeError(f"the job did not end in --max-minutes {args.max_minutes} ({out_dir})")
             for site in sites.values():
                 site.poll_log()
+                site.restore_if_due(now)
             for kill in kills:  # a restarted site's first `rejoined` line
                 site = sites[kill["site"]]
                 if kill.get("rejoined_s") is None and site.starts == kill["start"] + 1 and site.rejoined:
                     kill["rejoined_s"] = now - kill["t"]
             if ended_at is None and any(site.finished for site in sites.values()):
                 ended_at = now  # a site trained the job's budget: no more faults; the wall time ends here
-            up = [k for k, site in sites.items() if site.proc.poll() is None and site.training()]
+            up = [k for k, site in sites.items() if site.proc.poll() is None and site.training(now)]
             if any(site.finished for site in sites.values()):
                 ended_at = ended_at or now  # the job's budget is reached: no more faults
             if faults and ended_at is None and now >= next_fault and args.sites - len(up) < args.max_down:
                 victim = rng.choice(up)
                 site = sites[victim]
-                kill = {"site": victim, "t": now, "start": site.starts, "kind": args.kill}
-                if args.kill == "site":
+                kind = fault_kind(args.faults, len(kills))
+                kill = {"site": victim, "t": now, "start": site.starts, "kind": kind}
+                if kind == "site":
                     site.kill_site()
                     site.start(resume=True)  # as a launcher with restarts would
-                else:
+                    what = f"killed site {victim}, restarted it"
+                elif kind == "rank":
                     kill["pid"] = site.kill_rank(rng)
                     site.restarted("a rank killed: torchrun restarts the ranks")
+                    what = f"killed a rank of site {victim}"
+                else:
+                    seconds = args.freeze_s if kind == "freeze" else args.cut_s
+                    site.disturb(kind, now + seconds)
+                    what = f"{'froze' if kind == 'freeze' else 'cut the link of'} site {victim} for {seconds:g} s"
                 kills.append(kill)
-                log(f"[chaos] {now - t0:7.1f} s: killed {'site' if args.kill == 'site' else 'a rank of site'} "
-                    f"{victim}, restarted it")
+                log(f"[chaos] {now - t0:7.1f} s: {what}")
                 next_fault = now + args.fault_every
             time.sleep(0.1)
         wall = (ended_at or time.time()) - t0
@@ -446,8 +543,9 @@ def run_pretrain_job(args, job: List[str], out_dir: str, faults: bool, log=print
     finally:
         for site in sites.values():
             if site.proc is not None and site.proc.poll() is None:
+                with contextlib.suppress(Exception):  # a frozen site could not die, a cut one would stay cut
+                    site.restore_if_due(time.time(), force=True)
                 site.kill_site()
-        lh.shutdown()
     texts = {k: site.text(since_start=False) for k, site in sites.items()}
     return {"wall_s": wall, "codes": codes, "kills": kills, "late": late, "texts": texts,
             "digests": read_digests(os.path.join(out_dir, "digests"))}
@@ -513,10 +611,13 @@ def summarize_pretrain(args, base: Dict, chaos: Dict) -> Dict:
     heals = sum(text.count("rejoined at committed round") for text in chaos["texts"].values())
     base_loss, loss = final_validation(base["texts"]), final_validation(chaos["texts"])
     return {
-        "target": "pretrain", "sites": args.sites, "min_sites": args.min_sites, "kill": args.kill,
+        "target": "pretrain", "sites": args.sites, "min_sites": args.min_sites, "faults": ",".join(args.faults),
+        "network": f"emulated WAN, {args.wan_rate_mbit:g} Mbit/s, {args.wan_delay_ms:g} ms"
+        if getattr(args, "wan_rate_mbit", 0) else "loopback",
         "fault_every_s": args.fault_every, "wall_s": round(chaos["wall_s"], 1),
         "baseline_wall_s": round(base["wall_s"], 1),
         "faults_injected": len(chaos["kills"]), "faults_survived": len(chaos["kills"]) if job_ok else 0,
+        "faults_by_kind": dict(Counter(k.get("kind", "site") for k in chaos["kills"])),
         "killed_sites_rejoined": len(rejoin), "sites_restarted_after_the_end": chaos["late"],
         "sites_finished": finished, "job_finished": job_ok,
         "rounds_committed": committed, "rounds_attempted": attempted,
@@ -539,6 +640,8 @@ def job_setup(args, job: List[str]) -> Dict:
                      compression=args.compression)
     else:
         setup.update(ranks_per_site=args.ranks_per_site, job=list(job))
+        if getattr(args, "wan_rate_mbit", 0):  # (absent on loopback: earlier baselines stay valid)
+            setup.update(wan_rate_mbit=args.wan_rate_mbit, wan_delay_ms=args.wan_delay_ms)
     return setup
 
 
@@ -567,6 +670,29 @@ def load_baseline(directory: str, setup: Dict) -> Dict:
 
 
 # ---- command line ---------------------------------------------------------------------------------
+def _fault_flags(args) -> Optional[str]:
+    """Settle --faults (from --kill where given) and the WAN flags; the problem, if any, as the
+    error line says it (naming the flag)."""
+    if args.kill and args.faults:
+        return "--kill and --faults: give one (--kill K is --faults K)"
+    kinds = (args.faults or args.kill or "site").split(",")
+    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    if unknown:
+        return f"--faults {args.faults}: {unknown[0]!r} is not one of {', '.join(FAULT_KINDS)}"
+    if args.wan_rate_mbit < 0 or args.wan_delay_ms < 0:
+        return "--wan-rate-mbit and --wan-delay-ms must be >= 0"
+    if args.target == "toy" and (args.wan_rate_mbit or args.faults or args.kill):
+        return "--wan-rate-mbit, --faults and --kill are for --target pretrain"
+    if "cut" in kinds and not args.wan_rate_mbit:
+        return "--faults cut needs --wan-rate-mbit (a link to cut: the emulated WAN)"
+    args.faults = kinds
+    args.freeze_s = args.freeze_s if args.freeze_s is not None else 2 * args.timeout
+    for flag, value in (("--freeze-s", args.freeze_s), ("--cut-s", args.cut_s)):
+        if value <= 0:
+            return f"{flag} {value:g}: must be > 0"
+    return None
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     job: List[str] = []
@@ -600,10 +726,18 @@ def main(argv=None) -> int:
                         "running it again, e.g. to try several --fault-every on one baseline")
     pre = p.add_argument_group("pretrain target")
     pre.add_argument("--ranks-per-site", type=int, default=1)
-    pre.add_argument("--kill", choices=("site", "rank"), default="site",
-                     help="site: SIGKILL the site's torchrun and every rank, then start it again; rank: SIGKILL one "
-                          "rank, torchrun (--max-restarts) restarts the site's ranks")
-    pre.add_argument("--max-restarts", type=int, default=100, help="torchrun's, for --kill rank")
+    pre.add_argument("--faults", default=None, metavar="KINDS",
+                     help="comma-separated, taken in turn (default site): site: SIGKILL the site's torchrun and "
+                          "every rank, then start it again; rank: SIGKILL one rank, torchrun (--max-restarts) "
+                          "restarts the site's ranks; freeze: SIGSTOP the site for --freeze-s, then SIGCONT; cut: "
+                          "its link down for --cut-s (needs --wan-rate-mbit)")
+    pre.add_argument("--kill", choices=("site", "rank"), default=None, help="one kind only: --faults site or rank")
+    pre.add_argument("--max-restarts", type=int, default=100, help="torchrun's, for rank faults")
+    pre.add_argument("--freeze-s", type=float, default=None, help="how long a freeze lasts (default 2 x --timeout)")
+    pre.add_argument("--cut-s", type=float, default=30.0, help="how long a cut lasts")
+    pre.add_argument("--wan-rate-mbit", type=float, default=0.0,
+                     help="run the sites in the emulated WAN at this rate (tools/wan; root; default 0: loopback)")
+    pre.add_argument("--wan-delay-ms", type=float, default=0.0, help="its one-way delay")
     toy = p.add_argument_group("toy target")
     toy.add_argument("--interval", type=int, default=4, help="H")
     toy.add_argument("--steps", type=int, default=400, help="inner steps of the job (every site)")
@@ -618,6 +752,10 @@ def main(argv=None) -> int:
         return 2
     if job and args.target == "toy":
         print("error: pretrain_gpt.py flags after -- need --target pretrain", file=sys.stderr)
+        return 2
+    problem = _fault_flags(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     args.max_down = args.max_down or args.sites - args.min_sites
     args.join_ms = args.join_ms or (3000 if args.target == "toy" else 5000)
