@@ -447,3 +447,46 @@ def test_a_scenario_of_unequal_sites_trains_one_rank_per_replica_and_leaves_out_
             load_scenario(str(bad))
     free = load_scenario(lb_setup.free_link_copy(path, str(tmp_path)))  # a ceiling keeps the sites' sizes
     assert free.replicas_per_site == [2, 1] and free.rate_mbit == [0.0, 0.0]
+
+
+def test_the_re_based_board_trains_the_ladders_rung_s_on_docs_corpus(tmp_path, monkeypatch, capsys):
+    """--stand-in docs-corpus (issue 45 item 7): every cell trains the quality ladder's rung S
+    (2 x 48, sequence 256, lr 3e-3 to 3e-4, docs-corpus's train and held-out documents, 40
+    evaluation batches), 16 sequences a step at 2 sites as the ladder, sync 1,262 steps (20
+    tokens per parameter) by default; the flags pass the argument checks; its page and plots
+    are its own (docs/leaderboard-docs-corpus.md), published from every algorithm at 3 seeds on
+    any scenarios; without the prepared corpus it stops at once naming the flag and the command
+    that prepares it. The toy's cells are found as before (the flags frozen by test_recipes)."""
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    docs = lb_setup.STAND_INS["docs-corpus"]
+    argv = lb_setup.cell_argv(EMULATED, "diloco", 1, docs.steps, 105, 2, stand_in=docs)
+    flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
+    assert (flag("--num-layers"), flag("--hidden-size"), flag("--seq-length")) == ("2", "48", "256")
+    assert (flag("--micro-batch-size"), flag("--global-batch-size"), flag("--train-iters")) == ("8", "16", "1262")
+    assert (flag("--lr"), flag("--min-lr"), flag("--lr-warmup-iters"), flag("--eval-iters")) == ("3e-3", "3e-4", "63", "40")
+    assert flag("--train-data-path").endswith("docs_corpus_train_text_document") and "--data-path" not in argv
+    assert flag("--valid-data-path").endswith("docs_corpus_valid_text_document")
+    assert "--full-validation" not in argv
+    build_config(parse_args(argv), 2)
+    pilot = lb_setup.cell_argv(EMULATED, "diloco", 1, docs.steps, 0, 2, stand_in=docs)
+    assert pilot[pilot.index("--eval-iters") + 1] == "0"
+    assert lb_setup.cell_argv(EMULATED, "diloco", 1, 300, 25, 2) == \
+        lb_setup.cell_argv(EMULATED, "diloco", 1, 300, 25, 2, stand_in=lb_setup.TOY)
+    published, partial = lb.board_pages("docs-corpus")
+    assert published == os.path.join(lb.ROOT, "docs", "leaderboard-docs-corpus.md") and partial.startswith(
+        os.path.join(lb.ROOT, "runs"))
+    every = list(recipes.ALGORITHMS)
+    two = ["emulated-default", "2x8gpu-1gbit-1b"]
+    assert lb.default_board(two, every, [1, 2, 3], "docs-corpus") == published
+    assert lb.default_board(two, every, [1], "docs-corpus") == partial
+    assert lb.default_board(two, every, [1, 2, 3]) == lb.PARTIAL_BOARD  # the toy's needs every scenario
+    missing = lb_setup.StandIn(**{**docs.__dict__, "files": (str(tmp_path / "nowhere.bin"),)})
+    monkeypatch.setitem(lb.STAND_INS, "docs-corpus", missing)
+    monkeypatch.setattr("sys.argv", ["leaderboard.py", "--stand-in", "docs-corpus", "--scenarios", "emulated-default",
+                                     "--cache-dir", str(tmp_path / "cells")])
+    with pytest.raises(SystemExit) as exit_:
+        lb.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: --stand-in docs-corpus:" in err and "nowhere.bin is missing" in err
+    assert "tools/prepare_corpus.py" in err and not (tmp_path / "cells").exists()

@@ -30,6 +30,11 @@ where a target's miss asks what a user who knows the scenario would set. The boa
 with the open targets of earlier rounds (a-edit and acco under a slow site, cocodc vs
 streaming-diloco, dreamddp vs diloco), judged from the cells.
 
+`--stand-in docs-corpus` trains every cell on the quality ladder's rung S instead (issue 45:
+docs-corpus, 1,262 steps of sync, a target from a trained model; docs/quality.md), onto its own
+page, docs/leaderboard-docs-corpus.md, published from every algorithm at 3 seeds on whichever
+scenarios were run.
+
 A person's reading of a table goes in docs/leaderboard/<scenario>.reading.md (and
 targets.reading.md), which the board includes under the table, so regenerating keeps it (its
 relative links written from that directory; the board rebases them). The scenarios not run
@@ -89,6 +94,16 @@ CELLS_DIR = os.path.join(ROOT, "results", "leaderboard", "cells")  # the data; t
 BOARD = os.path.join(ROOT, "docs", "leaderboard.md")
 PARTIAL_BOARD = os.path.join(ROOT, "runs", "leaderboard", "leaderboard.md")  # (runs/ is not committed)
 
+
+def board_pages(stand_in: str) -> Tuple[str, str]:
+    """(the published page, a partial run's page) of a stand-in's board: the toy's are the
+    board's since its start; another's have its name (docs/leaderboard-docs-corpus.md), and
+    their plots and readings a folder of that name beside them."""
+    if stand_in == "toy":
+        return BOARD, PARTIAL_BOARD
+    return (os.path.join(ROOT, "docs", f"leaderboard-{stand_in}.md"),
+            os.path.join(ROOT, "runs", f"leaderboard-{stand_in}", f"leaderboard-{stand_in}.md"))
+
 from megatron_lsgd.core.simulation import CLOCK_MODEL  # noqa: E402
 from megatron_lsgd.training.initialize import free_port  # noqa: E402
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
@@ -96,8 +111,8 @@ from megatron_lsgd.core.output_files import write_json, write_text  # noqa: E402
 from tools.benchmarks.tool_input import read_json_object  # noqa: E402
 from tools.benchmarks.board.leaderboard_report import (clock_model_of, document, included, open_targets,  # noqa: E402
                                                  plot, summarize)
-from tools.benchmarks.board.leaderboard_setup import (EVALUATIONS, MICRO_BATCH, MODEL, PILOT_STEPS,  # noqa: E402
-                                                      SCENARIO_DIR, Run, cell_argv, cell_ranks, data_args,
+from tools.benchmarks.board.leaderboard_setup import (EVALUATIONS, MICRO_BATCH, MODEL, SCENARIO_DIR,  # noqa: E402
+                                                      STAND_INS, TOY, Run, cell_argv, cell_ranks, data_args,
                                                       free_link_copy, has_slow_site, scenario_runs)
 from tools.benchmarks.recipes import ALGORITHMS  # noqa: E402
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
@@ -220,7 +235,8 @@ def cached_cell(name: str, label: str, scenario_path: str, algo: str, seed: int,
     scenario file: a changed setting or cost model is a new cell, never a stale one reused.
     `progress` ("cell 3 of 39", say) goes in the line that announces a cell trained now."""
     argv = cell_argv(scenario_path, algo, seed, steps, eval_interval, sites,
-                     settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"), extra=extra)
+                     settings_from=os.path.join(SCENARIO_DIR, f"{name}.toml"), extra=extra,
+                     stand_in=getattr(args, "stand_in_obj", TOY))
     digest = cell_digest(argv, scenario_path)
     tag = label.replace(" ", "_").replace("(", "").replace(")", "")
     cache = os.path.join(args.cache_dir, f"{name}__{tag}__seed{seed}__{digest}.json")
@@ -323,11 +339,15 @@ def every_scenario() -> List[str]:
     return sorted(n[:-5] for n in os.listdir(SCENARIO_DIR) if n.endswith(".toml"))
 
 
-def default_board(names: Sequence[str], algorithms: Sequence[str], seeds: Sequence[int]) -> str:
+def default_board(names: Sequence[str], algorithms: Sequence[str], seeds: Sequence[int], stand_in: str = "toy") -> str:
     """docs/leaderboard.md for the whole board (every scenario and algorithm, 3 seeds or more),
-    else PARTIAL_BOARD: a run of a few cells does not replace the published tables."""
-    whole = sorted(names) == every_scenario() and sorted(algorithms) == sorted(ALGORITHMS) and len(seeds) >= 3
-    return BOARD if whole else PARTIAL_BOARD
+    else PARTIAL_BOARD: a run of a few cells does not replace the published tables. Another
+    stand-in's page is published from every algorithm at 3 seeds or more on any scenarios (it
+    names them: a board of hours a scenario need not hold them all)."""
+    published, partial = board_pages(stand_in)
+    every = sorted(algorithms) == sorted(ALGORITHMS) and len(seeds) >= 3
+    whole = every and (stand_in != "toy" or sorted(names) == every_scenario())
+    return published if whole else partial
 
 
 def main() -> None:
@@ -335,8 +355,15 @@ def main() -> None:
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: every file)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--seeds", type=seed_list, default=seed_list("3"), help=SEEDS_HELP)
-    p.add_argument("--steps", type=positive_int, default=PILOT_STEPS,
-                   help="sync's steps (its training time is every algorithm's budget) and each pilot's")
+    p.add_argument("--stand-in", choices=sorted(STAND_INS), default="toy",
+                   help="what every cell trains: toy, the board since its start (the bundled Python docs, a "
+                        "1.5M-parameter GPT, 300 steps: a target early in training); docs-corpus, issue 45's re-based "
+                        "board (the quality ladder's rung S on docs-corpus, 1,262 steps: 20 tokens per parameter, "
+                        "the loss flat at the end; needs data/docs-corpus, docs/quality.md; its page "
+                        "docs/leaderboard-docs-corpus.md)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="sync's steps (its training time is every algorithm's budget) and each pilot's (default: "
+                        "the stand-in's, 300 toy, 1262 docs-corpus)")
     p.add_argument("--budget-cap", type=positive_int, default=3,
                    help="an algorithm faster than sync trains the steps that fit in sync's time, at most this "
                         "many times --steps")
@@ -360,18 +387,27 @@ def main() -> None:
               f"{args.measure_costs} site(s) training at once, one rank and one thread each, median over the sites: "
               f"{wall:.4f} wall-clock (the compute cost a scenario takes), {cpu:.4f} CPU")
         return
+    args.stand_in_obj = STAND_INS[args.stand_in]
+    args.steps = args.steps or args.stand_in_obj.steps
+    missing = [f for f in args.stand_in_obj.files if not os.path.exists(f)]
+    if missing and not args.cached_only:
+        p.error(f"--stand-in {args.stand_in}: {os.path.relpath(missing[0], ROOT)} is missing; prepare the corpus "
+                f"first: {args.stand_in_obj.prepare}")
     names = args.scenarios.split(",") if args.scenarios else every_scenario()
     algorithms = args.algorithms.split(",")
     for a in algorithms:
         if a not in ALGORITHMS:
             p.error(f"--algorithms: {a!r} is not one of {', '.join(ALGORITHMS)}")
     if args.out is None:
-        args.out = default_board(names, algorithms, args.seeds)
-        if args.out == PARTIAL_BOARD:  # the published board is not replaced by a part of it
+        args.out = default_board(names, algorithms, args.seeds, args.stand_in)
+        published, partial = board_pages(args.stand_in)
+        if args.out == partial:  # the published board is not replaced by a part of it
             print(f"> a part of the board (--scenarios, --algorithms or --seeds): written to "
-                  f"{os.path.relpath(args.out, ROOT)}, not docs/leaderboard.md (name --out to choose)", flush=True)
+                  f"{os.path.relpath(args.out, ROOT)}, not {os.path.relpath(published, ROOT)} (name --out to choose)",
+                  flush=True)
     if args.plots_dir is None:
-        args.plots_dir = os.path.join(os.path.dirname(args.out), "leaderboard")
+        args.plots_dir = os.path.join(os.path.dirname(args.out),
+                                      "leaderboard" if args.stand_in == "toy" else f"leaderboard-{args.stand_in}")
     os.makedirs(args.cache_dir, exist_ok=True)
     os.makedirs(args.plots_dir, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -15,8 +15,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 from megatron_lsgd.core.simulation import CLOCK_MODEL
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import save_figure
-from tools.benchmarks.board.leaderboard_setup import (EVALUATIONS, FREE_LINK, MICRO_BATCH, MODEL, ROOT, SCENARIO_DIR,
-                                                      SEQ, SPLIT, board_cells, compact, unequal_refusals)
+from tools.benchmarks.board.leaderboard_setup import (EVALUATIONS, FREE_LINK, ROOT, SCENARIO_DIR, SEQ, TOY,
+                                                      board_cells, compact, unequal_refusals)
 from tools.benchmarks.recipes import ACCO_FIXED, ALGORITHMS, MAX_MICROBATCHES, TRAINED_PARAMS_GUESS, recommended_interval
 from tools.benchmarks.quality.lsgd_quality import steps_to_reach
 
@@ -193,7 +193,7 @@ def summarize(name: str, scenario, cells: Dict[str, List[Dict]]) -> List[str]:
         key = median_of(times)
         key = math.inf if key is None else key
         updates = [c["iterations"] / c["seconds"] for c in runs]
-        tokens = [c["samples"] * SEQ / c["seconds"] for c in runs]
+        tokens = [c["samples"] * seq_of(c) / c["seconds"] for c in runs]
         rows.append((key, algo, spread([c.get("steps", c["iterations"]) for c in runs]), time_spread(times),
                      time_spread(loose_times),
                      spread([loss_at(c, target.budget_for(c)) for c in runs]),
@@ -305,6 +305,12 @@ def latest_archive() -> Optional[str]:
     return os.path.join(folder, pages[-1]) if pages else None
 
 
+def seq_of(cell: Dict) -> int:
+    """The sequence length a cell trained (its flags; the toy's for a cell without them)."""
+    argv = cell.get("argv") or []
+    return int(argv[argv.index("--seq-length") + 1]) if "--seq-length" in argv else SEQ
+
+
 def document(names: List[str], sections: List[str], args, not_run: Dict[str, List[str]],
              spent: Optional[Dict[str, List[Optional[float]]]] = None) -> str:
     """docs/leaderboard.md: the method, the scenarios, every table, and the simulator's validation."""
@@ -312,8 +318,10 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
     # the cells are measured data, kept under results/ (leaderboard.py's CELLS_DIR), the board a page in docs/
     cells = getattr(args, "cache_dir", None) or os.path.join(ROOT, "results", "leaderboard", "cells")
     cells_link = os.path.relpath(os.path.abspath(cells), os.path.dirname(os.path.abspath(args.out)))
+    stand_in = getattr(args, "stand_in_obj", TOY)
     head = [
-        "# Leaderboard: time to a validation loss, per WAN scenario",
+        "# Leaderboard: time to a validation loss, per WAN scenario"
+        + ("" if stand_in is TOY else f" ({stand_in.name}: the target from a trained model)"),
         "",
         "Written by `python -m tools.bench board` (resumable; see its docstring); this board by "
         f"`python -m tools.bench board {' '.join(sys.argv[1:])}`. Its cells, the data of every table, "
@@ -321,7 +329,8 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         "them, and a run with more seeds or scenarios trains only the cells they lack.",
         "",
         "Every cell trains the",
-        f"same GPT ({' '.join(MODEL[:8])}, micro-batch {MICRO_BATCH} x {SEQ} tokens, one micro-batch per site per "
+        f"same GPT ({' '.join(stand_in.model[:8])}, micro-batch {stand_in.micro_batch} x {stand_in.seq} tokens, "
+        "one micro-batch per site per "
         "step) with one rank per site, on the **simulated clock** of the scenario: compute costs come from",
         "the scenario's cost model and cross-site collectives from its link model (docs/architecture.md, 'Time'),",
         "so the seconds below are simulated seconds of that scenario, identical on every re-run and",
@@ -334,8 +343,8 @@ def document(names: List[str], sections: List[str], args, not_run: Dict[str, Lis
         "measures its pace on the scenario's clock (the pace depends neither on the seed nor on the data), and",
         "then trains as many steps as fit in the budget at that pace, with its learning-rate schedule",
         f"(warm-up, cosine decay) sized to them, but at most {args.budget_cap}x sync's steps, which is what this machine",
-        f"can afford; the `steps` column says how many. About {EVALUATIONS} evaluations per run, each over the whole",
-        f"held-out split of the bundled corpus (`--split {SPLIT}` with `--full-validation`): the same samples in",
+        f"can afford; the `steps` column says how many. About {EVALUATIONS} evaluations per run, each over",
+        f"{stand_in.about}: the same samples in",
         f"every evaluation of every cell. acco and dpu accumulate at most {MAX_MICROBATCHES} micro-batches per stage.",
         "",
         "How to read a table: the ranking is by the median over seeds of the simulated time to reach the",

@@ -42,6 +42,58 @@ def data_args() -> List[str]:
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(DATA, "python_docs_sp8k.model")]
 
 
+@dataclass(frozen=True)
+class StandIn:
+    """What every cell of a board trains: the GPT, its data, batch, learning rate and
+    evaluations. The simulated clock charges the scenario's compute and bytes whatever it is
+    (bytes scaled by its parameter count), so the stand-in sets the loss curves, and with
+    them the target: sync's final validation loss after `steps` steps."""
+    name: str
+    model: Tuple[str, ...]
+    micro_batch: int               # one micro-batch per replica per step
+    steps: int                     # sync's steps (the budget) and each pilot's, by default
+    lr: Tuple[str, ...]
+    data: Tuple[str, ...]
+    evaluation: Tuple[str, ...]    # each evaluation's flags (the cell adds --eval-interval)
+    about: str                     # the board page's words for it
+    files: Tuple[str, ...] = ()    # what training needs on disk that a clone lacks (none: bundled)
+    prepare: str = ""              # the command that makes them
+
+    @property
+    def seq(self) -> int:
+        return int(self.model[self.model.index("--seq-length") + 1])
+
+
+# The board since its start: the bundled Python docs, 300 steps of sync from scratch (its final
+# validation loss is early in training: 6.06 from 9.0).
+TOY = StandIn("toy", tuple(MODEL), MICRO_BATCH, PILOT_STEPS, ("--lr", "2e-3", "--min-lr", "2e-4"), tuple(data_args()),
+              ("--eval-iters", "1", "--full-validation"),
+              f"the whole held-out split of the bundled corpus (`--split {SPLIT}` with `--full-validation`)")
+# Issue 45's re-based board: the quality ladder's rung S (0.26M parameters, docs-corpus read once,
+# sync trained to 20 tokens per parameter at 2 sites, its loss flat by the end of the schedule:
+# docs/quality.md), the ladder's learning rate and held-out documents. Cells of the same
+# scenario with either stand-in never share a cache file (the digest is of the flags).
+DOCS_CORPUS_DIR = os.path.join(ROOT, "data", "docs-corpus")
+DOCS_CORPUS = StandIn(
+    "docs-corpus",
+    ("--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "256",
+     "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+     "--hidden-dropout", "0", "--attention-dropout", "0"),
+    8, 1262, ("--lr", "3e-3", "--min-lr", "3e-4"),
+    ("--train-data-path", os.path.join(DOCS_CORPUS_DIR, "docs_corpus_train_text_document"),
+     "--valid-data-path", os.path.join(DOCS_CORPUS_DIR, "docs_corpus_valid_text_document"),
+     "--tokenizer-type", "SentencePieceTokenizer",
+     "--tokenizer-model", os.path.join(DOCS_CORPUS_DIR, "docs_corpus_sp4k.model")),
+    ("--eval-iters", "40"),
+    "the ladder's held-out documents of docs-corpus (40 batches: 163,840 tokens at 2 sites)",
+    files=tuple(os.path.join(DOCS_CORPUS_DIR, f) for f in (
+        "docs_corpus_train_text_document.bin", "docs_corpus_train_text_document.idx",
+        "docs_corpus_valid_text_document.bin", "docs_corpus_valid_text_document.idx", "docs_corpus_sp4k.model")),
+    prepare="python tools/prepare_corpus.py --input ../shared/data/docs-corpus.jsonl.gz --output-dir "
+            "data/docs-corpus --name docs_corpus --vocab-size 4096 --workers 2")
+STAND_INS = {s.name: s for s in (TOY, DOCS_CORPUS)}
+
+
 def cell_ranks(scenario) -> int:
     """A cell's ranks: one per data-parallel replica (one per site unless the scenario's sites
     differ in size: replicas_per_site)."""
@@ -55,19 +107,20 @@ def unequal_refusals(scenario, algorithms: Sequence[str]) -> Dict[str, str]:
 
 
 def cell_argv(scenario_path: str, algorithm: str, seed: int, steps: int, eval_interval: int, sites: int,
-              settings_from: Optional[str] = None, extra: Sequence[str] = ()) -> List[str]:
+              settings_from: Optional[str] = None, extra: Sequence[str] = (), stand_in: StandIn = TOY) -> List[str]:
     """The cell's flags; the recommended settings come from `settings_from` (a free-link
     ceiling keeps the settings of the scenario it is the ceiling of) or the scenario itself,
     and a tuned variant's `extra` flags follow them (the last of a flag given twice counts).
-    `eval_interval` 0: no evaluation (a pilot, which only measures the pace)."""
+    `eval_interval` 0: no evaluation (a pilot, which only measures the pace). `stand_in`: what
+    the cell trains (TOY's flags are the board's since its start, so its cached cells hold)."""
     scenario = load_scenario(scenario_path)
     replicas = scenario.replicas_per_site
-    gbs = MICRO_BATCH * cell_ranks(scenario)  # one micro-batch per replica per step
+    gbs = stand_in.micro_batch * cell_ranks(scenario)  # one micro-batch per replica per step
     layout = ["--site-data-parallel-sizes", ",".join(map(str, replicas))] if replicas else []
-    evaluation = ["--eval-interval", str(eval_interval), "--eval-iters", "1", "--full-validation"] if eval_interval \
+    evaluation = ["--eval-interval", str(eval_interval), *stand_in.evaluation] if eval_interval \
         else ["--eval-iters", "0"]
-    argv = MODEL + data_args() + [
-        "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(gbs), "--lr", "2e-3", "--min-lr", "2e-4",
+    argv = list(stand_in.model) + list(stand_in.data) + [
+        "--micro-batch-size", str(stand_in.micro_batch), "--global-batch-size", str(gbs), *stand_in.lr,
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, steps // 20)), "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--seed", str(seed), "--num-sites", str(sites), "--log-interval", str(steps),
         *layout, *evaluation, "--simulate-scenario", scenario_path, "--lsgd-algorithm", algorithm]
