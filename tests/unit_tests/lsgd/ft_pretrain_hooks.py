@@ -2,6 +2,9 @@
 - $LSGD_TEST_DIE_AFTER_QUORUM=N: the rank SIGKILLs itself right after its quorum number N
   (from 1, in this process), before that round's reduction, so the peers of that quorum
   lose the round whatever the timing (a site killed from outside may die between rounds);
+- $LSGD_TEST_DIE_AT_UNIT=N:K (edit): the rank SIGKILLs itself in its sync number N (from 1)
+  just before unit K's mean is applied, its units 0..K-1 synced: the peers lose that round
+  in the middle of its forward pass, after outer steps on those units;
 - $LSGD_TEST_HOLD_UNTIL=PATH: the site starts (imports, model, optimizer) but builds its
   torchft manager only once PATH exists, so a test can bring a restarted site back at a
   chosen moment without waiting for a process to start;
@@ -36,6 +39,19 @@ def main(argv=None) -> None:
             return heal
 
         TorchftMembership.round_started = round_started
+    die_at_unit = os.environ.get("LSGD_TEST_DIE_AT_UNIT", "")
+    if die_at_unit:
+        from megatron_lsgd.core.lsgd.algorithms.edit.edit import EDiT
+
+        sync, unit = (int(x) for x in die_at_unit.split(":"))
+        apply = EDiT._apply
+
+        def dying_apply(self, j: int) -> None:
+            if self.syncs == sync and j == unit:
+                os.kill(os.getpid(), signal.SIGKILL)
+            apply(self, j)
+
+        EDiT._apply = dying_apply
     if hold or ready:
         build = TorchftMembership.__init__
 

@@ -219,8 +219,7 @@ class AEDiT(EDiT):
         return self._meeting
 
     def finish_training(self, iteration: int) -> None:
-        if self.pending:  # the last meeting's sync (it ended training) has not run yet
-            self._sync_now()
+        self._decide()  # the last meeting's sync (it ended training), if it has not run yet
 
     # ---- state and stats ---------------------------------------------------------------------------
     def state_dict(self) -> Dict:
