@@ -118,8 +118,10 @@ class AEDiT(EDiT):
     """EDiT synced by wall-clock interval: fast sites take more steps, nobody waits for a straggler"""
 
     name = "a-edit"
-    fault_tolerance_refusal = ("its sites meet by time, each after its own number of steps, through EDiT's per-unit "
-                               "syncs in the forward pass, which a quorum cannot interrupt")
+    fault_tolerance_refusal = ("its meetings are all-gathers over every configured site, entered when each site's own "
+                               "clock says so, with no quorum; the budget, quotas and stop rule read every configured "
+                               "site's report, and a heal sets the job's count to the healed site's iteration, which "
+                               "holds for lockstep algorithms only")
     unequal_sites_refusal = ("its sites take their own numbers of steps, so a site's weight would be its tokens at "
                              "each meeting, which is not implemented")
     Options = AEDiTOptions
