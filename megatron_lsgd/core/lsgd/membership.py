@@ -14,6 +14,11 @@ A reduction that overlaps inner steps (dilocox's one-round-late mean, a streamin
 fragment) is split in two: `start(issue, undo)` issues it and returns a ticket (poll it
 between steps; `wait` lets it land without deciding), `finish(ticket)` waits and returns
 the mean, or None when the round is not committed.
+A round whose reduction is many collectives issued later, as compute reaches them (edit's
+norm gather, then a unit's exchange just before the unit's forward), runs each of them
+through `within(ticket, call)`: a collective that fails is reported (the round will not
+commit) instead of raised, and once the round has failed nothing more is sent. The rows of
+a gather are the round's sites in `round_sites()` order.
 
 Where such a reduction is issued, and how training ends, is the membership's rhythm: the
 same calls whatever the membership (the synchronizer implements `Exchanges` and never asks
@@ -134,6 +139,15 @@ class SiteMembership:
         the first decision."""
         raise NotImplementedError
 
+    def within(self, ticket, call: Callable[[], T], failed: Optional[T] = None) -> Optional[T]:
+        """`call()`, a later collective of the ticket's round (see the module docstring): its
+        result, or `failed` when it fails or the round already has (an elastic membership)."""
+        return call()
+
+    def round_sites(self) -> Sequence[int]:
+        """The round's sites in the order of the cross-site group's ranks (a gather's rows)."""
+        raise NotImplementedError
+
     # ---- the rhythm of reductions that overlap inner steps (Exchanges) ---------------------------
     def taken(self, ex: Exchanges) -> None:
         """A step took a reduction (`ex.exchange_due()`): a fixed set of sites issues it now."""
@@ -203,6 +217,9 @@ class AllSites(SiteMembership):
 
     def finish(self, ticket) -> Optional[object]:
         return ticket.wait()
+
+    def round_sites(self) -> Sequence[int]:
+        return range(self.num_sites)
 
     def mean_over_sites(self, tensor: torch.Tensor) -> None:
         if self.num_sites > 1:

@@ -2,6 +2,13 @@
 - $LSGD_TEST_DIE_AFTER_QUORUM=N: the rank SIGKILLs itself right after its quorum number N
   (from 1, in this process), before that round's reduction, so the peers of that quorum
   lose the round whatever the timing (a site killed from outside may die between rounds);
+- $LSGD_TEST_DIE_AT_UNIT=N:K (edit): the rank SIGKILLs itself in its sync number N (from 1)
+  just before unit K's mean is applied, its units 0..K-1 synced: the peers lose that round
+  in the middle of its forward pass, after outer steps on those units;
+- $LSGD_TEST_DIE_AT_GATHER=N: the rank SIGKILLs itself as it enters its N-th cross-site
+  all-gather (edit's norm gather, uncompressed: sync number N), after the site's own sums;
+- $LSGD_TEST_DIE_RANKS=R[,R...]: only these ranks of the site die so (default: all), so that
+  a peer site's ranks see the loss in different collectives;
 - $LSGD_TEST_HOLD_UNTIL=PATH: the site starts (imports, model, optimizer) but builds its
   torchft manager only once PATH exists, so a test can bring a restarted site back at a
   chosen moment without waiting for a process to start;
@@ -24,6 +31,24 @@ def main(argv=None) -> None:
     hold = os.environ.get("LSGD_TEST_HOLD_UNTIL", "")
     hold_closing = os.environ.get("LSGD_TEST_HOLD_CLOSING_UNTIL", "")
     ready = os.environ.get("LSGD_TEST_READY_FILE", "")
+    dying = os.environ.get("LSGD_TEST_DIE_RANKS", "")
+    if dying and os.environ.get("RANK", "0") not in dying.split(","):
+        die_after, die_at_unit, die_at_gather = 0, "", 0
+    else:
+        die_at_unit = os.environ.get("LSGD_TEST_DIE_AT_UNIT", "")
+        die_at_gather = int(os.environ.get("LSGD_TEST_DIE_AT_GATHER", "0"))
+    if die_at_gather:
+        from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
+
+        gathers, gather = [0], ElasticComm.all_gather
+
+        def dying_gather(self, *args, **kwargs):
+            gathers[0] += 1
+            if gathers[0] == die_at_gather:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return gather(self, *args, **kwargs)
+
+        ElasticComm.all_gather = dying_gather
     if die_after:
         taken = [0]
         quorum = TorchftMembership.round_started
@@ -36,6 +61,18 @@ def main(argv=None) -> None:
             return heal
 
         TorchftMembership.round_started = round_started
+    if die_at_unit:
+        from megatron_lsgd.core.lsgd.algorithms.edit.edit import EDiT
+
+        sync, unit = (int(x) for x in die_at_unit.split(":"))
+        apply = EDiT._apply
+
+        def dying_apply(self, j: int) -> None:
+            if self.syncs == sync and j == unit:
+                os.kill(os.getpid(), signal.SIGKILL)
+            apply(self, j)
+
+        EDiT._apply = dying_apply
     if hold or ready:
         build = TorchftMembership.__init__
 

@@ -506,6 +506,36 @@ def test_a_failed_collective_aborts_the_sites_group_at_once():
     assert kept.reduce(lambda: "m") is None and kept.pg.aborts == 0
 
 
+def test_a_rounds_later_collectives_run_within_it_a_failure_reported_and_nothing_sent_after():
+    # edit's norm gather and per-unit exchanges: collectives issued after `start`, each
+    # through `within`; the first that fails is reported (the round does not commit), the
+    # group aborted, and the ones after it are not tried (`failed` comes back instead).
+    buf, calls = _Buffer(), []
+
+    def unit(k, fails=False):
+        def call():
+            calls.append(k)
+            if fails:
+                raise RuntimeError("Connection reset by peer")
+            buf.value += 1
+            return k
+        return call
+
+    m = _membership(commit=True)
+    m.pg = _Group()
+    ticket = m.start(lambda: SimpleNamespace(done=True, result="synced", poll=lambda: True, wait=lambda: "synced"),
+                     undo=[buf])
+    assert m.within(ticket, unit(0)) == 0
+    assert m.within(ticket, unit(1, fails=True), "lost") == "lost" and m.pg.aborts == 1
+    assert m.within(ticket, unit(2), "lost") == "lost" and calls == [0, 1]
+    assert m.finish(ticket) is None and buf.value.tolist() == [0, 0]  # put back as it was at `start`
+    assert "Connection reset" in m._failure
+    kept = _membership(commit=True)
+    ticket = kept.start(lambda: SimpleNamespace(done=True, result="synced", poll=lambda: True, wait=lambda: "synced"))
+    assert kept.within(ticket, unit(3)) == 3 and kept.finish(ticket) == "synced"
+    assert list(kept.round_sites()) == [0, 1]  # the rows of a gather: the quorum group's order
+
+
 # ---- a lone site (--lsgd-ft-lone-site) --------------------------------------------------------------
 def _lone(lone_site: str):
     """A site of two with --lsgd-min-sites 2, alone in its quorum (the scripted Manager's)."""

@@ -100,6 +100,7 @@ HOOKS_ENTRY = "tests.unit_tests.lsgd.ft_pretrain_hooks"  # the same, as a forked
 DILOCOX = ("--lsgd-algorithm", "dilocox")
 COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-schedule", "round-robin")
 SYNC = ("--lsgd-algorithm", "sync")
+EDIT = ("--lsgd-algorithm", "edit")
 
 
 @pytest.mark.slow
@@ -113,7 +114,10 @@ SYNC = ("--lsgd-algorithm", "sync")
       "--train-iters", "10"], COCODC, 4),
     # a quorum and a gradient mean per step; each site's 2 ranks split its traffic (gathered in the site after)
     (["--lsgd-compression", "int8"], SYNC, H),
-], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4", "sync-dp2-int8"])
+    # a quorum per sync, its norm gather and per-unit exchanges in the forward on the quorum's
+    # group; the tied embedding's clip across stages; a last, partial round as a closing exchange
+    (["--pipeline-model-parallel-size", "2", "--train-iters", "7"], EDIT, H),
+], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4", "sync-dp2-int8", "edit-pp2-tied"])
 def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout, algorithm, interval):
     # 2 sites of 2 ranks each. Every checkpointed tensor of both sites and every logged loss
     # must equal the run without fault tolerance.
@@ -256,17 +260,25 @@ def _iteration_of(text: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm,interval,extra,die_after,shared", [
+@pytest.mark.parametrize("algorithm,interval,extra,die,shared,nproc", [
     # the round-3 quorum: the mean of round 2's Δ, in flight for the whole round, is lost
-    (DILOCOX, H, ["--lsgd-compression", "int8"], 3, _outer_state),
+    (DILOCOX, H, ["--lsgd-compression", "int8"], {"LSGD_TEST_DIE_AFTER_QUORUM": "3"}, _outer_state, 1),
     # quorums: the process's first step, then one per fragment sync: the third sync is lost
-    (COCODC, 4, ["--lsgd-compression", "int4"], 4, _outer_state),
+    (COCODC, 4, ["--lsgd-compression", "int4"], {"LSGD_TEST_DIE_AFTER_QUORUM": "4"}, _outer_state, 1),
     # a quorum per step: step 5's gradient mean is lost, and that step is applied on no site
-    (SYNC, H, ["--lsgd-compression", "int8"], 5, _model),
-], ids=["dilocox", "cocodc", "sync"])
+    (SYNC, H, ["--lsgd-compression", "int8"], {"LSGD_TEST_DIE_AFTER_QUORUM": "5"}, _model, 1),
+    # a quorum per sync (at the step after its H-th): the second sync is lost in its forward
+    # pass, after units 0 and 1 took their outer step: every unit goes back to its anchor
+    (EDIT, H, ["--lsgd-compression", "int8"], {"LSGD_TEST_DIE_AT_UNIT": "2:2"}, _outer_state, 1),
+    # sites of 2 ZeRO-1 ranks: only site 1's rank 1 dies, entering its second sync's norm
+    # gather, so on site 0 rank 0's gather succeeds and rank 1's fails: both must still roll
+    # every unit back (the clip's sum over the site's shards would otherwise wait forever)
+    (EDIT, H, ["--use-distributed-optimizer", "--ddp-bucket-size", "5000"],
+     {"LSGD_TEST_DIE_AT_GATHER": "2", "LSGD_TEST_DIE_RANKS": "1"}, _outer_state, 2),
+], ids=["dilocox", "cocodc", "sync", "edit", "edit-zero1-one-rank-dies"])
 def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp_path, algorithm, interval, extra,
-                                                                             die_after, shared):
-    # 2 sites of 1 rank, --lsgd-min-sites 1, every site saves every H steps. Site 1 dies
+                                                                             die, shared, nproc):
+    # 2 sites of 1 rank (`nproc`), --lsgd-min-sites 1, every site saves every H steps. Site 1 dies
     # (SIGKILL) right after a quorum, before that round's reduction: site 0 logs one `lost
     # site 1` line and goes on alone exactly as a job resumed from its state after the
     # rollback does. Site 1 comes back fresh (a process started with the others, held until
@@ -287,12 +299,11 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
         # Site 1 never trains alone (its own floor); site 0 starts once site 1's torchft manager
         # is up, so that the two meet at site 0's first quorum.
         victim_args = [a if a != save else str(tmp_path / "victim") for a in args]  # (the held site's lock)
-        others.append(start(_site(victim_args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1], script=HOOKS,
-                            env={"LSGD_TEST_DIE_AFTER_QUORUM": str(die_after),
-                                 "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
-        procs[0] = start(_site(args, 0), 1, logs[0], script=HOOKS,
+        others.append(start(_site(victim_args, 1) + ["--lsgd-min-sites", "2"], nproc, logs[1], script=HOOKS,
+                            env={**die, "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
+        procs[0] = start(_site(args, 0), nproc, logs[0], script=HOOKS,
                          env={"LSGD_TEST_HOLD_UNTIL": str(tmp_path / "victim.ready")})
-        others.append(start(_site(args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1] + ".restart",
+        others.append(start(_site(args, 1) + ["--lsgd-min-sites", "2"], nproc, logs[1] + ".restart",
                             env={"LSGD_TEST_HOLD_UNTIL": release}, script=HOOKS))  # fresh, as a restarted process
         _until(lambda: marker in read(logs[0]), "site 0 to roll back", procs.values())
         assert others[0].wait(timeout=120) != 0
@@ -310,6 +321,10 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     assert text0.count(marker) == 1 and back in text0[text0.index(marker):], text0
     if algorithm == SYNC:  # the step whose mean was lost is applied on no site: site 0 skipped it
         assert "| skipped iterations: 1 |" in text0, text0[-600:]
+    if algorithm == EDIT:  # the lost sync moved no anchor: site 0's outer state is that of the save before it
+        lost_at = _last_line_before(text0, marker) // interval * interval
+        assert_same(_outer_state(_checkpoint(save, 0, lost_at)), _outer_state(_checkpoint(save, 0, lost_at - interval)),
+                    "site 0's outer state across the lost sync")
     agreed = check_digests(read_digests(digests))  # both sites' (the killed process's included)
     assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 4, agreed
     # site 0's last checkpoint before site 1 came back
@@ -334,9 +349,9 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     try:
         ref_args = _job(2, lighthouse.address(), 1, [a if a != save else ref for a in extra + [
             "--train-iters", str(iters), "--save", save]], algorithm, interval)
-        jobs = [Job(_site(ref_args + ["--load", ref], 0), 1, ref_logs[0], {"LSGD_TEST_HOLD_CLOSING_UNTIL": closing},
+        jobs = [Job(_site(ref_args + ["--load", ref], 0), nproc, ref_logs[0], {"LSGD_TEST_HOLD_CLOSING_UNTIL": closing},
                     HOOKS_ENTRY),
-                Job(_site(ref_args, 1) + ["--lsgd-min-sites", "2"], 1, ref_logs[1], {"LSGD_TEST_HOLD_UNTIL": late_go},
+                Job(_site(ref_args, 1) + ["--lsgd-min-sites", "2"], nproc, ref_logs[1], {"LSGD_TEST_HOLD_UNTIL": late_go},
                     HOOKS_ENTRY)]
         ranks = start_together(jobs)
         _until(lambda: os.path.exists(closing + ".reached"), "site 0 at the job's end", [ranks])
@@ -360,10 +375,10 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     # The restarted site was healed and holds site 0's anchors and momenta from then on.
     assert "rejoined at committed round" in restarted, restarted
     # Its log counts from the heal: its first step line's tokens are one step's (4 samples of
-    # 32 tokens), its traffic summary counts the steps it trained.
+    # 32 tokens per rank of a site), its traffic summary counts the steps it trained.
     first = re.search(r"elapsed time per iteration \(ms\): ([0-9.]+) .*?tokens/s: ([0-9.]+)",
                       restarted[restarted.index("rejoined at committed round"):])
-    assert abs(float(first.group(1)) / 1e3 * float(first.group(2)) - 128) < 6.4, first.group(0)
+    assert abs(float(first.group(1)) / 1e3 * float(first.group(2)) - 128 * nproc) < 6.4 * nproc, first.group(0)
     membership = [line for line in (text0 + restarted).splitlines()
                   if "sites now" in line or "not committed" in line or "rejoined" in line]
     assert f"in {iters - joined} steps" in restarted, (joined, membership, restarted[-600:])  # (flaked once under load)

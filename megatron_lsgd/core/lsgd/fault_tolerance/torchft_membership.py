@@ -100,6 +100,15 @@ class _RoundTicket:
             self._guarded(self.work.wait)
         return self.result
 
+    def run(self, call, failed=None):
+        """A later collective of the round (membership.within): its result, or `failed` when
+        it fails (reported, as a wait) or the round already has (a broken group: not tried)."""
+        if self.failed:
+            return failed
+        out = [failed]
+        self._guarded(lambda: out.__setitem__(0, call()))
+        return failed if self.failed else out[0]
+
     def _guarded(self, call) -> None:
         try:
             call()
@@ -154,6 +163,7 @@ class TorchftMembership(SiteMembership):
                                lighthouse_addr=lighthouse, replica_id=f"site{site}", init_sync=False,
                                hostname=hostname or socket.gethostname(), checkpoint_transport=transport)
         self.present: List[int] = []  # sites of the current round
+        self.order: List[int] = []  # the same, in the order of the quorum group's ranks (a gather's rows)
         self.rounds_attempted = self.rounds_committed = 0
         self.failed_in_a_row = 0  # rounds not committed since the last that was (--lsgd-ft-max-failed-rounds)
         self.alone = False  # training alone (--lsgd-ft-lone-site train) until another site joins its quorum
@@ -296,8 +306,8 @@ class TorchftMembership(SiteMembership):
         self.joined = True
         present = self._gather_present()
         if present is None:  # a site died right after the quorum: this round will not commit
-            present = list(before)
-        self.present = present
+            present = list(self.order or before)
+        self.order, self.present = present, sorted(present)
         self.comm.set_sites(self.pg, self.manager.num_participants())
         heal = self._heal()
         self._emit("quorum", id=getattr(self.manager, "_quorum_id", None), sites=self.present,
@@ -384,6 +394,14 @@ class TorchftMembership(SiteMembership):
                 self._emit("not_committed", attempted=self.rounds_attempted, sites=self.present, why=self._failure)
                 self._stop_if_failing()
         return ticket.result if ticket.decision else None
+
+    def within(self, ticket, call, failed=None):
+        if not isinstance(ticket, _RoundTicket):  # restored from a checkpoint: decided before it was saved
+            return call()
+        return ticket.run(call, failed)
+
+    def round_sites(self) -> List[int]:
+        return list(self.order or [self.site])
 
     def _stop_if_failing(self) -> None:
         """Sites that meet but can never reduce together (a backend that refuses them) would
@@ -537,4 +555,4 @@ class TorchftMembership(SiteMembership):
         except Exception as err:  # as in reduce: reported, the round will not commit
             self._collective_failed(err)
             return None
-        return sorted(int(t.item()) for t in out)
+        return [int(t.item()) for t in out]  # (in the group's order)

@@ -118,8 +118,10 @@ class AEDiT(EDiT):
     """EDiT synced by wall-clock interval: fast sites take more steps, nobody waits for a straggler"""
 
     name = "a-edit"
-    fault_tolerance_refusal = ("its sites meet by time, each after its own number of steps, through EDiT's per-unit "
-                               "syncs in the forward pass, which a quorum cannot interrupt")
+    fault_tolerance_refusal = ("its meetings are all-gathers over every configured site, entered when each site's own "
+                               "clock says so, with no quorum; the budget, quotas and stop rule read every configured "
+                               "site's report, and a heal sets the job's count to the healed site's iteration, which "
+                               "holds for lockstep algorithms only")
     unequal_sites_refusal = ("its sites take their own numbers of steps, so a site's weight would be its tokens at "
                              "each meeting, which is not implemented")
     Options = AEDiTOptions
@@ -219,8 +221,7 @@ class AEDiT(EDiT):
         return self._meeting
 
     def finish_training(self, iteration: int) -> None:
-        if self.pending:  # the last meeting's sync (it ended training) has not run yet
-            self._sync_now()
+        self._decide()  # the last meeting's sync (it ended training), if it has not run yet
 
     # ---- state and stats ---------------------------------------------------------------------------
     def state_dict(self) -> Dict:

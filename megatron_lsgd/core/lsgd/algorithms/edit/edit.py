@@ -49,6 +49,21 @@ holds whole units) with DP_intra > 1, each rank exchanges its 1/DP_intra part of
 computes, so a site's traffic is split over its DP_intra links either way.
 Outer state may live on the host (--lsgd-outer-offload): the per-unit arithmetic then runs
 there (no device prefetch of offloaded state yet).
+
+Each sync is a round of the site membership (membership.py; round.py): taken at the step
+boundary (`begin_sync`), issued where the membership's rhythm says (`Exchanges`): a fixed set
+of sites at once, elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md)
+after the next step's quorum, where a returning site is healed (it then sends, for that
+sync, the Δ of the peer it was healed from), so the norm gather and every unit's exchange
+run on the quorum's group: the same numbers. Each of those collectives runs `within` the
+round (a failure is reported, not raised; the rest are not sent), and a failed norm gather
+makes every rank of the site roll every unit back, so its ranks' collectives stay alike. A
+site absent from the round is left out of the penalty as a flagged one is (no weight, no
+statistics). The sync is decided after the forward pass that carried it out (or by
+quiesce / the end of training). Not committed: the anchors, outer momenta, penalty
+statistics and error feedback go back to what they were when it was issued, and every
+unit restarts from its anchor (RoundUndo). The closing sync (a due one, a partial round)
+is a round of its own (`close_exchanges`); not committed, it ends training at the anchors.
 """
 
 from __future__ import annotations
@@ -60,8 +75,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.compressors import CompressorBank
 from megatron_lsgd.core.lsgd.algorithms.edit.penalty import PARTS, Decision, Penalty, clip_coefficient, parse_parts
+from megatron_lsgd.core.lsgd.algorithms.edit.round import RoundUndo, SyncWork
 from megatron_lsgd.core.options import OptionGroup, option
 from megatron_lsgd.core.lsgd.outer_state import OuterState
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
@@ -192,8 +209,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
     """Layer-wise parameter sync in the forward pass every H steps, with prefetch and the pseudo-gradient penalty"""
 
     name = "edit"
-    fault_tolerance_refusal = ("its per-unit syncs run inside the forward pass on a fixed group and its penalty "
-                               "reads every site's norms, so a lost site would stop a forward pass midway")
+    fault_tolerance_refusal = None  # a sync is a round of the membership (round.py), its collectives `within` it
     unequal_sites_refusal = ("its per-unit syncs in the forward pass and the penalty's per-site norms assume one "
                              "dp_inter group with the same shard on every site")
     Options = EDiTOptions
@@ -214,7 +230,13 @@ class EDiT(SynchronousWarmup, Synchronizer):
         self.per_step_norms = opts.norms == "per-step" or (opts.norms == "auto" and not self.lockstep)
         self.steps_in_round = 0
         self.syncs = 0
-        self.pending = False  # a sync is due: carried out in the next forward (or finish_training)
+        self.pending = False  # a sync is issued: carried out in the next forward (or finish_training)
+        # Exchanges (membership.py): a sync taken at a step boundary and not issued yet (its sites'
+        # steps; elastic sites issue it after the next step's quorum), the membership's ticket of
+        # the sync issued until it is decided, and whether the closing exchanges are under way.
+        self.due: Optional[List[int]] = None
+        self.round = None
+        self.finishing = False
         self.decisions: Dict[str, Decision] = {}
         self.flagged_counts = [0] * self.num_sites  # (unit, site) exclusions so far, per site
         self.rollbacks = 0  # units rolled back to their anchor so far
@@ -300,8 +322,10 @@ class EDiT(SynchronousWarmup, Synchronizer):
         return factor
 
     # ---- the sync ----------------------------------------------------------------------------
-    def _gather_norms(self, factor: float) -> List[List[float]]:
-        """Per site and statistic key, ||Δ|| over the whole unit (see the module docstring)."""
+    def _gather_norms(self, factor: float) -> Optional[List[List[float]]]:
+        """Per site and statistic key, ||Δ|| over the whole unit (see the module docstring); a
+        site absent from the round has inf (excluded, as a flagged site is). None when the
+        gather failed on any rank of the site (the round will not commit)."""
         k = len(self.stat_keys)
         local = torch.zeros(k, dtype=torch.float64, device=self.device)
         for plan in self.plans:
@@ -316,31 +340,58 @@ class EDiT(SynchronousWarmup, Synchronizer):
                                                                                 device=self.device)
             dist.all_reduce(t, group=self.ctx.pgs.embedding)
             local[j] = t[0]
-        out = torch.empty(self.num_sites * k, dtype=torch.float64, device=self.device)
-        self.ctx.comm.all_gather(out, local)
-        return out.view(self.num_sites, k).sqrt().tolist()
+        order = list(self.ctx.membership.round_sites())
+        out = torch.zeros(len(order) * k, dtype=torch.float64, device=self.device)
+
+        def gather() -> bool:
+            self.ctx.comm.all_gather(out, local)
+            return True
+
+        # every rank of the site decides alike (its collectives depend on the decisions), even
+        # when only some of the site's links failed
+        failed = torch.tensor([0.0 if self.ctx.membership.within(self.round, gather, False) else 1.0],
+                              dtype=torch.float64, device=self.device)
+        agree_in_site(failed, self.ctx.pgs, dist.ReduceOp.MAX)
+        if failed.item():
+            return None
+        norms = [[math.inf] * k for _ in range(self.num_sites)]
+        for site, row in zip(order, out.view(len(order), k).sqrt().tolist()):
+            norms[site] = row
+        return norms
 
     def begin_sync(self, site_steps: Sequence[int]) -> None:
-        """At a step boundary: decide every unit's sync (collective over the stage, the site
-        and dp_inter); the data moves in the next forward (or finish_training).
-        `site_steps`: every site's local steps since the last sync (for per-step norms)."""
+        """At a step boundary: a sync is due. `site_steps`: every site's local steps since the
+        last sync (for per-step norms). The membership issues it (`taken`): a fixed set of
+        sites at once, elastic sites after the next step's quorum (`step_started`)."""
+        self.due = list(site_steps)
+        self.ctx.membership.taken(self)
+
+    def _open_round(self, site_steps: Sequence[int]) -> None:
+        """Issue a sync, a round of the membership: decide every unit's sync (collective over
+        the stage, the site and dp_inter); the data moves in the next forward (or
+        sync_units), each unit's exchange through `membership.within`."""
+        self.round = self.ctx.membership.start(lambda: SyncWork(self), undo=[RoundUndo(self)])
         self.syncs += 1
         self.ctx.comm.rounds += 1
-        if self.penalty.needs_norms:
-            norms = self._gather_norms(self._fault_factor(self.syncs))
+        present = set(self.ctx.membership.round_sites())
+        norms = self._gather_norms(self._fault_factor(self.syncs)) if self.penalty.needs_norms else None
+        if not self.penalty.needs_norms:
+            self.decisions = {key: self.penalty.decide(key, []) for key in self.stat_keys}
+        elif norms is None:  # the gather failed: the round rolls back; every rank of the site skips alike
+            self.decisions = {key: Decision([0.0] * self.num_sites, [True] * self.num_sites)
+                              for key in self.stat_keys}
+        else:
             finite = [g for row in norms for g in row if math.isfinite(g)]
             self.last_max_norm = max(finite) if finite else math.inf
             if self.per_step_norms:  # a site that took more steps is not penalized for it
                 norms = [[g / max(n, 1) for g in row] for row, n in zip(norms, site_steps)]
             for j, key in enumerate(self.stat_keys):
                 self.decisions[key] = self.penalty.decide(key, [row[j] for row in norms])
-        else:
-            self.decisions = {key: self.penalty.decide(key, []) for key in self.stat_keys}
         weights = []
         for d in self.decisions.values():
             self.rollbacks += int(d.rollback)
             for i, f in enumerate(d.flagged):
-                self.flagged_counts[i] += int(f)
+                self.flagged_counts[i] += int(f and i in present)  # (an absent site is not flagged)
             weights += [w for w, f in zip(d.weights, d.flagged) if not f]
         self.last_min_weight = min(weights) if weights else 0.0
         self.pending = True
@@ -350,7 +401,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
             return
         handles: List[Optional[PendingReduce]] = []
         factor = self._fault_factor(self.syncs)
-        me, s = self.site, self.num_sites
+        me, s = self.site, self.ctx.comm.num_sites  # (the sites of the round)
         for g in self.plans[j].groups:
             d = self.decisions[g.stat]
             if d.rollback or g.views.empty:  # every dp_inter peer skips the same reductions
@@ -365,7 +416,8 @@ class EDiT(SynchronousWarmup, Synchronizer):
                 if scale != 1.0:
                     for x in deltas:
                         x.mul_(scale)
-            handles.append(PendingReduce(g.compressor.reduce(deltas)))
+            # None: the round failed (its units then take no outer step, and it rolls back)
+            handles.append(self.ctx.membership.within(self.round, lambda: PendingReduce(g.compressor.reduce(deltas))))
         self._issued[j] = handles
 
     def _clip(self, g: _Group, mean: List[torch.Tensor]) -> float:
@@ -391,7 +443,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
             if d.rollback:
                 self.outer.load_into(g.views)
                 continue
-            mean = handle.wait() if handle is not None else []
+            mean = self.ctx.membership.within(self.round, handle.wait, []) if handle is not None else []
             if self.penalty.clips:
                 beta = self._clip(g, mean)
                 if beta < 1.0:
@@ -412,13 +464,66 @@ class EDiT(SynchronousWarmup, Synchronizer):
         if j == len(self.plans) - 1:
             self.pending = False
 
-    def _sync_now(self) -> None:
-        """Carry out a due sync outside the forward pass (quiesce, finish_training)."""
+    def sync_units(self) -> None:
+        """Carry out an issued sync outside the forward pass (quiesce, finish_training)."""
         for j in range(len(self.plans)):
             self._consume(j)
         self._wait_tied()
 
+    def _decide(self) -> None:
+        """The issued sync is over (its units synced, here if the forward did not): the
+        membership decides it. Not committed: RoundUndo put everything back."""
+        if self.round is None:
+            return
+        if self.pending:
+            self.sync_units()
+        self._wait_tied()
+        ticket, self.round = self.round, None
+        self.ctx.membership.finish(ticket)
+
+    def restart_from_anchors(self) -> None:
+        """Every unit's local parameters become its anchor (a round that was not committed)."""
+        self.pending, self._issued = False, {}
+        for plan in self.plans:
+            for g in plan.groups:
+                self.outer.load_into(g.views)
+            self.split.gather([m for g in plan.groups for m in g.whole.main])
+            self.ctx.optimizer.copy_main_to_model_params(plan.views)
+
+    def compressed_views(self) -> Dict[str, object]:
+        return {g.views.key: g.views for p in self.plans for g in p.groups if not g.views.empty}
+
+    # ---- Exchanges: what the membership's rhythm drives (membership.py) ---------------------------
+    def exchange_due(self) -> bool:
+        return self.due is not None
+
+    def issue_due(self) -> None:
+        steps, self.due = self.due, None
+        self._open_round(steps)
+
+    def decide_open(self) -> None:
+        self._decide()
+
+    def land_in_flight(self) -> None:
+        self._decide()
+
+    def closing_due(self) -> bool:
+        return self.due is not None
+
+    def close_one(self) -> None:
+        """The last sync, a round of its own. Not committed: every unit is back at its anchor
+        (the same on every site), which ends training as diloco's lost last round does."""
+        self.issue_due()
+        self._decide()
+
+    def closed(self) -> None:
+        pass
+
     # ---- hooks -----------------------------------------------------------------------------------
+    def before_forward_backward(self, iteration: int) -> None:
+        if self.active:  # elastic sites: the quorum of a sync due (a returning site is healed), then its issue
+            self.ctx.membership.step_started(self)
+
     def before_unit_forward(self, unit, microbatch: MicroBatch) -> None:
         if self.pending and microbatch.first:
             self._consume(self.index[unit.name])
@@ -427,6 +532,8 @@ class EDiT(SynchronousWarmup, Synchronizer):
         if not self.active:
             return
         self._wait_tied()
+        if not self.pending:  # the forward synced every unit of the stage: the sync is decided
+            self._decide()
         super().after_forward_backward(iteration)
 
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
@@ -438,18 +545,18 @@ class EDiT(SynchronousWarmup, Synchronizer):
             self.begin_sync([self.interval] * self.num_sites)
 
     def quiesce(self) -> None:
-        if self.pending:  # evaluate and save the synced model, not this site's local one
-            self._sync_now()
+        # evaluate and save the synced model, not this site's local one (a sync elastic sites
+        # have not issued yet, due at the next step's quorum, stays due: the state holds it)
+        self._decide()
         self._wait_tied()
 
     def finish_training(self, iteration: int) -> None:
         if not self.active:
             return
         if self.steps_in_round > 0:  # a last, partial round
-            self.begin_sync([self.steps_in_round] * self.num_sites)
+            self.due = [self.steps_in_round] * self.num_sites
             self.steps_in_round = 0
-        if self.pending:
-            self._sync_now()
+        self.ctx.membership.close_exchanges(self)  # what is issued lands, then the sync due
 
     # ---- state and stats -------------------------------------------------------------------------
     def per_parameter_state(self) -> Dict[str, List[object]]:
@@ -463,12 +570,18 @@ class EDiT(SynchronousWarmup, Synchronizer):
         if not self.active:
             return {}
         # No quiesce() here (state_dict has no side effects): the checkpoint calls it first.
-        return {"steps_in_round": self.steps_in_round, "syncs": self.syncs, "pending": int(self.pending),
+        self.require_quiesced(self.round is not None)
+        state = {"steps_in_round": self.steps_in_round, "syncs": self.syncs, "pending": int(self.pending),
                 "interval": self.interval, "decisions": {k: d.state() for k, d in sorted(self.decisions.items())},
                 "penalty": self.penalty.state_dict(), "outer": self.outer.state_dict(),
                 "compressors": self.bank.state_dict(), "flagged_counts": list(self.flagged_counts),
                 "rollbacks": self.rollbacks, "last_min_weight": self.last_min_weight,
                 "last_max_norm": self.last_max_norm, "clipped": self.clipped}
+        if self.due is not None:  # elastic sites only: a sync taken, issued after the next quorum
+            state["due"] = list(self.due)
+        if self.finishing:
+            state["finishing"] = 1
+        return state
 
     def load_state_dict(self, state: Dict) -> None:
         if not self.active:
@@ -479,8 +592,10 @@ class EDiT(SynchronousWarmup, Synchronizer):
         self.decisions = {k: Decision.from_state(d) for k, d in state["decisions"].items()}
         self.penalty.load_state_dict(state["penalty"])
         self.outer.load_state_dict(state["outer"])
-        views = {g.views.key: g.views for p in self.plans for g in p.groups if not g.views.empty}
-        self.bank.load_state_dict(state["compressors"], views, self.outer.device)
+        self.bank.load_state_dict(state["compressors"], self.compressed_views(), self.outer.device)
+        self.due = [int(n) for n in state["due"]] if "due" in state else None
+        self.finishing = bool(state.get("finishing", 0))
+        self.round, self._issued = None, {}
         self.flagged_counts = [int(c) for c in state["flagged_counts"]]
         self.rollbacks = int(state["rollbacks"])
         self.last_min_weight = float(state["last_min_weight"])
