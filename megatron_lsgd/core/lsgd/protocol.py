@@ -294,6 +294,10 @@ class Synchronizer:
     # lane: site_split.SiteSplit), else why not, in a few words (the run's one error line).
     unequal_sites_refusal: ClassVar[Optional[str]] = \
         "its cross-site exchange is not cut into lanes for sites of different sizes yet"
+    # Both at once (elastic sites of different sizes: a torchft Manager per lane,
+    # fault_tolerance/lanes.py): None when supported, else why not (one error line).
+    elastic_unequal_sites_refusal: ClassVar[Optional[str]] = \
+        "its elastic rounds on sites of different sizes have not been run and checked yet"
     # The --lsgd-compression kinds it weights by tokens and cuts into lanes with such sites
     # (any other is refused there, naming the flag).
     unequal_sites_compressions: ClassVar[Tuple[str, ...]] = ()

@@ -1,0 +1,117 @@
+"""Elastic sites of different data-parallel sizes (--site-data-parallel-sizes 2,1 with
+--lsgd-fault-tolerance torchft; fault_tolerance/lanes.py, docs/heterogeneous_sites.md).
+
+pretrain_gpt.py, one job per site (site 0 of 2 ranks, site 1 of 1), a lighthouse in the
+test. Without faults the torchft lane groups carry exactly the plain run's lane means (each
+lane joins one rank of each site, the weights are the sites' shares of the tokens), so every
+checkpointed tensor and logged loss must equal the 3-rank run without fault tolerance bit
+for bit. With the DP-1 site killed and restarted fresh, it is healed lane by lane from the
+two ranks of site 0 and must agree with it at every later committed round (digests per lane).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.unit_tests.checkpointing.launch import (Job, assert_same, finish_together, kill, load_tree, losses, read,
+                                                  run, start, start_together)
+from tests.unit_tests.lsgd.test_fault_tolerance_pretrain import (H, HOOKS, PACE, SYNC, _checkpoint, _iteration,
+                                                                 _job, _model, _saved_iterations, _site, _until)
+
+torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install -e \".[ft]\")")
+os.environ.setdefault("RUST_LOG", "warn")
+
+from tools.benchmarks.elastic.chaos import check_digests, read_digests  # noqa: E402
+from tools.benchmarks.elastic.ft_site import start_lighthouse  # noqa: E402
+
+SIZES = ["--site-data-parallel-sizes", "2,1"]
+RANKS = (2, 1)
+DILOCO = ("--lsgd-algorithm", "diloco")
+
+
+@pytest.mark.slow
+def test_elastic_sites_of_2_and_1_replicas_equal_the_plain_run_and_heal(tmp_path):
+    # 1. Without faults, diloco and sync: the plain 3-rank run's numbers, bit for bit.
+    for algorithm in (DILOCO, SYNC):
+        name = algorithm[1]
+        extra = ["--train-iters", "4", "--global-batch-size", "12"] + SIZES
+        plain = run(_job(2, extra=extra + ["--save", str(tmp_path / f"{name}-plain")], algorithm=algorithm), 3,
+                    str(tmp_path / f"{name}-plain.log"))
+        lighthouse = start_lighthouse(2, join_timeout_ms=60_000)  # every round waits for both sites
+        try:
+            args = _job(2, lighthouse.address(), 2, extra + ["--save", str(tmp_path / f"{name}-ft")], algorithm)
+            jobs = [Job(_site(args, site), RANKS[site], str(tmp_path / f"{name}-ft{site}.log")) for site in range(2)]
+            finish_together(start_together(jobs), jobs)
+        finally:
+            lighthouse.shutdown()
+        reference = load_tree(str(tmp_path / f"{name}-plain" / "iter_0000004"))
+        elastic = {}
+        for site in range(2):
+            elastic.update(_checkpoint(str(tmp_path / f"{name}-ft"), site, 4))
+        assert sorted(elastic) == sorted(reference), name
+        assert_same(elastic, reference, name)
+        for site in range(2):
+            assert losses(read(str(tmp_path / f"{name}-ft{site}.log"))) == losses(plain), name
+        assert len(losses(plain)) == 4
+
+    # 2. diloco, --lsgd-min-sites 1: the DP-1 site dies right after its 3rd quorum, before that
+    # round's mean. Site 0 rolls the round back and trains alone; site 1 comes back fresh (a
+    # process started with the others, held until site 0 has trained a round alone), is healed
+    # lane by lane from site 0's two ranks, and agrees with site 0 from then on.
+    save, digests = str(tmp_path / "ckpt"), str(tmp_path / "digests")
+    iters = 10 * H
+    lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
+    logs = {s: str(tmp_path / f"site{s}.log") for s in range(2)}
+    base = SIZES + ["--global-batch-size", "12", "--train-iters", str(iters), "--save", save, "--lsgd-ft-digests",
+                    digests, "--simulate-slow-ranks", "0,1,2", "--slow-factor", PACE]
+    args = _job(2, lighthouse.address(), 1, base, DILOCO)
+    release = str(tmp_path / "release")
+    procs, others = {}, []
+    marker, back = "was not committed (lost site 1", "site 0: sites now 0,1 (were 0)"
+    try:
+        victim_args = [a if a != save else str(tmp_path / "victim") for a in args]
+        others.append(start(_site(victim_args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1], script=HOOKS,
+                            env={"LSGD_TEST_DIE_AFTER_QUORUM": "3",
+                                 "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
+        procs[0] = start(_site(args, 0), 2, logs[0], script=HOOKS,
+                         env={"LSGD_TEST_HOLD_UNTIL": str(tmp_path / "victim.ready")})
+        others.append(start(_site(args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1] + ".restart",
+                            env={"LSGD_TEST_HOLD_UNTIL": release}, script=HOOKS))  # fresh, as a restarted process
+        _until(lambda: marker in read(logs[0]), "site 0 to roll back", procs.values())
+        assert others[0].wait(timeout=120) != 0
+        rolled = _iteration(logs[0])
+        _until(lambda: _iteration(logs[0]) > rolled + 2 * H, "site 0 a round alone", procs.values())
+        open(release, "w").close()
+        procs[1] = others.pop()
+        _until(lambda: all(p.poll() is not None for p in procs.values()), "the job's end", timeout=600)
+        assert {s: p.returncode for s, p in procs.items()} == {0: 0, 1: 0}
+    finally:
+        for p in list(procs.values()) + others:
+            kill(p)
+        lighthouse.shutdown()
+    text0, restarted = read(logs[0]), read(logs[1] + ".restart")
+    assert text0.count(marker) == 1 and back in text0[text0.index(marker):], text0[-3000:]
+    assert "rejoined at committed round" in restarted, restarted[-3000:]
+    # every lane's anchor and outer momentum, on both sites (the killed process's included)
+    files = read_digests(digests)
+    assert sorted(files) == ["site0_lane0.jsonl", "site0_lane1.jsonl", "site1_lane0.jsonl", "site1_lane1.jsonl"]
+    agreed = check_digests(files)
+    assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 5, agreed
+    # the model, and the job's position and schedule, at every round both saved after the heal
+    joined = _iteration(logs[1] + ".restart") and int(restarted.split("rejoined at committed round ")[1].split(":")[0])
+    later = [i for i in _saved_iterations(save, 1) if i in _saved_iterations(save, 0)]
+    assert later and later[-1] == iters and joined
+    for i in later:
+        assert_same(_model(_checkpoint(save, 1, i)), _model(_checkpoint(save, 0, i)), f"iteration {i}")
+        meta = [_meta(save, s, i) for s in range(2)]
+        assert meta[0]["consumed_samples"] == meta[1]["consumed_samples"]
+        assert meta[0]["site_schedulers"][0] == meta[1]["site_schedulers"][1]
+        assert meta[1]["site_consumed_samples"][1] * 2 == meta[0]["site_consumed_samples"][0]  # its share: 1 of 3
+
+
+def _meta(save: str, site: int, iteration: int) -> dict:
+    with open(os.path.join(save, f"site{site}", f"iter_{iteration:07d}", "metadata.json")) as f:
+        return json.load(f)
