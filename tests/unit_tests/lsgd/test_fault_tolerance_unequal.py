@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.unit_tests.checkpointing.launch import (Job, assert_same, finish_together, kill, load_tree, losses, read,
                                                   run, start, start_together)
@@ -28,6 +30,54 @@ from tools.benchmarks.elastic.chaos import check_digests, read_digests  # noqa: 
 from tools.benchmarks.elastic.ft_site import start_lighthouse  # noqa: E402
 
 SIZES = ["--site-data-parallel-sizes", "2,1"]
+
+
+class _Sum:
+    """A torchft group of one: the sum over the sites is the payload itself."""
+
+    def allreduce(self, tensors, opts):
+        return SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+
+
+def test_the_weights_follow_the_quorum():
+    # Sites of 2, 1 and 1 replicas: site 0 weighs 2/4 with everyone, 2/3 when site 1 is gone
+    # (a site that left keeps no weight); with one site there is nothing to average.
+    from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
+
+    comm = ElasticComm(3, site=0, site_sizes=(2, 1, 1))
+    for present, weight in (([0, 1, 2], 2 / 4), ([0, 2], 2 / 3), ([0], 1.0)):
+        comm.set_sites(_Sum(), len(present), present)
+        value = torch.ones(4)
+        comm.all_reduce_mean(value)
+        assert comm.site_weight == weight and value.tolist() == [torch.tensor(weight).item()] * 4, present
+
+
+def test_a_rank_of_two_lanes_takes_each_lanes_per_parameter_state_from_its_own_payload():
+    from megatron_lsgd.training.elastic import merge_lanes
+
+    def payload(value):  # a live peer's rank: its own lane right, the other stale (value + 10)
+        return {"synchronizer": {"outer": {"anchors": [torch.full((8,), float(value))],
+                                           "momentum": [torch.full((8,), -float(value))]}, "steps_in_round": value},
+                "model": value}
+
+    merged = merge_lanes([payload(1), payload(2)], [0, 1], 2, {"outer/anchors": [], "outer/momentum": []})
+    assert merged["synchronizer"]["outer"]["anchors"][0].tolist() == [1.0] * 4 + [2.0] * 4
+    assert merged["synchronizer"]["outer"]["momentum"][0].tolist() == [-1.0] * 4 + [-2.0] * 4
+    assert merged["model"] == 1 and merged["synchronizer"]["steps_in_round"] == 1  # the rest: the first lane's
+    # a rank of lanes 2 and 3 of 4
+    merged = merge_lanes([payload(1), payload(2)], [2, 3], 4, {"outer/anchors": []})
+    assert merged["synchronizer"]["outer"]["anchors"][0].tolist() == [1.0] * 6 + [2.0] * 2
+
+
+def test_lane_group_ranks_are_a_sites_ranks_when_sites_are_equal():
+    from megatron_lsgd.core.lsgd.fault_tolerance.lanes import group_rank
+    from megatron_lsgd.core.parallel_state import ParallelDims
+
+    d = ParallelDims.from_world(8, 2, 2, 2)  # TP 2 x PP 2 x DP 1 per site
+    for r in range(4):
+        c = d.coords(r)
+        assert group_rank(c.tp, c.dp_intra, c.pp, d.tp, d.lanes) == r
+    assert sorted(group_rank(t, j, p, 2, 2) for t in range(2) for j in range(2) for p in range(2)) == list(range(8))
 RANKS = (2, 1)
 DILOCO = ("--lsgd-algorithm", "diloco")
 

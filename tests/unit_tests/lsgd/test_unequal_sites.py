@@ -101,8 +101,17 @@ def _config(extra, world):
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
       "--lsgd-rank", "2"], 3, "cannot be combined with --lsgd-compression lowrank-int4: --lsgd-algorithm dilocox "
                               "weights and cuts into lanes int8, int4 only"),
-    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
-     f"{FLAG} cannot be combined with --lsgd-fault-tolerance"),
+    # elastic sites of different sizes (test_fault_tolerance_unequal.py): a world per site, diloco and sync, fp32
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "1"], 2,
+     f"{FLAG} 2,1: site 1 (--lsgd-site) has 1 data-parallel ranks x TP x PP 1 = 1 ranks, but its torchrun world has 2"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
+      "--lsgd-algorithm", "dilocox"], 2, f"{FLAG} 2,1 with --lsgd-fault-tolerance torchft is supported by "
+                                         f"--lsgd-algorithm diloco, sync only; dilocox: "),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
+      "--use-distributed-optimizer"], 2, f"--use-distributed-optimizer does not work with --lsgd-fault-tolerance "
+                                         f"torchft: with {FLAG} 2,1 a healing rank"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
+      "--lsgd-compression", "int8"], 2, "--lsgd-compression int8 does not work with --lsgd-fault-tolerance torchft"),
 ])
 def test_bad_sizes_and_unsupported_combinations_name_the_flag(extra, world, message):
     batch = [] if "--global-batch-size" in extra else ["--global-batch-size", "12"]
