@@ -107,10 +107,19 @@ def test_elastic_sites_of_2_and_1_replicas_equal_the_plain_run_and_heal(tmp_path
             assert losses(read(str(tmp_path / f"{name}-ft{site}.log"))) == losses(plain), name
         assert len(losses(plain)) == 4
 
-    # 2. diloco, --lsgd-min-sites 1: the DP-1 site dies right after its 3rd quorum, before that
-    # round's mean. Site 0 rolls the round back and trains alone; site 1 comes back fresh (a
-    # process started with the others, held until site 0 has trained a round alone), is healed
-    # lane by lane from site 0's two ranks, and agrees with site 0 from then on.
+    # 2. A site killed and restarted fresh: the DP-1 site (healed from site 0's two ranks,
+    # lane by lane), then the DP-2 site (each of its ranks healed from the one rank of site 1).
+    for victim in (1, 0):
+        _kill_and_heal(tmp_path / f"victim{victim}", victim)
+
+
+def _kill_and_heal(tmp_path, victim: int) -> None:
+    # diloco, --lsgd-min-sites 1: the victim dies right after its 3rd quorum, before that
+    # round's mean. The survivor rolls the round back and trains alone; the victim comes back
+    # fresh (a process started with the others, held until the survivor has trained a round
+    # alone), is healed, and agrees with the survivor from then on.
+    os.makedirs(tmp_path)
+    survivor = 1 - victim
     save, digests = str(tmp_path / "ckpt"), str(tmp_path / "digests")
     iters = 10 * H
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
@@ -120,30 +129,31 @@ def test_elastic_sites_of_2_and_1_replicas_equal_the_plain_run_and_heal(tmp_path
     args = _job(2, lighthouse.address(), 1, base, DILOCO)
     release = str(tmp_path / "release")
     procs, others = {}, []
-    marker, back = "was not committed (lost site 1", "site 0: sites now 0,1 (were 0)"
+    marker = f"was not committed (lost site {victim}"
+    back = f"site {survivor}: sites now 0,1 (were {survivor})"
     try:
         victim_args = [a if a != save else str(tmp_path / "victim") for a in args]
-        others.append(start(_site(victim_args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1], script=HOOKS,
-                            env={"LSGD_TEST_DIE_AFTER_QUORUM": "3",
-                                 "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
-        procs[0] = start(_site(args, 0), 2, logs[0], script=HOOKS,
-                         env={"LSGD_TEST_HOLD_UNTIL": str(tmp_path / "victim.ready")})
-        others.append(start(_site(args, 1) + ["--lsgd-min-sites", "2"], 1, logs[1] + ".restart",
+        others.append(start(_site(victim_args, victim) + ["--lsgd-min-sites", "2"], RANKS[victim], logs[victim],
+                            script=HOOKS, env={"LSGD_TEST_DIE_AFTER_QUORUM": "3",
+                                               "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
+        procs[survivor] = start(_site(args, survivor), RANKS[survivor], logs[survivor], script=HOOKS,
+                                env={"LSGD_TEST_HOLD_UNTIL": str(tmp_path / "victim.ready")})
+        others.append(start(_site(args, victim) + ["--lsgd-min-sites", "2"], RANKS[victim], logs[victim] + ".restart",
                             env={"LSGD_TEST_HOLD_UNTIL": release}, script=HOOKS))  # fresh, as a restarted process
-        _until(lambda: marker in read(logs[0]), "site 0 to roll back", procs.values())
+        _until(lambda: marker in read(logs[survivor]), "the survivor to roll back", procs.values())
         assert others[0].wait(timeout=120) != 0
-        rolled = _iteration(logs[0])
-        _until(lambda: _iteration(logs[0]) > rolled + 2 * H, "site 0 a round alone", procs.values())
+        rolled = _iteration(logs[survivor])
+        _until(lambda: _iteration(logs[survivor]) > rolled + 2 * H, "a round alone", procs.values())
         open(release, "w").close()
-        procs[1] = others.pop()
+        procs[victim] = others.pop()
         _until(lambda: all(p.poll() is not None for p in procs.values()), "the job's end", timeout=600)
         assert {s: p.returncode for s, p in procs.items()} == {0: 0, 1: 0}
     finally:
         for p in list(procs.values()) + others:
             kill(p)
         lighthouse.shutdown()
-    text0, restarted = read(logs[0]), read(logs[1] + ".restart")
-    assert text0.count(marker) == 1 and back in text0[text0.index(marker):], text0[-3000:]
+    text, restarted = read(logs[survivor]), read(logs[victim] + ".restart")
+    assert text.count(marker) == 1 and back in text[text.index(marker):], text[-3000:]
     assert "rejoined at committed round" in restarted, restarted[-3000:]
     # every lane's anchor and outer momentum, on both sites (the killed process's included)
     files = read_digests(digests)
@@ -151,9 +161,8 @@ def test_elastic_sites_of_2_and_1_replicas_equal_the_plain_run_and_heal(tmp_path
     agreed = check_digests(files)
     assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 5, agreed
     # the model, and the job's position and schedule, at every round both saved after the heal
-    joined = _iteration(logs[1] + ".restart") and int(restarted.split("rejoined at committed round ")[1].split(":")[0])
-    later = [i for i in _saved_iterations(save, 1) if i in _saved_iterations(save, 0)]
-    assert later and later[-1] == iters and joined
+    later = [i for i in _saved_iterations(save, victim) if i in _saved_iterations(save, survivor)]
+    assert later and later[-1] == iters
     for i in later:
         assert_same(_model(_checkpoint(save, 1, i)), _model(_checkpoint(save, 0, i)), f"iteration {i}")
         meta = [_meta(save, s, i) for s in range(2)]
