@@ -164,6 +164,9 @@ class DiLoCoX(LocalSGDBase):
 
     name = "dilocox"
     unequal_sites_refusal = None  # weighted, lane by lane on lanes of its own (SiteSplit.lane_reduce)
+    elastic_unequal_sites_refusal = ("a heal would hand a rank of another site size the outgoing and in-flight "
+                                     "pseudo-gradients laid out on the sending rank's part of the model, which is "
+                                     "not re-cut yet")
     unequal_sites_compressions = ("int8", "int4")  # a compressor per lane, each site's contribution scaled
     mixed_layouts_refusal = None  # Δ crosses sites in the layout-free form, on lanes of its own (CanonicalExchange)
     Options = DiLoCoXOptions

@@ -188,6 +188,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
 
     name = "streaming-diloco"
     unequal_sites_refusal = None  # fragment means weighted by tokens, lane by lane on lanes of its own (SiteSplit)
+    elastic_unequal_sites_refusal = ("a heal would hand a rank of another site size the means in flight laid "
+                                     "out on the sending rank's part of the model, which is not re-cut yet")
     mixed_layouts_refusal = None  # fragments cross sites in the layout-free form, on lanes of their own
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})

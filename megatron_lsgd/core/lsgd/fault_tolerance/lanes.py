@@ -23,6 +23,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence
 
+import torch
+
 
 def group_rank(tp: int, lane: int, pp: int, tp_size: int, lanes: int) -> int:
     """The torchft group rank of lane `lane` at (tp, pp): a site's order (tp, dp, pp) with the
@@ -31,15 +33,20 @@ def group_rank(tp: int, lane: int, pp: int, tp_size: int, lanes: int) -> int:
 
 
 class LaneManagers:
-    def __init__(self, managers: Sequence):
-        self.managers = list(managers)
+    def __init__(self, managers: Sequence, device=None):
+        self.managers, self.device = list(managers), device
         self._pool = ThreadPoolExecutor(max_workers=len(self.managers), thread_name_prefix="lane_quorum")
         self._received: List[Dict[str, object]] = [{} for _ in self.managers]
         self._loaders: Dict[str, tuple] = {}  # key -> (load_state_dict, merge)
 
     def _all(self, call: Callable) -> list:
         """`call(manager)` on every lane at once (the site's manager server waits for all)."""
-        return [f.result() for f in [self._pool.submit(call, m) for m in self.managers]]
+        def on_device(m):
+            if self.device is not None and self.device.type == "cuda":  # a thread starts on GPU 0: torchft reads it
+                torch.cuda.set_device(self.device)
+            return call(m)
+
+        return [f.result() for f in [self._pool.submit(on_device, m) for m in self.managers]]
 
     # ---- the calls answered for the whole site ------------------------------------------------
     def start_quorum(self, timeout=None) -> None:

@@ -166,7 +166,7 @@ class TorchftMembership(SiteMembership):
             self.lane_pgs = [self.pg]
         else:  # a rank of a smaller site holds several lanes: a Manager each, seen as one
             pgs, managers = zip(*(lane(rank, lane_world) for rank in lane_ranks))
-            self.pg, self.manager, self.lane_pgs = LaneGroups(pgs), LaneManagers(managers), list(pgs)
+            self.pg, self.manager, self.lane_pgs = LaneGroups(pgs), LaneManagers(managers, device), list(pgs)
         self.present: List[int] = []  # sites of the current round
         self.rounds_attempted = self.rounds_committed = 0
         self.failed_in_a_row = 0  # rounds not committed since the last that was (--lsgd-ft-max-failed-rounds)
