@@ -107,13 +107,14 @@ def test_elastic_sites_of_2_and_1_replicas_equal_the_plain_run_and_heal(tmp_path
             assert losses(read(str(tmp_path / f"{name}-ft{site}.log"))) == losses(plain), name
         assert len(losses(plain)) == 4
 
-    # 2. A site killed and restarted fresh: the DP-1 site (healed from site 0's two ranks,
-    # lane by lane), then the DP-2 site (each of its ranks healed from the one rank of site 1).
+    # 2. A site killed and restarted: the DP-1 site fresh (healed from site 0's two ranks, lane
+    # by lane), then the DP-2 site from its own checkpoint (each of its ranks healed from the
+    # one rank of site 1: a site restarted from its checkpoint counts itself a round behind).
     for victim in (1, 0):
-        _kill_and_heal(tmp_path / f"victim{victim}", victim)
+        _kill_and_heal(tmp_path / f"victim{victim}", victim, from_checkpoint=victim == 0)
 
 
-def _kill_and_heal(tmp_path, victim: int) -> None:
+def _kill_and_heal(tmp_path, victim: int, from_checkpoint: bool) -> None:
     # diloco, --lsgd-min-sites 1: the victim dies right after its 3rd quorum, before that
     # round's mean. The survivor rolls the round back and trains alone; the victim comes back
     # fresh (a process started with the others, held until the survivor has trained a round
@@ -138,8 +139,9 @@ def _kill_and_heal(tmp_path, victim: int) -> None:
                                                "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
         procs[survivor] = start(_site(args, survivor), RANKS[survivor], logs[survivor], script=HOOKS,
                                 env={"LSGD_TEST_HOLD_UNTIL": str(tmp_path / "victim.ready")})
-        others.append(start(_site(args, victim) + ["--lsgd-min-sites", "2"], RANKS[victim], logs[victim] + ".restart",
-                            env={"LSGD_TEST_HOLD_UNTIL": release}, script=HOOKS))  # fresh, as a restarted process
+        again = ["--load", victim_args[victim_args.index("--save") + 1]] if from_checkpoint else []
+        others.append(start(_site(args, victim) + ["--lsgd-min-sites", "2"] + again, RANKS[victim],
+                            logs[victim] + ".restart", env={"LSGD_TEST_HOLD_UNTIL": release}, script=HOOKS))
         _until(lambda: marker in read(logs[survivor]), "the survivor to roll back", procs.values())
         assert others[0].wait(timeout=120) != 0
         rolled = _iteration(logs[survivor])
@@ -155,11 +157,17 @@ def _kill_and_heal(tmp_path, victim: int) -> None:
     text, restarted = read(logs[survivor]), read(logs[victim] + ".restart")
     assert text.count(marker) == 1 and back in text[text.index(marker):], text[-3000:]
     assert "rejoined at committed round" in restarted, restarted[-3000:]
+    if from_checkpoint:
+        assert "loaded checkpoint" in restarted.split("rejoined at committed round")[0], restarted[-3000:]
     # every lane's anchor and outer momentum, on both sites (the killed process's included)
     files = read_digests(digests)
     assert sorted(files) == ["site0_lane0.jsonl", "site0_lane1.jsonl", "site1_lane0.jsonl", "site1_lane1.jsonl"]
     agreed = check_digests(files)
-    assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 5, agreed
+    assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 4, agreed
+    healed = int(restarted.split("rejoined at committed round ")[1].split(":")[0])
+    held = [{r["round"] for name, records in files.items() if name.startswith(f"site{s}_") for r in records}
+            for s in range(2)]
+    assert max(held[0] & held[1]) > healed, (healed, held)  # compared after the heal (when it came late: once)
     # the model, and the job's position and schedule, at every round both saved after the heal
     later = [i for i in _saved_iterations(save, victim) if i in _saved_iterations(save, survivor)]
     assert later and later[-1] == iters
