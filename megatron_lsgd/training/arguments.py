@@ -222,6 +222,7 @@ def _check_fault_tolerance(ft: FaultToleranceOptions, args: argparse.Namespace, 
         if why is not None and catalog.synchronizer_class(lsgd.algorithm).fault_tolerance_refusal is None:
             raise ValueError(f"{sizes} with --lsgd-fault-tolerance {ft.mode} is supported by --lsgd-algorithm "
                              f"{_supporting('elastic_unequal_sites_refusal')} only; {lsgd.algorithm}: {why}")
+        refused += catalog.synchronizer_class(lsgd.algorithm).refused_with_elastic_unequal_sites(lsgd)
         refused += [(flag, why) for flag, why, given in (
             ("--use-distributed-optimizer", f"with {sizes} a healing rank assembles its state lane by lane from "
                                             "whole buckets, and ZeRO-1 shards are cut per site", args.use_distributed_optimizer),

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 from megatron_lsgd.core.distributed.data_parallel import unwrap
 from megatron_lsgd.core.lsgd.comm import SimulatedLink
 from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
+from megatron_lsgd.core.lsgd.fault_tolerance.lane_heal import merge_lanes
 from megatron_lsgd.core.lsgd.fault_tolerance.lanes import group_rank
 from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
 from megatron_lsgd.training.checkpointing.checkpointer import refresh_main_params
@@ -116,8 +117,18 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         restore_rng_state(state["rng"], trainer.rng_tracker)  # last: building iterators draws from torch's
         trainer.heal.time = trainer.clock.now()  # the next log line's time starts after the transfer
 
-    membership.register_state("trainer", snapshot, restore, merge=lambda payloads: merge_lanes(
-        payloads, [lane for lane, _ in pgs.inter_lanes], pgs.dims.lanes, trainer.synchronizer.per_parameter_state()))
+    load, merge = restore, None
+    if pgs.dims.heterogeneous:  # sites of different sizes: a heal from the ranks holding this rank's lanes
+        lanes, sync = [lane for lane, _ in pgs.inter_lanes], trainer.synchronizer
+        shards = [m.numel() for m in trainer.optimizer.main_param_shards()]
+
+        def merge(payloads):
+            return merge_lanes(payloads, lanes, pgs.dims.lanes, sync.per_parameter_state(), sync.per_part_state,
+                               pgs.dp_intra_size, shards)
+
+        if len(lanes) == 1:  # one Manager: its one payload, re-cut for this rank all the same
+            load = lambda state: restore(merge([state]))  # noqa: E731
+    membership.register_state("trainer", snapshot, load, merge=merge)
     digests = trainer.config.fault_tolerance.digests
     if digests:  # --lsgd-ft-digests: what chaos.py compares across sites
         outer = getattr(trainer.synchronizer, "outer", None)
@@ -136,27 +147,3 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
             membership.record_digests(os.path.join(digests, name), lambda lane=lane: [
                 t.view(-1)[lane * (t.numel() // dims.lanes):(lane + 1) * (t.numel() // dims.lanes)] for t in held()])
 
-
-def merge_lanes(payloads, lanes, num_lanes: int, per_parameter) -> dict:
-    """The state of a rank holding several lanes (sites of different sizes), from one live
-    peer's payload per lane (each from the peer rank holding that lane): everything from the
-    first, except the synchronizer's per-parameter state (`Synchronizer.per_parameter_state`:
-    the anchor and outer momentum, each rank's own only on the part it sends across sites),
-    of which each lane's values come from its own payload. Without ZeRO-1 (the only case
-    arguments.py lets through) every such tensor is a whole bucket, and lane j is its j-th
-    L-th (buckets are padded to L), on every site alike."""
-    state = payloads[0]
-    for path in per_parameter:
-        keys = path.split("/")
-        mine = _walk(state["synchronizer"], keys)
-        for lane, payload in zip(lanes, payloads):
-            for dst, src in zip(mine, _walk(payload["synchronizer"], keys)):
-                width = dst.numel() // num_lanes
-                dst.view(-1)[lane * width:(lane + 1) * width] = src.view(-1)[lane * width:(lane + 1) * width]
-    return state
-
-
-def _walk(state, keys):
-    for key in keys:
-        state = state[key]
-    return state

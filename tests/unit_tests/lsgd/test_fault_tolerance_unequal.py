@@ -20,8 +20,9 @@ import torch
 
 from tests.unit_tests.checkpointing.launch import (Job, assert_same, finish_together, kill, load_tree, losses, read,
                                                   run, start, start_together)
-from tests.unit_tests.lsgd.test_fault_tolerance_pretrain import (H, HOOKS, PACE, SYNC, _checkpoint, _iteration,
-                                                                 _job, _model, _saved_iterations, _site, _until)
+from tests.unit_tests.lsgd.test_fault_tolerance_pretrain import (COCODC, H, HOOKS, PACE, SYNC, _checkpoint,
+                                                                 _iteration, _job, _model, _saved_iterations, _site,
+                                                                 _until)
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install -e \".[ft]\")")
 os.environ.setdefault("RUST_LOG", "warn")
@@ -53,7 +54,7 @@ def test_the_weights_follow_the_quorum():
 
 
 def test_a_rank_of_two_lanes_takes_each_lanes_per_parameter_state_from_its_own_payload():
-    from megatron_lsgd.training.elastic import merge_lanes
+    from megatron_lsgd.core.lsgd.fault_tolerance.lane_heal import merge_lanes
 
     def payload(value):  # a live peer's rank: its own lane right, the other stale (value + 10)
         return {"synchronizer": {"outer": {"anchors": [torch.full((8,), float(value))],
@@ -69,6 +70,21 @@ def test_a_rank_of_two_lanes_takes_each_lanes_per_parameter_state_from_its_own_p
     assert merged["synchronizer"]["outer"]["anchors"][0].tolist() == [1.0] * 6 + [2.0] * 2
 
 
+def test_a_heal_re_cuts_what_is_laid_out_on_a_ranks_part():
+    # A fragment over values 2..6 of a bucket of 8 (L = 2: lanes 0..3 and 4..7). Site 0's
+    # replicas hold 2..3 and 4..6; site 1's one replica 2..6. Each way, each value comes from
+    # the lane that holds it, wherever the sender's part of the fragment starts.
+    from megatron_lsgd.core.lsgd.fault_tolerance.lane_heal import recut
+    from megatron_lsgd.core.optimizer.shard_views import ShardRange
+
+    full = SimpleNamespace(ranges=[ShardRange(0, 2, 7)])
+    values = torch.arange(8.0)
+    merged = recut([[values[2:4]], [values[4:7] + 10]], [2, 2], full, [0, 1], 2, 1, 0, [8])
+    assert [t.tolist() for t in merged] == [[2.0, 3.0, 14.0, 15.0, 16.0]]
+    assert [t.tolist() for t in recut([[values[2:7]]], [1], full, [1], 2, 2, 1, [8])] == [[4.0, 5.0, 6.0]]
+    assert recut([[values[2:7]]], [1], SimpleNamespace(ranges=[ShardRange(0, 1, 3)]), [1], 2, 2, 1, [8]) == []
+
+
 def test_lane_group_ranks_are_a_sites_ranks_when_sites_are_equal():
     from megatron_lsgd.core.lsgd.fault_tolerance.lanes import group_rank
     from megatron_lsgd.core.parallel_state import ParallelDims
@@ -80,54 +96,63 @@ def test_lane_group_ranks_are_a_sites_ranks_when_sites_are_equal():
     assert sorted(group_rank(t, j, p, 2, 2) for t in range(2) for j in range(2) for p in range(2)) == list(range(8))
 RANKS = (2, 1)
 DILOCO = ("--lsgd-algorithm", "diloco")
+STREAMING = ("--lsgd-algorithm", "streaming-diloco", "--lsgd-fragments", "2")
+COCODC_DENSE = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-syncs-per-round", "8",
+                "--lsgd-fragment-sync-delay", "3")
 
 
 @pytest.mark.slow
 def test_elastic_sites_of_2_and_1_replicas_equal_the_plain_run_and_heal(tmp_path):
     # 1. Without faults, diloco and sync: the plain 3-rank run's numbers, bit for bit.
-    for algorithm in (DILOCO, SYNC):
+    for algorithm, interval, iters in ((DILOCO, H, 4), (SYNC, H, 4), (STREAMING, 4, 8), (COCODC, 4, 8)):
         name = algorithm[1]
-        extra = ["--train-iters", "4", "--global-batch-size", "12"] + SIZES
-        plain = run(_job(2, extra=extra + ["--save", str(tmp_path / f"{name}-plain")], algorithm=algorithm), 3,
-                    str(tmp_path / f"{name}-plain.log"))
+        extra = ["--train-iters", str(iters), "--global-batch-size", "12"] + SIZES
+        plain = run(_job(2, extra=extra + ["--save", str(tmp_path / f"{name}-plain")], algorithm=algorithm,
+                         interval=interval), 3, str(tmp_path / f"{name}-plain.log"))
         lighthouse = start_lighthouse(2, join_timeout_ms=60_000)  # every round waits for both sites
         try:
-            args = _job(2, lighthouse.address(), 2, extra + ["--save", str(tmp_path / f"{name}-ft")], algorithm)
+            args = _job(2, lighthouse.address(), 2, extra + ["--save", str(tmp_path / f"{name}-ft")], algorithm,
+                        interval)
             jobs = [Job(_site(args, site), RANKS[site], str(tmp_path / f"{name}-ft{site}.log")) for site in range(2)]
             finish_together(start_together(jobs), jobs)
         finally:
             lighthouse.shutdown()
-        reference = load_tree(str(tmp_path / f"{name}-plain" / "iter_0000004"))
+        reference = load_tree(str(tmp_path / f"{name}-plain" / f"iter_{iters:07d}"))
         elastic = {}
         for site in range(2):
-            elastic.update(_checkpoint(str(tmp_path / f"{name}-ft"), site, 4))
+            elastic.update(_checkpoint(str(tmp_path / f"{name}-ft"), site, iters))
         assert sorted(elastic) == sorted(reference), name
         assert_same(elastic, reference, name)
         for site in range(2):
             assert losses(read(str(tmp_path / f"{name}-ft{site}.log"))) == losses(plain), name
-        assert len(losses(plain)) == 4
+        assert len(losses(plain)) == iters
 
     # 2. A site killed and restarted: the DP-1 site fresh (healed from site 0's two ranks, lane
     # by lane), then the DP-2 site from its own checkpoint (each of its ranks healed from the
     # one rank of site 1: a site restarted from its checkpoint counts itself a round behind).
-    for victim in (1, 0):
-        _kill_and_heal(tmp_path / f"victim{victim}", victim, from_checkpoint=victim == 0)
+    # cocodc both ways too, on a dense schedule (a sync every step, each landing 3 steps later):
+    # what a heal hands over then includes fragment means in flight and their snapshots,
+    # laid out on the sender's part and re-cut for the receiver.
+    for algorithm, interval, rounds, die_after, victim in ((DILOCO, H, 14, 3, 1), (COCODC_DENSE, 8, 5, 4, 1),
+                                                           (COCODC_DENSE, 8, 5, 12, 0)):  # (after a save)
+        _kill_and_heal(tmp_path / f"{algorithm[1]}-victim{victim}", algorithm, interval, rounds * interval,
+                       die_after, victim, from_checkpoint=victim == 0)
 
 
-def _kill_and_heal(tmp_path, victim: int, from_checkpoint: bool) -> None:
-    # diloco, --lsgd-min-sites 1: the victim dies right after its 3rd quorum, before that
-    # round's mean. The survivor rolls the round back and trains alone; the victim comes back
-    # fresh (a process started with the others, held until the survivor has trained a round
-    # alone), is healed, and agrees with the survivor from then on.
+def _kill_and_heal(tmp_path, algorithm, interval: int, iters: int, die_after: int, victim: int,
+                   from_checkpoint: bool) -> None:
+    # --lsgd-min-sites 1: the victim dies right after a quorum, before that round's mean. The
+    # survivor rolls the round back and trains alone; the victim comes back (a process started
+    # with the others, held until the survivor has trained a round alone), is healed, and
+    # agrees with the survivor from then on.
     os.makedirs(tmp_path)
     survivor = 1 - victim
     save, digests = str(tmp_path / "ckpt"), str(tmp_path / "digests")
-    iters = 10 * H
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
     logs = {s: str(tmp_path / f"site{s}.log") for s in range(2)}
     base = SIZES + ["--global-batch-size", "12", "--train-iters", str(iters), "--save", save, "--lsgd-ft-digests",
                     digests, "--simulate-slow-ranks", "0,1,2", "--slow-factor", PACE]
-    args = _job(2, lighthouse.address(), 1, base, DILOCO)
+    args = _job(2, lighthouse.address(), 1, base, algorithm, interval)
     release = str(tmp_path / "release")
     procs, others = {}, []
     marker = f"was not committed (lost site {victim}"
@@ -135,7 +160,7 @@ def _kill_and_heal(tmp_path, victim: int, from_checkpoint: bool) -> None:
     try:
         victim_args = [a if a != save else str(tmp_path / "victim") for a in args]
         others.append(start(_site(victim_args, victim) + ["--lsgd-min-sites", "2"], RANKS[victim], logs[victim],
-                            script=HOOKS, env={"LSGD_TEST_DIE_AFTER_QUORUM": "3",
+                            script=HOOKS, env={"LSGD_TEST_DIE_AFTER_QUORUM": str(die_after),
                                                "LSGD_TEST_READY_FILE": str(tmp_path / "victim.ready")}))
         procs[survivor] = start(_site(args, survivor), RANKS[survivor], logs[survivor], script=HOOKS,
                                 env={"LSGD_TEST_HOLD_UNTIL": str(tmp_path / "victim.ready")})
@@ -145,7 +170,7 @@ def _kill_and_heal(tmp_path, victim: int, from_checkpoint: bool) -> None:
         _until(lambda: marker in read(logs[survivor]), "the survivor to roll back", procs.values())
         assert others[0].wait(timeout=120) != 0
         rolled = _iteration(logs[survivor])
-        _until(lambda: _iteration(logs[survivor]) > rolled + 2 * H, "a round alone", procs.values())
+        _until(lambda: _iteration(logs[survivor]) > rolled + interval, "a round alone", procs.values())
         open(release, "w").close()
         procs[victim] = others.pop()
         _until(lambda: all(p.poll() is not None for p in procs.values()), "the job's end", timeout=600)
@@ -168,11 +193,13 @@ def _kill_and_heal(tmp_path, victim: int, from_checkpoint: bool) -> None:
     held = [{r["round"] for name, records in files.items() if name.startswith(f"site{s}_") for r in records}
             for s in range(2)]
     assert max(held[0] & held[1]) > healed, (healed, held)  # compared after the heal (when it came late: once)
-    # the model, and the job's position and schedule, at every round both saved after the heal
+    # the model (diloco: each site's is the anchor after a round), and the job's position and
+    # schedule, at every round both saved after the heal
     later = [i for i in _saved_iterations(save, victim) if i in _saved_iterations(save, survivor)]
     assert later and later[-1] == iters
     for i in later:
-        assert_same(_model(_checkpoint(save, 1, i)), _model(_checkpoint(save, 0, i)), f"iteration {i}")
+        if algorithm == DILOCO:
+            assert_same(_model(_checkpoint(save, 1, i)), _model(_checkpoint(save, 0, i)), f"iteration {i}")
         meta = [_meta(save, s, i) for s in range(2)]
         assert meta[0]["consumed_samples"] == meta[1]["consumed_samples"]
         assert meta[0]["site_schedulers"][0] == meta[1]["site_schedulers"][1]

@@ -106,7 +106,10 @@ def _config(extra, world):
      f"{FLAG} 2,1: site 1 (--lsgd-site) has 1 data-parallel ranks x TP x PP 1 = 1 ranks, but its torchrun world has 2"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
       "--lsgd-algorithm", "dilocox"], 2, f"{FLAG} 2,1 with --lsgd-fault-tolerance torchft is supported by "
-                                         f"--lsgd-algorithm diloco, sync only; dilocox: "),
+                                         f"--lsgd-algorithm cocodc, diloco, streaming-diloco, sync only; dilocox: "),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
+      "--lsgd-algorithm", "cocodc", "--lsgd-cocodc-dc-normalize", "mean-square"], 2,
+     "--lsgd-cocodc-dc-normalize mean-square does not work with --lsgd-fault-tolerance torchft: its running mean"),
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
       "--use-distributed-optimizer"], 2, f"--use-distributed-optimizer does not work with --lsgd-fault-tolerance "
                                          f"torchft: with {FLAG} 2,1 a healing rank"),
