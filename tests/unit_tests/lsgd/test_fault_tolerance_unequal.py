@@ -20,7 +20,7 @@ import torch
 
 from tests.unit_tests.checkpointing.launch import (Job, assert_same, finish_together, kill, load_tree, losses, read,
                                                   run, start, start_together)
-from tests.unit_tests.lsgd.test_fault_tolerance_pretrain import (COCODC, H, HOOKS, PACE, SYNC, _checkpoint,
+from tests.unit_tests.lsgd.test_fault_tolerance_pretrain import (COCODC, DILOCOX, H, HOOKS, PACE, SYNC, _checkpoint,
                                                                  _iteration, _job, _model, _saved_iterations, _site,
                                                                  _until)
 
@@ -103,8 +103,10 @@ COCODC_DENSE = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-c
 
 @pytest.mark.slow
 def test_elastic_sites_of_2_and_1_replicas_equal_the_plain_run_and_heal(tmp_path):
-    # 1. Without faults, diloco and sync: the plain 3-rank run's numbers, bit for bit.
-    for algorithm, interval, iters in ((DILOCO, H, 4), (SYNC, H, 4), (STREAMING, 4, 8), (COCODC, 4, 8)):
+    # 1. Without faults, every algorithm that takes such sites: the plain 3-rank run's numbers,
+    # bit for bit.
+    for algorithm, interval, iters in ((DILOCO, H, 4), (SYNC, H, 4), (DILOCOX, H, 6), (STREAMING, 4, 8),
+                                       (COCODC, 4, 8)):
         name = algorithm[1]
         extra = ["--train-iters", str(iters), "--global-batch-size", "12"] + SIZES
         plain = run(_job(2, extra=extra + ["--save", str(tmp_path / f"{name}-plain")], algorithm=algorithm,
@@ -127,14 +129,15 @@ def test_elastic_sites_of_2_and_1_replicas_equal_the_plain_run_and_heal(tmp_path
             assert losses(read(str(tmp_path / f"{name}-ft{site}.log"))) == losses(plain), name
         assert len(losses(plain)) == iters
 
-    # 2. A site killed and restarted: the DP-1 site fresh (healed from site 0's two ranks, lane
-    # by lane), then the DP-2 site from its own checkpoint (each of its ranks healed from the
-    # one rank of site 1: a site restarted from its checkpoint counts itself a round behind).
-    # cocodc both ways too, on a dense schedule (a sync every step, each landing 3 steps later):
-    # what a heal hands over then includes fragment means in flight and their snapshots,
-    # laid out on the sender's part and re-cut for the receiver.
-    for algorithm, interval, rounds, die_after, victim in ((DILOCO, H, 14, 3, 1), (COCODC_DENSE, 8, 5, 4, 1),
-                                                           (COCODC_DENSE, 8, 5, 12, 0)):  # (after a save)
+    # 2. A site killed and restarted. The DP-1 site, fresh, healed from site 0's two ranks lane
+    # by lane: diloco; dilocox, whose heal hands over the Δ taken and not yet issued; cocodc on
+    # a dense schedule (a sync every step, each landing 3 steps later), whose heal hands over
+    # fragment means in flight and their snapshots: each laid out on the sender's part of the
+    # model and re-cut for the receiver. Then cocodc's DP-2 site, from its own checkpoint (it
+    # counts itself a round behind), each of its ranks healed from the one rank of site 1.
+    kills = ((DILOCO, H, 14, 3, 1), (DILOCOX, H, 14, 3, 1), (COCODC_DENSE, 8, 5, 4, 1),
+             (COCODC_DENSE, 8, 5, 12, 0))  # (algorithm, H, rounds, the victim's last quorum, the victim)
+    for algorithm, interval, rounds, die_after, victim in kills:
         _kill_and_heal(tmp_path / f"{algorithm[1]}-victim{victim}", algorithm, interval, rounds * interval,
                        die_after, victim, from_checkpoint=victim == 0)
 
