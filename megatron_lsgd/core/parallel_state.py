@@ -384,13 +384,14 @@ def build_process_groups(dims: ParallelDims, timeout=None, inter_site_backend: O
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before building process groups")
     world = dist.get_world_size()
-    if only_site is not None and (dims.heterogeneous or dims.mixed_layouts):
-        raise ValueError("sites of different data-parallel sizes or layouts cannot each be a world of their own yet")
-    expected = dims.world_size if only_site is None else dims.world_size // dims.sites
+    if only_site is not None and dims.mixed_layouts:
+        raise ValueError("sites of different layouts cannot each be a world of their own yet")
+    # (sites of different sizes each a world of their own: their lane groups are torchft's, fault_tolerance/lanes.py)
+    expected = dims.world_size if only_site is None else dims.ranks_of_site(only_site)
     if world != expected:
         raise ValueError(f"parallel layout {dims} needs {expected} ranks {'per site ' if only_site is not None else ''}"
                          f"but the world has {world}")
-    offset = 0 if only_site is None else only_site * expected
+    offset = 0 if only_site is None else dims.site_start(only_site)
     rank = dist.get_rank() + offset
     coords = dims.coords(rank)
     pgs = ProcessGroups(dims=dims.for_site(coords.site), rank=rank, coords=coords,

@@ -216,6 +216,18 @@ def _check_fault_tolerance(ft: FaultToleranceOptions, args: argparse.Namespace, 
         ("--simulate-clock", "the simulated clock models a fixed set of sites", simulation.active)) if given]
     if ft.enabled and catalog.synchronizer_class(lsgd.algorithm).fault_tolerance_refusal is None:  # its own refusals
         refused += catalog.synchronizer_class(lsgd.algorithm).refused_with_fault_tolerance(lsgd)
+    if ft.enabled and dims.heterogeneous:  # elastic sites of different sizes (fault_tolerance/lanes.py)
+        sizes = f"--site-data-parallel-sizes {','.join(map(str, dims.site_dp))}"
+        why = catalog.synchronizer_class(lsgd.algorithm).elastic_unequal_sites_refusal
+        if why is not None and catalog.synchronizer_class(lsgd.algorithm).fault_tolerance_refusal is None:
+            raise ValueError(f"{sizes} with --lsgd-fault-tolerance {ft.mode} is supported by --lsgd-algorithm "
+                             f"{_supporting('elastic_unequal_sites_refusal')} only; {lsgd.algorithm}: {why}")
+        refused += catalog.synchronizer_class(lsgd.algorithm).refused_with_elastic_unequal_sites(lsgd)
+        refused += [(flag, why) for flag, why, given in (
+            ("--use-distributed-optimizer", f"with {sizes} a healing rank assembles its state lane by lane from "
+                                            "whole buckets, and ZeRO-1 shards are cut per site", args.use_distributed_optimizer),
+            (f"--lsgd-compression {lsgd.compression.kind}", f"with {sizes} the elastic means are fp32 only",
+             lsgd.compression.enabled)) if given]
     ft.validate(algorithm=lsgd.algorithm, num_sites=dims.sites, refused=refused, need_site=True)
     if ft.enabled:
         site_dir = f"site{ft.site}"
@@ -281,6 +293,19 @@ def _check_site_layouts(dims: ParallelDims, lsgd: LsgdConfig, simulation: Simula
         ("--simulate-clock/--simulate-scenario", "the simulated clock models sites of one layout", simulation.active)))
 
 
+def _elastic_world(site_world: int, args: argparse.Namespace, site_dp: Optional[List[int]], site: int) -> int:
+    """The job's world under fault tolerance, from one site's (torchrun's): S equal sites, or
+    with --site-data-parallel-sizes the sum of the sites' ranks, this site's being its own."""
+    if not site_dp:
+        return site_world * args.num_sites
+    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if len(site_dp) == args.num_sites and 0 <= site < len(site_dp) and site_world != model * site_dp[site]:
+        raise ValueError(f"--site-data-parallel-sizes {','.join(map(str, site_dp))}: site {site} (--lsgd-site) has "
+                         f"{site_dp[site]} data-parallel ranks x TP x PP {model} = {model * site_dp[site]} ranks, "
+                         f"but its torchrun world has {site_world}")
+    return model * sum(site_dp)
+
+
 def _check_unequal_sites(dims: ParallelDims, lsgd: LsgdConfig) -> None:
     """Sites of different data-parallel sizes: what supports them (docs/heterogeneous_sites.md)."""
     if not dims.heterogeneous:
@@ -311,13 +336,13 @@ def build_config(args: argparse.Namespace, world_size: int) -> RunConfig:
     """Validate everything once; raise ValueError with a message naming the flag.
     `world_size`: the torch.distributed world's, i.e. one site's under fault tolerance."""
     fault_tolerance = FaultToleranceOptions.from_args(args)
-    for flag in ("--site-data-parallel-sizes", "--site-tensor-model-parallel-sizes",
-                 "--site-pipeline-model-parallel-sizes"):
+    for flag in ("--site-tensor-model-parallel-sizes", "--site-pipeline-model-parallel-sizes"):
         if fault_tolerance.enabled and getattr(args, flag[2:].replace("-", "_"), None) is not None:
-            raise ValueError(f"{flag} cannot be combined with --lsgd-fault-tolerance: elastic sites, each its own "
-                             f"job, have one size each for now")
+            raise ValueError(f"{flag} cannot be combined with --lsgd-fault-tolerance: a healing site would need "
+                             f"the state of another layout, which torchft's heal (rank to rank) does not reshard")
+    site_dp = _site_sizes(getattr(args, "site_data_parallel_sizes", None))
     if fault_tolerance.enabled:  # each site is a world of its own
-        world_size *= args.num_sites
+        world_size = _elastic_world(world_size, args, site_dp, fault_tolerance.site)
     dims = ParallelDims.from_world(world_size, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size, args.num_sites,
                                    _site_sizes(getattr(args, "site_data_parallel_sizes", None)),

@@ -24,6 +24,8 @@ from torch.utils._pytree import tree_map
 from megatron_lsgd.core.distributed.data_parallel import unwrap
 from megatron_lsgd.core.lsgd.comm import SimulatedLink
 from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
+from megatron_lsgd.core.lsgd.fault_tolerance.lane_heal import merge_lanes
+from megatron_lsgd.core.lsgd.fault_tolerance.lanes import group_rank
 from megatron_lsgd.core.lsgd.fault_tolerance.torchft_membership import TorchftMembership
 from megatron_lsgd.training.checkpointing.checkpointer import refresh_main_params
 from megatron_lsgd.training.checkpointing.model_io import load_model_state, model_state
@@ -55,13 +57,23 @@ def elastic_site(config, pgs, clock, devices):
     host = ft.host or os.environ.get("MASTER_ADDR", "127.0.0.1")  # torchrun runs the site's rank 0 there
     store, (host, port) = _site_store(host)
     link = config.lsgd.link
-    comm = ElasticComm(config.dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
+    dims = config.dims
+    comm = ElasticComm(dims.sites, SimulatedLink(link.latency_ms, link.bandwidth_mbit),
                        config.training.distributed_timeout_minutes, rank=pgs.rank, site=pgs.site_rank,
-                       devices=devices, clock=clock)
-    membership = TorchftMembership(comm, config.fault_tolerance, site=pgs.site_rank, group_rank=dist.get_rank(),
-                                   group_world_size=dist.get_world_size(), store_addr=host, store_port=port,
-                                   device=devices.group, log=lambda line: print(line, flush=True), hostname=host)
+                       devices=devices, clock=clock, site_sizes=dims.site_dp if dims.heterogeneous else None)
+    lanes = dims.lanes_of(pgs.site_rank, pgs.dp_intra_rank) if dims.heterogeneous else None
+    membership = TorchftMembership(
+        comm, config.fault_tolerance, site=pgs.site_rank, group_rank=dist.get_rank(),
+        group_world_size=dist.get_world_size(), store_addr=host, store_port=port, device=devices.group,
+        log=lambda line: print(line, flush=True), hostname=host,
+        # sites of different sizes: a torchft group rank per lane (fault_tolerance/lanes.py)
+        lane_ranks=None if lanes is None else [group_rank(pgs.tp_rank, j, pgs.pp_rank, dims.tp, dims.lanes)
+                                               for j in lanes],
+        lane_world=None if lanes is None else dims.tp * dims.pp * dims.lanes)
     membership.store = store  # the site's rank 0 keeps the store alive as long as the managers
+    if lanes is not None:  # the synchronizer's lane-by-lane means (SiteSplit) run on the torchft lane groups
+        pgs.inter_lanes = list(zip(lanes, membership.lane_pgs))
+        comm.lane_groups = list(membership.lane_pgs)
     return comm, membership
 
 
@@ -79,7 +91,9 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         return _copy({"model": model_state(unwrap(trainer.model)), "optimizer": trainer.optimizer.state_dict(),
                       "synchronizer": trainer.synchronizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
                       "rng": capture_rng_state(trainer.rng_tracker),
-                      "position": pos.state_dict()})
+                      "position": pos.state_dict(), "site_dp": trainer.pgs.dp_intra_size})
+
+    pgs = trainer.pgs
 
     def restore(state) -> None:  # the order of a checkpoint load (checkpointer._load_local)
         # where the site stood (the trainer counts its log line and run from the new position)
@@ -91,8 +105,10 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         trainer.synchronizer.load_state_dict(state["synchronizer"])
         trainer.scheduler.load_state_dict(state["scheduler"])
         pos.load_state_dict(state["position"])
+        if state.get("site_dp", pgs.dp_intra_size) != pgs.dp_intra_size:  # a peer of another size: its stream's pace
+            pos.site_consumed_samples = pos.site_consumed_samples // state["site_dp"] * pgs.dp_intra_size
         pos.agreed_iteration = pos.iteration  # elastic sites run lockstep algorithms: the job's count is the step count
-        t, pgs = trainer.config.training, trainer.pgs
+        t = trainer.config.training
         trainer.train_iterator = build_data_iterator(trainer.train_ds, pos.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
         trainer.valid_iterator = build_data_iterator(trainer.valid_ds, pos.consumed_valid_samples // pgs.dims.sites,
@@ -101,7 +117,18 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         restore_rng_state(state["rng"], trainer.rng_tracker)  # last: building iterators draws from torch's
         trainer.heal.time = trainer.clock.now()  # the next log line's time starts after the transfer
 
-    membership.register_state("trainer", snapshot, restore)
+    load, merge = restore, None
+    if pgs.dims.heterogeneous:  # sites of different sizes: a heal from the ranks holding this rank's lanes
+        lanes, sync = [lane for lane, _ in pgs.inter_lanes], trainer.synchronizer
+        shards = [m.numel() for m in trainer.optimizer.main_param_shards()]
+
+        def merge(payloads):
+            return merge_lanes(payloads, lanes, pgs.dims.lanes, sync.per_parameter_state(), sync.per_part_state,
+                               pgs.dp_intra_size, shards)
+
+        if len(lanes) == 1:  # one Manager: its one payload, re-cut for this rank all the same
+            load = lambda state: restore(merge([state]))  # noqa: E731
+    membership.register_state("trainer", snapshot, load, merge=merge)
     digests = trainer.config.fault_tolerance.digests
     if digests:  # --lsgd-ft-digests: what chaos.py compares across sites
         outer = getattr(trainer.synchronizer, "outer", None)
@@ -109,5 +136,14 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         # (sync, whose every committed step applies one mean on every site) the model's main shards
         held = (lambda: list(outer.anchors) + list(outer.momenta)) if outer is not None \
             else trainer.optimizer.main_param_shards
-        membership.record_digests(os.path.join(digests, f"site{trainer.pgs.site_rank}_rank{dist.get_rank()}.jsonl"),
-                                  held)
+        if not pgs.dims.heterogeneous:
+            membership.record_digests(os.path.join(digests, f"site{pgs.site_rank}_rank{dist.get_rank()}.jsonl"), held)
+            return
+        # sites of different sizes: a file per lane (its torchft group rank), of the lane's values,
+        # which every site holds alike (a rank's own are its lanes': outside them they are stale)
+        dims = pgs.dims
+        for lane, _ in pgs.inter_lanes:
+            name = f"site{pgs.site_rank}_lane{group_rank(pgs.tp_rank, lane, pgs.pp_rank, dims.tp, dims.lanes)}.jsonl"
+            membership.record_digests(os.path.join(digests, name), lambda lane=lane: [
+                t.view(-1)[lane * (t.numel() // dims.lanes):(lane + 1) * (t.numel() // dims.lanes)] for t in held()])
+

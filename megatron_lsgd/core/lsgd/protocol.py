@@ -294,6 +294,10 @@ class Synchronizer:
     # lane: site_split.SiteSplit), else why not, in a few words (the run's one error line).
     unequal_sites_refusal: ClassVar[Optional[str]] = \
         "its cross-site exchange is not cut into lanes for sites of different sizes yet"
+    # Both at once (elastic sites of different sizes: a torchft Manager per lane,
+    # fault_tolerance/lanes.py): None when supported, else why not (one error line).
+    elastic_unequal_sites_refusal: ClassVar[Optional[str]] = \
+        "its elastic rounds on sites of different sizes have not been run and checked yet"
     # The --lsgd-compression kinds it weights by tokens and cuts into lanes with such sites
     # (any other is refused there, naming the flag).
     unequal_sites_compressions: ClassVar[Tuple[str, ...]] = ()
@@ -306,6 +310,11 @@ class Synchronizer:
     def refused_with_fault_tolerance(cls, config: LsgdConfig) -> List[Tuple[str, str]]:
         """(flag, why) for each of the run's settings that this algorithm's elastic rounds
         (--lsgd-fault-tolerance torchft) cannot honour; each becomes an error naming its flag."""
+        return []
+
+    @classmethod
+    def refused_with_elastic_unequal_sites(cls, config: LsgdConfig) -> List[Tuple[str, str]]:
+        """The same for elastic sites of different sizes (a heal re-cuts per_part_state only)."""
         return []
 
     def __init__(self, ctx: SyncContext):
@@ -391,6 +400,14 @@ class Synchronizer:
         """Everything kept between steps. It only reads: the caller has quiesced (the
         checkpoint does), so nothing is in flight; `require_quiesced` says so loudly."""
         return {}
+
+    def per_part_state(self, state: Dict) -> List[Tuple[List[torch.Tensor], object]]:
+        """The lists of `state` (a state_dict()) laid out on this rank's part of a set of units
+        (one tensor per non-empty range of SiteSplit.mine(views)), each with the whole-site
+        ShardViews it is a part of: what a heal into a site of another size re-cuts for the
+        receiving rank (fault_tolerance/lane_heal.py). Values in flight, say. The same entries,
+        in the same order, on every rank of a site (an empty list where its part is empty)."""
+        return []
 
     def per_parameter_state(self) -> Dict[str, List[object]]:
         """The entries of state_dict() that hold per-parameter values, for tools/checkpoint/

@@ -134,7 +134,7 @@ def scripted_membership(fail=(), present=()) -> TorchftMembership:
     m = TorchftMembership.__new__(TorchftMembership)  # the round logic, no torchft processes
     m.manager, m.lines = ScriptedManager(fail), []
     m.options = SimpleNamespace(min_sites=1, max_wait_s=60.0, timeout_s=1.0, max_failed_rounds=0, lone_site="stop")
-    m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=1, clock=Clock())
+    m.comm = SimpleNamespace(set_sites=lambda group, n, sites=None: None, configured_sites=1, clock=Clock())
     m.order = list(present)
     m.site, m.present, m.pg, m.device, m.log, m.log_every, m.poll_s = 0, list(present), None, torch.device("cpu"), \
         m.lines.append, 60.0, 0.0

@@ -431,7 +431,7 @@ def test_a_site_below_its_floor_past_max_wait_stops_with_one_error_line():
     # line with exit code 2 (InterSiteTimeout), naming the missing sites, not a traceback.
     m = scripted_membership()
     m.options = SimpleNamespace(min_sites=2, max_wait_s=0.05, timeout_s=1.0, max_failed_rounds=0, lone_site="stop")
-    m.comm = SimpleNamespace(set_sites=lambda group, n: None, configured_sites=3, clock=Clock())
+    m.comm = SimpleNamespace(set_sites=lambda group, n, sites=None: None, configured_sites=3, clock=Clock())
     m.site, m.poll_s = 2, 0.01
     with pytest.raises(InterSiteTimeout, match=r"site 2: fewer than --lsgd-min-sites 2 sites for --lsgd-ft-max-wait "
                                                r"0.05 s \(missing: 0,1; "):

@@ -105,8 +105,17 @@ def _config(extra, world):
     (["--num-sites", "2", FLAG, "2,1", "--lsgd-algorithm", "dilocox", "--lsgd-compression", "lowrank-int4",
       "--lsgd-rank", "2"], 3, "cannot be combined with --lsgd-compression lowrank-int4: --lsgd-algorithm dilocox "
                               "weights and cuts into lanes int8, int4 only"),
-    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0"], 1,
-     f"{FLAG} cannot be combined with --lsgd-fault-tolerance"),
+    # elastic sites of different sizes (test_fault_tolerance_unequal.py): a world per site, diloco and sync, fp32
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "1"], 2,
+     f"{FLAG} 2,1: site 1 (--lsgd-site) has 1 data-parallel ranks x TP x PP 1 = 1 ranks, but its torchrun world has 2"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
+      "--lsgd-algorithm", "cocodc", "--lsgd-cocodc-dc-normalize", "mean-square"], 2,
+     "--lsgd-cocodc-dc-normalize mean-square does not work with --lsgd-fault-tolerance torchft: its running mean"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
+      "--use-distributed-optimizer"], 2, f"--use-distributed-optimizer does not work with --lsgd-fault-tolerance "
+                                         f"torchft: with {FLAG} 2,1 a healing rank"),
+    (["--num-sites", "2", FLAG, "2,1", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "0",
+      "--lsgd-compression", "int8"], 2, "--lsgd-compression int8 does not work with --lsgd-fault-tolerance torchft"),
 ])
 def test_bad_sizes_and_unsupported_combinations_name_the_flag(extra, world, message):
     batch = [] if "--global-batch-size" in extra else ["--global-batch-size", "12"]
@@ -127,6 +136,15 @@ def test_the_supported_algorithms_build():
     for algorithm in ("sync", "diloco", "streaming-diloco", "cocodc", "dilocox"):
         c = _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm], 3)
         assert c.dims.site_dp == (2, 1) and c.num_microbatches == 2
+
+
+def test_the_supported_algorithms_build_as_elastic_sites():
+    pytest.importorskip("torchft", reason="torchft is not installed")
+    for algorithm in ("sync", "diloco", "streaming-diloco", "cocodc", "dilocox"):
+        for site, ranks in ((0, 2), (1, 1)):  # each site's world is its own
+            c = _config(["--num-sites", "2", FLAG, "2,1", "--global-batch-size", "12", "--lsgd-algorithm", algorithm,
+                         "--lsgd-fault-tolerance", "torchft", "--lsgd-site", str(site)], ranks)
+            assert c.dims.site_dp == (2, 1) and c.dims.world_size == 3 and c.fault_tolerance.site == site
 
 
 def test_a_bad_value_is_one_error_line(monkeypatch, capsys):

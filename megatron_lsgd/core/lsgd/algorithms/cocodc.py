@@ -184,6 +184,15 @@ class CoCoDC(StreamingDiLoCo):
 
     name = "cocodc"
     unequal_sites_refusal = None  # streaming-diloco's weighted lane-by-lane fragment means; exact norms by lane
+
+    @classmethod
+    def refused_with_elastic_unequal_sites(cls, config) -> List:
+        if config.algo.dc_normalize != "none":
+            # a rank whose part of a fragment is empty keeps no mean square for it, and counts no landing
+            return [(f"--lsgd-cocodc-dc-normalize {config.algo.dc_normalize}",
+                     "its running mean squares are kept per rank's part of a fragment, which a heal into a site "
+                     "of another size does not re-cut yet")]
+        return []
     Options = CoCoDCOptions
     fault_tolerance_refusal = None  # its rounds run through SiteMembership's quorums
 
@@ -233,6 +242,8 @@ class CoCoDC(StreamingDiLoCo):
         if not self.measuring:
             return None
         return SideValues(torch.tensor([self.site_step_seconds, self.site_sync_seconds], dtype=torch.float32))
+
+    snapshots = True
 
     def snapshot(self, p: int) -> List[torch.Tensor]:
         return [m.to(self.device, copy=True) for m in self.views[p].main]

@@ -131,6 +131,7 @@ class DiLoCo(LocalSGDBase):
     fault_tolerance_refusal = None  # its rounds run through SiteMembership's quorums
     unequal_sites_refusal = None  # weighted by tokens, lane by lane (SiteSplit)
     unequal_sites_compressions = ("int8", "int4")  # a compressor per lane, each site's contribution scaled
+    elastic_unequal_sites_refusal = None  # a quorum per round on every lane (fault_tolerance/lanes.py)
     mixed_layouts_refusal = None  # the pseudo-gradient crosses sites in the layout-free form (CanonicalExchange)
 
     def end_round(self) -> None:

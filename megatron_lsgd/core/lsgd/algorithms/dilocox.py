@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -164,6 +164,7 @@ class DiLoCoX(LocalSGDBase):
 
     name = "dilocox"
     unequal_sites_refusal = None  # weighted, lane by lane on lanes of its own (SiteSplit.lane_reduce)
+    elastic_unequal_sites_refusal = None  # a heal re-cuts its Δ and means on the rank's part (per_part_state)
     unequal_sites_compressions = ("int8", "int4")  # a compressor per lane, each site's contribution scaled
     mixed_layouts_refusal = None  # Δ crosses sites in the layout-free form, on lanes of its own (CanonicalExchange)
     Options = DiLoCoXOptions
@@ -402,6 +403,12 @@ class DiLoCoX(LocalSGDBase):
         if self.finishing:
             state["finishing"] = 1
         return state
+
+    def per_part_state(self, state: Dict) -> List[Tuple[List[torch.Tensor], object]]:
+        # the mean in flight, the Δ taken and not yet issued or not committed, the eager restart's
+        # offsets: each on this rank's part of the whole model
+        return [(state[key], self.whole) for key in ("pending_mean", "start_offsets", "outgoing", "carry")
+                if key in state]
 
     def _has_mean(self) -> bool:
         """A mean in flight (decided by quiesce: committed)."""

@@ -191,6 +191,7 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
     name = "streaming-diloco"
     unequal_sites_refusal = None  # fragment means weighted by tokens, lane by lane on lanes of its own (SiteSplit)
     unequal_sites_compressions = ("int8", "int4")  # a compressor per lane of each fragment, contributions scaled
+    elastic_unequal_sites_refusal = None  # a heal re-cuts the means in flight (per_part_state)
     mixed_layouts_refusal = None  # fragments cross sites in the layout-free form, on lanes of their own
     Options = StreamingDiLoCoOptions
     uses = frozenset({"rounds", "outer", "compression"})
@@ -403,6 +404,8 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         round_ = self.ctx.membership.start(issue, undo=undo)
         return round_, issued[0].item if issued else QueuedReduce.finished([])
 
+    snapshots = False  # snapshot() keeps something (per_part_state)
+
     def snapshot(self, p: int) -> List[torch.Tensor]:
         """What the landing rule needs from the start (CoCoDC: θ_local)."""
         return []
@@ -507,6 +510,11 @@ class StreamingDiLoCo(SynchronousWarmup, Synchronizer):
         algo = self.ctx.config.algo
         return {"interval": self.interval, "fragments": self.num_fragments, "partition": algo.partition,
                 "sync_delay": self.tau}
+
+    def per_part_state(self, state: Dict) -> List[Tuple[List[torch.Tensor], object]]:
+        # the means in flight (and cocodc's snapshots) are on the rank's part of their fragment
+        keys = ("mean", "snapshot") if self.snapshots else ("mean",)
+        return [(f[key], self.full_views[int(f["fragment"])]) for f in state["in_flight"] for key in keys]
 
     def per_parameter_state(self) -> Dict[str, List[object]]:
         # The anchor and outer momentum are this rank's on the fragments' parts it sends.

@@ -29,6 +29,7 @@ class SyncEveryStep(Synchronizer):
 
     name = "sync"
     unequal_sites_refusal = None  # weighted by tokens, lane by lane (SiteSplit)
+    elastic_unequal_sites_refusal = None  # a quorum per round on every lane (fault_tolerance/lanes.py)
     mixed_layouts_refusal = ("its every-step gradient mean and lane-by-lane gradient norm keep every site's replica "
                              "identical only when the sites share one layout")
     uses = frozenset({"compression"})

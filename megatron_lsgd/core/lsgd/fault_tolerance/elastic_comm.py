@@ -27,16 +27,26 @@ from megatron_lsgd.core.lsgd.comm import InterSiteComm, InterSiteWork, Simulated
 class ElasticComm(InterSiteComm):
     def __init__(self, configured_sites: int, link: Optional[SimulatedLink] = None,
                  timeout_minutes: Optional[float] = None, rank: Optional[int] = None, site: Optional[int] = None,
-                 devices=None, clock=None):
+                 devices=None, clock=None, site_sizes=None, lane_groups=()):
         # Until the first quorum the synchronizers see the configured sites (they decide
         # from num_sites > 1 whether there is anything to average).
         super().__init__(None, configured_sites, link, timeout_minutes, rank, site, devices=devices, clock=clock)
         self.configured_sites = configured_sites
+        # Sites of different data-parallel sizes (every site's, in site order; None: equal): each
+        # mean is weighted by the tokens of the sites present, and runs on the torchft lane
+        # groups (`lane_groups`, this rank's, in lane order: fault_tolerance/lanes.py).
+        self.site_sizes, self.lane_groups = site_sizes, list(lane_groups)
+        if site_sizes:
+            self.site_weight = site_sizes[site] / sum(site_sizes)
 
-    def set_sites(self, group, present: int) -> None:
-        """The round's group (torchft's, reconfigured at the quorum) and how many sites it joins."""
+    def set_sites(self, group, present: int, sites=None) -> None:
+        """The round's group (torchft's, reconfigured at the quorum) and how many sites it joins;
+        `sites` (which), for the weights of sites of different sizes: a site that is not in
+        the quorum does not keep its weight."""
         self.group = group
         self.num_sites = present
+        if self.site_sizes and sites:
+            self.site_weight = self.site_sizes[self.site] / sum(self.site_sizes[s] for s in sites)
 
     def _on_group(self, what: str, collective, output: torch.Tensor, tensor: Optional[torch.Tensor] = None):
         """collective(output, tensor) on the round's group: staged through the group's device
@@ -54,7 +64,7 @@ class ElasticComm(InterSiteComm):
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> InterSiteWork:
         if self.num_sites == 1:
             return InterSiteWork(self, None)
-        tensor.mul_(1.0 / self.num_sites)
+        tensor.mul_(1.0 / self.num_sites if self.site_weight is None else self.site_weight)
         moved = self._ring_bytes(tensor.numel() * tensor.element_size())
         work = self._on_group("all_reduce_mean", lambda out, _: self._reduce(out, ReduceOp.SUM), tensor)
         return self._finish(self._issue(work, moved, moved, self.phases("all_reduce")), async_op)
@@ -90,5 +100,6 @@ class ElasticComm(InterSiteComm):
         self._issue(work, moved, moved, self.phases("all_reduce")).wait()
 
     def use_dedicated_group(self, dims) -> list:
-        """Nothing to do: the torchft group is already this comm's alone (no lanes: one layout)."""
-        return []
+        """Nothing to do: the torchft groups are already this comm's alone (the lanes' groups
+        with sites of different sizes, in lane order, for SiteSplit.on_lanes)."""
+        return list(self.lane_groups) if self.site_sizes else []

@@ -55,6 +55,7 @@ import torch
 
 from megatron_lsgd.core.lsgd.comm import InterSiteTimeout
 from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
+from megatron_lsgd.core.lsgd.fault_tolerance.lanes import LaneGroups, LaneManagers
 from megatron_lsgd.core.lsgd.fault_tolerance.options import FaultToleranceOptions, require_torchft
 from megatron_lsgd.core.lsgd.membership import Exchanges, Finished, Heal, SiteMembership
 
@@ -126,7 +127,10 @@ class TorchftMembership(SiteMembership):
     def __init__(self, comm: ElasticComm, options: FaultToleranceOptions, *, site: int, group_rank: int,
                  group_world_size: int, store_addr: str, store_port: int, device: torch.device,
                  log: Callable[[str], None] = print, log_every: float = 10.0, poll_s: float = 0.5,
-                 hostname: Optional[str] = None, trace: Optional[Callable[[Dict], None]] = None):
+                 hostname: Optional[str] = None, trace: Optional[Callable[[Dict], None]] = None,
+                 lane_ranks: Optional[Sequence[int]] = None, lane_world: Optional[int] = None):
+        """`lane_ranks`, `lane_world`: sites of different sizes, the torchft group ranks of this
+        rank's lanes and how many a site presents (lanes.py); None: one, its `group_rank`."""
         require_torchft(options.mode)
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
@@ -148,20 +152,30 @@ class TorchftMembership(SiteMembership):
         # sites, committed rounds, heal; the receiver stamps the time), for a timeline of who met whom
         self._trace = trace if group_rank == 0 else None
         timeout = timedelta(seconds=options.timeout_s)
-        # `device` is the inter-site group's (--inter-site-backend): NCCL where it is a GPU.
-        self.pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        # Healing state travels over the quorum's own group (reachable by construction, no
-        # HTTP server per rank advertised under a host name other sites may not resolve).
-        transport = PGTransport(self.pg, timeout=timeout, device=device)
         # torchft's own floor (no commit below it) is --lsgd-min-sites, the site's own floor being
         # round_started's; a site that may train alone commits rounds of one site.
         floor = 1 if options.lone_site == "train" else options.min_sites
-        self.manager = Manager(pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=floor,
+
+        def lane(rank: int, world: int):
+            # `device` is the inter-site group's (--inter-site-backend): NCCL where it is a GPU.
+            pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+            # Healing state travels over the quorum's own group (reachable by construction, no
+            # HTTP server per rank advertised under a host name other sites may not resolve).
+            transport = PGTransport(pg, timeout=timeout, device=device)
+            return pg, Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=floor,
                                use_async_quorum=False, timeout=timeout,
-                               quorum_timeout=timedelta(seconds=options.max_wait_s), rank=group_rank,
-                               world_size=group_world_size, store_addr=store_addr, store_port=store_port,
+                               quorum_timeout=timedelta(seconds=options.max_wait_s), rank=rank,
+                               world_size=world, store_addr=store_addr, store_port=store_port,
                                lighthouse_addr=lighthouse, replica_id=f"site{site}", init_sync=False,
                                hostname=hostname or socket.gethostname(), checkpoint_transport=transport)
+
+        if lane_ranks is None or len(lane_ranks) == 1:
+            self.pg, self.manager = lane(group_rank if lane_ranks is None else lane_ranks[0],
+                                         group_world_size if lane_world is None else lane_world)
+            self.lane_pgs = [self.pg]
+        else:  # a rank of a smaller site holds several lanes: a Manager each, seen as one
+            pgs, managers = zip(*(lane(rank, lane_world) for rank in lane_ranks))
+            self.pg, self.manager, self.lane_pgs = LaneGroups(pgs), LaneManagers(managers, device), list(pgs)
         self.present: List[int] = []  # sites of the current round
         self.order: List[int] = []  # the same, in the order of the quorum group's ranks (a gather's rows)
         self.rounds_attempted = self.rounds_committed = 0
@@ -182,10 +196,14 @@ class TorchftMembership(SiteMembership):
                                             lambda: {**self._counts(), "finished": self.finished})
 
     # ---- state a healing site receives -------------------------------------------------------------
-    def register_state(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]
-                       ) -> None:
-        """`state_dict` must return a snapshot (copies): torchft serves it while training goes on."""
-        self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+    def register_state(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None],
+                       merge: Optional[Callable[[List[object]], object]] = None) -> None:
+        """`state_dict` must return a snapshot (copies): torchft serves it while training goes on.
+        `merge`: with several lanes, what is loaded from the lanes' payloads (lanes.py)."""
+        if isinstance(self.manager, LaneManagers):
+            self.manager.register_state_dict_fn(key, load_state_dict, state_dict, merge)
+        else:
+            self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
 
     def _counts(self) -> Dict:
         return {"rounds_attempted": self.rounds_attempted, "rounds_committed": self.rounds_committed}
@@ -219,22 +237,22 @@ class TorchftMembership(SiteMembership):
         (this rank's anchor and outer momentum) as of the last committed round, once per
         committed-round count: every site must write the same digest for the same round."""
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._digests = (path, tensors)
+        self._digests = (self._digests or []) + [(path, tensors)]  # (one per lane with sites of different sizes)
 
     def _record_digest(self, final: bool = False) -> None:
-        if self._digests is None or (self.committed_rounds == self._digested and not final):
+        if not self._digests or (self.committed_rounds == self._digested and not final):
             return
-        path, tensors = self._digests
-        h = hashlib.sha256()
-        for t in tensors():
-            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         self._digested = self.committed_rounds
-        record = {"round": self.committed_rounds, "attempted": self.rounds_attempted, "digest": h.hexdigest(),
-                  "site": self.site, "t": time.time()}
-        if final:
-            record["final"] = True
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        for path, tensors in self._digests:
+            h = hashlib.sha256()
+            for t in tensors():
+                h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+            record = {"round": self.committed_rounds, "attempted": self.rounds_attempted, "digest": h.hexdigest(),
+                      "site": self.site, "t": time.time()}
+            if final:
+                record["final"] = True
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     # ---- SiteMembership -----------------------------------------------------------------------------
     def round_started(self) -> Optional[Heal]:
@@ -308,7 +326,7 @@ class TorchftMembership(SiteMembership):
         if present is None:  # a site died right after the quorum: this round will not commit
             present = list(self.order or before)
         self.order, self.present = present, sorted(present)
-        self.comm.set_sites(self.pg, self.manager.num_participants())
+        self.comm.set_sites(getattr(self.pg, "primary", self.pg), self.manager.num_participants(), self.present)
         heal = self._heal()
         self._emit("quorum", id=getattr(self.manager, "_quorum_id", None), sites=self.present,
                    committed=self.committed_rounds, healed=heal is not None,
@@ -456,7 +474,9 @@ class TorchftMembership(SiteMembership):
             return
         from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
-        work = tensor / n if mean else tensor.clone()  # a failed collective may leave part of a sum behind
+        weight = getattr(self.comm, "site_weight", None)  # sites of different sizes: weighted by tokens
+        # (a copy: a failed collective may leave part of a sum behind)
+        work = (tensor / n if weight is None else tensor * weight) if mean else tensor.clone()
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         try:
