@@ -57,6 +57,8 @@ EXEMPT = {
         "the site's log, appended between process restarts",
     "tools/benchmarks/elastic/chaos.py:PretrainSite.start":
         "a site process's stdout log, appended by the child",
+    "tools/benchmarks/elastic/chaos.py:network":
+        "the lighthouse process's stdout log in the emulated WAN, appended by the child",
     "tools/benchmarks/elastic/ft_site.py:run_site":
         "a toy site's JSON-lines log, appended while it runs",
     "tools/benchmarks/elastic/ft_site.py:launch":
