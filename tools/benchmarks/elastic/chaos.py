@@ -705,7 +705,7 @@ def main(argv=None) -> int:
                    help="pretrain: pretrain_gpt.py sites; toy: tools/benchmarks/elastic/ft_site.py sites")
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--min-sites", type=int, default=2)
-    p.add_argument("--fault-every", type=float, default=10.0, help="seconds between SIGKILLs")
+    p.add_argument("--fault-every", type=float, default=10.0, help="seconds between faults")
     p.add_argument("--max-down", type=int, default=0,
                    help="most sites down at once (default: --sites minus --min-sites, so the floor is never hit)")
     p.add_argument("--timeout", type=float, default=5.0, help="--lsgd-ft-timeout of the sites")
