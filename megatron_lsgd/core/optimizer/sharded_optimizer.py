@@ -150,7 +150,7 @@ class ShardedOptimizer:
         else:
             self.optimizer = torch.optim.AdamW(
                 groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                **_adamw_kernel(groups))
+                **_adamw_kernel(groups, config.adam_kernel))
 
     def _counts_in_norm(self, p) -> bool:
         # Replicated across TP ranks: count once. Tied embedding copy on the last stage:
@@ -543,11 +543,13 @@ class ShardedOptimizer:
                 all_gather_flat(bucket.param_data, shard.clone(), group=self.pgs.dp_intra)
 
 
-def _adamw_kernel(groups: List[dict]) -> Dict[str, bool]:
-    """AdamW's implementation for these parameters: the fused kernel (one pass over the state
-    instead of several: 12 ms instead of 33 of a 1.1B model's step on an H100,
-    docs/performance.md) where every parameter is an fp32 CUDA tensor; foreach elsewhere, so
-    CPU runs keep their numerics (tests/regression)."""
+def _adamw_kernel(groups: List[dict], choice: str = "auto") -> Dict[str, bool]:
+    """AdamW's implementation for these parameters (--adam-kernel): by default the fused kernel
+    (one pass over the state instead of several: 12 ms instead of 33 of a 1.1B model's step on
+    an H100, docs/performance.md) where every parameter is an fp32 CUDA tensor, foreach
+    elsewhere, so CPU runs keep their numerics (tests/regression); `choice` forces one."""
+    if choice != "auto":
+        return {choice: True}
     params = [p for g in groups for p in g["params"]]
     fused = bool(params) and all(p.is_cuda and p.dtype == torch.float32 for p in params)
     return {"fused": True} if fused else {"foreach": True}

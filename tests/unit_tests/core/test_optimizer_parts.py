@@ -153,3 +153,29 @@ def test_adamw_runs_foreach_on_the_cpu_and_a_loaded_state_keeps_this_runs_kernel
     group = here.param_groups[0]
     assert group["foreach"] is True and not group["fused"]
     assert torch.equal(here.state[params[0]]["exp_avg"], saved_by.state[saved_by.param_groups[0]["params"][0]]["exp_avg"])
+
+
+def test_adam_kernel_forces_fused_on_the_cpu_within_a_few_ulps_of_foreach():
+    """--adam-kernel fused (the planner's pilots) runs the fused kernel on the CPU; its values
+    stay within float rounding of foreach's, which the default keeps for CPU runs."""
+    import torch
+
+    from megatron_lsgd.core.optimizer.sharded_optimizer import _adamw_kernel
+
+    torch.manual_seed(0)
+    values = [torch.randn(65, 33), torch.randn(33)]
+    grads = [torch.randn_like(v) for v in values]
+    assert _adamw_kernel([{"params": values}], "fused") == {"fused": True}
+    assert _adamw_kernel([{"params": values}], "foreach") == {"foreach": True}
+    out = {}
+    for choice in ("auto", "fused"):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **_adamw_kernel([{"params": params}], choice))
+        for _ in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        out[choice] = (opt.param_groups[0]["fused"], params)
+    assert out["fused"][0] and not out["auto"][0]
+    for a, b in zip(out["fused"][1], out["auto"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

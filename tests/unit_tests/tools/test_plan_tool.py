@@ -203,10 +203,11 @@ def test_a_grid_points_pace_follows_its_setting():
 
 
 @pytest.mark.slow
-def test_the_pilots_short_sequence_keeps_the_boards_pace(monkeypatch):
-    """The clock charges a micro-batch at the scenario's cost whatever its length, and with rotary
-    positions the parameters do not depend on it: the pilots' sequence (PILOT_SEQ) gives the paces
-    of the board's (SEQ) bit for bit, while training less. acco's adaptive accumulation and the
+def test_the_pilots_speed_flags_keep_the_boards_pace(monkeypatch):
+    """The clock charges a micro-batch at the scenario's cost whatever its length and whatever
+    the optimizer's kernel computes, and with rotary positions the parameters do not depend on
+    the length: the pilots' short sequence and fused AdamW (PILOT_SPEED) give the paces of the
+    board's (SEQ, foreach) bit for bit, while training less. acco's adaptive accumulation and the
     streaming family's overlapped fragments are the most timing-driven."""
     from tools.benchmarks.board.leaderboard_setup import SEQ
     from tools.planning import pilots
@@ -215,9 +216,9 @@ def test_the_pilots_short_sequence_keeps_the_boards_pace(monkeypatch):
     scenario = load_scenario(path)
     runs = [pilots.Pilot("streaming-diloco", pilots.interval_flags("streaming-diloco", scenario, 16), 16),
             pilots.Pilot("acco")]
-    assert pilots.PILOT_SEQ < SEQ
+    assert pilots.PILOT_SEQ < SEQ and "fused" in pilots.PILOT_SPEED
     short = pilots.run_pilots([], path, scenario, 10, progress=None, pilots=runs)
-    monkeypatch.setattr(pilots, "PILOT_SEQ", SEQ)
+    monkeypatch.setattr(pilots, "PILOT_SPEED", ())  # the board's cell: its sequence, the default kernel
     board = pilots.run_pilots([], path, scenario, 10, progress=None, pilots=runs)
     for label in short:
         for key in ("seconds_per_step", "exposed_seconds_per_step", "cross_site_bytes_per_step"):
