@@ -13,7 +13,7 @@ communication and the cross-site bytes per step. Memory per GPU comes from the l
 where it was measured (tools/planning/evidence.py). The ranking is by predicted time to
 sync's loss: time per step x steps x the measured token multiplier; for an algorithm without a
 measured multiplier (it did not reach sync's loss where it was measured) that is only a lower
-bound (x 1), shown with ">=". The job is given by flags or by a TOML file in the
+bound (x 1, or x the most tokens it was trained on without reaching it), shown with ">=". The job is given by flags or by a TOML file in the
 leaderboard's scenario format with [model] and [job] tables (tools/planning/job.py); flags
 given beside --job override it. docs/planning.md has worked examples.
 
@@ -193,7 +193,7 @@ def quality(job: Job, algorithm: str, evidence: List[Evidence], compression: str
         return {"multiplier": None, "source": "no measured evidence for this algorithm", "far": []}
     fig = e.figures[algorithm]
     return {"multiplier": fig.multiplier, "final_gap": fig.final_gap, "point": fig.point, "seeds": fig.seeds,
-            "source": e.label(), "far": far_beyond(e, job.params, tpp)}
+            "at_least": fig.at_least, "how": fig.how, "source": e.label(), "far": far_beyond(e, job.params, tpp)}
 
 
 def warnings_for(job: Job, pace: Pace, memory_total: float, sync_pace: Optional[Pace]) -> List[str]:
@@ -265,8 +265,9 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         mem = memory_for(job, algorithm, compression, microbatches)
         q = quality(job, algorithm, evidence, compression)
         train_seconds = pace.seconds_per_step * job.steps
-        # without a measured multiplier only a lower bound: the tokens' time (x 1)
-        to_loss = train_seconds * (q["multiplier"] if q["multiplier"] is not None else 1.0)
+        # without a measured multiplier only a lower bound: the tokens' time (x 1), or x the largest
+        # budget that was measured not to reach sync's loss
+        to_loss = train_seconds * (q["multiplier"] if q["multiplier"] is not None else q.get("at_least") or 1.0)
         rows.append({"algorithm": algorithm, "label": label, "flags": settings_flags(pace), "pilot_steps": pace.steps,
                      "seconds_per_step": pace.seconds_per_step,
                      "exposed_comm_seconds_per_step": pace.exposed_seconds_per_step,
@@ -329,6 +330,7 @@ def table(result: Dict) -> str:
     for i, r in enumerate(result["rows"], 1):
         q = r["quality"]
         mult = f"{q['multiplier']:.2f}" if q["multiplier"] is not None else \
+            f"> {q['at_least']:g} ({100 * q['final_gap']:+.1f}% loss at 1x)" if q.get("at_least") else \
             f"not reached ({100 * q.get('final_gap', 0):+.1f}% loss)" if "final_gap" in q else "unmeasured"
         to = (">= " if r["seconds_to_sync_loss_is_lower_bound"] else "") + _duration(r["seconds_to_sync_loss"])
         lines.append(f"| {i} | {r['label']} | {r['seconds_per_step']:.4g} | {r['exposed_comm_seconds_per_step']:.4g} "
@@ -340,7 +342,8 @@ def table(result: Dict) -> str:
         q = r["quality"]
         far = f"; FAR BEYOND WHAT WAS MEASURED: {', '.join(q['far'])}, the multiplier is not extrapolated" \
             if q["far"] else ""
-        point = f" (point {q['point']}, seeds {','.join(q['seeds'])})" if "point" in q else ""
+        point = f" (point {q['point']}, seeds {','.join(q['seeds'])}; multiplier from {q['how']})" \
+            if "point" in q else ""
         lines.append(f"- {r['label']}: {q['source']}{point}{far}")
     smallest = " on the site that needs the most" if len(set(gpus)) > 1 or "," in tp + pp else ""
     lines += ["", f"memory per GPU{smallest} (GiB: weights / gradients / optimizer / outer state / compressor / "

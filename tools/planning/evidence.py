@@ -10,7 +10,10 @@ the seeds of every figure, which label it wherever it is shown.
 The figure the planner needs is a multiplier: the tokens an algorithm needs to reach sync's
 final training loss, over sync's tokens (from the logged training curves, the mean over the
 seeds both ran). An algorithm that does not reach sync's loss within the measured run has no
-multiplier (`None`), only its final gap: nothing is extrapolated.
+multiplier (`None`), only its final gap: nothing is extrapolated. Where the page also trained
+the point on more tokens (its budget points, tools/benchmarks/quality/token_budgets.py), the
+multiplier is the one those runs measure (sync's final validation loss reached between two
+budgets), or, where none reached it, at least the largest budget (`at_least`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import json
 import math
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 VOCAB = 8192  # the quality runs' SentencePiece tokenizer (data/python-docs/python_docs_sp8k.model)
@@ -34,6 +37,8 @@ class Figure:
     multiplier: Optional[float]  # tokens to sync's final training loss / sync's tokens (None: not reached)
     final_gap: float  # final training loss / sync's - 1 (mean over seeds)
     seeds: List[str]
+    at_least: Optional[float] = None  # not reached even on this many times the tokens (budget points)
+    how: str = "training curves"  # where the multiplier comes from
 
 
 @dataclass
@@ -103,8 +108,11 @@ def read_evidence(path: str) -> Evidence:
     params = float(data["model_parameters"]["total"]) if "model_parameters" in data else trained_params(argv)
     tokens = float(_flag(argv, "--train-iters")) * float(_flag(argv, "--global-batch-size")) * \
         float(_flag(argv, "--seq-length"))
+    budgets = data.get("budgets") or {}  # label -> {"base", "scale"}: the same point on more tokens
     figures: Dict[str, Figure] = {}
     for point, by_seed in results.items():
+        if point in budgets:
+            continue  # read with its base point (_with_budgets)
         seeds = sorted(s for s in by_seed if s in sync and by_seed[s].get("train") and sync[s].get("train"))
         if not seeds:
             continue
@@ -115,6 +123,8 @@ def read_evidence(path: str) -> Evidence:
             gaps.append(_tail(by_seed[seed]["train"]) / target - 1)
         multiplier = statistics.fmean(fractions) if all(f is not None for f in fractions) else None
         figure = Figure(point, algorithm_of(point), multiplier, statistics.fmean(gaps), seeds)
+        if multiplier is None:
+            figure = _with_budgets(figure, results, sync, budgets)
         best = figures.get(figure.algorithm)
         if best is None or _better(figure, best):
             figures[figure.algorithm] = figure
@@ -122,11 +132,35 @@ def read_evidence(path: str) -> Evidence:
     return Evidence(path, params, tokens, all_seeds, figures)
 
 
+def _with_budgets(figure: Figure, results: Dict, sync: Dict, budgets: Dict[str, Dict]) -> Figure:
+    """`figure` (a point that did not reach sync's loss) with the multiplier its budget points
+    measure: per seed that ran the point at every budget, the tokens at which its final
+    validation loss reaches sync's (token_budgets.tokens_to_reach), their mean; where a seed
+    reached it at no budget, the largest budget as a lower bound. Unchanged without budgets."""
+    from tools.benchmarks.quality.token_budgets import tokens_to_reach
+
+    scales = {1.0: results[figure.point], **{b["scale"]: results.get(label, {})
+                                             for label, b in budgets.items() if b["base"] == figure.point}}
+    if len(scales) == 1:
+        return figure
+    seeds = sorted(s for s in sync if sync[s].get("valid") and all(s in runs for runs in scales.values()))
+    if not seeds:
+        return figure
+    reached = [tokens_to_reach({k: runs[s]["valid"][-1] / sync[s]["valid"][-1] - 1 for k, runs in scales.items()})
+               for s in seeds]
+    how = f"runs at {', '.join(f'{k:g}x' for k in sorted(scales))} the tokens (validation loss)"
+    if any(r.multiplier is None for r in reached):
+        return replace(figure, at_least=max(r.at_least for r in reached if r.multiplier is None), how=how)
+    return replace(figure, multiplier=statistics.fmean(r.multiplier for r in reached), seeds=seeds, how=how)
+
+
 def _better(a: Figure, b: Figure) -> bool:
     if (a.multiplier is None) != (b.multiplier is None):
         return a.multiplier is not None
     if a.multiplier is not None:
         return a.multiplier < b.multiplier
+    if (a.at_least is None) != (b.at_least is None):  # a lower bound measured says more than none
+        return a.at_least is not None
     return a.final_gap < b.final_gap
 
 
@@ -148,9 +182,21 @@ def distance(e: Evidence, params: float, tokens_per_param: float) -> Tuple[int, 
 
 
 def nearest(evidence: List[Evidence], algorithm: str, params: float, tokens_per_param: float) -> Optional[Evidence]:
-    """The file nearest the user's regime that measured the algorithm."""
+    """The file nearest the user's regime that measured the algorithm: first by tokens per
+    parameter (distance's regime), then one that measured the multiplier (or a lower bound on
+    more tokens: budget points) before one that only saw it end above sync's loss, then by size.
+    The ladder's rungs S and M share their regime and gaps (+3.2% and +3.4% for diloco), so
+    rung S's measured multiplier says more of a user's time to sync's loss than rung M's "not
+    reached"; the provenance line names the rung it came from."""
     have = [e for e in evidence if algorithm in e.figures or algorithm == "sync"]
-    return min(have, key=lambda e: distance(e, params, tokens_per_param)) if have else None
+
+    def key(e: Evidence):
+        regime, size = distance(e, params, tokens_per_param)
+        fig = e.figures.get(algorithm)
+        unmeasured = fig is not None and fig.multiplier is None and fig.at_least is None
+        return regime, unmeasured, size
+
+    return min(have, key=key) if have else None
 
 
 def far_beyond(e: Evidence, params: float, tokens_per_param: float) -> List[str]:

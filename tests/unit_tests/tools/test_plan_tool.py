@@ -505,3 +505,62 @@ def test_lower_bounds_say_what_loss_each_gave_up():
     assert "the loss each ended at, against sync's, where measured: diloco +3.0%, dilocox +13.6%" in text
     one = plan.table({"job": job, "timing": "t", "rows": [row("diloco", 20.0, 0.03)]})
     assert "the loss each ended at" not in one
+
+
+def test_budget_points_give_the_multiplier_or_a_measured_lower_bound(tmp_path):
+    """A point that does not reach sync's loss takes the multiplier its runs on more tokens
+    measure (sync's final validation loss reached between two budgets), or, where none reached
+    it, the largest budget as a lower bound, which the table shows and the time multiplies."""
+    import plan
+
+    sync = [10.0 - 0.1 * i for i in range(20)]
+    never = [10.0 - 0.05 * i for i in range(20)]
+    runs = lambda valid, train=never: {s: {"train": train, "valid": [valid]} for s in ("1", "2")}  # noqa: E731
+    # a longer run's curve reaches sync's loss within it: as a point of its own it would claim that
+    # fraction of *its* tokens as the multiplier
+    page = {"argv": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length",
+                     "128", "--global-batch-size", "16", "--train-iters", "1000", "--swiglu"],
+            "sync": {"sync": {s: {"train": sync, "valid": [4.0]} for s in ("1", "2")}},
+            "results": {"diloco-H30-avg": runs(4.1), "diloco-H30-avg-x1.25": runs(4.02),
+                        "diloco-H30-avg-x1.5": runs(3.98, sync), "streaming-diloco-H30": runs(4.2),
+                        "streaming-diloco-H30-x1.25": runs(4.1), "streaming-diloco-H30-x1.5": runs(4.05)},
+            "budgets": {f"{b}-x{k:g}": {"base": b, "scale": k} for b in ("diloco-H30-avg", "streaming-diloco-H30")
+                        for k in (1.25, 1.5)}}
+    path = tmp_path / "quality-ladder-S.json"
+    path.write_text(json.dumps(page))
+    e = read_evidence(str(path))
+    assert set(e.figures) == {"diloco", "streaming-diloco"}  # the budget points are not points of their own
+    diloco, streaming = e.figures["diloco"], e.figures["streaming-diloco"]
+    assert diloco.point == "diloco-H30-avg" and diloco.multiplier == pytest.approx((1.25 * 1.5) ** 0.5)
+    assert "1.25x, 1.5x" in diloco.how
+    assert streaming.multiplier is None and streaming.at_least == 1.5
+
+    q = {"multiplier": None, "at_least": 1.5, "final_gap": 0.05, "source": "q.json", "far": [], "point": "p",
+         "seeds": ["1"], "how": "runs at 1x, 1.25x, 1.5x the tokens (validation loss)"}
+    row = {"algorithm": "streaming-diloco", "label": "streaming-diloco", "seconds_per_step": 1.0,
+           "exposed_comm_seconds_per_step": 0.0, "cross_site_bytes_per_step": 0.0, "cross_site_bytes_per_run": 0.0,
+           "memory_total_gib": 1.0, "memory_gib": {"weights": 1.0}, "train_seconds": 10.0,
+           "seconds_to_sync_loss": 15.0, "seconds_to_sync_loss_is_lower_bound": True, "warnings": [],
+           "pretrain_gpt_flags": "", "quality": q}
+    job = {"sites": 2, "gpus_per_site": [8, 8], "rate_mbit": [1000.0] * 2, "latency_ms": [30.0] * 2,
+           "site_factors": [1.0] * 2, "params": 1e9, "tokens_per_step": 1e5, "total_tokens": 2e10, "steps": 1,
+           "tensor_parallel": [1, 1], "pipeline_parallel": [1, 1], "recompute": "selective", "notes": []}
+    text = plan.table({"job": job, "timing": "t", "rows": [row]})
+    assert "| > 1.5 (+5.0% loss at 1x) | >= " in text and "multiplier from runs at 1x, 1.25x, 1.5x" in text
+
+
+def test_within_a_regime_a_measured_multiplier_beats_a_larger_models_not_reached():
+    from tools.planning.evidence import Evidence, Figure, nearest
+
+    def page(path, params, multiplier=None, at_least=None):
+        fig = Figure(point="diloco-H30-avg", algorithm="diloco", multiplier=multiplier, final_gap=0.03, seeds=["1"],
+                     at_least=at_least)
+        return Evidence(path, params=params, tokens=20 * params, seeds=["1"], figures={"diloco": fig})
+
+    s, m = page("S.json", 0.26e6, multiplier=1.37), page("M.json", 0.85e6)
+    assert nearest([s, m], "diloco", 1e9, 20).path == "S.json"
+    assert nearest([page("S.json", 0.26e6, at_least=1.5), m], "diloco", 1e9, 20).path == "S.json"
+    assert nearest([page("S.json", 0.26e6), m], "diloco", 1e9, 20).path == "M.json"  # neither: the larger
+    toy = Evidence("toy.json", params=1.8e6, tokens=3 * 1.8e6, seeds=["1"], figures={"diloco": Figure(
+        point="diloco", algorithm="diloco", multiplier=0.9, final_gap=-0.01, seeds=["1"])})
+    assert nearest([toy, m], "diloco", 1e9, 20).path == "M.json"  # the regime first

@@ -344,9 +344,10 @@ def test_every_ladder_and_claim_point_is_a_valid_run(rung):
     base = ["--num-layers", str(r.num_layers), "--hidden-size", str(r.hidden_size), "--num-attention-heads", "4",
             "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters",
             str(qf.ladder_train_iters(r)), "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--num-sites", "2"]
-    for point in qf.ladder_points() + qf.ladder_claim_points():
+    for point in qf.ladder_points() + qf.ladder_claim_points() + qf.budget_points(qf.ladder_points(),
+                                                                                  qf.ladder_train_iters(r)):
         build_config(parse_args(base + point.flags), 2)
-    assert not {p.family for p in qf.ladder_points()} & {"claims"}
+    assert not {p.family for p in qf.ladder_points()} & {"claims", "budget"}
 
 
 def test_the_larger_rungs_run_the_outer_lr_carried_from_rung_s():
@@ -414,3 +415,63 @@ def test_lsgd_quality_refuses_a_run_that_would_not_start_before_training_anythin
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and len(err.splitlines()) == 1
     assert "'streaming-diloco' would not start" in err and "--lsgd-fragments" in err
+
+
+def test_tokens_to_reach_interpolates_between_the_budgets_that_bracket_syncs_loss():
+    from tools.benchmarks.quality.token_budgets import tokens_to_reach
+
+    # 1.25x ends 0.5% above sync, 1.5x 0.5% below: halfway in log tokens, sqrt(1.25 x 1.5)
+    assert tokens_to_reach({1.0: 0.025, 1.25: 0.005, 1.5: -0.005}).multiplier == pytest.approx((1.25 * 1.5) ** 0.5)
+    assert tokens_to_reach({1.0: 0.02, 1.25: 0.0, 1.5: -0.01}).multiplier == pytest.approx(1.25)
+    assert tokens_to_reach({1.0: -0.01, 1.25: -0.02}).multiplier == 1.0
+    # a quarter of the way from 1 to 1.25 in log tokens
+    assert tokens_to_reach({1.0: 0.03, 1.25: -0.09}).multiplier == pytest.approx(1.25 ** 0.25)
+    never = tokens_to_reach({1.0: 0.03, 1.25: 0.02, 1.5: 0.01})
+    assert never.multiplier is None and never.at_least == 1.5
+    with pytest.raises(ValueError, match="scale 1"):
+        tokens_to_reach({1.25: 0.01})
+
+
+def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeypatch):
+    """`--points budget`: diloco and streaming-diloco at 1.25x and 1.5x the rung's tokens, the
+    whole schedule stretched; the page's JSON names each one's base and scale; the rung's default
+    command afterwards keeps them from the cache without training them for another seed; the
+    summary gives the tokens each needs to reach sync's loss."""
+    seen = []
+    iters = qf.ladder_train_iters(qf.LADDER["S"])
+
+    def fake_run(argv, world, work_dir=None):
+        seen.append(argv)
+        n = int(argv[len(argv) - 1 - argv[::-1].index("--train-iters") + 1])  # the last one given
+        if "sync" in argv:
+            loss = 4.0
+        else:  # trained longer, closer: 2.5% above sync at 1x, 0.5% above at 1.25x, 0.5% below at 1.5x
+            loss = {iters: 4.1, round(iters * 1.25): 4.02, round(iters * 1.5): 3.98}[n]
+        return {"valid": [loss], "train": [loss], "comm": {"bytes_sent": 100 if "sync" in argv else 2}}
+
+    monkeypatch.setattr(qf, "run", fake_run)
+    corpus = os.path.join(qf.ROOT, "data", "python-docs", "python_docs_text_document")
+    doc = str(tmp_path / "quality-ladder-S.md")
+    common = ["--ladder", "S", "--data-path", corpus, "--valid-data-path", corpus, "--tokenizer-model", "tok.model",
+              "--doc", doc]
+    qf.main(common + ["--seeds", "1", "--points", "diloco-H30-avg,streaming-diloco-H30,budget"])
+    assert len(seen) == 1 + 2 + 2 * 2
+    longer = [a for a in seen if a.count("--train-iters") == 2]
+    assert len(longer) == 4
+    for argv in longer:
+        n = int(argv[len(argv) - 1 - argv[::-1].index("--train-iters") + 1])
+        warmup = int(argv[len(argv) - 1 - argv[::-1].index("--lr-warmup-iters") + 1])
+        assert n in (round(iters * 1.25), round(iters * 1.5)) and warmup == n // 20
+    page = json.load(open(tmp_path / "quality-ladder-S.json"))
+    assert page["budgets"]["diloco-H30-avg-x1.25"] == {"base": "diloco-H30-avg", "scale": 1.25}
+    assert sorted(page["budgets"]) == ["diloco-H30-avg-x1.25", "diloco-H30-avg-x1.5", "streaming-diloco-H30-x1.25",
+                                       "streaming-diloco-H30-x1.5"]
+
+    seen.clear()
+    qf.main(common + ["--seeds", "1,2"])  # the rung's own points: seed 2 trained, the budgets only read
+    assert seen and not [a for a in seen if a.count("--train-iters") == 2]
+    page = json.load(open(tmp_path / "quality-ladder-S.json"))
+    assert set(page["results"]["diloco-H30-avg-x1.5"]) == {"1"} and "diloco-H30-avg-x1.5" in page["budgets"]
+    text = qf.ladder_summary(str(tmp_path))
+    assert "| diloco-H30-avg-x1.5 | -0.50% [-0.50, -0.50] /1 |" in text
+    assert "| diloco-H30-avg | 1.37x [1.37, 1.37] /1 |" in text  # sqrt(1.25 x 1.5)

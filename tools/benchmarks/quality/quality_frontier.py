@@ -32,7 +32,10 @@ ladder's points, and its page docs/quality-ladder-RUNG.md, its cells in results/
         --valid-data-path data/docs-corpus/docs_corpus_valid_text_document \
         --tokenizer-model data/docs-corpus/docs_corpus_sp4k.model
 
-`--points` picks points by label or family (comma-separated; default all); `--point
+`--points` picks points by label or family (comma-separated; default all; with `--ladder`,
+the rung's own points, plus the points run on request (`--points claims`, `--points budget`:
+diloco and streaming-diloco at 1.25x and 1.5x the tokens, token_budgets.py) that the cache
+already holds, read from it and never trained by the default command); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags, with every argument they resolve to: one made under other defaults is
 trained again; by default results/runs/<page>, committed with the page it is the data of), so a
@@ -69,6 +72,8 @@ from megatron_lsgd.core.output_files import save_figure, write_json, write_text 
 from tools.benchmarks.quality.lsgd_quality import base_argv, data_argv, lockstep, passes_note, run  # noqa: E402
 from tools.benchmarks.resumable_runs import PARTIAL  # noqa: E402
 from tools.benchmarks.recipes import Point, points as recipe_points  # noqa: E402
+from tools.benchmarks.quality.token_budgets import (BUDGET_BASES, BUDGET_SCALES, budget_label,  # noqa: E402
+                                                   budget_points, budgets_of, tokens_to_reach)
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, results_path, seed_list)
 from tools.benchmarks.spawned_ranks import run_tool  # noqa: E402
@@ -201,9 +206,9 @@ def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
                   "documents.", "",
               "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |",
               "|---|" + "---|" * len(rungs)]
-    for pt in ladder_points() + ladder_claim_points():
-        if pt.family == "claims" and not any(data[r.name]["results"].get(pt.label) for r in rungs):
-            continue  # a claim not run at any rung: no row
+    for pt in ladder_points() + ladder_claim_points() + budget_points(ladder_points(), 1):
+        if pt.family in ("claims", "budget") and not any(data[r.name]["results"].get(pt.label) for r in rungs):
+            continue  # a point on request not run at any rung: no row
         cells = []
         for r in rungs:
             runs = data[r.name]["results"].get(pt.label, {})
@@ -212,7 +217,42 @@ def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
                     if seed in sync]
             cells.append(f"{_median_range(gaps)} /{len(gaps)}" if gaps else "not run")
         lines.append(f"| {pt.label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    reach = tokens_to_reach_table(rungs, data)
+    return "\n".join(lines + (["", reach] if reach else []))
+
+
+def tokens_to_reach_table(rungs: Sequence[Rung], data: Dict[str, Dict]) -> str:
+    """Per budget base and rung, the tokens it needs to reach sync's final validation loss over
+    sync's (token_budgets.tokens_to_reach per seed; median [min, max] over the seeds that ran
+    every scale), or "> S" when no scale run reached it on some seed. Empty before any budget ran."""
+    rows = []
+    for base in BUDGET_BASES:
+        cells, any_run = [], False
+        for r in rungs:
+            results, sync = data[r.name]["results"], data[r.name]["sync"].get(reference_name(SYNC), {})
+            scales = {1.0: results.get(base, {}), **{s: results.get(budget_label(base, s), {}) for s in BUDGET_SCALES}}
+            any_run |= any(scales[s] for s in BUDGET_SCALES)
+            seeds = [seed for seed in sync if all(seed in runs for runs in scales.values())]
+            reached = [tokens_to_reach({s: scales[s][seed]["valid"][-1] / sync[seed]["valid"][-1] - 1.0
+                                        for s in scales}) for seed in seeds]
+            if not reached:
+                cells.append("not run")
+            elif any(x.multiplier is None for x in reached):
+                cells.append(f"> {max(x.at_least for x in reached if x.multiplier is None):g}x on "
+                             f"{sum(x.multiplier is None for x in reached)} of {len(reached)} seeds")
+            else:
+                m = [x.multiplier for x in reached]
+                cells.append(f"{statistics.median(m):.2f}x [{min(m):.2f}, {max(m):.2f}] /{len(m)}")
+        if any_run:
+            rows.append(f"| {base} | " + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    return "\n".join([f"Tokens to reach sync's final validation loss, over sync's: each point trained again on "
+                      f"{' and '.join(f'{s:g}x' for s in BUDGET_SCALES)} the tokens with its schedule stretched, "
+                      f"interpolated between the budgets that bracket sync's loss (linearly in log tokens; "
+                      f"tools/benchmarks/quality/token_budgets.py); median [min, max] over the seeds (after the "
+                      f"slash).", "", "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |",
+                      "|---|" + "---|" * len(rungs)] + rows)
 
 
 SMOKE_DIR = os.path.join(ROOT, "runs", "quality_smoke")  # ignored: a smoke run measures nothing
@@ -345,7 +385,7 @@ def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = 
     printed and the sweep going on; or it is not cached and `cached_only`). `refresh` trains it
     again even if cached. A run stopped midway resumes from its last checkpoint, kept under
     CACHE_DIR/.partial/DIGEST (git-ignored) until it finishes (resumable_runs.py)."""
-    digest = hashlib.sha256(json.dumps([sites] + relative_flags(argv)).encode()).hexdigest()[:16]
+    digest = _digest(argv, sites)
 
     def train() -> Optional[Dict]:
         if cached_only:
@@ -357,8 +397,17 @@ def cached_run(argv: List[str], sites: int, cache_dir: str, cached_only: bool = 
             print(f"error: this run failed ({err}); it is left out of the table", flush=True)
             return None
 
-    return load_or_run(os.path.join(cache_dir, f"{digest}.json"), train, refresh=refresh and not cached_only,
+    return load_or_run(cached_path(argv, sites, cache_dir), train, refresh=refresh and not cached_only,
                        resolved=resolved_arguments(argv))
+
+
+def _digest(argv: List[str], sites: int) -> str:
+    return hashlib.sha256(json.dumps([sites] + relative_flags(argv)).encode()).hexdigest()[:16]
+
+
+def cached_path(argv: List[str], sites: int, cache_dir: str) -> str:
+    """Where the run of `argv` is (or would be) cached."""
+    return os.path.join(cache_dir, f"{_digest(argv, sites)}.json")
 
 
 def best_per_family(summaries: Sequence[Summary]) -> Dict[str, Summary]:
@@ -539,10 +588,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.global_batch_size, args.eval_iters, args.interval = 8, 2, 10
     try:
         seeds = args.seeds
-        catalogue = ladder_points() + ladder_claim_points() if args.ladder is not None else \
-            default_points(args.interval, args.num_layers)
+        catalogue = ladder_points() + ladder_claim_points() + budget_points(ladder_points(), args.train_iters) \
+            if args.ladder is not None else default_points(args.interval, args.num_layers)
         wanted = args.points
-        if wanted is None and args.ladder is not None:  # the rung's own points; the claims on request
+        if wanted is None and args.ladder is not None:  # the rung's own points; claims and budgets on request
             wanted = ",".join([pt.label for pt in rung_points(args.ladder)] + [t.partition("=")[0] for t in args.point])
         points = select(catalogue + [parse_point(t) for t in args.point], wanted)
         for pt in points:
@@ -551,8 +600,6 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  f"optimizer), which every sweep runs and the header reports")
     except ValueError as err:
         p.error(str(err))
-    references = [SYNC] + [list(r) for r in dict.fromkeys(tuple(reference_flags(pt.flags)) for pt in points)
-                           if list(r) != SYNC]
     try:
         data, label = data_argv(args.data_path, args.tokenizer_model, args.valid_data_path)
     except ValueError as err:
@@ -567,6 +614,16 @@ def main(argv: Optional[List[str]] = None) -> None:
             i = argv.index("--train-iters")
             argv = argv[:i] + ["--train-samples", str(args.train_iters * args.global_batch_size)] + argv[i + 2:]
         return argv
+
+    kept: List[str] = []  # points read from the cache only (never trained by this command)
+    if args.ladder is not None and args.points is None:
+        # a point run on request (a claim, a budget) stays on the rung's page and in its JSON once run
+        kept = [pt.label for pt in catalogue if pt not in points
+                and any(os.path.exists(cached_path(argv_for(pt.flags, seed), args.sites, args.cache_dir))
+                        for seed in seeds)]
+        points += [pt for pt in catalogue if pt.label in kept]
+    references = [SYNC] + [list(r) for r in dict.fromkeys(tuple(reference_flags(pt.flags)) for pt in points)
+                           if list(r) != SYNC]
 
     t0 = time.perf_counter()
     sync: Dict[str, Dict[int, Dict]] = {reference_name(ref): {} for ref in references}
@@ -584,7 +641,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             if seed not in sync[reference_of(pt)]:
                 continue
             print(f"> {pt.label}, seed {seed}", flush=True)
-            result = cached_run(argv_for(pt.flags, seed), args.sites, args.cache_dir, args.cached_only, args.refresh)
+            result = cached_run(argv_for(pt.flags, seed), args.sites, args.cache_dir,
+                                args.cached_only or pt.label in kept, args.refresh)
             if result is not None:
                 results[pt.label][seed] = result
     if not sync[reference_name(SYNC)]:
@@ -599,8 +657,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(raw)), exist_ok=True)
     # the ladder's model as built (tools/planning/evidence.py reads it: the tokenizer is not in argv's terms)
     model = {"model_parameters": ladder_parameters(LADDER[args.ladder])} if args.ladder is not None else {}
+    # a budget point's base and scale of the tokens (token_budgets.py: the planner's multipliers)
+    budgets = {"budgets": budgets_of(points)} if budgets_of(points) else {}
     write_json(raw, {"label": label, "argv": argv_for([], seeds[0]), **model, "sync": published(sync),
-                     "results": published(results)}, indent=1)
+                     "results": published(results), **budgets}, indent=1)
     passes = passes_note(args.data_path, args.train_iters * args.global_batch_size, args.seq_length,
                          whole=args.valid_data_path is not None)
     if args.ladder is not None:

@@ -1,0 +1,85 @@
+"""How many tokens an algorithm needs to reach sync's loss, measured by training it longer.
+
+At a fixed budget every local-SGD point of the ladder ends above sync (docs/quality.md), so
+its training curve never reaches sync's final loss and the planner could only give a lower
+bound for its time (tools/planning/evidence.py). A *budget point* trains the same point on
+`scale` times the tokens, with the whole schedule stretched (iterations, warm-up, cosine
+decay: the recipe a user would run for that many tokens), from the same seed, on data still
+read once. Where the final validation losses at scales 1 (the point itself), 1.25 and 1.5
+bracket sync's, the multiplier is interpolated between the two that bracket it, linearly in
+log tokens; where none reaches it, the largest scale is a lower bound. Nothing beyond the
+largest scale run is extrapolated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from tools.benchmarks.recipes import Point
+
+BUDGET_SCALES = (1.25, 1.5)
+# The points trained longer: the defaults a user is pointed to (diloco with plain averaging at
+# H = 30, streaming-diloco at H = 30); dilocox, +7-15% at one budget, would need more than 1.5x.
+BUDGET_BASES = ("diloco-H30-avg", "streaming-diloco-H30")
+FAMILY = "budget"
+
+
+def budget_label(base: str, scale: float) -> str:
+    return f"{base}-x{scale:g}"
+
+
+def budget_points(points: Sequence[Point], train_iters: int, scales: Sequence[float] = BUDGET_SCALES,
+                  bases: Sequence[str] = BUDGET_BASES) -> List[Point]:
+    """Each base point at each scale of the tokens: --train-iters and its warm-up (a twentieth, as
+    lsgd_quality.base_argv sets it) scaled; the cosine decay follows --train-iters. The flags come
+    after the run's own, so they are the ones argparse keeps."""
+    out = []
+    for pt in points:
+        if pt.label not in bases:
+            continue
+        for scale in scales:
+            iters = round(train_iters * scale)
+            out.append(Point(budget_label(pt.label, scale), FAMILY,
+                             pt.flags + ["--train-iters", str(iters), "--lr-warmup-iters", str(iters // 20)]))
+    return out
+
+
+def budgets_of(points: Sequence[Point], bases: Sequence[str] = BUDGET_BASES) -> Dict[str, Dict]:
+    """label -> {"base": the point trained longer, "scale": its tokens / the point's}, for a
+    page's JSON (what the planner reads to tell a budget point from an ordinary one)."""
+    out = {}
+    for pt in points:
+        for base in bases:
+            prefix = base + "-x"
+            if pt.family == FAMILY and pt.label.startswith(prefix):
+                out[pt.label] = {"base": base, "scale": float(pt.label[len(prefix):])}
+    return out
+
+
+@dataclass
+class Reach:
+    """Tokens to sync's final validation loss, over sync's tokens, for one seed: `multiplier`
+    where a measured scale reaches it (interpolated), else `at_least` (the largest scale run)."""
+    multiplier: Optional[float]
+    at_least: Optional[float] = None
+
+
+def tokens_to_reach(gaps: Dict[float, float]) -> Reach:
+    """`gaps`: scale of the tokens (1.0: the point itself) -> its final validation loss over
+    sync's, minus 1. The first scale whose gap is <= 0, interpolated with the one below it
+    (linearly in log scale); 1.0 itself when the point already reaches it."""
+    if 1.0 not in gaps:
+        raise ValueError("the point's own run (scale 1) is needed")
+    ordered: List[Tuple[float, float]] = sorted(gaps.items())
+    prev: Optional[Tuple[float, float]] = None
+    for scale, gap in ordered:
+        if gap <= 0:
+            if prev is None:
+                return Reach(scale)
+            (s0, g0), (s1, g1) = prev, (scale, gap)
+            t = g0 / (g0 - g1)
+            return Reach(math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0))))
+        prev = (scale, gap)
+    return Reach(None, at_least=ordered[-1][0])
