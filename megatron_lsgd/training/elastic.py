@@ -107,7 +107,7 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         pos.load_state_dict(state["position"])
         if state.get("site_dp", pgs.dp_intra_size) != pgs.dp_intra_size:  # a peer of another size: its stream's pace
             pos.site_consumed_samples = pos.site_consumed_samples // state["site_dp"] * pgs.dp_intra_size
-        pos.agreed_iteration = pos.iteration  # elastic sites run lockstep algorithms: the job's count is the step count
+        trainer.loop.after_heal()  # the job's agreed count; a non-lockstep site's own iteration and stream position
         t = trainer.config.training
         trainer.train_iterator = build_data_iterator(trainer.train_ds, pos.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)
