@@ -82,17 +82,28 @@ def test_a_edit_without_faults_equals_the_plain_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_a_edit_site_is_rolled_back_healed_and_the_budget_counted_once(tmp_path):
+@pytest.mark.parametrize("die,died_after,last,rolled_back_syncs", [
+    # in its second sync's forward pass, its first units synced: its last sync is the second
+    # meeting's (after its step 8), which site 0 rolls back
+    ({"LSGD_TEST_DIE_AT_UNIT": "2:2"}, 8, 8, 1),
+    # entering its second meeting's report gather (its all-gathers: its process's first
+    # quorum's report, then per meeting a report and the norms): site 0's gather fails, that
+    # meeting is lost before it decided a sync, so site 1's last sync is the first (step 4);
+    # it dies before it logs its step 8
+    ({"LSGD_TEST_DIE_AT_GATHER": "4"}, 7, 4, 0),
+], ids=["in-the-sync", "in-the-report-gather"])
+def test_a_killed_a_edit_site_is_rolled_back_healed_and_the_budget_counted_once(tmp_path, die, died_after, last,
+                                                                                rolled_back_syncs):
     # 2 sites of 1 rank, --lsgd-min-sites 1 for site 0 (2 for site 1: it never meets alone),
     # site 1 the fast one (1 virtual s a step, site 0 2 s; a sync every 4 s), 30 global batches
-    # of 8 = 60 site steps of 4 samples. Site 1 dies (SIGKILL) in its second
-    # sync's forward pass, its first units synced: site 0 loses that round (one `lost site 1`
-    # line; every unit back at its anchor) and goes on alone. Site 1 comes back fresh (held
-    # until site 0 has met alone), takes one step of its own, is healed at site 0's next
-    # meeting and takes part in it; it goes on from its own position at its last sync
-    # (iteration 8), not site 0's. Both end with the job's final model, the digests of every
-    # committed round agree, and every sample was counted once: the job's count at the end
-    # is both sites' own stream positions together.
+    # of 8 = 60 site steps of 4 samples. Site 1 dies (SIGKILL) in its second meeting (`die`):
+    # site 0 loses that round (one `lost site 1` line; every unit back at its anchor, the
+    # interval restarted) and goes on alone. Site 1 comes back fresh (held until site 0 has met
+    # alone), takes one step of its own, is healed at its process's first quorum, which is
+    # site 0's next meeting, and takes part in it; it goes on from its own position at the
+    # last sync it took part in (`last`), not site 0's. Both end with the job's final model,
+    # the digests of every committed round agree, and every sample was counted once: the
+    # job's count at the end is both sites' own stream positions together.
     save, digests = str(tmp_path / "ckpt"), str(tmp_path / "digests")
     speeds = {VIRTUAL_CLOCK_ENV: "2,1"}
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
@@ -105,7 +116,7 @@ def test_a_killed_a_edit_site_is_rolled_back_healed_and_the_budget_counted_once(
     try:
         victim = [a if a != save else str(tmp_path / "victim") for a in args]
         others.append(start(victim + ["--lsgd-site", "1", "--lsgd-min-sites", "2"], 1, logs[1], script=HOOKS,
-                            env={**speeds, "LSGD_TEST_DIE_AT_UNIT": "2:2", "LSGD_TEST_READY_FILE": ready}))
+                            env={**speeds, **die, "LSGD_TEST_READY_FILE": ready}))
         procs[0] = start(args + ["--lsgd-site", "0"], 1, logs[0], script=HOOKS,
                          env={**speeds, "LSGD_TEST_HOLD_UNTIL": ready})
         others.append(start(args + ["--lsgd-site", "1", "--lsgd-min-sites", "2"], 1, logs[1] + ".restart",
@@ -124,16 +135,16 @@ def test_a_killed_a_edit_site_is_rolled_back_healed_and_the_budget_counted_once(
         lighthouse.shutdown()
     text0, killed, restarted = read(logs[0]), read(logs[1]), read(logs[1] + ".restart")
     assert text0.count(marker) == 1 and back in text0[text0.index(marker):], text0[-3000:]
-    # the lost sync: its round put site 0's syncs counter back (with the anchors and momenta), once
+    # a lost sync's round puts site 0's syncs counter back (with the anchors and momenta)
     syncs = [line[5] for line in _lines(text0)[0]]
-    assert sum(b < a for a, b in zip(syncs, syncs[1:])) == 1, syncs
-    # the restarted site: healed at a meeting, then on from its own iteration 8 (its last sync's)
+    assert sum(b < a for a, b in zip(syncs, syncs[1:])) == rolled_back_syncs, syncs
+    # the restarted site: healed at a meeting, then on from its own iteration at its last sync
     assert "rejoined at committed round" in restarted, restarted[-3000:]
     # ... at its process's first quorum, after one step of its own (whose line is not printed:
     # the heal replaced it), not after an interval's (4 steps)
     assert not _lines(restarted[:restarted.index("rejoined at committed round")]), restarted[-3000:]
     healed = _lines(restarted[restarted.index("rejoined at committed round"):])[1]
-    assert _lines(killed)[1][-1][0] == 8 and healed[0][0] == 9, healed[:3]
+    assert _lines(killed)[1][-1][0] == died_after and healed[0][0] == last + 1, (_lines(killed)[1][-1], healed[:3])
     agreed = check_digests(read_digests(digests))
     assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 4, agreed
     # the budget met, each sample counted once: both sites' stop lines agree, and the count is
