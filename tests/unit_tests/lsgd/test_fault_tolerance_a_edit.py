@@ -149,6 +149,10 @@ def test_a_killed_a_edit_site_is_rolled_back_healed_and_the_budget_counted_once(
     assert _lines(killed)[1][-1][0] == died_after and healed[0][0] == last + 1, (_lines(killed)[1][-1], healed[:3])
     agreed = check_digests(read_digests(digests))
     assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 4, agreed
+    # the job's progress never goes back, across the loss and the heal
+    for lines in (_lines(text0)[0], healed):
+        progress = [line[3] for line in lines]
+        assert progress == sorted(progress), progress
     # the budget met, each sample counted once: both sites' stop lines agree, and the count is
     # both sites' own positions (4 samples a step) at the end
     ends = [BUDGET.search(text0), BUDGET.search(restarted)]
