@@ -33,6 +33,7 @@ A_EDIT = TINY + ["--num-sites", "2", "--global-batch-size", "8", "--hidden-dropo
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: (\S+) \|.*?\| lm loss: ([0-9.E+-]+) \|.*?\| "
                   r"site: (\d+) \| job iteration: (\d+)/\d+ \|(?:.*?site steps at last meeting: ([0-9/]+) \|)?"
                   r".*?syncs: (\d+) \|.*?meetings: (\d+) ")
+LOST_ROUND = "was not committed (lost site 1"
 BUDGET = re.compile(r"budget of (\d+) samples reached \((\d+) consumed, site steps (\d+)/(\d+)\)")
 DONE = re.compile(r"done: (\d+) iterations on site (\d+)")
 
@@ -82,25 +83,28 @@ def test_a_edit_without_faults_equals_the_plain_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("die,died_after,last,rolled_back_syncs", [
+@pytest.mark.parametrize("die,died_after,last,rolled_back_syncs,lost", [
+    # between meetings, as its step 6 starts: no round is lost, site 0's next quorum leaves it
+    # out; its last sync is the first meeting's (step 4)
+    ({"LSGD_TEST_DIE_AT_STEP": "6"}, 5, 4, 0, "site 0: sites now 0 (were 0,1)"),
     # in its second sync's forward pass, unit 0 synced, before unit 1's mean is applied (so
     # it never sends unit 3's: site 0's exchange of it fails whatever the timing): its last
     # sync is the second meeting's (after its step 8), which site 0 rolls back
-    ({"LSGD_TEST_DIE_AT_UNIT": "2:1"}, 8, 8, 1),
+    ({"LSGD_TEST_DIE_AT_UNIT": "2:1"}, 8, 8, 1, LOST_ROUND),
     # entering its second meeting's report gather (its all-gathers: its process's first
     # quorum's report, then per meeting a report and the norms): site 0's gather fails, that
     # meeting is lost before it decided a sync, so site 1's last sync is the first (step 4);
     # it dies before it logs its step 8
-    ({"LSGD_TEST_DIE_AT_GATHER": "4"}, 7, 4, 0),
-], ids=["in-the-sync", "in-the-report-gather"])
+    ({"LSGD_TEST_DIE_AT_GATHER": "4"}, 7, 4, 0, LOST_ROUND),
+], ids=["between-meetings", "in-the-sync", "in-the-report-gather"])
 def test_a_killed_a_edit_site_is_rolled_back_healed_and_the_budget_counted_once(tmp_path, die, died_after, last,
-                                                                                rolled_back_syncs):
+                                                                                rolled_back_syncs, lost):
     # 2 sites of 1 rank, --lsgd-min-sites 1 for site 0 (2 for site 1: it never meets alone),
     # site 1 the fast one (1 virtual s a step, site 0 2 s; a sync every 4 s), 40 global batches
     # of 8 = 80 site steps of 4 samples (enough for the restarted site to come before the end
-    # on a loaded machine). Site 1 dies (SIGKILL) in its second meeting (`die`):
-    # site 0 loses that round (one `lost site 1` line; every unit back at its anchor, the
-    # interval restarted) and goes on alone. Site 1 comes back fresh (held until site 0 has met
+    # on a loaded machine). Site 1 dies (SIGKILL) in its second interval or meeting (`die`):
+    # site 0 logs it once (`lost`: in a meeting it loses that round, every unit back at its
+    # anchor, the interval restarted) and goes on alone. Site 1 comes back fresh (held until site 0 has met
     # alone), takes one step of its own, is healed at its process's first quorum, which is
     # site 0's next meeting, and takes part in it; it goes on from its own position at the
     # last sync it took part in (`last`), not site 0's. Both end with the job's final model,
@@ -114,7 +118,7 @@ def test_a_killed_a_edit_site_is_rolled_back_healed_and_the_budget_counted_once(
                      "--simulate-slow-ranks", "0,1", "--slow-factor", PACE] + _elastic(lighthouse.address(), 1)
     release, ready = str(tmp_path / "release"), str(tmp_path / "victim.ready")
     procs, others = {}, []
-    marker, back = "was not committed (lost site 1", "site 0: sites now 0,1 (were 0)"
+    marker, back = lost, "site 0: sites now 0,1 (were 0)"
     try:
         victim = [a if a != save else str(tmp_path / "victim") for a in args]
         others.append(start(victim + ["--lsgd-site", "1", "--lsgd-min-sites", "2"], 1, logs[1], script=HOOKS,
