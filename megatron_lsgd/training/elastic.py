@@ -9,7 +9,8 @@ through `ElasticComm`, the loop's own few numbers through `membership.mean_over_
 comes back needs to train on as if it had never stopped: this rank's model slice,
 optimizer shard, synchronizer state (anchor, outer momentum, error feedback, round
 position), LR schedule, RNG streams, and the loop's position (iteration, consumed
-samples, hence the data stream). Every rank serves and receives its own shard: TP, PP and
+samples, hence the data stream; a site of a non-lockstep algorithm goes back to its own
+iteration and stream position, which the loop asks of the synchronizer: `after_heal`). Every rank serves and receives its own shard: TP, PP and
 ZeRO-1 need nothing more, since a rank's torchft group rank is its place in the site.
 """
 
