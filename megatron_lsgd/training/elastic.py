@@ -9,7 +9,8 @@ through `ElasticComm`, the loop's own few numbers through `membership.mean_over_
 comes back needs to train on as if it had never stopped: this rank's model slice,
 optimizer shard, synchronizer state (anchor, outer momentum, error feedback, round
 position), LR schedule, RNG streams, and the loop's position (iteration, consumed
-samples, hence the data stream). Every rank serves and receives its own shard: TP, PP and
+samples, hence the data stream; a site of a non-lockstep algorithm goes back to its own
+iteration and stream position, which the loop asks of the synchronizer: `after_heal`). Every rank serves and receives its own shard: TP, PP and
 ZeRO-1 need nothing more, since a rank's torchft group rank is its place in the site.
 """
 
@@ -107,7 +108,7 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
         pos.load_state_dict(state["position"])
         if state.get("site_dp", pgs.dp_intra_size) != pgs.dp_intra_size:  # a peer of another size: its stream's pace
             pos.site_consumed_samples = pos.site_consumed_samples // state["site_dp"] * pgs.dp_intra_size
-        pos.agreed_iteration = pos.iteration  # elastic sites run lockstep algorithms: the job's count is the step count
+        trainer.loop.after_heal()  # the job's agreed count; a non-lockstep site's own iteration and stream position
         t = trainer.config.training
         trainer.train_iterator = build_data_iterator(trainer.train_ds, pos.site_consumed_samples,
                                                      t.micro_batch_size, pgs, trainer.config.data.num_workers)

@@ -48,6 +48,12 @@ class LockstepLoop:
         """A checkpoint is named by the step count, the same on every site."""
         return self.position.iteration
 
+    def after_heal(self) -> None:
+        """An elastic site took a live peer's position (elastic.py): every site takes the same
+        steps on streams of the same pace, so the peer's is this site's and the job's count
+        is the step count."""
+        self.position.agreed_iteration = self.position.iteration
+
     def run(self, run: Run, step: Callable, log: Callable, act: Callable) -> None:
         """Step, log, let termination decide, evaluate and save by iteration (`step`, `log`
         and `act` are the Trainer's step, log_interval and act_on)."""

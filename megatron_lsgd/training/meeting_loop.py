@@ -59,6 +59,15 @@ class MeetingLoop:
         """A checkpoint is named by the job's progress at the last meeting, in global batches."""
         return self.position.agreed_iteration
 
+    def after_heal(self) -> None:
+        """An elastic site took a live peer's state (elastic.py), its position included. The
+        job's samples are the peer's (the job's at its last meeting), but its iteration and
+        stream position are the peer's own pace: this site goes back to its own, as the job
+        last counted them (`Synchronizer.healed_position`), and reads its stream from there."""
+        pos = self.position
+        pos.iteration, pos.site_consumed_samples = self.synchronizer.healed_position()
+        pos.agreed_iteration = pos.consumed_samples // self.config.training.global_batch_size
+
     def run(self, run: Run, step: Callable, log: Callable, act: Callable) -> None:
         """Step; at a meeting take the job's agreed progress, and only there evaluate, save
         and stop (`step`, `log` and `act` are the Trainer's step, log_interval and act_on)."""

@@ -416,6 +416,9 @@ class Trainer:
         """One log line (and tensorboard scalars and a JSON record) for the interval just
         ended, printed by the loop's line rank; whose samples and losses it reports (the
         job's or this site's) is the loop's part (`interval_line`)."""
+        if self.heal is not None:  # healed after the step (a-edit's meeting): its numbers went with the old state
+            self._count_from_heal(run)
+            return
         acc, result = run.acc, run.result
         elapsed = self.clock.now() - acc.start
         line = self.loop.interval_line(acc)

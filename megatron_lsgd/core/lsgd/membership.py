@@ -119,6 +119,10 @@ class Exchanges(Protocol):
 class SiteMembership:
     # The heal after which this site's training is over (None: it is not); see Heal.ends_training.
     ended_by: Optional[Heal] = None
+    # Whether this process has taken part in a round: a fixed set of sites always has; an
+    # elastic one from its first quorum, where a restarted site is healed (a synchronizer
+    # that takes quorums only where its sites meet, a-edit, takes that one itself).
+    joined: bool = True
 
     def round_started(self) -> Optional[Heal]:
         """Before the first inner step of a round; the heal it brought, if any."""

@@ -141,11 +141,14 @@ class Meeting:
     site_samples: Tuple[int, ...]  # each site's consumed samples
     time_up: bool = False  # some site's --exit-duration-in-mins has passed
     synced: bool = False  # the synchronizer synchronizes parameters at this meeting
+    # The job's samples as the synchronizer counts them when sites may be lost and come back
+    # (elastic sites): each sample once, so not every site's position summed. None: the sum.
+    counted: Optional[int] = None
 
     @property
     def samples(self) -> int:
         """The job's consumed samples, all sites together."""
-        return sum(self.site_samples)
+        return sum(self.site_samples) if self.counted is None else self.counted
 
 
 def stop_at_meeting(meeting: Meeting, progress: Progress) -> Optional[Stop]:
@@ -394,6 +397,14 @@ class Synchronizer:
         """Non-lockstep algorithms only: the Meeting the sites held after the latest step
         (read by the loop right after agree_to_stop), or None when they did not meet."""
         return None
+
+    def healed_position(self) -> Tuple[int, int]:
+        """Non-lockstep algorithms under fault tolerance only: right after a heal (this
+        synchronizer loaded a live peer's state), this site's own (iteration, consumed
+        samples of its stream) as the job last counted them. Each site reads its own stream
+        at its own pace, so the peer's position, which a lockstep site takes, is not this
+        site's; the meeting loop asks this instead (MeetingLoop.after_heal)."""
+        raise TypeError(f"--lsgd-algorithm {self.name} is not lockstep and must implement healed_position")
 
     # ---- state and statistics ---------------------------------------------------------------
     def state_dict(self) -> Dict:

@@ -7,6 +7,9 @@
   in the middle of its forward pass, after outer steps on those units;
 - $LSGD_TEST_DIE_AT_GATHER=N: the rank SIGKILLs itself as it enters its N-th cross-site
   all-gather (edit's norm gather, uncompressed: sync number N), after the site's own sums;
+- $LSGD_TEST_DIE_AT_STEP=N: the rank SIGKILLs itself as its step N (from 1) starts, between
+  two rounds when no round is at that step (a-edit mid-interval): the peers lose no round,
+  their next quorum leaves the site out;
 - $LSGD_TEST_DIE_RANKS=R[,R...]: only these ranks of the site die so (default: all), so that
   a peer site's ranks see the loss in different collectives;
 - $LSGD_TEST_HOLD_UNTIL=PATH: the site starts (imports, model, optimizer) but builds its
@@ -33,10 +36,22 @@ def main(argv=None) -> None:
     ready = os.environ.get("LSGD_TEST_READY_FILE", "")
     dying = os.environ.get("LSGD_TEST_DIE_RANKS", "")
     if dying and os.environ.get("RANK", "0") not in dying.split(","):
-        die_after, die_at_unit, die_at_gather = 0, "", 0
+        die_after, die_at_unit, die_at_gather, die_at_step = 0, "", 0, 0
     else:
         die_at_unit = os.environ.get("LSGD_TEST_DIE_AT_UNIT", "")
         die_at_gather = int(os.environ.get("LSGD_TEST_DIE_AT_GATHER", "0"))
+        die_at_step = int(os.environ.get("LSGD_TEST_DIE_AT_STEP", "0"))
+    if die_at_step:
+        from megatron_lsgd.training.training import Trainer
+
+        step = Trainer.step
+
+        def dying_step(self, run):
+            if self.position.iteration + 1 == die_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(self, run)
+
+        Trainer.step = dying_step
     if die_at_gather:
         from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
 

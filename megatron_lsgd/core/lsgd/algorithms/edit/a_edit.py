@@ -26,6 +26,24 @@ site a step quota for a final interval instead of the clock: shares of the remai
 steps proportional to the steps each site took last time (at least one each); the sites
 meet again when each has done its quota, and training ends there.
 
+Elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md): a meeting is a round
+of the site membership. A site that enters it takes the quorum first (the barrier the
+all-gather was: the lighthouse holds it until the sites of the last quorum come, or its join
+timeout passes), where a returning site is healed; the report gather runs within the round on
+the quorum's group (its rows: `round_sites()`), and the sync it decides is the round's
+reduction, committed or rolled back as edit's (round.py); a lost round also restarts the
+interval. The budget, the quotas and the stop rule read the reports of the round's sites only:
+the job's samples are a count carried in the state (`sync_samples`, committed at each sync)
+plus each present site's samples since its last sync, so a lost site's samples since its last
+sync are not counted, and nothing is counted twice; the final interval's quotas are shared by
+the sites present. A process's first step is followed by a quorum of its own (a restarted site
+is healed there; if the others came to meet, it takes part in their meeting at once, sending,
+for that sync, the Δ of the peer it was healed from, and reporting no samples). A healed site
+takes its peer's model, optimizer, schedule and job count, but not the peer's pace: it goes on
+reading its own stream from its own iteration and samples at the last sync it took part in
+(`healed_position`, read by the meeting loop); its interval starts with the sync, as every
+site's does.
+
 Test hook: MEGATRON_LSGD_TEST_VIRTUAL_CLOCK="t0,t1,..." replaces the wall clock by one that
 advances t_s seconds per inner step on site s (and serves --exit-duration-in-mins), which
 makes a run deterministic, so resumed runs can be compared bit for bit with uninterrupted
@@ -36,7 +54,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,8 +67,10 @@ from megatron_lsgd.core.lsgd.registry import register
 
 VIRTUAL_CLOCK_ENV = "MEGATRON_LSGD_TEST_VIRTUAL_CLOCK"
 QUOTA_HORIZON = 1.5  # plan the final interval when the rest of the budget is within this many intervals
-# What a site reports at a meeting (one float64 each, all-gathered across sites).
-_DUE_INTERVAL, _DUE_QUOTA, _DUE_BUDGET, _TIME_UP, _ITERATION, _SAMPLES, _STEPS, _FIELDS = range(8)
+# What a site reports at a meeting (one float64 each, gathered across the round's sites): why it
+# came (no flag: an elastic process's first quorum), its steps and samples so far, its steps
+# since its last sync, and its samples since its last sync (what the job has not counted yet).
+_DUE_INTERVAL, _DUE_QUOTA, _DUE_BUDGET, _TIME_UP, _ITERATION, _SAMPLES, _STEPS, _NEW, _FIELDS = range(9)
 
 
 @dataclass
@@ -118,10 +138,7 @@ class AEDiT(EDiT):
     """EDiT synced by wall-clock interval: fast sites take more steps, nobody waits for a straggler"""
 
     name = "a-edit"
-    fault_tolerance_refusal = ("its meetings are all-gathers over every configured site, entered when each site's own "
-                               "clock says so, with no quorum; the budget, quotas and stop rule read every configured "
-                               "site's report, and a heal sets the job's count to the healed site's iteration, which "
-                               "holds for lockstep algorithms only")
+    fault_tolerance_refusal = None  # a meeting is a round: its quorum the barrier, its sync edit's (module docstring)
     unequal_sites_refusal = ("its sites take their own numbers of steps, so a site's weight would be its tokens at "
                              "each meeting, which is not implemented")
     Options = AEDiTOptions
@@ -135,8 +152,12 @@ class AEDiT(EDiT):
         self.virtual = isinstance(self.clock, VirtualClock)
         self.interval_start = self.clock.now()
         self.steps_in_interval = 0  # local steps since the last sync
-        self.sync_samples = 0  # the job's samples at the last sync
+        self.sync_samples = 0  # the job's samples at the last sync (each counted once)
         self.own_samples_at_sync = 0  # this site's samples then
+        # every site's (iteration, samples) at the last sync it took part in: where a site
+        # healed after a loss goes on reading its own stream (healed_position)
+        self.synced_iterations = [0] * self.num_sites
+        self.synced_samples = [0] * self.num_sites
         self.last_interval_steps: List[int] = []  # every site's steps in the last finished interval
         self.quota: Optional[List[int]] = None  # the final interval's per-site step quotas
         self.meetings = 0
@@ -152,6 +173,17 @@ class AEDiT(EDiT):
             return
         self.steps_in_interval += 1
 
+    def before_forward_backward(self, iteration: int) -> None:
+        """Nothing: a-edit's rounds are its meetings (agree_to_stop), not a step's start."""
+
+    def restart_from_anchors(self) -> None:
+        """A lost round (elastic sites): every unit back at its anchor, and the interval starts
+        again from there (its samples stay counted: they were consumed)."""
+        super().restart_from_anchors()
+        self.steps_in_interval = 0
+        self.interval_start = self.clock.now()
+        self._restart_clock = False
+
     # ---- meetings --------------------------------------------------------------------------------
     def _site_vote(self, flags: torch.Tensor) -> None:
         agree_in_site(flags, self.ctx.pgs, dist.ReduceOp.MAX)
@@ -159,11 +191,19 @@ class AEDiT(EDiT):
     def agree_to_stop(self, progress: Progress) -> Optional[Stop]:
         self._meeting = None
         s, gbs = self.num_sites, progress.global_batch_size
-        site_batch = gbs // s
         budget = progress.train_samples if progress.train_samples is not None else progress.train_iters * gbs
         local = progress.iteration > self.warmup_iters
         if self.warmup_iters and progress.iteration == self.warmup_iters:  # lockstep until now: exact totals
             self.sync_samples, self.own_samples_at_sync = progress.site_samples * s, progress.site_samples
+            self.synced_iterations = [progress.iteration] * s
+            self.synced_samples = [progress.site_samples] * s
+        membership = self.ctx.membership
+        if not membership.joined:  # an elastic process's first quorum, where a restarted site is healed
+            stop = self._meet(progress, torch.zeros(4, dtype=torch.float64, device=self.device), budget)
+            if membership.ended_by is not None:  # healed to the job's final state
+                return Stop(True, membership.ended_by.reason())
+            if self._meeting is not None:  # healed into the others' meeting, and took part in it
+                return stop
         elapsed_since_start = self.clock.now() if self.virtual else progress.elapsed_s
         own_since = progress.site_samples - self.own_samples_at_sync
         last = self.last_interval_steps
@@ -176,21 +216,63 @@ class AEDiT(EDiT):
         self._site_vote(flags)
         if not bool(flags.any()):
             return None
+        stop = self._meet(progress, flags, budget)
+        if membership.ended_by is not None:
+            return Stop(True, membership.ended_by.reason())
+        return stop
 
-        # The meeting: every site's report, gathered on every rank (the barrier).
+    def _meet(self, progress: Progress, flags: torch.Tensor, budget: int) -> Optional[Stop]:
+        """A meeting: a round of the membership. Its quorum (elastic sites; a fixed set has
+        none) is the barrier, where a returning site is healed; then every site's report is
+        gathered on every rank of the round's sites, within the round (its rows in
+        `round_sites()` order), and the sync it decides is the round's reduction (edit's:
+        decided after the forward pass that carries it out). A site that came for its first
+        quorum (no flag) takes part in a meeting only when another site came to meet;
+        otherwise the round ends at once."""
+        membership = self.ctx.membership
+        healed = membership.round_started() is not None
+        if membership.ended_by is not None:  # the job's final state: nothing left to meet about
+            return None
+        self._start_round()
+        local = progress.iteration > self.warmup_iters
         mine = torch.zeros(_FIELDS, dtype=torch.float64, device=self.device)
         mine[:4] = flags
-        mine[_ITERATION], mine[_SAMPLES], mine[_STEPS] = progress.iteration, progress.site_samples, \
-            self.steps_in_interval
-        out = torch.empty(s * _FIELDS, dtype=torch.float64, device=self.device)
-        self.ctx.comm.all_gather(out, mine)
-        rows = out.view(s, _FIELDS).tolist()
+        if healed:  # a live peer's state (its Δ and steps, for this sync); its own stream position
+            iteration, samples = self.healed_position()
+            self.own_samples_at_sync = samples
+        else:
+            iteration, samples = progress.iteration, progress.site_samples
+        mine[_ITERATION], mine[_SAMPLES], mine[_STEPS] = iteration, samples, self.steps_in_interval
+        mine[_NEW] = samples - self.own_samples_at_sync
+        order = list(membership.round_sites())
+        out = torch.zeros(len(order) * _FIELDS, dtype=torch.float64, device=self.device)
+
+        def gather() -> bool:
+            self.ctx.comm.all_gather(out, mine)
+            return True
+
+        # every rank of the site decides alike, even when only some of its links failed
+        failed = torch.tensor([0.0 if membership.within(self.round, gather, False) else 1.0], dtype=torch.float64,
+                              device=self.device)
+        self._site_vote(failed)
+        if failed.item():  # the meeting is lost: the round is not committed, every unit back at its anchor
+            self._decide()
+            return None
+        rows = dict(zip(order, out.view(len(order), _FIELDS).tolist()))
+        if not any(any(r[:4]) for r in rows.values()):  # every site came for its first quorum: nothing to meet on
+            self._decide()
+            return None
+        s, site_batch = self.num_sites, progress.global_batch_size // self.num_sites
         self.meetings += 1
-        iterations = tuple(int(r[_ITERATION]) for r in rows)
-        samples = tuple(int(r[_SAMPLES]) for r in rows)
-        steps = [int(r[_STEPS]) for r in rows]
-        due = any(r[_DUE_INTERVAL] or r[_DUE_QUOTA] or r[_DUE_BUDGET] for r in rows)
-        meeting = Meeting(iterations, samples, time_up=any(r[_TIME_UP] for r in rows))
+        # every configured site's steps and samples: a site absent from the round as of its last sync
+        iterations = tuple(int(rows[i][_ITERATION]) if i in rows else self.synced_iterations[i] for i in range(s))
+        samples = tuple(int(rows[i][_SAMPLES]) if i in rows else self.synced_samples[i] for i in range(s))
+        steps = [int(rows[i][_STEPS]) if i in rows else 0 for i in range(s)]
+        # the job's samples: counted at the last sync, and since then by the sites present (a
+        # lost site's samples since its last sync were never counted; a healed site reports none)
+        counted = self.sync_samples + sum(int(r[_NEW]) for r in rows.values())
+        due = any(r[_DUE_INTERVAL] or r[_DUE_QUOTA] or r[_DUE_BUDGET] for r in rows.values())
+        meeting = Meeting(iterations, samples, time_up=any(r[_TIME_UP] for r in rows.values()), counted=counted)
         stop = stop_at_meeting(meeting, progress)
         ends = stop is not None and stop.ends_training
         sync = local and (due or (ends and any(steps)))
@@ -198,18 +280,29 @@ class AEDiT(EDiT):
             # A pause meeting (time only) changes nothing here, so a resumed run continues
             # exactly as if it had not paused.
             self.last_interval_steps = steps
-            self.sync_samples, self.own_samples_at_sync = meeting.samples, progress.site_samples
+            self.sync_samples, self.own_samples_at_sync = counted, samples[self.site]
+            for i in rows:
+                self.synced_iterations[i], self.synced_samples[i] = iterations[i], samples[i]
             self.steps_in_interval = 0
             self.quota = None
             if stop is None:
-                remaining = (budget - meeting.samples) // site_batch  # >= S: the rule above did not stop
+                remaining = (budget - counted) // site_batch  # >= S: the rule above did not stop
                 if QUOTA_HORIZON * sum(steps) >= remaining:
-                    self.quota = allocate_quota(remaining, steps)
-            self.begin_sync(steps)
+                    present = sorted(rows)  # the final interval's steps are shared by the sites present
+                    quota = dict(zip(present, allocate_quota(remaining, [steps[i] for i in present])))
+                    self.quota = [quota.get(i, 0) for i in range(s)]
+            self._decide_units(steps)  # the sync, in the next forward (or quiesce / finish_training)
             self.interval_start = self.clock.now()
             self._restart_clock = True
-        self._meeting = Meeting(iterations, samples, meeting.time_up, synced=sync)
+        else:
+            self._decide()  # nothing synced: the round ends here
+        self._meeting = Meeting(iterations, samples, meeting.time_up, synced=sync, counted=counted)
         return stop
+
+    def healed_position(self) -> Tuple[int, int]:
+        """This site's own iteration and samples at the last sync it took part in: a site that
+        was lost reads its stream again from there (what it read since was never counted)."""
+        return self.synced_iterations[self.site], self.synced_samples[self.site]
 
     def after_forward_backward(self, iteration: int) -> None:
         super().after_forward_backward(iteration)
@@ -229,6 +322,7 @@ class AEDiT(EDiT):
         state.update(interval_elapsed_s=self.clock.now() - self.interval_start,
                      steps_in_interval=self.steps_in_interval, sync_samples=self.sync_samples,
                      own_samples_at_sync=self.own_samples_at_sync, last_interval_steps=list(self.last_interval_steps),
+                     synced_iterations=list(self.synced_iterations), synced_samples=list(self.synced_samples),
                      quota=list(self.quota) if self.quota is not None else [],
                      restart_clock=int(self._restart_clock))
         return state
@@ -240,6 +334,9 @@ class AEDiT(EDiT):
         self.sync_samples = int(state["sync_samples"])
         self.own_samples_at_sync = int(state["own_samples_at_sync"])
         self.last_interval_steps = [int(n) for n in state["last_interval_steps"]]
+        # (checkpoints written before these were kept: only a heal reads them)
+        self.synced_iterations = [int(n) for n in state.get("synced_iterations", [0] * self.num_sites)]
+        self.synced_samples = [int(n) for n in state.get("synced_samples", [0] * self.num_sites)]
         self.quota = [int(q) for q in state["quota"]] or None
         # saved at a sync meeting: the interval starts after the next forward (checkpoints
         # written before this was saved: their sync was still pending then)

@@ -370,7 +370,15 @@ class EDiT(SynchronousWarmup, Synchronizer):
         """Issue a sync, a round of the membership: decide every unit's sync (collective over
         the stage, the site and dp_inter); the data moves in the next forward (or
         sync_units), each unit's exchange through `membership.within`."""
+        self._start_round()
+        self._decide_units(site_steps)
+
+    def _start_round(self) -> None:
+        """Open the round whose reduction is the sync (RoundUndo: what a lost one puts back)."""
         self.round = self.ctx.membership.start(lambda: SyncWork(self), undo=[RoundUndo(self)])
+
+    def _decide_units(self, site_steps: Sequence[int]) -> None:
+        """The sync of the open round: the norm gather and every unit's decision (see _open_round)."""
         self.syncs += 1
         self.ctx.comm.rounds += 1
         present = set(self.ctx.membership.round_sites())
