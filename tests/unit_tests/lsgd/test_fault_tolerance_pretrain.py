@@ -350,7 +350,11 @@ def _iteration_of(text: str) -> int:
     # a step): site 1 dies before its 7th, in the second round's second step, once that round's
     # slot-0 averages have landed on both sites: site 0 must undo them
     (DREAMDDP, H, ["--lsgd-dreamddp-profile", PROFILE] + EQUAL, {"LSGD_TEST_DIE_AT_AVERAGE": "7"}, _last_averages, 1),
-], ids=["dilocox", "cocodc", "sync", "edit", "edit-zero1-one-rank-dies", "dreamddp"])
+    # sites of 2 ZeRO-1 ranks, only site 1's rank 1 dies there: on site 0 rank 1's average fails
+    # while rank 0 goes on with its own shards; the site's one decision undoes the same units on both
+    (DREAMDDP, H, ["--use-distributed-optimizer", "--ddp-bucket-size", "5000", "--lsgd-dreamddp-profile", PROFILE]
+     + EQUAL, {"LSGD_TEST_DIE_AT_AVERAGE": "7", "LSGD_TEST_DIE_RANKS": "1"}, _last_averages, 2),
+], ids=["dilocox", "cocodc", "sync", "edit", "edit-zero1-one-rank-dies", "dreamddp", "dreamddp-zero1-one-rank-dies"])
 def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp_path, algorithm, interval, extra,
                                                                              die, shared, nproc):
     # 2 sites of 1 rank (`nproc`), --lsgd-min-sites 1, every site saves every H steps. Site 1 dies
