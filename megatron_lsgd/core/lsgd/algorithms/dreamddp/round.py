@@ -28,7 +28,9 @@ SCHEDULE = ("profile", "plan", "origin", "deadlines", "profile_steps_done", "sam
 class RoundUndo:
     """state_dict: called when the round is issued by a membership whose rounds may fail; it
     snapshots the schedule and arms `keep`. load_state_dict: the round was not committed, so
-    every unit it averaged goes back to its value just before its first average of the round
+    every unit its schedule reached (the average landed, failed or was not sent: a site's ranks
+    may fail at different collectives, and must undo the same units) goes back to its value
+    just before its first average of the round
     (the local steps it took from the averaged value go with it, as a lost diloco round's
     local steps do), and the schedule's state to what it was at the round's start."""
 

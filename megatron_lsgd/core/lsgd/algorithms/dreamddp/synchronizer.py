@@ -49,10 +49,11 @@ site is healed), decided after its last step; a schedule switch (the profile's, 
 re-profile's, a pinned one's) ends the round it happens in, a checkpoint or an evaluation
 (quiesce) ends the round under way. Every inter-site collective of the round runs `within`
 it on the quorum's group: the per-unit averages issued from backward, the link probes and
-the agreement of a profile (RoundComm). Not committed: every unit averaged in the round
-goes back to its value just before that average (a copy taken then: RoundUndo; at most this
-rank's averaged part of the model, only under fault tolerance), and the schedule's state to
-the round's start, so a switch whose agreement failed is retried. The closing average of
+the agreement of a profile (RoundComm). Not committed: every unit the round's schedule
+reached (its average landed, failed or was not sent) goes back to its value just before its
+first average of the round (a copy taken then: RoundUndo; at most this rank's averaged part
+of the model, only under fault tolerance), and the schedule's state to the round's start, so
+a switch whose agreement failed is retried. The closing average of
 the whole model is a round of its own, tried again until it commits
 (`SiteMembership.close_exchanges`). A plain run's membership commits every round and asks
 for no undo state: the numbers and the memory are unchanged.
