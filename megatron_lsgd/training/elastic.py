@@ -132,11 +132,7 @@ def register_healing_state(trainer, membership: TorchftMembership) -> None:
     membership.register_state("trainer", snapshot, load, merge=merge)
     digests = trainer.config.fault_tolerance.digests
     if digests:  # --lsgd-ft-digests: what chaos.py compares across sites
-        outer = getattr(trainer.synchronizer, "outer", None)
-        # what every site holds alike at a committed round: the anchor and outer momentum, or
-        # (sync, whose every committed step applies one mean on every site) the model's main shards
-        held = (lambda: list(outer.anchors) + list(outer.momenta)) if outer is not None \
-            else trainer.optimizer.main_param_shards
+        held = trainer.synchronizer.held_alike  # what every site holds alike at a committed round
         if not pgs.dims.heterogeneous:
             membership.record_digests(os.path.join(digests, f"site{pgs.site_rank}_rank{dist.get_rank()}.jsonl"), held)
             return

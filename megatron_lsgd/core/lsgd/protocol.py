@@ -430,6 +430,16 @@ class Synchronizer:
         the ranks of a site or holds a tensor with values (error feedback, values in flight)."""
         return {}
 
+    def held_alike(self) -> List[torch.Tensor]:
+        """What every site holds alike at a committed round (--lsgd-ft-digests hashes it at
+        each quorum, and chaos.py compares the sites): the anchor and outer momentum, or,
+        without them (`sync`, whose every committed step applies one mean on every site), the
+        model's main shards."""
+        outer = getattr(self, "outer", None)
+        if outer is not None:
+            return list(outer.anchors) + list(outer.momenta)
+        return list(self.ctx.optimizer.main_param_shards())
+
     def require_quiesced(self, in_flight: bool) -> None:
         if in_flight:
             raise RuntimeError(f"{self.name}: state_dict() with communication in flight; call quiesce() first "

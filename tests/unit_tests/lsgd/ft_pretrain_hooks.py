@@ -5,6 +5,9 @@
 - $LSGD_TEST_DIE_AT_UNIT=N:K (edit): the rank SIGKILLs itself in its sync number N (from 1)
   just before unit K's mean is applied, its units 0..K-1 synced: the peers lose that round
   in the middle of its forward pass, after outer steps on those units;
+- $LSGD_TEST_DIE_AT_AVERAGE=N (dreamddp): the rank SIGKILLs itself just before its N-th unit
+  average (from 1, in this process, as its backward launches them): the peers lose that
+  round in the middle of its steps, after the averages before it landed on every site;
 - $LSGD_TEST_DIE_AT_GATHER=N: the rank SIGKILLs itself as it enters its N-th cross-site
   all-gather (edit's norm gather, uncompressed: sync number N), after the site's own sums;
 - $LSGD_TEST_DIE_AT_STEP=N: the rank SIGKILLs itself as its step N (from 1) starts, between
@@ -36,11 +39,12 @@ def main(argv=None) -> None:
     ready = os.environ.get("LSGD_TEST_READY_FILE", "")
     dying = os.environ.get("LSGD_TEST_DIE_RANKS", "")
     if dying and os.environ.get("RANK", "0") not in dying.split(","):
-        die_after, die_at_unit, die_at_gather, die_at_step = 0, "", 0, 0
+        die_after, die_at_unit, die_at_gather, die_at_step, die_at_average = 0, "", 0, 0, 0
     else:
         die_at_unit = os.environ.get("LSGD_TEST_DIE_AT_UNIT", "")
         die_at_gather = int(os.environ.get("LSGD_TEST_DIE_AT_GATHER", "0"))
         die_at_step = int(os.environ.get("LSGD_TEST_DIE_AT_STEP", "0"))
+        die_at_average = int(os.environ.get("LSGD_TEST_DIE_AT_AVERAGE", "0"))
     if die_at_step:
         from megatron_lsgd.training.training import Trainer
 
@@ -52,6 +56,18 @@ def main(argv=None) -> None:
             return step(self, run)
 
         Trainer.step = dying_step
+    if die_at_average:
+        from megatron_lsgd.core.lsgd.algorithms.dreamddp.round import RoundUndo
+
+        averages, keep = [0], RoundUndo.keep  # (called once per unit average, just before it is sent)
+
+        def dying_keep(self, *args, **kwargs) -> None:
+            averages[0] += 1
+            if averages[0] == die_at_average:
+                os.kill(os.getpid(), signal.SIGKILL)
+            keep(self, *args, **kwargs)
+
+        RoundUndo.keep = dying_keep
     if die_at_gather:
         from megatron_lsgd.core.lsgd.fault_tolerance.elastic_comm import ElasticComm
 

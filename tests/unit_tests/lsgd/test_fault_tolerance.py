@@ -344,7 +344,8 @@ def test_fault_tolerance_flags_are_checked():
       "--lsgd-adaptive"], "--lsgd-adaptive does not work with --lsgd-fault-tolerance torchft: its H is agreed"),
     (["--lsgd-site", "0", "--lsgd-algorithm", "cocodc", "--lsgd-interval", "4", "--lsgd-fragment-sync-delay", "0"],
      "--lsgd-fragment-sync-delay 0 does not work with --lsgd-fault-tolerance torchft"),
-    (["--lsgd-site", "0", "--lsgd-algorithm", "dreamddp"], "does not support --lsgd-algorithm dreamddp"),
+    (["--lsgd-site", "0", "--lsgd-algorithm", "acco", "--global-batch-size", "8"],
+     "does not support --lsgd-algorithm acco"),
 ])
 def test_the_run_checks_fault_tolerance_against_its_other_flags(extra, message):
     from megatron_lsgd.training.arguments import build_config, parse_args
@@ -369,6 +370,21 @@ def test_sync_runs_under_fault_tolerance_with_compression_and_zero1():
             "--num-sites", "2", "--lsgd-algorithm", "sync", "--lsgd-fault-tolerance", "torchft", "--lsgd-site", "1"]
     config = build_config(parse_args(base + ["--lsgd-compression", "int8", "--use-distributed-optimizer"]), 1)
     assert config.lsgd.algorithm == "sync" and config.fault_tolerance.site == 1
+
+
+def test_dreamddp_runs_under_fault_tolerance_with_its_schedule_flags():
+    # issue 49 item 2: a period per round (test_dreamddp_elastic.py, test_fault_tolerance_pretrain.py)
+    from megatron_lsgd.training.arguments import build_config, parse_args
+
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed")
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--train-iters", "8", "--lr", "1e-3", "--mock-data", "--vocab-size", "128",
+            "--num-sites", "2", "--lsgd-algorithm", "dreamddp", "--lsgd-interval", "2", "--lsgd-fault-tolerance",
+            "torchft", "--lsgd-site", "0"]
+    config = build_config(parse_args(base + ["--use-distributed-optimizer", "--lsgd-dreamddp-reprofile-interval",
+                                             "4"]), 1)
+    assert config.lsgd.algorithm == "dreamddp" and config.fault_tolerance.enabled
 
 
 def test_a_sites_torchft_group_is_on_the_inter_site_backends_device(monkeypatch):

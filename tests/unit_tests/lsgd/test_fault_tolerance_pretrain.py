@@ -101,6 +101,47 @@ DILOCOX = ("--lsgd-algorithm", "dilocox")
 COCODC = ("--lsgd-algorithm", "cocodc", "--lsgd-fragments", "2", "--lsgd-cocodc-schedule", "round-robin")
 SYNC = ("--lsgd-algorithm", "sync")
 EDIT = ("--lsgd-algorithm", "edit")
+DREAMDDP = ("--lsgd-algorithm", "dreamddp")
+# dreamddp's schedule from a profile file (the elastic and the plain run then have one schedule),
+# or measured with a schedule that does not depend on the times: consecutive blocks of equal size,
+# nothing added. With 2 layers and H = 2 both give slot 0 {output, layers.1}, slot 1 {layers.0, embedding}.
+PROFILE = "{profile}"  # (the test writes the file)
+EQUAL = ["--lsgd-dreamddp-scheduler", "equal", "--lsgd-dreamddp-no-bubble-fill"]
+# With H = 4 the same schedules average one unit a step: output, layers.1, layers.0, embedding.
+FIRST_SLOT = {2: ("output", "layers.1"), 4: ("output",)}
+# dreamddp's kill tests: steps paced longer (its steps are the shortest), so that on a loaded
+# machine the restarted site still finds rounds left (at PACE, site 0 once trained 40 steps in
+# 4.7 s and had finished before the restarted site asked for a quorum)
+DREAMDDP_PACE = ["--slow-factor", "30"]
+
+
+def _with_profile(args: list, tmp_path) -> list:
+    """`args` with PROFILE replaced by a dreamddp profile file for its pipeline stages: every
+    unit's backward 1 ms, a slow link (as test_dreamddp.py's resume test writes one)."""
+    if PROFILE not in args:
+        return args
+    from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import Profile, UnitProfile
+
+    stages = int(args[args.index("--pipeline-model-parallel-size") + 1]) if "--pipeline-model-parallel-size" in args \
+        else 1
+    units = [UnitProfile(n, 0 if n in ("embedding", "layers.0") else stages - 1, 1e-3, 0, 0)
+             for n in ("embedding", "layers.0", "layers.1", "output")]
+    path = tmp_path / "dreamddp_profile.json"
+    path.write_text(json.dumps({"profile": Profile(units, [0.0] * stages, 0.05, 1e-9, False).to_dict()}))
+    return [str(path) if a == PROFILE else a for a in args]
+
+
+def _unmeasured(tree: dict) -> dict:
+    """`tree` without what dreamddp measured on the wall clock (its profile, timing samples and
+    predicted exposed times), which differs between any two runs; everything else must match."""
+    for content in tree.values():
+        sync = content.get("synchronizer") if isinstance(content, dict) else None
+        if isinstance(sync, dict) and "plan" in sync and "profile" in sync:
+            for key in ("profile", "samples", "monitor", "monitor_exposed_s"):
+                sync.pop(key, None)
+            for stage in sync["plan"]["stages"]:
+                stage.pop("exposed_s", None)
+    return tree
 
 
 @pytest.mark.slow
@@ -117,11 +158,19 @@ EDIT = ("--lsgd-algorithm", "edit")
     # a quorum per sync, its norm gather and per-unit exchanges in the forward on the quorum's
     # group; the tied embedding's clip across stages; a last, partial round as a closing exchange
     (["--pipeline-model-parallel-size", "2", "--train-iters", "7"], EDIT, H),
-], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4", "sync-dp2-int8", "edit-pp2-tied"])
+    # a round per period, its per-unit averages launched from backward on the quorum's group, the
+    # profile file's agreement inside the first round; the tied embedding's two stages; a checkpoint
+    # every H steps; the closing average of the whole model after a last, partial round
+    (["--pipeline-model-parallel-size", "2", "--train-iters", "7", "--lsgd-dreamddp-profile", PROFILE], DREAMDDP, H),
+    # the profiling steps, then the link probes and the profile's agreement inside the round they
+    # end (the switch); each site's 2 ZeRO-1 ranks average their own shards
+    (["--use-distributed-optimizer", "--ddp-bucket-size", "5000", "--train-iters", "9"] + EQUAL, DREAMDDP, H),
+], ids=["diloco-pp2-int8", "dilocox-tp2-topk", "cocodc-pp2-int4", "sync-dp2-int8", "edit-pp2-tied",
+        "dreamddp-pp2-tied", "dreamddp-zero1-profiled"])
 def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout, algorithm, interval):
     # 2 sites of 2 ranks each. Every checkpointed tensor of both sites and every logged loss
     # must equal the run without fault tolerance.
-    extra = ["--train-iters", "6"] + layout
+    extra = _with_profile(["--train-iters", "6"] + layout, tmp_path)
     iters = int(extra[len(extra) - 1 - extra[::-1].index("--train-iters") + 1])
     plain = run(_job(2, extra=extra + ["--save", str(tmp_path / "plain")], algorithm=algorithm, interval=interval), 4,
                 str(tmp_path / "plain.log"))
@@ -132,10 +181,10 @@ def test_without_faults_every_number_equals_the_plain_run(tmp_path, layout, algo
         finish_together(start_together(jobs), jobs)
     finally:
         lighthouse.shutdown()
-    reference = load_tree(str(tmp_path / "plain" / f"iter_{iters:07d}"))
+    reference = _unmeasured(load_tree(str(tmp_path / "plain" / f"iter_{iters:07d}")))
     elastic = {}
     for site in range(2):
-        elastic.update(_checkpoint(str(tmp_path / "ft"), site, iters))
+        elastic.update(_unmeasured(_checkpoint(str(tmp_path / "ft"), site, iters)))
     assert sorted(elastic) == sorted(reference)
     assert_same(elastic, reference)
     for site in range(2):
@@ -249,6 +298,33 @@ def _model(tree: dict) -> dict:
             if "params" in content}
 
 
+def _last_averages(tree: dict) -> dict:
+    """Each rank file's digests of every unit's value right after its last average (what every
+    site holds alike under dreamddp, whose models differ between averages)."""
+    return {re.sub(r"site_\d{3}", "site_k", name): content["synchronizer"]["averaged_digests"]
+            for name, content in tree.items() if "synchronizer" in content}
+
+
+UNIT_PREFIXES = {"embedding": ("embedding.",), "layers.0": ("layers.0.",), "layers.1": ("layers.1.",),
+                 "output": ("final_layernorm.", "output_layer.")}
+
+
+def _units(model: dict, units) -> dict:
+    """The parameters of `units` (sync units' names) in each rank file's model (`_model`)."""
+    prefixes = tuple(p for u in units for p in UNIT_PREFIXES[u])
+    out = {f: {k: v for k, v in params.items() if k.startswith(prefixes)} for f, params in model.items()}
+    assert all(out.values()), sorted(next(iter(model.values())))
+    return out
+
+
+def _without_digests(tree: dict) -> dict:
+    """dreamddp keeps the digests of the last averages only where --lsgd-ft-digests asks for them."""
+    for content in tree.values():
+        if "synchronizer" in content:
+            content["synchronizer"].pop("averaged_digests", None)
+    return tree
+
+
 def _last_line_before(text: str, marker: str) -> int:
     """The iteration of the last step line printed before `marker`."""
     return _iteration_of(text[:text.index(marker)])
@@ -275,7 +351,17 @@ def _iteration_of(text: str) -> int:
     # every unit back (the clip's sum over the site's shards would otherwise wait forever)
     (EDIT, H, ["--use-distributed-optimizer", "--ddp-bucket-size", "5000"],
      {"LSGD_TEST_DIE_AT_GATHER": "2", "LSGD_TEST_DIE_RANKS": "1"}, _outer_state, 2),
-], ids=["dilocox", "cocodc", "sync", "edit", "edit-zero1-one-rank-dies"])
+    # a round per period of H = 4, one unit average a step (output, layers.1, layers.0, embedding):
+    # site 1 dies before its 7th, in the second round's third step, once that round's averages of
+    # output and layers.1 have landed on both sites: site 0 must undo them (H = 4: rounds enough
+    # after the rollback for the restarted site to come on a loaded machine)
+    (DREAMDDP, 4, ["--lsgd-dreamddp-profile", PROFILE] + EQUAL + DREAMDDP_PACE, {"LSGD_TEST_DIE_AT_AVERAGE": "7"},
+     _last_averages, 1),
+    # sites of 2 ZeRO-1 ranks, only site 1's rank 1 dies there: on site 0 rank 1's average fails
+    # while rank 0 goes on with its own shards; the site's one decision undoes the same units on both
+    (DREAMDDP, 4, ["--use-distributed-optimizer", "--ddp-bucket-size", "5000", "--lsgd-dreamddp-profile", PROFILE]
+     + EQUAL + DREAMDDP_PACE, {"LSGD_TEST_DIE_AT_AVERAGE": "7", "LSGD_TEST_DIE_RANKS": "1"}, _last_averages, 2),
+], ids=["dilocox", "cocodc", "sync", "edit", "edit-zero1-one-rank-dies", "dreamddp", "dreamddp-zero1-one-rank-dies"])
 def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp_path, algorithm, interval, extra,
                                                                              die, shared, nproc):
     # 2 sites of 1 rank (`nproc`), --lsgd-min-sites 1, every site saves every H steps. Site 1 dies
@@ -284,13 +370,15 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
     # rollback does. Site 1 comes back fresh (a process started with the others, held until
     # site 0 has trained a round alone), is healed and holds site 0's anchors and outer
     # momenta at every later checkpoint, and the job's final model.
+    extra = _with_profile(extra, tmp_path)
     save = str(tmp_path / "ckpt")
     iters = 10 * interval
     lighthouse = start_lighthouse(1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
     logs = {s: str(tmp_path / f"site{s}.log") for s in range(2)}
     digests = str(tmp_path / "digests")  # what every site holds alike, at every committed round
-    base = extra + ["--train-iters", str(iters), "--save", save, "--lsgd-ft-digests", digests,
-                    "--simulate-slow-ranks", "0,1", "--slow-factor", PACE]
+    # (`extra` last: an entry may pace its sites otherwise)
+    base = ["--train-iters", str(iters), "--save", save, "--lsgd-ft-digests", digests,
+            "--simulate-slow-ranks", "0,1", "--slow-factor", PACE] + extra
     args = _job(2, lighthouse.address(), 1, base, algorithm, interval)
     release = str(tmp_path / "release")
     procs, others = {}, []
@@ -325,6 +413,17 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
         lost_at = _last_line_before(text0, marker) // interval * interval
         assert_same(_outer_state(_checkpoint(save, 0, lost_at)), _outer_state(_checkpoint(save, 0, lost_at - interval)),
                     "site 0's outer state across the lost sync")
+    if algorithm == DREAMDDP:  # the lost round's first step averaged slot 0's units, landed on both sites:
+        # site 0 holds them as before that average, i.e. as at the round's start; the later units
+        # (landed, failed or never sent) are back at their value before their own step's average,
+        # which a step of the round had moved
+        lost_at = _last_line_before(text0, marker) // interval * interval
+        before, after_loss = _model(_checkpoint(save, 0, lost_at - interval)), _model(_checkpoint(save, 0, lost_at))
+        first = FIRST_SLOT[interval]
+        later = [u for u in UNIT_PREFIXES if u not in first]
+        assert_same(_units(after_loss, first), _units(before, first), "site 0's slot-0 units across the lost round")
+        with pytest.raises(AssertionError):
+            assert_same(_units(after_loss, later), _units(before, later))
     agreed = check_digests(read_digests(digests))  # both sites' (the killed process's included)
     assert agreed["disagreements"] == [] and agreed["rounds_checked"] >= 4, agreed
     # site 0's last checkpoint before site 1 came back
@@ -370,7 +469,7 @@ def test_a_killed_site_under_a_delayed_or_fragment_mean_rolls_back_and_heals(tmp
              if "params" in v} for s in range(2)]
     assert ends[0]
     assert_same(ends[1], ends[0], "the late site's final model")
-    assert_same(_checkpoint(ref, 0, alone), _checkpoint(save, 0, alone), "site 0")
+    assert_same(_without_digests(_checkpoint(ref, 0, alone)), _without_digests(_checkpoint(save, 0, alone)), "site 0")
 
     # The restarted site was healed and holds site 0's anchors and momenta from then on.
     assert "rejoined at committed round" in restarted, restarted

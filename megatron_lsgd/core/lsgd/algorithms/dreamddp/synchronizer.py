@@ -42,11 +42,27 @@ local-SGD algorithms. When --train-iters is reached the whole model is averaged 
 every site ends with the same model. Checkpoints hold the profile, the schedule, the
 period's origin and when each unit was last averaged: a resumed run continues the same
 schedule, it does not profile again.
+
+Elastic sites (--lsgd-fault-tolerance torchft, docs/fault_tolerance.md): each period is a
+round of the site membership (round.py), its quorum at its first step (where a returning
+site is healed), decided after its last step; a schedule switch (the profile's, a
+re-profile's, a pinned one's) ends the round it happens in, a checkpoint or an evaluation
+(quiesce) ends the round under way. Every inter-site collective of the round runs `within`
+it on the quorum's group: the per-unit averages issued from backward, the link probes and
+the agreement of a profile (RoundComm). Not committed: every unit the round's schedule
+reached (its average landed, failed or was not sent) goes back to its value just before its
+first average of the round (a copy taken then: RoundUndo; at most this rank's averaged part
+of the model, only under fault tolerance), and the schedule's state to the round's start, so
+a switch whose agreement failed is retried. The closing average of
+the whole model is a round of its own, tried again until it commits
+(`SiteMembership.close_exchanges`). A plain run's membership commits every round and asks
+for no undo state: the numbers and the memory are unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections import deque
@@ -56,14 +72,17 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lsgd.core.lsgd.agreement import agree_in_site
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.deadlines import Deadlines
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.plan import (Plan, StagePlan, build_plan, format_plan,
                                                    read_schedule_file)
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.profile import (BackwardRecorder, LocalMeasurement, Profile,
                                                       UnitProfile, agree_max, agree_profile, fit_link, global_index,
                                                       fastest_sample, probe_link, read_profile_file, stage_of)
+from megatron_lsgd.core.lsgd.algorithms.dreamddp.round import RoundComm, RoundUndo
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.scheduler import SCHEDULERS
 from megatron_lsgd.core.options import OptionGroup, option
+from megatron_lsgd.core.lsgd.membership import Finished
 from megatron_lsgd.core.lsgd.protocol import MicroBatch, SyncContext, Synchronizer
 from megatron_lsgd.core.lsgd.registry import register
 from megatron_lsgd.core.lsgd.site_split import SiteSplit, average_grads_across_sites
@@ -158,9 +177,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
     """Average each layer across sites right after its backward, in iterations a profiled schedule picks"""
 
     name = "dreamddp"
-    fault_tolerance_refusal = ("its per-layer averages are launched from the backward pass on a fixed group, "
-                               "each round's spread over the steps of the round, which a quorum would have to "
-                               "commit or roll back together")
+    fault_tolerance_refusal = None  # a period is a round of the membership (round.py), its collectives `within` it
     unequal_sites_refusal = ("its per-layer averages, launched from backward, run on one dp_inter group, not cut "
                              "into lanes yet")
     state_follows_pipeline = True  # the plan schedules each stage's units
@@ -220,6 +237,21 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         self.slot = -1
         self.history: deque = deque(maxlen=4096)  # (iteration, units averaged): tests and tools read it
         self._exposed_before = 0.0
+        # Rounds (round.py; membership.py's Exchanges): a round is due to open at the next step,
+        # the membership's ticket of the round under way, and the closing average of the whole
+        # model (finish_training), which is a round of its own.
+        self.due = True
+        self.round = None
+        self.finishing = False
+        self.final_due = False
+        self.undo = RoundUndo(self)
+        self.iteration = 0  # the step under way (a heal at its quorum moves it to the peer's)
+        self.next_iteration: Optional[int] = None  # the step after the last one taken (state: a heal carries it)
+        self._healed_to: Optional[int] = None
+        # --lsgd-ft-digests: sites hold different models between averages; what they hold alike is
+        # each unit's value right after its last average (SHA-256 of this rank's part, per unit)
+        self.digesting = False
+        self.averaged_digests: Dict[str, str] = {}
 
     # ---- which units this step ---------------------------------------------------------------
     @property
@@ -245,6 +277,18 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
     def before_forward_backward(self, iteration: int) -> None:
         if not self.active:
             return
+        if not self.in_warmup(iteration):
+            # A round due opens here: a fixed set of sites at once; elastic sites after the
+            # step's quorum, where a returning site is healed (and then trains the peer's step).
+            self._healed_to = None
+            if self.due:
+                self.ctx.membership.taken(self)
+            self.ctx.membership.step_started(self)
+            if self.ended() is not None:  # healed to the job's final state, or through its closing average
+                return
+            if self._healed_to is not None:
+                iteration = self._healed_to
+        self.iteration = iteration
         if self.profiling and self.opts.profile is not None:
             self._plan_from_file(iteration)
         if self.profiling and self.opts.schedule is not None and iteration >= self._pinned_origin:
@@ -284,13 +328,19 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         while self.next_issue < len(self.queue) and (force or self.queue[self.next_issue] in self.completed):
             name = self.queue[self.next_issue]
             self.next_issue += 1
+            self.undo.keep(name, self.views[name], self.full_views[name])  # before the in-place average
             for main in self.views[name].main:
-                self.handles.append(comm.all_reduce_mean(main, async_op=True))
+                # None: the round failed (nothing more is sent; it rolls back when decided)
+                handle = self.ctx.membership.within(self.round, lambda main=main: comm.all_reduce_mean(main,
+                                                                                                     async_op=True))
+                if handle is not None:
+                    self.handles.append(handle)
             self.averaged.append(name)
 
     def after_forward_backward(self, iteration: int) -> None:
         if not self.active:
             return
+        iteration = self.iteration
         if self.timing:
             self.recorder.wait_reached()
         if self.in_warmup(iteration):
@@ -298,8 +348,9 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         self._exposed_before = self.ctx.comm.exposed_seconds
         self._issue(force=True)  # units whose hook did not fire (none in a normal step)
         for handle in self.handles:
-            handle.wait()
+            self.ctx.membership.within(self.round, handle.wait)
         self.handles = []
+        self._digest(self.averaged)
         if self.averaged:
             self.split.gather([m for n in self.averaged for m in self.full_views[n].main])
         if self.timing:
@@ -315,6 +366,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
     def after_optimizer_step(self, iteration: int, update_successful: bool) -> None:
         if not self.active:
             return
+        iteration = self.iteration
         if self.averaged and not update_successful:
             # fp16 overflow: no step, so no main -> model copy; the averaged units must still reach the model
             opt = self.ctx.optimizer
@@ -322,33 +374,133 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         self.history.append((iteration, tuple(self.averaged)))
         if self.deadlines is not None:
             self.deadlines.averaged(iteration, self.averaged)
-        if self.profiling and self.opts.schedule is None:
+        switched = False  # a switch (or its attempt) ends the round: the next one starts a new period
+        if self.profiling and self.opts.schedule is None and self.opts.profile is None:
             self.profile_steps_done += 1
             if self.profile_steps_done >= self.opts.profile_steps:
                 self._finish_profile(iteration)
+                switched = True
         elif (self.opts.reprofile_interval > 0 and iteration + 1 > self.origin
               and (iteration + 1 - self.origin) % self.opts.reprofile_interval == 0
               and not self.in_warmup(iteration)):
             self._check_drift(iteration)
+            switched = True
+        self.next_iteration = iteration + 1
+        pinned_next = self.profiling and self.opts.schedule is not None and iteration + 1 >= self._pinned_origin
+        if switched or pinned_next or (iteration + 1 - self.origin) % self.interval == 0:
+            self._decide()
 
     def quiesce(self) -> None:
         for handle in self.handles:  # nothing is in flight between steps; kept for safety
-            handle.wait()
+            self.ctx.membership.within(self.round, handle.wait)
         self.handles = []
+        # evaluation and checkpoints see decided state: the round under way ends here (a plain
+        # run's rounds all commit, so this changes nothing there; the next step opens another)
+        self._decide()
 
     def finish_training(self, iteration: int) -> None:
-        """Average the whole model once, so every site ends with the same model."""
+        """Average the whole model once, so every site ends with the same model: a round of its
+        own after the one under way is decided, tried again until it commits."""
         if not self.active:
             return
+        self.final_due = True
+        self.ctx.membership.close_exchanges(self)
+
+    # ---- rounds: what the membership's rhythm drives (membership.py's Exchanges) ----------------
+    def _open_round(self) -> None:
+        self.due = False
+        # every average is waited for in its step: nothing is left to wait for at the decision
+        self.round = self.ctx.membership.start(lambda: Finished(True), undo=[self.undo])
+
+    def _decide(self) -> bool:
+        """The round under way is over: the membership decides it (not committed: RoundUndo
+        put its averaged units and the schedule back). True when committed (or none open)."""
+        if self.round is None:
+            return True
+        ticket, self.round = self.round, None
+        committed = self.ctx.membership.finish(ticket) is not None
+        self.undo.release()
+        self.due = True
+        return committed
+
+    def _round_ok(self) -> bool:
+        """Whether the round can still commit on every rank of the site: asked before the
+        schedule acts on agreed values, so that the site's ranks, whose later collectives
+        inside the site follow those values, all act or all skip (one failed link suffices)."""
+        failed = torch.tensor([0.0 if self.ctx.membership.within(self.round, lambda: True, False) else 1.0],
+                              dtype=torch.float64, device=self.device)
+        agree_in_site(failed, self.ctx.pgs, dist.ReduceOp.MAX)
+        return not failed.item()
+
+    def _round_comm(self) -> RoundComm:
+        return RoundComm(self.ctx.comm, self.ctx.membership, self.round)
+
+    def publish(self, names) -> None:
+        """`names` (units, or "whole" for the model) changed on this rank's part: the site
+        gathers the parts (when split) and the model takes the main parameters."""
+        if not names:
+            return
+        opt = self.ctx.optimizer
+        if "whole" in names:
+            self.split.gather(opt.views().main)
+            opt.copy_main_to_model_params()
+            return
+        self.split.gather([m for n in names for m in self.full_views[n].main])
+        opt.copy_main_to_model_params(opt.views([self.units[n] for n in names]))
+
+    def _digest(self, names) -> None:
+        if not self.digesting:
+            return
+        for name in names:
+            h = hashlib.sha256()
+            for main in self.views[name].main:
+                h.update(main.detach().to("cpu").contiguous().numpy().tobytes())
+            self.averaged_digests[name] = h.hexdigest()
+
+    def held_alike(self) -> List[torch.Tensor]:
+        """Each unit's value right after its last average, as digests (asked for at every
+        quorum under --lsgd-ft-digests; from the first ask on, every average is hashed)."""
+        self.digesting = True
+        text = "".join(f"{n}:{self.averaged_digests.get(n, '')};" for n in self.names)
+        return [torch.tensor(list(text.encode()), dtype=torch.uint8)]
+
+    def exchange_due(self) -> bool:
+        return self.due
+
+    def issue_due(self) -> None:
+        self._open_round()
+
+    def decide_open(self) -> None:
+        self._decide()
+
+    def land_in_flight(self) -> None:
+        self._decide()
+
+    def closing_due(self) -> bool:
+        return self.final_due
+
+    def close_one(self) -> None:
+        """The closing average of the whole model, a round of its own. Not committed: the
+        model is back as it was, and the membership tries again."""
+        self._open_round()
         opt, comm = self.ctx.optimizer, self.ctx.comm
         whole = opt.views()
         mine = self.split.mine(whole)
-        handles = [comm.all_reduce_mean(main, async_op=True) for main in mine.main]
+        self.undo.keep("whole", mine, whole)
+        handles = [self.ctx.membership.within(self.round, lambda main=main: comm.all_reduce_mean(main, async_op=True))
+                   for main in mine.main]
         for handle in handles:
-            handle.wait()
+            if handle is not None:
+                self.ctx.membership.within(self.round, handle.wait)
         self.split.gather(whole.main)
         opt.copy_main_to_model_params()
-        comm.rounds += 1
+        self._digest(self.names)  # (after the gather: a unit's part need not lie in this rank's part of the model)
+        if self._decide():
+            self.final_due = False
+            comm.rounds += 1
+
+    def closed(self) -> None:
+        pass
 
     # ---- profiling ----------------------------------------------------------------------------------
     def _local_sizes(self):
@@ -362,12 +514,14 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
                   and not (s["ordinal"] == 0 and self.opts.profile_steps > 1)]
         backward, tail = fastest_sample([s["sample"] for s in usable], self.names)
         sizes, ranges = self._local_sizes()
-        link = probe_link(self.ctx.comm, max(sizes.values(), default=0), self.device)
+        link = probe_link(self._round_comm(), max(sizes.values(), default=0), self.device)
         latency, slope = fit_link(link)
         local = LocalMeasurement(backward, sizes, ranges, tail, latency, slope, self.tied)
         self.local_measurement = local
-        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
-                                self.device)
+        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs,
+                                self._round_comm(), self.device)
+        if not self._round_ok():  # not agreed: the round rolls back to profiling, and the switch is retried
+            return
         profile.measured_steps = [s["iteration"] for s in usable]
         self.samples = []
         self._adopt(profile, iteration + 1, link_samples=link,
@@ -380,8 +534,10 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         backward = {n: parsed["backward_ms"][n] / 1e3 for n in self.names}
         local = LocalMeasurement(backward, sizes, ranges, parsed["tails_ms"][self.stage] / 1e3,
                                  parsed["latency_ms"] / 1e3, parsed["ms_per_MB"] / 1e3 / 2**20, self.tied)
-        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
-                                self.device)
+        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs,
+                                self._round_comm(), self.device)
+        if not self._round_ok():  # not agreed: the round rolls back, and the next one reads the file again
+            return
         profile.source = self.opts.profile
         self._adopt(profile, iteration, link_samples=None, header=f"profile read from {self.opts.profile}")
 
@@ -392,8 +548,10 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         backward = {n: parsed["backward_ms"][n] / 1e3 for n in self.names}
         local = LocalMeasurement(backward, sizes, ranges, parsed["tails_ms"][self.stage] / 1e3,
                                  parsed["latency_ms"] / 1e3, parsed["ms_per_MB"] / 1e3 / 2**20, self.tied)
-        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
-                                self.device)  # for the printout and a checkpoint; the plan is the file's
+        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs,
+                                self._round_comm(), self.device)  # for the printout and a checkpoint; the plan is the file's
+        if not self._round_ok():  # not agreed: the round rolls back, and the next one switches again
+            return
         profile.source = self.opts.schedule
         self._adopt(profile, origin, link_samples=None, plan=plan,
                     header=f"schedule read from {self.opts.schedule} (pinned: the schedule of the run that wrote it, "
@@ -434,16 +592,20 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         sizes, ranges = self._local_sizes()
         local = LocalMeasurement(backward, sizes, ranges, tail, self.profile.latency_s, self.profile.seconds_per_byte,
                                  self.tied)
-        recent = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
-                               self.device)
-        measured_exposed = agree_max([exposed], self.ctx.pgs, self.ctx.comm, self.device)[0]
-        if not drifted(self.profile, self.plan, recent, measured_exposed, self.opts.reprofile_tolerance):
+        recent = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs,
+                               self._round_comm(), self.device)
+        measured_exposed = agree_max([exposed], self.ctx.pgs, self._round_comm(), self.device)[0]
+        # (a failed agreement: the ranks of the site skip the rest alike; the round rolls back)
+        if not self._round_ok() or not drifted(self.profile, self.plan, recent, measured_exposed,
+                                               self.opts.reprofile_tolerance):
             return
-        link = probe_link(self.ctx.comm, max(sizes.values(), default=0), self.device)
+        link = probe_link(self._round_comm(), max(sizes.values(), default=0), self.device)
         latency, slope = fit_link(link)
         local.latency_s, local.seconds_per_byte = latency, slope
-        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs, self.ctx.comm,
-                                self.device)
+        profile = agree_profile(local, self.stage, self.num_stages, self.num_layers, self.ctx.pgs,
+                                self._round_comm(), self.device)
+        if not self._round_ok():
+            return
         profile.source = f"re-profiled at iteration {iteration + 1}"
         self.reprofiles += 1
         self._adopt(profile, iteration + 1, link_samples=link,
@@ -452,6 +614,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
 
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> Dict:
+        self.require_quiesced(self.round is not None or bool(self.handles))  # (quiesce decides the round)
         return {"version": 2,
                 "profile": dataclasses.asdict(self.profile) if self.profile is not None else {},
                 "plan": dataclasses.asdict(self.plan),
@@ -459,11 +622,22 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
                 "samples": json.dumps(self.samples), "monitor": json.dumps(self.monitor),
                 "monitor_exposed_s": self.monitor_exposed_s, "monitor_steps": self.monitor_steps,
                 "reprofiles": self.reprofiles,
-                "last_averaged": self.deadlines.state_dict() if self.deadlines is not None else {}}
+                "last_averaged": self.deadlines.state_dict() if self.deadlines is not None else {},
+                # rounds (what a heal at a quorum carries: the step the peer starts, and whether
+                # it is in the closing average), and the digests of the last averages
+                "rounds": {"due": int(self.due), "finishing": int(self.finishing), "final_due": int(self.final_due),
+                           "next_iteration": -1 if self.next_iteration is None else self.next_iteration},
+                "averaged_digests": dict(self.averaged_digests)}
 
     def load_state_dict(self, state: Dict) -> None:
         if not state:
             return
+        rounds = state.get("rounds", {})  # (absent before dreamddp was elastic: a round due, as at a start)
+        self.due, self.round, self.handles = bool(rounds.get("due", 1)), None, []
+        self.finishing, self.final_due = bool(rounds.get("finishing", 0)), bool(rounds.get("final_due", 0))
+        step = int(rounds.get("next_iteration", -1))
+        self.next_iteration = self._healed_to = None if step < 0 else step
+        self.averaged_digests = dict(state.get("averaged_digests", {}))
         self.origin = int(state["origin"])
         self.profile_steps_done = int(state["profile_steps_done"])
         self.samples = json.loads(state["samples"])
