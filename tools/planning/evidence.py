@@ -134,21 +134,19 @@ def read_evidence(path: str) -> Evidence:
 
 def _with_budgets(figure: Figure, results: Dict, sync: Dict, budgets: Dict[str, Dict]) -> Figure:
     """`figure` (a point that did not reach sync's loss) with the multiplier its budget points
-    measure: per seed that ran the point at every budget, the tokens at which its final
-    validation loss reaches sync's (token_budgets.tokens_to_reach), their mean; where a seed
-    reached it at no budget, the largest budget as a lower bound. Unchanged without budgets."""
-    from tools.benchmarks.quality.token_budgets import tokens_to_reach
+    measure: per seed, the tokens at which its final validation loss reaches sync's
+    (token_budgets.reach_per_seed), their mean; where a seed reached it at no budget it ran,
+    the largest such budget as a lower bound. Unchanged without budgets."""
+    from tools.benchmarks.quality.token_budgets import reach_per_seed
 
     scales = {1.0: results[figure.point], **{b["scale"]: results.get(label, {})
                                              for label, b in budgets.items() if b["base"] == figure.point}}
-    if len(scales) == 1:
+    by_seed = reach_per_seed(scales, sync)
+    if not by_seed:
         return figure
-    seeds = sorted(s for s in sync if sync[s].get("valid") and all(s in runs for runs in scales.values()))
-    if not seeds:
-        return figure
-    reached = [tokens_to_reach({k: runs[s]["valid"][-1] / sync[s]["valid"][-1] - 1 for k, runs in scales.items()})
-               for s in seeds]
-    how = f"runs at {', '.join(f'{k:g}x' for k in sorted(scales))} the tokens (validation loss)"
+    seeds, reached = list(by_seed), list(by_seed.values())
+    ran = sorted(k for k, runs in scales.items() if any(s in runs for s in seeds))
+    how = f"runs at {', '.join(f'{k:g}x' for k in ran)} the tokens (validation loss)"
     if any(r.multiplier is None for r in reached):
         return replace(figure, at_least=max(r.at_least for r in reached if r.multiplier is None), how=how)
     return replace(figure, multiplier=statistics.fmean(r.multiplier for r in reached), seeds=seeds, how=how)

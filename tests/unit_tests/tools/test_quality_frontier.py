@@ -428,12 +428,21 @@ def test_tokens_to_reach_interpolates_between_the_budgets_that_bracket_syncs_los
     assert tokens_to_reach({1.0: 0.03, 1.25: -0.09}).multiplier == pytest.approx(1.25 ** 0.25)
     never = tokens_to_reach({1.0: 0.03, 1.25: 0.02, 1.5: 0.01})
     assert never.multiplier is None and never.at_least == 1.5
+    # a seed counts with the scales it ran: one without 2x is a bound at 1.5x, one with it a value
+    from tools.benchmarks.quality.token_budgets import reach_per_seed
+
+    sync = {"1": {"valid": [4.0]}, "2": {"valid": [4.0]}, "3": {"valid": [4.0]}}
+    runs = {1.0: {"1": {"valid": [4.12]}, "2": {"valid": [4.12]}, "3": {"valid": [4.12]}},
+            1.5: {"1": {"valid": [4.04]}, "2": {"valid": [4.04]}}, 2.0: {"1": {"valid": [3.96]}}}
+    by_seed = reach_per_seed(runs, sync)
+    assert set(by_seed) == {"1", "2"}  # seed 3 ran no longer budget
+    assert by_seed["1"].multiplier == pytest.approx(3 ** 0.5) and by_seed["2"].at_least == 1.5
     with pytest.raises(ValueError, match="scale 1"):
         tokens_to_reach({1.25: 0.01})
 
 
 def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeypatch):
-    """`--points budget`: diloco and streaming-diloco at 1.25x and 1.5x the rung's tokens, the
+    """`--points budget`: diloco and streaming-diloco at 1.25x, 1.5x and 2x the rung's tokens, the
     whole schedule stretched; the page's JSON names each one's base and scale; the rung's default
     command afterwards keeps them from the cache without training them for another seed; the
     summary gives the tokens each needs to reach sync's loss."""
@@ -446,7 +455,7 @@ def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeyp
         if "sync" in argv:
             loss = 4.0
         else:  # trained longer, closer: 2.5% above sync at 1x, 0.5% above at 1.25x, 0.5% below at 1.5x
-            loss = {iters: 4.1, round(iters * 1.25): 4.02, round(iters * 1.5): 3.98}[n]
+            loss = {iters: 4.1, round(iters * 1.25): 4.02, round(iters * 1.5): 3.98, iters * 2: 3.9}[n]
         return {"valid": [loss], "train": [loss], "comm": {"bytes_sent": 100 if "sync" in argv else 2}}
 
     monkeypatch.setattr(qf, "run", fake_run)
@@ -455,17 +464,18 @@ def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeyp
     common = ["--ladder", "S", "--data-path", corpus, "--valid-data-path", corpus, "--tokenizer-model", "tok.model",
               "--doc", doc]
     qf.main(common + ["--seeds", "1", "--points", "diloco-H30-avg,streaming-diloco-H30,budget"])
-    assert len(seen) == 1 + 2 + 2 * 2
+    assert len(seen) == 1 + 2 + 2 * 3
     longer = [a for a in seen if a.count("--train-iters") == 2]
-    assert len(longer) == 4
+    assert len(longer) == 6
     for argv in longer:
         n = int(argv[len(argv) - 1 - argv[::-1].index("--train-iters") + 1])
         warmup = int(argv[len(argv) - 1 - argv[::-1].index("--lr-warmup-iters") + 1])
-        assert n in (round(iters * 1.25), round(iters * 1.5)) and warmup == n // 20
+        assert n in (round(iters * 1.25), round(iters * 1.5), iters * 2) and warmup == n // 20
     page = json.load(open(tmp_path / "quality-ladder-S.json"))
     assert page["budgets"]["diloco-H30-avg-x1.25"] == {"base": "diloco-H30-avg", "scale": 1.25}
-    assert sorted(page["budgets"]) == ["diloco-H30-avg-x1.25", "diloco-H30-avg-x1.5", "streaming-diloco-H30-x1.25",
-                                       "streaming-diloco-H30-x1.5"]
+    assert sorted(page["budgets"]) == ["diloco-H30-avg-x1.25", "diloco-H30-avg-x1.5", "diloco-H30-avg-x2",
+                                       "streaming-diloco-H30-x1.25", "streaming-diloco-H30-x1.5",
+                                       "streaming-diloco-H30-x2"]
 
     seen.clear()
     qf.main(common + ["--seeds", "1,2"])  # the rung's own points: seed 2 trained, the budgets only read

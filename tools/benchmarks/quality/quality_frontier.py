@@ -34,7 +34,7 @@ ladder's points, and its page docs/quality-ladder-RUNG.md, its cells in results/
 
 `--points` picks points by label or family (comma-separated; default all; with `--ladder`,
 the rung's own points, plus the points run on request (`--points claims`, `--points budget`:
-diloco and streaming-diloco at 1.25x and 1.5x the tokens, token_budgets.py) that the cache
+diloco and streaming-diloco at 1.25x, 1.5x and 2x the tokens, token_budgets.py) that the cache
 already holds, read from it and never trained by the default command); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags, with every argument they resolve to: one made under other defaults is
@@ -73,7 +73,7 @@ from tools.benchmarks.quality.lsgd_quality import base_argv, data_argv, lockstep
 from tools.benchmarks.resumable_runs import PARTIAL  # noqa: E402
 from tools.benchmarks.recipes import Point, points as recipe_points  # noqa: E402
 from tools.benchmarks.quality.token_budgets import (BUDGET_BASES, BUDGET_SCALES, budget_label,  # noqa: E402
-                                                   budget_points, budgets_of, tokens_to_reach)
+                                                   budget_points, budgets_of, reach_per_seed)
 from tools.benchmarks.run_cache import (SEEDS_HELP, load_or_run, positive_int, relative_flags,  # noqa: E402
                                         resolved_arguments, results_path, seed_list)
 from tools.benchmarks.spawned_ranks import run_tool  # noqa: E402
@@ -223,8 +223,8 @@ def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
 
 def tokens_to_reach_table(rungs: Sequence[Rung], data: Dict[str, Dict]) -> str:
     """Per budget base and rung, the tokens it needs to reach sync's final validation loss over
-    sync's (token_budgets.tokens_to_reach per seed; median [min, max] over the seeds that ran
-    every scale), or "> S" when no scale run reached it on some seed. Empty before any budget ran."""
+    sync's (token_budgets.reach_per_seed; median [min, max] over the seeds), or "> S" when no
+    scale a seed ran reached it. Empty before any budget ran."""
     rows = []
     for base in BUDGET_BASES:
         cells, any_run = [], False
@@ -232,9 +232,7 @@ def tokens_to_reach_table(rungs: Sequence[Rung], data: Dict[str, Dict]) -> str:
             results, sync = data[r.name]["results"], data[r.name]["sync"].get(reference_name(SYNC), {})
             scales = {1.0: results.get(base, {}), **{s: results.get(budget_label(base, s), {}) for s in BUDGET_SCALES}}
             any_run |= any(scales[s] for s in BUDGET_SCALES)
-            seeds = [seed for seed in sync if all(seed in runs for runs in scales.values())]
-            reached = [tokens_to_reach({s: scales[s][seed]["valid"][-1] / sync[seed]["valid"][-1] - 1.0
-                                        for s in scales}) for seed in seeds]
+            reached = list(reach_per_seed(scales, sync).values())
             if not reached:
                 cells.append("not run")
             elif any(x.multiplier is None for x in reached):
@@ -248,7 +246,7 @@ def tokens_to_reach_table(rungs: Sequence[Rung], data: Dict[str, Dict]) -> str:
     if not rows:
         return ""
     return "\n".join([f"Tokens to reach sync's final validation loss, over sync's: each point trained again on "
-                      f"{' and '.join(f'{s:g}x' for s in BUDGET_SCALES)} the tokens with its schedule stretched, "
+                      f"{', '.join(f'{s:g}x' for s in BUDGET_SCALES)} the tokens with its schedule stretched, "
                       f"interpolated between the budgets that bracket sync's loss (linearly in log tokens; "
                       f"tools/benchmarks/quality/token_budgets.py); median [min, max] over the seeds (after the "
                       f"slash).", "", "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |",

@@ -6,9 +6,10 @@ bound for its time (tools/planning/evidence.py). A *budget point* trains the sam
 `scale` times the tokens, with the whole schedule stretched (iterations, warm-up, cosine
 decay: the recipe a user would run for that many tokens), from the same seed, on data still
 read once. Where the final validation losses at scales 1 (the point itself), 1.25 and 1.5
-bracket sync's, the multiplier is interpolated between the two that bracket it, linearly in
-log tokens; where none reaches it, the largest scale is a lower bound. Nothing beyond the
-largest scale run is extrapolated.
+bracket sync's (scales 1.25, 1.5 and 2), the multiplier is interpolated between the two that
+bracket it, linearly in log tokens; where none reaches it, the largest scale run is a lower
+bound. Nothing beyond the largest scale run is extrapolated; a seed counts with the scales it
+has run (a scale added later lowers no bound until it has run).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tools.benchmarks.recipes import Point
 
-BUDGET_SCALES = (1.25, 1.5)
+BUDGET_SCALES = (1.25, 1.5, 2.0)
 # The points trained longer: the defaults a user is pointed to (diloco with plain averaging at
 # H = 30, streaming-diloco at H = 30); dilocox, +7-15% at one budget, would need more than 1.5x.
 BUDGET_BASES = ("diloco-H30-avg", "streaming-diloco-H30")
@@ -83,3 +84,16 @@ def tokens_to_reach(gaps: Dict[float, float]) -> Reach:
             return Reach(math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0))))
         prev = (scale, gap)
     return Reach(None, at_least=ordered[-1][0])
+
+
+def reach_per_seed(runs_by_scale: Dict[float, Dict[str, Dict]], sync: Dict[str, Dict]) -> Dict[str, Reach]:
+    """Per seed that ran the point itself (scale 1) and at least one longer budget, against
+    sync's run of that seed: tokens_to_reach over the scales that seed has run, from the
+    final validation losses (runs: {"valid": [...]})."""
+    out = {}
+    for seed in sorted(sync):
+        have = {k: runs[seed] for k, runs in runs_by_scale.items() if seed in runs}
+        if 1.0 not in have or len(have) < 2 or not sync[seed].get("valid"):
+            continue
+        out[seed] = tokens_to_reach({k: run["valid"][-1] / sync[seed]["valid"][-1] - 1.0 for k, run in have.items()})
+    return out
