@@ -470,7 +470,9 @@ def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeyp
     for argv in longer:
         n = int(argv[len(argv) - 1 - argv[::-1].index("--train-iters") + 1])
         warmup = int(argv[len(argv) - 1 - argv[::-1].index("--lr-warmup-iters") + 1])
+        evaluated = int(argv[len(argv) - 1 - argv[::-1].index("--eval-interval") + 1])
         assert n in (round(iters * 1.25), round(iters * 1.5), iters * 2) and warmup == n // 20
+        assert evaluated == n  # the one evaluation at the run's end, not at the rung's iterations
     page = json.load(open(tmp_path / "quality-ladder-S.json"))
     assert page["budgets"]["diloco-H30-avg-x1.25"] == {"base": "diloco-H30-avg", "scale": 1.25}
     assert sorted(page["budgets"]) == ["diloco-H30-avg-x1.25", "diloco-H30-avg-x1.5", "diloco-H30-avg-x2",

@@ -33,9 +33,11 @@ def budget_label(base: str, scale: float) -> str:
 
 def budget_points(points: Sequence[Point], train_iters: int, scales: Sequence[float] = BUDGET_SCALES,
                   bases: Sequence[str] = BUDGET_BASES) -> List[Point]:
-    """Each base point at each scale of the tokens: --train-iters and its warm-up (a twentieth, as
-    lsgd_quality.base_argv sets it) scaled; the cosine decay follows --train-iters. The flags come
-    after the run's own, so they are the ones argparse keeps."""
+    """Each base point at each scale of the tokens: --train-iters, its warm-up (a twentieth, as
+    lsgd_quality.base_argv sets it) and the evaluation interval (the ladder evaluates once, at
+    the end: left at the rung's iterations, a longer run would be judged mid-schedule) scaled;
+    the cosine decay follows --train-iters. The flags come after the run's own, so they are the
+    ones argparse keeps."""
     out = []
     for pt in points:
         if pt.label not in bases:
@@ -43,7 +45,8 @@ def budget_points(points: Sequence[Point], train_iters: int, scales: Sequence[fl
         for scale in scales:
             iters = round(train_iters * scale)
             out.append(Point(budget_label(pt.label, scale), FAMILY,
-                             pt.flags + ["--train-iters", str(iters), "--lr-warmup-iters", str(iters // 20)]))
+                             pt.flags + ["--train-iters", str(iters), "--lr-warmup-iters", str(iters // 20),
+                                         "--eval-interval", str(iters)]))
     return out
 
 
