@@ -13,7 +13,8 @@ communication and the cross-site bytes per step. Memory per GPU comes from the l
 where it was measured (tools/planning/evidence.py). The ranking is by predicted time to
 sync's loss: time per step x steps x the measured token multiplier; for an algorithm without a
 measured multiplier (it did not reach sync's loss where it was measured) that is only a lower
-bound (x 1, or x the most tokens it was trained on without reaching it), shown with ">=". The job is given by flags or by a TOML file in the
+bound (x 1, or x the most tokens it was trained on without reaching it), shown with ">=".
+The job is given by flags or by a TOML file in the
 leaderboard's scenario format with [model] and [job] tables (tools/planning/job.py); flags
 given beside --job override it. docs/planning.md has worked examples.
 

@@ -5,10 +5,10 @@ its training curve never reaches sync's final loss and the planner could only gi
 bound for its time (tools/planning/evidence.py). A *budget point* trains the same point on
 `scale` times the tokens, with the whole schedule stretched (iterations, warm-up, cosine
 decay: the recipe a user would run for that many tokens), from the same seed, on data still
-read once. Where the final validation losses at scales 1 (the point itself), 1.25 and 1.5
-bracket sync's (scales 1.25, 1.5 and 2), the multiplier is interpolated between the two that
-bracket it, linearly in log tokens; where none reaches it, the largest scale run is a lower
-bound. Nothing beyond the largest scale run is extrapolated; a seed counts with the scales it
+read once, evaluated once at its own end. Where the final validation losses at scale 1 (the
+point itself) and its longer budgets (1.25, 1.5, 2) bracket sync's, the multiplier is
+interpolated between the two that bracket it, linearly in log tokens; where none reaches it,
+the largest scale run is a lower bound. Nothing beyond the largest scale run is extrapolated; a seed counts with the scales it
 has run (a scale added later lowers no bound until it has run).
 """
 
@@ -22,7 +22,7 @@ from tools.benchmarks.recipes import Point
 
 BUDGET_SCALES = (1.25, 1.5, 2.0)
 # The points trained longer: the defaults a user is pointed to (diloco with plain averaging at
-# H = 30, streaming-diloco at H = 30); dilocox, +7-15% at one budget, would need more than 1.5x.
+# H = 30, streaming-diloco at H = 30); dilocox (+7-15% at one budget) is left out for now.
 BUDGET_BASES = ("diloco-H30-avg", "streaming-diloco-H30")
 FAMILY = "budget"
 
