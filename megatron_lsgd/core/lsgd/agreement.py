@@ -21,6 +21,15 @@ def agree_in_site(values: torch.Tensor, pgs, op=dist.ReduceOp.SUM) -> int:
     return ranks
 
 
+def failed_anywhere_in_site(ok: bool, pgs, device: torch.device) -> bool:
+    """Whether this rank or any other of its site saw a failure (`ok` False): an elastic
+    round's cross-site collectives may fail on some of a site's links only, and the site's
+    ranks, whose later collectives inside the site follow the outcome, must all act on it."""
+    failed = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=device)
+    agree_in_site(failed, pgs, dist.ReduceOp.MAX)
+    return bool(failed.item())
+
+
 def agree_max_in_job(values: torch.Tensor, pgs, comm, lanes=()) -> None:
     """Element-wise maximum over every rank of the job, in place: inside the site, then across
     sites (each rank then holds its site's maximum, so the inter-site group completes it).

@@ -72,7 +72,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lsgd.core.lsgd.agreement import agree_in_site
+from megatron_lsgd.core.lsgd.agreement import failed_anywhere_in_site
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.deadlines import Deadlines
 from megatron_lsgd.core.lsgd.algorithms.dreamddp.plan import (Plan, StagePlan, build_plan, format_plan,
                                                    read_schedule_file)
@@ -427,10 +427,8 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         """Whether the round can still commit on every rank of the site: asked before the
         schedule acts on agreed values, so that the site's ranks, whose later collectives
         inside the site follow those values, all act or all skip (one failed link suffices)."""
-        failed = torch.tensor([0.0 if self.ctx.membership.within(self.round, lambda: True, False) else 1.0],
-                              dtype=torch.float64, device=self.device)
-        agree_in_site(failed, self.ctx.pgs, dist.ReduceOp.MAX)
-        return not failed.item()
+        return not failed_anywhere_in_site(self.ctx.membership.within(self.round, lambda: True, False), self.ctx.pgs,
+                                           self.device)
 
     def _round_comm(self) -> RoundComm:
         return RoundComm(self.ctx.comm, self.ctx.membership, self.round)
@@ -462,7 +460,7 @@ class DreamDDP(SynchronousWarmup, Synchronizer):
         quorum under --lsgd-ft-digests; from the first ask on, every average is hashed)."""
         self.digesting = True
         text = "".join(f"{n}:{self.averaged_digests.get(n, '')};" for n in self.names)
-        return [torch.tensor(list(text.encode()), dtype=torch.uint8)]
+        return [torch.tensor(list(text.encode()), dtype=torch.uint8)]  # host bytes, only hashed (never sent)
 
     def exchange_due(self) -> bool:
         return self.due

@@ -59,7 +59,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_lsgd.core.lsgd.agreement import agree_in_site
+from megatron_lsgd.core.lsgd.agreement import agree_in_site, failed_anywhere_in_site
 from megatron_lsgd.core.lsgd.algorithms.edit.edit import EDiT, EDiTOptions
 from megatron_lsgd.core.options import option
 from megatron_lsgd.core.lsgd.protocol import Meeting, Progress, Stop, SyncContext, stop_at_meeting
@@ -252,10 +252,8 @@ class AEDiT(EDiT):
             return True
 
         # every rank of the site decides alike, even when only some of its links failed
-        failed = torch.tensor([0.0 if membership.within(self.round, gather, False) else 1.0], dtype=torch.float64,
-                              device=self.device)
-        self._site_vote(failed)
-        if failed.item():  # the meeting is lost: the round is not committed, every unit back at its anchor
+        if failed_anywhere_in_site(membership.within(self.round, gather, False), self.ctx.pgs, self.device):
+            # the meeting is lost: the round is not committed, every unit back at its anchor
             self._decide()
             return None
         rows = dict(zip(order, out.view(len(order), _FIELDS).tolist()))

@@ -75,7 +75,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_lsgd.core.lsgd.agreement import agree_in_site
+from megatron_lsgd.core.lsgd.agreement import failed_anywhere_in_site
 from megatron_lsgd.core.lsgd.compressors import CompressorBank
 from megatron_lsgd.core.lsgd.algorithms.edit.penalty import PARTS, Decision, Penalty, clip_coefficient, parse_parts
 from megatron_lsgd.core.lsgd.algorithms.edit.round import RoundUndo, SyncWork
@@ -349,10 +349,7 @@ class EDiT(SynchronousWarmup, Synchronizer):
 
         # every rank of the site decides alike (its collectives depend on the decisions), even
         # when only some of the site's links failed
-        failed = torch.tensor([0.0 if self.ctx.membership.within(self.round, gather, False) else 1.0],
-                              dtype=torch.float64, device=self.device)
-        agree_in_site(failed, self.ctx.pgs, dist.ReduceOp.MAX)
-        if failed.item():
+        if failed_anywhere_in_site(self.ctx.membership.within(self.round, gather, False), self.ctx.pgs, self.device):
             return None
         norms = [[math.inf] * k for _ in range(self.num_sites)]
         for site, row in zip(order, out.view(len(order), k).sqrt().tolist()):
