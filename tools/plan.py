@@ -14,6 +14,8 @@ where it was measured (tools/planning/evidence.py). The ranking is by predicted 
 sync's loss: time per step x steps x the measured token multiplier; for an algorithm without a
 measured multiplier (it did not reach sync's loss where it was measured) that is only a lower
 bound (x 1, or x the most tokens it was trained on without reaching it), shown with ">=".
+Rows with a measured time rank first; the bounds follow, each with the multiplier below which
+it would beat the first row.
 The job is given by flags or by a TOML file in the
 leaderboard's scenario format with [model] and [job] tables (tools/planning/job.py); flags
 given beside --job override it. docs/planning.md has worked examples.
@@ -279,7 +281,7 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
                      "seconds_to_sync_loss_is_lower_bound": q["multiplier"] is None,
                      "pretrain_gpt_flags": pretrain_flags(job, pace),
                      "warnings": warnings_for(job, pace, mem.total, paces.get("sync"))})
-    rows.sort(key=lambda r: r["seconds_to_sync_loss"])
+    rank(rows)
     return {"job": {"description": job.description, "sites": job.sites, "gpus_per_site": job.gpus_per_site,
                     "rate_mbit": job.rate_mbit, "latency_ms": job.latency_ms, "site_factors": job.site_factors,
                     "params": job.params, "tokens_per_step": job.tokens_per_step, "total_tokens": job.total_tokens,
@@ -291,11 +293,44 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
                       "stand-in GPT, cross-site bytes scaled to the target"}
 
 
+def rank(rows: List[Dict]) -> None:
+    """Rows whose time to sync's loss is measured first, fastest first; then the lower bounds, by
+    their bound. A bound says nothing of how much longer the row takes, so ranking it by its
+    bound above a measured row would recommend a row that may never reach sync's loss over one
+    that does (dilocox ends +13.6% above it at 20 tokens per parameter). Each bound row gets the
+    token multiplier below which it would beat the first row (`beats_first_below`); where its
+    bound already exceeds that, it cannot (`beats_first` False; None where its quality is
+    unmeasured)."""
+    rows.sort(key=lambda r: (r["seconds_to_sync_loss_is_lower_bound"], r["seconds_to_sync_loss"]))
+    first = rows[0] if rows and not rows[0]["seconds_to_sync_loss_is_lower_bound"] else None
+    for r in rows:
+        if first is None or not r["seconds_to_sync_loss_is_lower_bound"]:
+            continue
+        q = r["quality"]
+        # measured not to reach sync's loss at x 1 (or at its largest budget): it needs more than that
+        bound = q.get("at_least") or (1.0 if "final_gap" in q else None)
+        tie = first["seconds_to_sync_loss"] / r["train_seconds"]
+        r["beats_first_below"] = tie
+        r["beats_first"] = None if bound is None else tie > bound  # None: unmeasured, nothing known
+
+
 def _duration(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{seconds / size:.3g} {unit}"
     return f"{seconds:.3g} s"
+
+
+def _beats_first(row: Dict) -> str:
+    if "beats_first_below" not in row:
+        return ""
+    tie = f"{row['beats_first_below']:.3g}"
+    if row["beats_first"] is None:
+        return f"{tie} (quality unmeasured)"
+    if row["beats_first"]:
+        return tie
+    q = row["quality"]
+    return f"no (needs > {q.get('at_least') or 1:g}, ties at {tie})"
 
 
 def _differing_rows(rows: List[Dict], key: str) -> List[Dict]:
@@ -326,8 +361,9 @@ def table(result: Dict) -> str:
     lines += [f"note: {n}" for n in job["notes"]]
     lines += [f"timing: {result['timing']}", "",
               "| rank | algorithm | s/step | exposed comm s/step | cross-site GB/step | cross-site TB/run | "
-              "GiB/GPU | time for the tokens | tokens x to sync's loss | time to sync's loss |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "GiB/GPU | time for the tokens | tokens x to sync's loss | time to sync's loss | "
+              "beats rank 1 below tokens x |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(result["rows"], 1):
         q = r["quality"]
         mult = f"{q['multiplier']:.2f}" if q["multiplier"] is not None else \
@@ -336,7 +372,8 @@ def table(result: Dict) -> str:
         to = (">= " if r["seconds_to_sync_loss_is_lower_bound"] else "") + _duration(r["seconds_to_sync_loss"])
         lines.append(f"| {i} | {r['label']} | {r['seconds_per_step']:.4g} | {r['exposed_comm_seconds_per_step']:.4g} "
                      f"| {r['cross_site_bytes_per_step'] / 1e9:.4g} | {r['cross_site_bytes_per_run'] / 1e12:.4g} "
-                     f"| {r['memory_total_gib']:.1f} | {_duration(r['train_seconds'])} | {mult} | {to} |")
+                     f"| {r['memory_total_gib']:.1f} | {_duration(r['train_seconds'])} | {mult} | {to} "
+                     f"| {_beats_first(r)} |")
     lines += ["", "quality evidence (per algorithm: the measurement nearest this job; a grid row's settings are "
                   "its pace's, its multiplier the measured point's):"]
     for r in _differing_rows(result["rows"], "quality"):
@@ -361,15 +398,20 @@ def table(result: Dict) -> str:
         lines += ["", "warnings:"] + [f"- {a}: {w}" for a, w in warned]
     if result["rows"]:
         best = result["rows"][0]
+        bounds = [r for r in result["rows"] if r["seconds_to_sync_loss_is_lower_bound"]]
         if best["seconds_to_sync_loss_is_lower_bound"]:
             lines += ["", f"note: {best['label']}'s time to sync's loss is a lower bound: where it was measured it "
-                          f"did not reach sync's loss (see its quality evidence)"]
-            gaps = sorted((r["quality"]["final_gap"], r["label"]) for r in _differing_rows(result["rows"], "quality")
-                          if r["seconds_to_sync_loss_is_lower_bound"] and "final_gap" in r["quality"])
-            if len(gaps) > 1:  # lower bounds rank by their tokens' time alone: say what each gives up
-                lines.append("note: rows with a lower bound are ranked by the time for the tokens alone; the loss "
-                             "each ended at, against sync's, where measured: "
-                             + ", ".join(f"{label} {100 * gap:+.1f}%" for gap, label in gaps))
+                          f"did not reach sync's loss (see its quality evidence); no row's time is measured"]
+        elif bounds:
+            lines += ["", f"note: rows with a lower bound (>=) rank after every measured one, by their bound; the "
+                          f"last column is the token multiplier below which each would beat {best['label']}, "
+                          f"'no' where its measured bound already exceeds it"]
+        gaps = sorted((r["quality"]["final_gap"], r["label"]) for r in _differing_rows(bounds, "quality")
+                      if "final_gap" in r["quality"])
+        if len(gaps) > 1:  # lower bounds rank by their tokens' time alone: say what each gives up
+            lines.append("note: rows with a lower bound are ranked by the time for the tokens alone; the loss "
+                         "each ended at, against sync's, where measured: "
+                         + ", ".join(f"{label} {100 * gap:+.1f}%" for gap, label in gaps))
         lines += ["", f"recommended ({best['label']}), on every site:",
                   f"  python pretrain_gpt.py <model and data flags> {best['pretrain_gpt_flags']}"]
     return "\n".join(lines)

@@ -507,6 +507,44 @@ def test_lower_bounds_say_what_loss_each_gave_up():
     assert "the loss each ended at" not in one
 
 
+def test_a_measured_time_ranks_above_every_lower_bound_and_each_bound_says_what_it_must_beat():
+    """A bound ranked by its bound above a measured row would recommend a row that may never reach
+    sync's loss (example 1 recommended dilocox, +13.6% at 1x) over one measured to: measured rows
+    come first, and each bound row says below which multiplier it would beat the first."""
+    import plan
+
+    def row(label, train_seconds, multiplier=None, gap=None, at_least=None):
+        q = {"multiplier": multiplier, "source": "q.json", "far": []}
+        q.update({} if gap is None else {"final_gap": gap})
+        q.update({} if at_least is None else {"at_least": at_least})
+        return {"algorithm": label, "label": label, "seconds_per_step": 1.0, "exposed_comm_seconds_per_step": 0.0,
+                "cross_site_bytes_per_step": 0.0, "cross_site_bytes_per_run": 0.0, "memory_total_gib": 1.0,
+                "memory_gib": {"weights": 1.0}, "train_seconds": train_seconds,
+                "seconds_to_sync_loss": train_seconds * (multiplier or at_least or 1.0),
+                "seconds_to_sync_loss_is_lower_bound": multiplier is None, "warnings": [],
+                "pretrain_gpt_flags": f"--lsgd-algorithm {label}", "quality": q}
+
+    rows = [row("sync", 1000.0, 1.0), row("dilocox", 10.0, gap=0.136), row("diloco", 20.0, 1.2),
+            row("streaming-diloco", 18.0, gap=0.035, at_least=1.5), row("cocodc", 25.0, gap=0.04),
+            row("edit", 5.0)]
+    plan.rank(rows)
+    assert [r["label"] for r in rows] == ["diloco", "sync", "edit", "dilocox", "cocodc", "streaming-diloco"]
+    by = {r["label"]: r for r in rows}
+    assert by["dilocox"]["beats_first_below"] == pytest.approx(2.4) and by["dilocox"]["beats_first"] is True
+    assert by["cocodc"]["beats_first"] is False  # diloco's 24 s is under its 25 s x (more than 1)
+    assert by["streaming-diloco"]["beats_first"] is False  # ties at 1.33x, measured to need more than 1.5x
+    assert by["edit"]["beats_first"] is None and "beats_first" not in by["sync"]
+    job = {"sites": 2, "gpus_per_site": [8, 8], "rate_mbit": [1000.0] * 2, "latency_ms": [30.0] * 2,
+           "site_factors": [1.0] * 2, "params": 1e9, "tokens_per_step": 1e5, "total_tokens": 2e10, "steps": 1,
+           "tensor_parallel": [1, 1], "pipeline_parallel": [1, 1], "recompute": "selective", "notes": []}
+    text = plan.table({"job": job, "timing": "t", "rows": rows})
+    lines = {line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| ") and "|---" not in line}
+    assert lines["dilocox"].endswith("| 2.4 |") and lines["edit"].endswith("| 4.8 (quality unmeasured) |")
+    assert lines["streaming-diloco"].endswith("| no (needs > 1.5, ties at 1.33) |")
+    assert lines["cocodc"].endswith("| no (needs > 1, ties at 0.96) |") and lines["diloco"].endswith("| 24 s |  |")
+    assert "recommended (diloco)" in text and "rank after every measured one" in text
+
+
 def test_budget_points_give_the_multiplier_or_a_measured_lower_bound(tmp_path):
     """A point that does not reach sync's loss takes the multiplier its runs on more tokens
     measure (sync's final validation loss reached between two budgets), or, where none reached
