@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 if __package__:  # python -m tools.plan, python -m tools.bench plan: the checkout is on the path
     from tools import _bootstrap
@@ -44,7 +44,8 @@ from tools.benchmarks.recipes import ALGORITHMS
 from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
 from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
-from tools.planning.pilots import Pace, base_pilot, grid, ranks_output_to, run_pilots
+from tools.planning.pilots import (GRID_COMPRESSION, GRID_COMPRESSIONS, Pace, base_pilot, grid, ranks_output_to,
+                                   run_pilots)
 
 EVIDENCE = os.path.join(_bootstrap.REPO_ROOT, "results", "quality*.json")  # the quality pages' raw JSON
 
@@ -84,9 +85,13 @@ def parser() -> cli.ArgumentParser:
                    help="also a row for each setting moved away from the recommended ones, one at a time: a "
                         "round-based algorithm at half and twice its H; streaming-diloco and cocodc at 1 and 4 "
                         "fragments (where they cut H into slots longer than tau); an algorithm that takes a "
-                        "compressor at int4 (dilocox: uncompressed; with sites of different sizes only where the algorithm "
-                        "weights it by tokens). Not the "
+                        "compressor at each of --grid-compressions (dilocox, recommended int4: also uncompressed; with sites "
+                        "of different sizes only where the algorithm weights it by tokens). Not the "
                         "inter-site backend: the simulated clock charges nccl and gloo alike")
+    p.add_argument("--grid-compressions", type=_names, default=",".join(GRID_COMPRESSION), metavar="LIST",
+                   help=f"with --grid, the compressors tried on what takes one (comma-separated, of "
+                        f"{', '.join(GRID_COMPRESSIONS)}; default %(default)s). Not lowrank-int4: its bytes follow "
+                        "the matrices' shapes, which the stand-in's do not share with your model's")
     p.add_argument("--evidence", default=EVIDENCE, help="glob of quality JSON files (quality_frontier.py's)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-': stdout, no table)")
     return p
@@ -97,6 +102,10 @@ def _ints(text: str) -> List[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise cli.argparse.ArgumentTypeError(f"{text!r} is not a whole number or a comma-separated list of them")
+
+
+def _names(text: str) -> List[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _floats(text: str) -> List[float]:
@@ -237,7 +246,7 @@ def memory_for(job: Job, algorithm: str, compression: str, microbatches: int):
 
 
 def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_glob: str, log_path: str,
-         with_grid: bool = False) -> Dict:
+         with_grid: bool = False, compressions: Sequence[str] = GRID_COMPRESSION) -> Dict:
     evidence = load_all(evidence_glob)
     refused = refusals(job, algorithms)
     algorithms = [a for a in algorithms if a not in refused]
@@ -254,7 +263,7 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         with ranks_output_to(log_path):
             # sites of different layouts exchange in the layout-free form, which is not compressed
             uncompressed = job.mixed_layouts
-            pilots = grid(algorithms, scenario, uncompressed) if with_grid else \
+            pilots = grid(algorithms, scenario, uncompressed, compressions) if with_grid else \
                 [base_pilot(a, scenario, uncompressed) for a in algorithms]
             paces = run_pilots(algorithms, path, scenario, pilot_steps, progress=say, pilots=pilots)
     microbatches = job.microbatches()
@@ -424,13 +433,22 @@ def main(argv: Optional[List[str]] = None) -> None:
         unknown = [x for x in algorithms if x not in ALGORITHMS]
         if unknown:
             raise ValueError(f"--algorithms: {unknown[0]!r} is not one of {', '.join(ALGORITHMS)}")
+        bad = [c for c in a.grid_compressions if c not in GRID_COMPRESSIONS]
+        if bad or not a.grid_compressions:
+            why = " (its bytes follow the matrices' shapes, which the stand-in's do not share with the model's)" \
+                if "lowrank-int4" in bad else ""
+            raise ValueError(f"--grid-compressions: {bad[0] if bad else 'empty'!r} is not one of "
+                             f"{', '.join(GRID_COMPRESSIONS)}{why}")
+        if a.grid_compressions != list(GRID_COMPRESSION) and not a.grid:
+            raise ValueError("--grid-compressions: only with --grid (the rows it adds are grid rows)")
         if a.pilot_steps is not None and a.pilot_steps < 1:
             raise ValueError(f"--pilot-steps {a.pilot_steps}: must be >= 1")
         job = job_from_args(a)
         start = time.monotonic()
         log = os.path.join(tempfile.gettempdir(), f"plan-pilots-{os.getpid()}.log")
         print(f"> pilots on the simulated clock (their ranks' logs: {log})", file=sys.stderr)
-        result = plan(job, algorithms, a.pilot_steps, a.evidence, log, with_grid=a.grid)
+        result = plan(job, algorithms, a.pilot_steps, a.evidence, log, with_grid=a.grid,
+                      compressions=a.grid_compressions)
         result["real_seconds"] = round(time.monotonic() - start, 1)
         print(f"> planned in {result['real_seconds']} s of real time", file=sys.stderr)
         if a.json:

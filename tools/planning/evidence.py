@@ -10,7 +10,9 @@ the seeds of every figure, which label it wherever it is shown.
 The figure the planner needs is a multiplier: the tokens an algorithm needs to reach sync's
 final training loss, over sync's tokens (from the logged training curves, the mean over the
 seeds both ran). An algorithm that does not reach sync's loss within the measured run has no
-multiplier (`None`), only its final gap: nothing is extrapolated. Where the page also trained
+multiplier (`None`), only its final gap: nothing is extrapolated. Points whose label names a
+compressor (diloco-int4, dilocox-lowrank4) are not read: a figure stands for the algorithm's
+uncompressed exchange, which is what the planner's rows take (a compressed grid row included). Where the page also trained
 the point on more tokens (its budget points, tools/benchmarks/quality/token_budgets.py), the
 multiplier is the one those runs measure (sync's final validation loss reached between two
 budgets), or, where none reached it, at least the largest budget (`at_least`).
@@ -67,6 +69,17 @@ def algorithm_of(point: str) -> str:
     return point.split("-")[0]
 
 
+# label parts that name a compressed exchange (or another inner optimizer): such a point is the
+# algorithm with that compressor, not the algorithm as the planner's uncompressed row runs it
+COMPRESSED_MARKS = ("int4", "int8", "lowrank", "topk", "sparseloco", "muloco")
+
+
+def compressed(point: str) -> bool:
+    """Whether a quality page's point label names a compressor (diloco-int4, dilocox-lowrank4,
+    diloco-H200-int4): such points do not stand for their algorithm's uncompressed quality."""
+    return any(mark in point for mark in COMPRESSED_MARKS)
+
+
 def _flag(argv: Sequence[str], name: str, default=None):
     return argv[argv.index(name) + 1] if name in argv else default
 
@@ -111,8 +124,8 @@ def read_evidence(path: str) -> Evidence:
     budgets = data.get("budgets") or {}  # label -> {"base", "scale"}: the same point on more tokens
     figures: Dict[str, Figure] = {}
     for point, by_seed in results.items():
-        if point in budgets:
-            continue  # read with its base point (_with_budgets)
+        if point in budgets or compressed(point):
+            continue  # a budget: read with its base point (_with_budgets); a compressor's: not the algorithm's
         seeds = sorted(s for s in by_seed if s in sync and by_seed[s].get("train") and sync[s].get("train"))
         if not seeds:
             continue

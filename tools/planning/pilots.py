@@ -62,12 +62,15 @@ PILOT_SEQ = 1
 PILOT_SPEED = ("--seq-length", str(PILOT_SEQ), "--adam-kernel", "fused")
 # --grid: each round-based algorithm also at these multiples of the recommended H; the streaming
 # family also at these fragments (one: the whole model in one exchange; twice the stand-in's
-# layers: smaller exchanges each); a compressing algorithm also with int4 (its bytes per value
-# do not depend on the matrices' shapes, so the stand-in's scaled bytes are the target's;
-# lowrank-int4's do; int8 and topk-2bit are flags to try, not searched).
+# layers: smaller exchanges each); a compressing algorithm also with int4 by default, or any of
+# GRID_COMPRESSIONS (--grid-compressions): their bytes per value do not depend on the matrices'
+# shapes (quantization blocks and top-k chunks run across tensors), so the stand-in's scaled
+# bytes are the target's; lowrank-int4's do (its factors follow each matrix's shape), so it is
+# not offered.
 GRID_FACTORS = (0.5, 2.0)
 FRAGMENT_GRID = (1, 2 * LAYERS)
-GRID_COMPRESSION = "int4"
+GRID_COMPRESSIONS = ("int8", "int4", "topk-2bit")
+GRID_COMPRESSION = ("int4",)
 
 
 @dataclass
@@ -145,22 +148,22 @@ def fragment_points(algorithm: str, scenario: Scenario) -> List[Pilot]:
     return out
 
 
-def compression_points(algorithm: str, scenario: Scenario) -> List[Pilot]:
-    """An algorithm that takes a compressor at GRID_COMPRESSION when it sends uncompressed, and
-    uncompressed when it compresses (dilocox: what its int4 buys). Where the sites differ in
-    size, only a compressor the class weights by tokens (`unequal_sites_compressions`: the
-    others are refused by pretrain_gpt.py)."""
+def compression_points(algorithm: str, scenario: Scenario,
+                       kinds: Sequence[str] = GRID_COMPRESSION) -> List[Pilot]:
+    """An algorithm that takes a compressor with each of `kinds` but the one it is recommended
+    with, and uncompressed when it is recommended compressed (dilocox: what its int4 buys).
+    Where the sites differ in size, only a compressor the class weights by tokens
+    (`unequal_sites_compressions`: the others are refused by pretrain_gpt.py)."""
     from megatron_lsgd.core.lsgd.catalog import synchronizer_class
 
     cls = synchronizer_class(algorithm)
     if "compression" not in cls.uses:
         return []
-    kind = "none" if _value(recommended(algorithm, scenario), "--lsgd-compression", "none") != "none" \
-        else GRID_COMPRESSION
+    own = _value(recommended(algorithm, scenario), "--lsgd-compression", "none")
     unequal = scenario.replicas_per_site and len(set(scenario.replicas_per_site)) > 1
-    if unequal and kind != "none" and kind not in cls.unequal_sites_compressions:
-        return []
-    return [Pilot(algorithm, ["--lsgd-compression", kind], differs=[f"compression={kind}"])]
+    out = ["none"] if own != "none" else []
+    out += [k for k in kinds if k != own and not (unequal and k not in cls.unequal_sites_compressions)]
+    return [Pilot(algorithm, ["--lsgd-compression", kind], differs=[f"compression={kind}"]) for kind in out]
 
 
 def base_pilot(algorithm: str, scenario: Scenario, uncompressed: bool = False) -> Pilot:
@@ -171,12 +174,14 @@ def base_pilot(algorithm: str, scenario: Scenario, uncompressed: bool = False) -
     return Pilot(algorithm)
 
 
-def grid(algorithms: Sequence[str], scenario: Scenario, uncompressed: bool = False) -> List[Pilot]:
+def grid(algorithms: Sequence[str], scenario: Scenario, uncompressed: bool = False,
+         compressions: Sequence[str] = GRID_COMPRESSION) -> List[Pilot]:
     """Each algorithm at its recommended settings, and one setting at a time away from them: a
     round-based one at GRID_FACTORS x its H (whole fragments, with the flags that follow H as its
     recipe sets them there: the streaming family's tau, a-edit's interval of H steps' time), the
     streaming family at FRAGMENT_GRID fragments, a compressing one with its compression switched
-    (compression_points; `uncompressed`: never compressed, as base_pilot). Not the inter-site
+    to each of `compressions` or off (compression_points; `uncompressed`: never compressed, as
+    base_pilot). Not the inter-site
     backend: the clock's cost model does not read it."""
     h = recommended_interval(scenario)
     out = []
@@ -191,7 +196,7 @@ def grid(algorithms: Sequence[str], scenario: Scenario, uncompressed: bool = Fal
                                      differs=list(base.differs)))
         out += [Pilot(p.algorithm, p.extra + base.extra, p.interval, p.differs + base.differs, p.stand_in)
                 for p in fragment_points(algorithm, scenario)]
-        out += [] if uncompressed else compression_points(algorithm, scenario)
+        out += [] if uncompressed else compression_points(algorithm, scenario, compressions)
     return out
 
 
@@ -361,4 +366,4 @@ def run_pilots(algorithms: Sequence[str], scenario_path: str, scenario: Scenario
     return out
 
 
-__all__ = ["Pace", "Pilot", "base_pilot", "compression_points", "fragment_points", "grid", "pilot_steps", "ranks_output_to", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]
+__all__ = ["GRID_COMPRESSIONS", "Pace", "Pilot", "base_pilot", "compression_points", "fragment_points", "grid", "pilot_steps", "ranks_output_to", "run_pilot", "run_pilots", "LAYERS", "PILOT_SEQ"]

@@ -121,6 +121,8 @@ def test_every_committed_quality_page_loads():
     (["--job", "/no/such/job.toml"], "--job /no/such/job.toml"),
     (["--sites", "2", "--rate-mbit", "100", "--tokens-per-step", "8192", "--params", "1e9",
       "--sustained-tflops", "400", "--algorithms", "sync,nope"], "--algorithms"),
+    (["--sites", "2", "--grid", "--grid-compressions", "int4,lowrank-int4"], "the matrices' shapes"),
+    (["--sites", "2", "--grid-compressions", "int8"], "only with --grid"),
 ])
 def test_bad_input_is_one_error_line_naming_the_flag(argv, names, capsys):
     import plan
@@ -285,6 +287,15 @@ def test_a_grid_point_the_algorithm_would_refuse_is_not_run():
     assert [p.label for p in compression_points("diloco", unequal)] == ["diloco compression=int4"]
     assert [p.label for p in compression_points("dilocox", unequal)] == ["dilocox compression=none"]
     assert fragment_points("diloco", scenario) == []
+    # --grid-compressions: each one but the recommended; uncompressed where the recommended compresses
+    kinds = ("int8", "int4", "topk-2bit")
+    assert [p.label for p in compression_points("diloco", scenario, kinds)] == [
+        "diloco compression=int8", "diloco compression=int4", "diloco compression=topk-2bit"]
+    assert [p.label for p in compression_points("dilocox", scenario, kinds)] == [
+        "dilocox compression=none", "dilocox compression=int8", "dilocox compression=topk-2bit"]
+    assert [p.extra for p in compression_points("diloco", unequal, kinds)] == [
+        ["--lsgd-compression", "int8"], ["--lsgd-compression", "int4"]]
+    assert compression_points("sync", unequal, kinds) == []
 
 
 def test_a_stand_in_of_other_layers_charges_bytes_scaled_by_its_own_parameters():
@@ -602,3 +613,22 @@ def test_within_a_regime_a_measured_multiplier_beats_a_larger_models_not_reached
     toy = Evidence("toy.json", params=1.8e6, tokens=3 * 1.8e6, seeds=["1"], figures={"diloco": Figure(
         point="diloco", algorithm="diloco", multiplier=0.9, final_gap=-0.01, seeds=["1"])})
     assert nearest([toy, m], "diloco", 1e9, 20).path == "M.json"  # the regime first
+
+
+def test_a_compressors_point_does_not_stand_for_its_algorithm(tmp_path):
+    """The toy pages measured diloco with int4 too (diloco-H25-int4, diloco-int4): ending closer
+    to sync's loss, it was taken as diloco's figure, for rows that send uncompressed."""
+    from tools.planning.evidence import compressed
+
+    sync = [10.0 - 0.1 * i for i in range(20)]
+    runs = lambda end: {s: {"train": sync[:-1] + [end] * 5, "valid": [end]} for s in ("1",)}  # noqa: E731
+    page = {"argv": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length",
+                     "128", "--global-batch-size", "16", "--train-iters", "1000", "--swiglu"],
+            "sync": {"sync": {"1": {"train": sync, "valid": [8.1]}}},
+            "results": {"diloco-H25-int4": runs(8.2), "diloco-lr1.0-m0.0": runs(8.4), "dilocox-lowrank4": runs(8.3),
+                        "muloco-int4": runs(8.0)}}
+    path = tmp_path / "quality-x.json"
+    path.write_text(json.dumps(page))
+    e = read_evidence(str(path))
+    assert set(e.figures) == {"diloco"} and e.figures["diloco"].point == "diloco-lr1.0-m0.0"
+    assert compressed("sparseloco-d0.0156") and compressed("diloco-H200-int4") and not compressed("diloco-H100")
