@@ -118,6 +118,7 @@ class Recipe:
     frontier: Callable[[int, int], List[Point]] = _none
     ladder: Callable[[Sequence[float]], List[Point]] = _none
     claims: Callable[[], List[Point]] = _none
+    ladder_frontier: Callable[[], List[Point]] = _none
     board_variants: Dict[str, Tuple[Tuple[str, Tuple[str, ...]], ...]] = field(default_factory=dict)
     free_link: bool = False
 
@@ -137,6 +138,23 @@ def _diloco_frontier(interval: int, num_layers: int) -> List[Point]:
                                                                          "--optimizer", "muon"]))
     pts.append(Point("diloco-int4", "diloco x int4", h + PLAIN + ["--lsgd-compression", "int4"]))
     return pts
+
+
+def _diloco_ladder_frontier() -> List[Point]:
+    """Issue 24's compressors on the ladder (family "frontier", run on request), each on the
+    ladder's default, diloco with plain averaging at H = 30, so that the gap against
+    diloco-H30-avg is the compressor's: int4 (and at H = 100, toward 1000x fewer bytes),
+    topk-2bit at 1/64 (SparseLoCo), low-rank int4 at rank 8 (every rung's matrices are at least
+    48 wide), and MuLoCo (int4 with Muon inside the sites, against sync with Muon)."""
+    def point(label, family, flags, interval=30):
+        return Point(label, family, ["--lsgd-interval", str(interval)] + PLAIN + flags)
+
+    return [point("diloco-H30-int4", "frontier", ["--lsgd-compression", "int4"]),
+            point("diloco-H100-int4", "frontier", ["--lsgd-compression", "int4"], 100),
+            point("sparseloco-H30-d0.0156", "frontier", ["--lsgd-compression", "topk-2bit", "--lsgd-topk-density",
+                                                         str(1 / 64), "--lsgd-ef-decay", "0.95"]),
+            point("diloco-H30-lowrank8", "frontier", ["--lsgd-compression", "lowrank-int4", "--lsgd-rank", "8"]),
+            point("muloco-H30-int4", "frontier", ["--lsgd-compression", "int4", "--optimizer", "muon"])]
 
 
 def _diloco_ladder(outer_lrs: Sequence[float]) -> List[Point]:
@@ -190,7 +208,8 @@ DPU_WARMUP = "dpu (warm-up 100)"
 # In the leaderboard's order (its rows, its default --algorithms).
 RECIPES: Dict[str, Recipe] = {
     "sync": Recipe(default=_none, recommended=_none),
-    "diloco": Recipe(default=_outer, recommended=_board_outer, frontier=_diloco_frontier, ladder=_diloco_ladder),
+    "diloco": Recipe(default=_outer, recommended=_board_outer, frontier=_diloco_frontier, ladder=_diloco_ladder,
+                     ladder_frontier=_diloco_ladder_frontier),
     "dilocox": Recipe(
         default=_outer_x,
         variants=lambda k: {"dilocox-none": _outer_x(k),  # the default's older name
@@ -202,7 +221,10 @@ RECIPES: Dict[str, Recipe] = {
             Point(f"dilocox-lowrank{rank}", "dilocox x lowrank-int4",
                   ["--lsgd-interval", str(interval)] + PLAIN + ["--lsgd-compression", "lowrank-int4", "--lsgd-rank",
                                                                 str(rank)]) for rank in (4, 16)],
-        ladder=lambda outer_lrs: [Point("dilocox-H30", "dilocox", ["--lsgd-interval", "30"])]),
+        ladder=lambda outer_lrs: [Point("dilocox-H30", "dilocox", ["--lsgd-interval", "30"])],
+        # its recommended setting (the planner's dilocox row), against dilocox-H30 for what int4 costs
+        ladder_frontier=lambda: [Point("dilocox-H30-int4", "frontier",
+                                       ["--lsgd-interval", "30", "--lsgd-compression", "int4"])]),
     "streaming-diloco": Recipe(
         default=lambda k: ["--lsgd-fragment-update-alpha", str(k.alpha)] + _outer(k) + _fragments(k),
         recommended=lambda s, h: _board_outer(s, h) + _board_fragments(h),
@@ -292,7 +314,7 @@ def quality_runs(k) -> Dict[str, List[str]]:
 
 
 def points(study: str, *args) -> List[Point]:
-    """Every recipe's points of a quality study ("frontier", "ladder" or "claims"; `args` those of
+    """Every recipe's points of a quality study ("frontier", "ladder", "claims" or "ladder_frontier"; `args` those of
     the recipe's function), in the table's order, each run's flags --lsgd-algorithm first."""
     return [Point(p.label, p.family, ["--lsgd-algorithm", name] + p.flags)
             for name, r in RECIPES.items() for p in getattr(r, study)(*args)]

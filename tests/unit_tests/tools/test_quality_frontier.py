@@ -242,6 +242,9 @@ def test_a_pages_runs_are_kept_under_results_and_smoke_runs_apart(tmp_path):
     assert qf.default_cache_dir(page, smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke")
     assert qf.default_doc(smoke=False) == os.path.join(qf.ROOT, "docs", "quality.md")
     assert qf.default_doc(smoke=True) == os.path.join(qf.ROOT, "runs", "quality_smoke", "quality.md")
+    # a rung's smoke run (--ladder S --smoke) once wrote over docs/quality-ladder-S.md and its JSON
+    assert qf.default_doc(smoke=False, rung="S") == os.path.join(qf.ROOT, "docs", "quality-ladder-S.md")
+    assert qf.default_doc(smoke=True, rung="S") == os.path.join(qf.ROOT, "runs", "quality_smoke", "quality-ladder-S.md")
     # a page in docs/ keeps its raw JSON under results/ (same path), one elsewhere beside it
     assert qf.page_json(os.path.join(qf.ROOT, "docs", "quality.md")) == os.path.join(qf.ROOT, "results", "quality.json")
     assert qf.page_json(os.path.join(qf.ROOT, "docs", "quality.md"), "gpu-study") == \
@@ -344,10 +347,13 @@ def test_every_ladder_and_claim_point_is_a_valid_run(rung):
     base = ["--num-layers", str(r.num_layers), "--hidden-size", str(r.hidden_size), "--num-attention-heads", "4",
             "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters",
             str(qf.ladder_train_iters(r)), "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--num-sites", "2"]
-    for point in qf.ladder_points() + qf.ladder_claim_points() + qf.budget_points(qf.ladder_points(),
-                                                                                  qf.ladder_train_iters(r)):
+    for point in qf.ladder_points() + qf.on_request_points(qf.ladder_train_iters(r)):
         build_config(parse_args(base + point.flags), 2)
-    assert not {p.family for p in qf.ladder_points()} & {"claims", "budget"}
+    assert not {p.family for p in qf.ladder_points()} & {"claims", "budget", "frontier"}
+    frontier = {p.label: p.flags for p in qf.ladder_frontier_points()}
+    assert {"diloco-H30-int4", "sparseloco-H30-d0.0156", "diloco-H30-lowrank8", "muloco-H30-int4",
+            "dilocox-H30-int4"} <= set(frontier)
+    assert qf.reference_of(qf.Point("m", "frontier", frontier["muloco-H30-int4"])) == "sync --optimizer muon"
 
 
 def test_the_larger_rungs_run_the_outer_lr_carried_from_rung_s():

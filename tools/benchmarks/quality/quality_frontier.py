@@ -33,8 +33,9 @@ ladder's points, and its page docs/quality-ladder-RUNG.md, its cells in results/
         --tokenizer-model data/docs-corpus/docs_corpus_sp4k.model
 
 `--points` picks points by label or family (comma-separated; default all; with `--ladder`,
-the rung's own points, plus the points run on request (`--points claims`, `--points budget`:
-diloco and streaming-diloco at 1.25x, 1.5x and 2x the tokens, token_budgets.py) that the cache
+the rung's own points, plus the points run on request (`--points claims`, `--points frontier`:
+issue 24's compressors on diloco-H30-avg and dilocox's int4, `--points budget`: diloco and
+streaming-diloco at 1.25x, 1.5x and 2x the tokens, token_budgets.py) that the cache
 already holds, read from it and never trained by the default command); `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags, with every argument they resolve to: one made under other defaults is
@@ -164,6 +165,19 @@ def ladder_claim_points() -> List[Point]:
     return recipe_points("claims")
 
 
+def ladder_frontier_points() -> List[Point]:
+    """Issue 24's compressors at a rung (run with `--points frontier`): int4 at H = 30 and 100,
+    topk-2bit (SparseLoCo), low-rank int4, MuLoCo on diloco with plain averaging, and dilocox's
+    recommended int4 (recipes.py)."""
+    return recipe_points("ladder_frontier")
+
+
+def on_request_points(train_iters: int) -> List[Point]:
+    """A rung's points that its default command does not train (claims, compressors, budgets):
+    run with `--points FAMILY`, then kept on the rung's page from the cache."""
+    return ladder_claim_points() + ladder_frontier_points() + budget_points(ladder_points(), train_iters)
+
+
 def ladder_page(rung: str, docs_dir: str = os.path.join(ROOT, "docs")) -> str:
     return os.path.join(docs_dir, f"quality-ladder-{rung}.md")
 
@@ -201,18 +215,19 @@ def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
         lines.append(f"| {r.name} | {r.num_layers} x {r.hidden_size} | {n['total'] / 1e6:.2f}M "
                      f"({n['non_embedding'] / 1e6:.3f}M) | {r.tokens_per_parameter} | {iters} ({iters // 30} / "
                      f"{iters // 100}) | {loss} | {len(losses)} |")
-    lines += ["", "Gap of the final validation loss to sync's of the same seed: median [min, max] over the seeds "
+    lines += ["", "Gap of the final validation loss to sync's of the same seed (with Muon for muloco: the same inner "
+                  "optimizer): median [min, max] over the seeds "
                   "(their number after the slash); docs-corpus read once, validation on 163,840 tokens of held-out "
                   "documents.", "",
               "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |",
               "|---|" + "---|" * len(rungs)]
-    for pt in ladder_points() + ladder_claim_points() + budget_points(ladder_points(), 1):
-        if pt.family in ("claims", "budget") and not any(data[r.name]["results"].get(pt.label) for r in rungs):
+    for pt in ladder_points() + on_request_points(1):
+        if pt not in ladder_points() and not any(data[r.name]["results"].get(pt.label) for r in rungs):
             continue  # a point on request not run at any rung: no row
         cells = []
         for r in rungs:
             runs = data[r.name]["results"].get(pt.label, {})
-            sync = data[r.name]["sync"].get(reference_name(SYNC), {})
+            sync = data[r.name]["sync"].get(reference_of(pt), {})  # MuLoCo's: sync with Muon
             gaps = [100.0 * (run["valid"][-1] / sync[seed]["valid"][-1] - 1.0) for seed, run in runs.items()
                     if seed in sync]
             cells.append(f"{_median_range(gaps)} /{len(gaps)}" if gaps else "not run")
@@ -256,9 +271,11 @@ def tokens_to_reach_table(rungs: Sequence[Rung], data: Dict[str, Dict]) -> str:
 SMOKE_DIR = os.path.join(ROOT, "runs", "quality_smoke")  # ignored: a smoke run measures nothing
 
 
-def default_doc(smoke: bool) -> str:
-    """docs/quality.md; a smoke run writes its table under SMOKE_DIR instead of over the page's."""
-    return os.path.join(SMOKE_DIR if smoke else os.path.join(ROOT, "docs"), "quality.md")
+def default_doc(smoke: bool, rung: Optional[str] = None) -> str:
+    """docs/quality.md, or a rung's docs/quality-ladder-RUNG.md; a smoke run writes its table
+    under SMOKE_DIR instead of over the page's (a ladder smoke once overwrote rung S's page)."""
+    name = "quality.md" if rung is None else os.path.basename(ladder_page(rung))
+    return os.path.join(SMOKE_DIR if smoke else os.path.join(ROOT, "docs"), name)
 
 
 def default_cache_dir(doc: str, smoke: bool) -> str:
@@ -576,7 +593,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.global_batch_size, args.eval_iters = LADDER_BATCH, LADDER_EVAL_ITERS
         args.train_iters = ladder_train_iters(rung)
         if args.doc is None:
-            args.doc = os.path.join(ROOT, "docs", f"quality-ladder-{rung.name}.md")
+            args.doc = default_doc(args.smoke, rung.name)
     if args.doc is None:
         args.doc = default_doc(args.smoke)
     if args.cache_dir is None:
@@ -586,7 +603,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.global_batch_size, args.eval_iters, args.interval = 8, 2, 10
     try:
         seeds = args.seeds
-        catalogue = ladder_points() + ladder_claim_points() + budget_points(ladder_points(), args.train_iters) \
+        catalogue = ladder_points() + on_request_points(args.train_iters) \
             if args.ladder is not None else default_points(args.interval, args.num_layers)
         wanted = args.points
         if wanted is None and args.ladder is not None:  # the rung's own points; claims and budgets on request
