@@ -41,7 +41,7 @@ from megatron_lsgd import cli
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import write_text
 from tools.benchmarks.recipes import ALGORITHMS
-from tools.planning.evidence import Evidence, far_beyond, load_all, nearest
+from tools.planning.evidence import Evidence, far_beyond, figure_key, load_all, nearest
 from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
 from tools.planning.pilots import (GRID_COMPRESSION, GRID_COMPRESSIONS, Pace, base_pilot, grid, ranks_output_to,
@@ -193,17 +193,23 @@ def pretrain_flags(job: Job, pace: Pace) -> str:
 
 
 def quality(job: Job, algorithm: str, evidence: List[Evidence], compression: str = "none") -> Dict:
-    """The measured token multiplier to reach sync's loss, with its provenance."""
-    if algorithm == "sync":
-        if compression != "none":  # a grid row: compressed gradients are not the reference
-            return {"multiplier": None, "source": f"sync with --lsgd-compression {compression}: not measured",
-                    "far": []}
+    """The measured token multiplier to reach sync's loss, with its provenance. A row with a
+    compressor takes only a point measured with that compressor: the uncompressed point's
+    multiplier would rank (and recommend) it as measured for a loss nobody measured."""
+    if algorithm == "sync" and compression == "none":
         return {"multiplier": 1.0, "source": "the reference (sync's loss is the target)", "far": []}
+    key = figure_key(algorithm, compression)
+    if algorithm == "sync":  # compressed gradients: not the reference, and never measured
+        return {"multiplier": None, "source": f"sync with --lsgd-compression {compression}: not measured", "far": []}
     tpp = job.total_tokens / job.params
-    e = nearest(evidence, algorithm, job.params, tpp)
+    e = nearest(evidence, key, job.params, tpp)
     if e is None:
-        return {"multiplier": None, "source": "no measured evidence for this algorithm", "far": []}
-    fig = e.figures[algorithm]
+        if compression == "none":
+            return {"multiplier": None, "source": "no measured evidence for this algorithm", "far": []}
+        plain = quality(job, algorithm, evidence)["source"]
+        return {"multiplier": None, "far": [],
+                "source": f"{algorithm} with --lsgd-compression {compression}: not measured (uncompressed: {plain})"}
+    fig = e.figures[key]
     return {"multiplier": fig.multiplier, "final_gap": fig.final_gap, "point": fig.point, "seeds": fig.seeds,
             "at_least": fig.at_least, "how": fig.how, "source": e.label(), "far": far_beyond(e, job.params, tpp)}
 

@@ -10,9 +10,9 @@ the seeds of every figure, which label it wherever it is shown.
 The figure the planner needs is a multiplier: the tokens an algorithm needs to reach sync's
 final training loss, over sync's tokens (from the logged training curves, the mean over the
 seeds both ran). An algorithm that does not reach sync's loss within the measured run has no
-multiplier (`None`), only its final gap: nothing is extrapolated. Points whose label names a
-compressor (diloco-int4, dilocox-lowrank4) are not read: a figure stands for the algorithm's
-uncompressed exchange, which is what the planner's rows take (a compressed grid row included). Where the page also trained
+multiplier (`None`), only its final gap: nothing is extrapolated. A point whose label names a
+compressor (diloco-int4, dilocox-lowrank4, sparseloco-d0.0156) is kept apart from its
+algorithm's uncompressed figure (`figure_key`): it stands only for a row with that compressor. Where the page also trained
 the point on more tokens (its budget points, tools/benchmarks/quality/token_budgets.py), the
 multiplier is the one those runs measure (sync's final validation loss reached between two
 budgets), or, where none reached it, at least the largest budget (`at_least`).
@@ -49,7 +49,7 @@ class Evidence:
     params: float
     tokens: float
     seeds: List[str]
-    figures: Dict[str, Figure]  # by algorithm: its best-measured point
+    figures: Dict[str, Figure]  # by figure_key (the algorithm, and its compressor if any): its best-measured point
 
     @property
     def tokens_per_param(self) -> float:
@@ -61,23 +61,36 @@ class Evidence:
 
 
 def algorithm_of(point: str) -> str:
-    """The algorithm a quality page's point label names (labels begin with it)."""
+    """The algorithm a quality page's point label names (labels begin with it; SparseLoCo is
+    diloco with topk-2bit)."""
     for name in ("streaming-diloco", "streaming", "a-edit", "dilocox", "diloco", "muloco", "cocodc", "dreamddp",
                  "acco", "dpu", "edit", "sparseloco"):
         if point.startswith(name):
-            return {"streaming": "streaming-diloco"}.get(name, name)
+            return {"streaming": "streaming-diloco", "sparseloco": "diloco"}.get(name, name)
     return point.split("-")[0]
 
 
-# label parts that name a compressed exchange (or another inner optimizer): such a point is the
-# algorithm with that compressor, not the algorithm as the planner's uncompressed row runs it
-COMPRESSED_MARKS = ("int4", "int8", "lowrank", "topk", "sparseloco", "muloco")
+# label parts that name a compressed exchange, and the compressor (first match): such a point is
+# the algorithm with that compressor, not the algorithm as an uncompressed row runs it
+COMPRESSION_MARKS = (("lowrank", "lowrank-int4"), ("sparseloco", "topk-2bit"), ("topk", "topk-2bit"),
+                     ("int4", "int4"), ("int8", "int8"))
+OTHER_INNER = ("muloco",)  # another inner optimizer (Muon): stands for no row the planner runs
+
+
+def compression_of(point: str) -> str:
+    """The compressor a quality page's point label names (diloco-int4, dilocox-lowrank4,
+    sparseloco-d0.0156, diloco-H200-int4), "none" where it names none."""
+    return next((kind for mark, kind in COMPRESSION_MARKS if mark in point), "none")
 
 
 def compressed(point: str) -> bool:
-    """Whether a quality page's point label names a compressor (diloco-int4, dilocox-lowrank4,
-    diloco-H200-int4): such points do not stand for their algorithm's uncompressed quality."""
-    return any(mark in point for mark in COMPRESSED_MARKS)
+    return compression_of(point) != "none" or point.startswith(OTHER_INNER)
+
+
+def figure_key(algorithm: str, compression: str = "none") -> str:
+    """Where Evidence.figures keeps an algorithm's figure: by its name uncompressed, else with
+    its compressor ("diloco compression=int4", the planner's grid row's label)."""
+    return algorithm if compression == "none" else f"{algorithm} compression={compression}"
 
 
 def _flag(argv: Sequence[str], name: str, default=None):
@@ -124,8 +137,8 @@ def read_evidence(path: str) -> Evidence:
     budgets = data.get("budgets") or {}  # label -> {"base", "scale"}: the same point on more tokens
     figures: Dict[str, Figure] = {}
     for point, by_seed in results.items():
-        if point in budgets or compressed(point):
-            continue  # a budget: read with its base point (_with_budgets); a compressor's: not the algorithm's
+        if point in budgets or point.startswith(OTHER_INNER):
+            continue  # a budget: read with its base point (_with_budgets); MuLoCo: no row runs Muon
         seeds = sorted(s for s in by_seed if s in sync and by_seed[s].get("train") and sync[s].get("train"))
         if not seeds:
             continue
@@ -138,9 +151,10 @@ def read_evidence(path: str) -> Evidence:
         figure = Figure(point, algorithm_of(point), multiplier, statistics.fmean(gaps), seeds)
         if multiplier is None:
             figure = _with_budgets(figure, results, sync, budgets)
-        best = figures.get(figure.algorithm)
+        key = figure_key(figure.algorithm, compression_of(point))
+        best = figures.get(key)
         if best is None or _better(figure, best):
-            figures[figure.algorithm] = figure
+            figures[key] = figure
     all_seeds = sorted({s for f in figures.values() for s in f.seeds})
     return Evidence(path, params, tokens, all_seeds, figures)
 

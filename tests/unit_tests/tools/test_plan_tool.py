@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from megatron_lsgd.training.scenario import load_scenario  # noqa: E402
 from tools.planning.evidence import algorithm_of, far_beyond, read_evidence  # noqa: E402
-from tools.planning.job import Model, job_from_toml  # noqa: E402
+from tools.planning.job import Job, Model, job_from_toml  # noqa: E402
 from tools.planning.memory import memory_per_gpu  # noqa: E402
 
 SCENARIOS = os.path.join(ROOT, "tools", "benchmarks", "scenarios")
@@ -615,10 +615,13 @@ def test_within_a_regime_a_measured_multiplier_beats_a_larger_models_not_reached
     assert nearest([toy, m], "diloco", 1e9, 20).path == "M.json"  # the regime first
 
 
-def test_a_compressors_point_does_not_stand_for_its_algorithm(tmp_path):
-    """The toy pages measured diloco with int4 too (diloco-H25-int4, diloco-int4): ending closer
-    to sync's loss, it was taken as diloco's figure, for rows that send uncompressed."""
-    from tools.planning.evidence import compressed
+def test_a_compressors_point_stands_only_for_a_row_with_that_compressor(tmp_path):
+    """The toy pages measured diloco with int4 too (diloco-H25-int4): ending closer to sync's
+    loss, it was taken as diloco's figure for rows that send uncompressed. Now each stands for
+    its own rows, and a compressed row without a point of its compressor is unmeasured (not the
+    uncompressed multiplier, which ranked it as measured)."""
+    import plan
+    from tools.planning.evidence import compression_of
 
     sync = [10.0 - 0.1 * i for i in range(20)]
     runs = lambda end: {s: {"train": sync[:-1] + [end] * 5, "valid": [end]} for s in ("1",)}  # noqa: E731
@@ -626,9 +629,20 @@ def test_a_compressors_point_does_not_stand_for_its_algorithm(tmp_path):
                      "128", "--global-batch-size", "16", "--train-iters", "1000", "--swiglu"],
             "sync": {"sync": {"1": {"train": sync, "valid": [8.1]}}},
             "results": {"diloco-H25-int4": runs(8.2), "diloco-lr1.0-m0.0": runs(8.4), "dilocox-lowrank4": runs(8.3),
-                        "muloco-int4": runs(8.0)}}
+                        "muloco-int4": runs(8.0), "sparseloco-d0.0156": runs(8.5)}}
     path = tmp_path / "quality-x.json"
     path.write_text(json.dumps(page))
     e = read_evidence(str(path))
-    assert set(e.figures) == {"diloco"} and e.figures["diloco"].point == "diloco-lr1.0-m0.0"
-    assert compressed("sparseloco-d0.0156") and compressed("diloco-H200-int4") and not compressed("diloco-H100")
+    assert set(e.figures) == {"diloco", "diloco compression=int4", "dilocox compression=lowrank-int4",
+                              "diloco compression=topk-2bit"}  # MuLoCo (Muon inside) stands for no row
+    assert e.figures["diloco"].point == "diloco-lr1.0-m0.0"
+    assert e.figures["diloco compression=int4"].point == "diloco-H25-int4"
+    assert compression_of("diloco-H200-int4") == "int4" and compression_of("diloco-H100") == "none"
+
+    job = Job(sites=2, gpus_per_site=[8, 8], rate_mbit=[1000.0] * 2, latency_ms=[0.0] * 2, site_factors=[1.0] * 2,
+              model=Model(params=e.params), tokens_per_step=16 * 128, total_tokens=e.tokens)
+    assert plan.quality(job, "diloco", [e], "int4")["point"] == "diloco-H25-int4"
+    int8 = plan.quality(job, "diloco", [e], "int8")
+    assert int8["multiplier"] is None and "final_gap" not in int8 and "at_least" not in int8
+    assert int8["source"].startswith("diloco with --lsgd-compression int8: not measured (uncompressed: quality-x")
+    assert plan.quality(job, "dilocox", [e], "int4")["source"].startswith("dilocox with --lsgd-compression int4")
