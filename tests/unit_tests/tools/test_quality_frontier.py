@@ -485,7 +485,10 @@ def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeyp
                                        "streaming-diloco-H30-x1.25", "streaming-diloco-H30-x1.5",
                                        "streaming-diloco-H30-x2"]
 
-    seen.clear()
+    seen.clear()  # --points budget again (nothing left to train): the rest of the page stays on it
+    qf.main(common + ["--seeds", "1", "--points", "budget"])
+    page = json.load(open(tmp_path / "quality-ladder-S.json"))
+    assert not seen and {"diloco-H30-avg", "streaming-diloco-H30", "diloco-H30-avg-x2"} <= set(page["results"])
     qf.main(common + ["--seeds", "1,2"])  # the rung's own points: seed 2 trained, the budgets only read
     assert seen and not [a for a in seen if a.count("--train-iters") == 2]
     page = json.load(open(tmp_path / "quality-ladder-S.json"))
@@ -493,3 +496,25 @@ def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeyp
     text = qf.ladder_summary(str(tmp_path))
     assert "| diloco-H30-avg-x1.5 | -0.50% [-0.50, -0.50] /1 |" in text
     assert "| diloco-H30-avg | 1.37x [1.37, 1.37] /1 |" in text  # sqrt(1.25 x 1.5)
+
+
+def test_a_reference_only_kept_points_use_is_read_not_trained(tmp_path, monkeypatch):
+    """MuLoCo is measured against sync with Muon. Kept on the page from the cache (seed 1), it
+    must not make a later run for another seed train that reference for nothing."""
+    seen = []
+
+    def fake_run(argv, world, work_dir=None):
+        seen.append(argv)
+        return {"valid": [4.0], "train": [4.0], "comm": {"bytes_sent": 100 if "sync" in argv else 2}}
+
+    monkeypatch.setattr(qf, "run", fake_run)
+    corpus = os.path.join(qf.ROOT, "data", "python-docs", "python_docs_text_document")
+    common = ["--ladder", "S", "--data-path", corpus, "--valid-data-path", corpus, "--tokenizer-model", "tok.model",
+              "--doc", str(tmp_path / "quality-ladder-S.md")]
+    qf.main(common + ["--seeds", "1", "--points", "muloco-H30-int4"])
+    assert sum("muon" in a for a in seen) == 2  # the point and its reference
+    seen.clear()
+    qf.main(common + ["--seeds", "1,2", "--points", "diloco-H30-avg"])
+    assert seen and not [a for a in seen if "muon" in a]  # seed 2: sync and diloco only
+    page = json.load(open(tmp_path / "quality-ladder-S.json"))
+    assert set(page["results"]["muloco-H30-int4"]) == {"1"}

@@ -32,11 +32,12 @@ ladder's points, and its page docs/quality-ladder-RUNG.md, its cells in results/
         --valid-data-path data/docs-corpus/docs_corpus_valid_text_document \
         --tokenizer-model data/docs-corpus/docs_corpus_sp4k.model
 
-`--points` picks points by label or family (comma-separated; default all; with `--ladder`,
-the rung's own points, plus the points run on request (`--points claims`, `--points frontier`:
-issue 24's compressors on diloco-H30-avg and dilocox's int4, `--points budget`: diloco and
-streaming-diloco at 1.25x, 1.5x and 2x the tokens, token_budgets.py) that the cache
-already holds, read from it and never trained by the default command); `--point
+`--points` picks the points to train by label or family (comma-separated; default all; with
+`--ladder`, the rung's own points; the points run on request are `--points claims`, `--points
+frontier`: issue 24's compressors on diloco-H30-avg and dilocox's int4, and `--points budget`:
+diloco and streaming-diloco at 1.25x, 1.5x and 2x the tokens, token_budgets.py). A rung's page
+keeps every point of the catalogue that the cache holds, read from it and not trained, so any
+`--points` run adds to the page and never drops what it did not train; `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
 digest of its flags, with every argument they resolve to: one made under other defaults is
 trained again; by default results/runs/<page>, committed with the page it is the data of), so a
@@ -631,14 +632,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         return argv
 
     kept: List[str] = []  # points read from the cache only (never trained by this command)
-    if args.ladder is not None and args.points is None:
-        # a point run on request (a claim, a budget) stays on the rung's page and in its JSON once run
+    if args.ladder is not None:
+        # the rung's page is its record: every point it has run stays on it and in its JSON, whatever
+        # this command trains (a point run on request; the rung's own points under --points budget,
+        # which once left the page with the budgets alone until a --cached-only)
         kept = [pt.label for pt in catalogue if pt not in points
                 and any(os.path.exists(cached_path(argv_for(pt.flags, seed), args.sites, args.cache_dir))
                         for seed in seeds)]
         points += [pt for pt in catalogue if pt.label in kept]
     references = [SYNC] + [list(r) for r in dict.fromkeys(tuple(reference_flags(pt.flags)) for pt in points)
                            if list(r) != SYNC]
+    # a reference only kept points use (sync with Muon for a kept MuLoCo) is read, never trained
+    trained_refs = {tuple(SYNC)} | {tuple(reference_flags(pt.flags)) for pt in points if pt.label not in kept}
 
     t0 = time.perf_counter()
     sync: Dict[str, Dict[int, Dict]] = {reference_name(ref): {} for ref in references}
@@ -646,7 +651,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     for seed in seeds:
         for ref in references:
             print(f"> {reference_name(ref)}, seed {seed}", flush=True)
-            reference = cached_run(argv_for(list(ref), seed), args.sites, args.cache_dir, args.cached_only)
+            reference = cached_run(argv_for(list(ref), seed), args.sites, args.cache_dir,
+                                   args.cached_only or tuple(ref) not in trained_refs)
             if reference is not None:
                 sync[reference_name(ref)][seed] = reference
             elif not args.cached_only:
