@@ -485,6 +485,10 @@ def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeyp
                                        "streaming-diloco-H30-x1.25", "streaming-diloco-H30-x1.5",
                                        "streaming-diloco-H30-x2"]
 
+    frontier, _, rest = open(doc).read().partition("Goals (issue 24):")
+    assert "diloco-H30-avg-x1.5" not in frontier  # more tokens: not a point of the frontier (nor its goals)
+    assert "| diloco-H30-avg-x1.5 | -0.50% | -0.50% .. -0.50% | 1 |" in rest.split("Flags per point")[0]
+
     seen.clear()  # --points budget again (nothing left to train): the rest of the page stays on it
     qf.main(common + ["--seeds", "1", "--points", "budget"])
     page = json.load(open(tmp_path / "quality-ladder-S.json"))
