@@ -434,15 +434,19 @@ def test_tokens_to_reach_interpolates_between_the_budgets_that_bracket_syncs_los
     assert tokens_to_reach({1.0: 0.03, 1.25: -0.09}).multiplier == pytest.approx(1.25 ** 0.25)
     never = tokens_to_reach({1.0: 0.03, 1.25: 0.02, 1.5: 0.01})
     assert never.multiplier is None and never.at_least == 1.5
-    # a seed counts with the scales it ran: one without 2x is a bound at 1.5x, one with it a value
+    # a seed counts with the scales it ran; one that has not reached sync's loss only once it ran
+    # the largest scale any seed ran (seed 2, still to run 2x, is left out, not a bound at 1.5x)
     from tools.benchmarks.quality.token_budgets import reach_per_seed
 
-    sync = {"1": {"valid": [4.0]}, "2": {"valid": [4.0]}, "3": {"valid": [4.0]}}
-    runs = {1.0: {"1": {"valid": [4.12]}, "2": {"valid": [4.12]}, "3": {"valid": [4.12]}},
-            1.5: {"1": {"valid": [4.04]}, "2": {"valid": [4.04]}}, 2.0: {"1": {"valid": [3.96]}}}
+    sync = {s: {"valid": [4.0]} for s in ("1", "2", "3", "4")}
+    runs = {1.0: {s: {"valid": [4.12]} for s in ("1", "2", "3", "4")},
+            1.25: {}, 1.5: {"1": {"valid": [4.04]}, "2": {"valid": [4.04]}, "4": {"valid": [3.9]}},
+            2.0: {"1": {"valid": [3.96]}}}
     by_seed = reach_per_seed(runs, sync)
-    assert set(by_seed) == {"1", "2"}  # seed 3 ran no longer budget
-    assert by_seed["1"].multiplier == pytest.approx(3 ** 0.5) and by_seed["2"].at_least == 1.5
+    assert set(by_seed) == {"1", "4"}  # seed 3 ran no longer budget, seed 2 not yet the largest
+    assert by_seed["1"].multiplier == pytest.approx(3 ** 0.5) and by_seed["4"].multiplier < 1.5
+    runs[2.0]["2"] = {"valid": [4.01]}
+    assert reach_per_seed(runs, sync)["2"].at_least == 2.0
     with pytest.raises(ValueError, match="scale 1"):
         tokens_to_reach({1.25: 0.01})
 

@@ -92,11 +92,17 @@ def tokens_to_reach(gaps: Dict[float, float]) -> Reach:
 def reach_per_seed(runs_by_scale: Dict[float, Dict[str, Dict]], sync: Dict[str, Dict]) -> Dict[str, Reach]:
     """Per seed that ran the point itself (scale 1) and at least one longer budget, against
     sync's run of that seed: tokens_to_reach over the scales that seed has run, from the
-    final validation losses (runs: {"valid": [...]})."""
+    final validation losses (runs: {"valid": [...]}). A seed that has not reached sync's loss
+    counts only once it has run the largest scale any seed ran: before, its bound is only the
+    budgets so far, and it would turn the other seeds' measured multiplier into that bound
+    (rung S: seed 2 at 1.25x alone made diloco's 1.27x a "> 1.25")."""
     out = {}
+    largest = max((k for k, runs in runs_by_scale.items() if runs), default=1.0)
     for seed in sorted(sync):
         have = {k: runs[seed] for k, runs in runs_by_scale.items() if seed in runs}
         if 1.0 not in have or len(have) < 2 or not sync[seed].get("valid"):
             continue
-        out[seed] = tokens_to_reach({k: run["valid"][-1] / sync[seed]["valid"][-1] - 1.0 for k, run in have.items()})
+        reach = tokens_to_reach({k: run["valid"][-1] / sync[seed]["valid"][-1] - 1.0 for k, run in have.items()})
+        if reach.multiplier is not None or max(have) == largest:
+            out[seed] = reach
     return out
