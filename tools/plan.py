@@ -41,7 +41,8 @@ from megatron_lsgd import cli
 from megatron_lsgd.training.scenario import load_scenario
 from megatron_lsgd.core.output_files import write_text
 from tools.benchmarks.recipes import ALGORITHMS
-from tools.planning.evidence import Evidence, far_beyond, figure_key, load_all, nearest
+from tools.planning.evidence import (Evidence, at_interval, far_beyond, figure_key, interval_of, load_all,
+                                     nearest)
 from tools.planning.job import Job, Model, job_from_toml
 from tools.planning.memory import GIB, memory_per_gpu
 from tools.planning.pilots import (GRID_COMPRESSION, GRID_COMPRESSIONS, Pace, base_pilot, grid, ranks_output_to,
@@ -192,7 +193,8 @@ def pretrain_flags(job: Job, pace: Pace) -> str:
     return " ".join(flags)
 
 
-def quality(job: Job, algorithm: str, evidence: List[Evidence], compression: str = "none") -> Dict:
+def quality(job: Job, algorithm: str, evidence: List[Evidence], compression: str = "none",
+            interval: Optional[int] = None) -> Dict:
     """The measured token multiplier to reach sync's loss, with its provenance. A row with a
     compressor takes only a point measured with that compressor: the uncompressed point's
     multiplier would rank (and recommend) it as measured for a loss nobody measured."""
@@ -209,9 +211,12 @@ def quality(job: Job, algorithm: str, evidence: List[Evidence], compression: str
         plain = quality(job, algorithm, evidence)["source"]
         return {"multiplier": None, "far": [],
                 "source": f"{algorithm} with --lsgd-compression {compression}: not measured (uncompressed: {plain})"}
-    fig = e.figures[key]
+    fig = at_interval(e, key, interval)
+    measured_h = interval_of(fig.point)
     return {"multiplier": fig.multiplier, "final_gap": fig.final_gap, "point": fig.point, "seeds": fig.seeds,
-            "at_least": fig.at_least, "how": fig.how, "source": e.label(), "far": far_beyond(e, job.params, tpp)}
+            "at_least": fig.at_least, "how": fig.how, "source": e.label(), "far": far_beyond(e, job.params, tpp),
+            # the row runs another H than the point measured: said beside the multiplier
+            **({"measured_interval": measured_h} if interval and measured_h and measured_h != interval else {})}
 
 
 def warnings_for(job: Job, pace: Pace, memory_total: float, sync_pace: Optional[Pace]) -> List[str]:
@@ -280,8 +285,9 @@ def plan(job: Job, algorithms: List[str], pilot_steps: Optional[int], evidence_g
         algorithm = pace.algorithm
         s = pace.settings  # the pilot's: its recipe's recommended flags, a grid point's in their place
         compression = s[s.index("--lsgd-compression") + 1] if "--lsgd-compression" in s else "none"
+        interval = int(s[s.index("--lsgd-interval") + 1]) if "--lsgd-interval" in s else None
         mem = memory_for(job, algorithm, compression, microbatches)
-        q = quality(job, algorithm, evidence, compression)
+        q = quality(job, algorithm, evidence, compression, interval)
         train_seconds = pace.seconds_per_step * job.steps
         # without a measured multiplier only a lower bound: the tokens' time (x 1), or x the largest
         # budget that was measured not to reach sync's loss
@@ -384,6 +390,8 @@ def table(result: Dict) -> str:
         mult = f"{q['multiplier']:.2f}" if q["multiplier"] is not None else \
             f"> {q['at_least']:g} ({100 * q['final_gap']:+.1f}% loss at 1x)" if q.get("at_least") else \
             f"not reached ({100 * q.get('final_gap', 0):+.1f}% loss)" if "final_gap" in q else "unmeasured"
+        if "measured_interval" in q:
+            mult += f" (at H={q['measured_interval']})"
         to = (">= " if r["seconds_to_sync_loss_is_lower_bound"] else "") + _duration(r["seconds_to_sync_loss"])
         lines.append(f"| {i} | {r['label']} | {r['seconds_per_step']:.4g} | {r['exposed_comm_seconds_per_step']:.4g} "
                      f"| {r['cross_site_bytes_per_step'] / 1e9:.4g} | {r['cross_site_bytes_per_run'] / 1e12:.4g} "

@@ -24,8 +24,9 @@ import glob
 import json
 import math
 import os
+import re
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 VOCAB = 8192  # the quality runs' SentencePiece tokenizer (data/python-docs/python_docs_sp8k.model)
@@ -50,6 +51,7 @@ class Evidence:
     tokens: float
     seeds: List[str]
     figures: Dict[str, Figure]  # by figure_key (the algorithm, and its compressor if any): its best-measured point
+    points: Dict[str, Figure] = field(default_factory=dict)  # every point's figure, by its label
 
     @property
     def tokens_per_param(self) -> float:
@@ -136,6 +138,7 @@ def read_evidence(path: str) -> Evidence:
         float(_flag(argv, "--seq-length"))
     budgets = data.get("budgets") or {}  # label -> {"base", "scale"}: the same point on more tokens
     figures: Dict[str, Figure] = {}
+    every: Dict[str, Figure] = {}
     for point, by_seed in results.items():
         if point in budgets or point.startswith(OTHER_INNER):
             continue  # a budget: read with its base point (_with_budgets); MuLoCo: no row runs Muon
@@ -152,11 +155,12 @@ def read_evidence(path: str) -> Evidence:
         if multiplier is None:
             figure = _with_budgets(figure, results, sync, budgets)
         key = figure_key(figure.algorithm, compression_of(point))
+        every[point] = figure
         best = figures.get(key)
         if best is None or _better(figure, best):
             figures[key] = figure
     all_seeds = sorted({s for f in figures.values() for s in f.seeds})
-    return Evidence(path, params, tokens, all_seeds, figures)
+    return Evidence(path, params, tokens, all_seeds, figures, every)
 
 
 def _with_budgets(figure: Figure, results: Dict, sync: Dict, budgets: Dict[str, Dict]) -> Figure:
@@ -177,6 +181,30 @@ def _with_budgets(figure: Figure, results: Dict, sync: Dict, budgets: Dict[str, 
     if any(r.multiplier is None for r in reached):
         return replace(figure, at_least=max(r.at_least for r in reached if r.multiplier is None), how=how)
     return replace(figure, multiplier=statistics.fmean(r.multiplier for r in reached), seeds=seeds, how=how)
+
+
+def interval_of(point: str) -> Optional[int]:
+    """H as a point's label names it (diloco-H100-avg: 100), None where it does not."""
+    m = re.search(r"-H(\d+)(?:-|$)", point)
+    return int(m.group(1)) if m else None
+
+
+def at_interval(e: Evidence, key: str, interval: Optional[int]) -> Figure:
+    """The file's figure for `key` at H = `interval` where it measured a multiplier or a bound
+    there (budget points), else its best figure for `key` (which may be at another H: the
+    caller labels it). The ladder measures diloco at H = 30 and 100; a row at H = 100 takes
+    H = 100's figure once its budgets have run, not H = 30's closer one."""
+    best = e.figures[key]
+    if interval is None or interval_of(best.point) == interval:
+        return best
+    same = [f for p, f in e.points.items() if figure_key(f.algorithm, compression_of(p)) == key
+            and interval_of(p) == interval and (f.multiplier is not None or f.at_least is not None)]
+    if not same:
+        return best
+    chosen = same[0]
+    for f in same[1:]:
+        chosen = f if _better(f, chosen) else chosen
+    return chosen
 
 
 def _better(a: Figure, b: Figure) -> bool:

@@ -646,3 +646,42 @@ def test_a_compressors_point_stands_only_for_a_row_with_that_compressor(tmp_path
     assert int8["multiplier"] is None and "final_gap" not in int8 and "at_least" not in int8
     assert int8["source"].startswith("diloco with --lsgd-compression int8: not measured (uncompressed: quality-x")
     assert plan.quality(job, "dilocox", [e], "int4")["source"].startswith("dilocox with --lsgd-compression int4")
+
+
+def test_a_rows_h_takes_the_figure_measured_at_it_and_says_when_it_is_another(tmp_path):
+    """The planner recommended diloco at H = 100 on the 1 Gbit/s example with H = 30's measured
+    1.27x, said only on the evidence line. A point measured at the row's H with budgets is taken
+    instead; one at another H is named beside the multiplier."""
+    import plan
+
+    sync = [10.0 - 0.1 * i for i in range(20)]
+    never = [10.0 - 0.05 * i for i in range(20)]
+    runs = lambda valid: {"1": {"train": never, "valid": [valid]}}  # noqa: E731
+    page = {"argv": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length",
+                     "128", "--global-batch-size", "16", "--train-iters", "1000", "--swiglu"],
+            "sync": {"sync": {"1": {"train": sync, "valid": [4.0]}}},
+            "results": {"diloco-H30-avg": runs(4.1), "diloco-H30-avg-x1.25": runs(4.02),
+                        "diloco-H30-avg-x1.5": runs(3.98), "diloco-H100-avg": runs(4.2),
+                        "diloco-H100-avg-x1.25": runs(4.1), "diloco-H100-avg-x1.5": runs(4.05),
+                        "diloco-H200-avg": runs(4.3)},
+            "budgets": {f"{b}-x{k:g}": {"base": b, "scale": k} for b in ("diloco-H30-avg", "diloco-H100-avg")
+                        for k in (1.25, 1.5)}}
+    (tmp_path / "quality-h.json").write_text(json.dumps(page))
+    e = read_evidence(str(tmp_path / "quality-h.json"))
+    job = Job(sites=2, gpus_per_site=[8, 8], rate_mbit=[1000.0] * 2, latency_ms=[0.0] * 2, site_factors=[1.0] * 2,
+              model=Model(params=e.params), tokens_per_step=16 * 128, total_tokens=e.tokens)
+    h30, h100 = plan.quality(job, "diloco", [e], interval=30), plan.quality(job, "diloco", [e], interval=100)
+    assert h30["point"] == "diloco-H30-avg" and h30["multiplier"] == pytest.approx((1.25 * 1.5) ** 0.5)
+    assert "measured_interval" not in h30
+    assert h100["point"] == "diloco-H100-avg" and h100["multiplier"] is None and h100["at_least"] == 1.5
+    h200 = plan.quality(job, "diloco", [e], interval=200)  # measured there without budgets: the best, named
+    assert h200["point"] == "diloco-H30-avg" and h200["measured_interval"] == 30
+    row = {"algorithm": "diloco", "label": "diloco", "seconds_per_step": 1.0, "exposed_comm_seconds_per_step": 0.0,
+           "cross_site_bytes_per_step": 0.0, "cross_site_bytes_per_run": 0.0, "memory_total_gib": 1.0,
+           "memory_gib": {"weights": 1.0}, "train_seconds": 10.0, "seconds_to_sync_loss": 13.7,
+           "seconds_to_sync_loss_is_lower_bound": False, "warnings": [], "pretrain_gpt_flags": "", "quality": h200}
+    jobd = {"sites": 2, "gpus_per_site": [8, 8], "rate_mbit": [1000.0] * 2, "latency_ms": [30.0] * 2,
+            "site_factors": [1.0] * 2, "params": 1e9, "tokens_per_step": 1e5, "total_tokens": 2e10, "steps": 1,
+            "tensor_parallel": [1, 1], "pipeline_parallel": [1, 1], "recompute": "selective", "notes": []}
+    assert "| 1.37 (at H=30) |" in plan.table({"job": jobd, "timing": "t", "rows": [row]})
+

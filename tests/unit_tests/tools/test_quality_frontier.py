@@ -473,10 +473,10 @@ def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeyp
     doc = str(tmp_path / "quality-ladder-S.md")
     common = ["--ladder", "S", "--data-path", corpus, "--valid-data-path", corpus, "--tokenizer-model", "tok.model",
               "--doc", doc]
-    qf.main(common + ["--seeds", "1", "--points", "diloco-H30-avg,streaming-diloco-H30,budget"])
-    assert len(seen) == 1 + 2 + 2 * 3
+    qf.main(common + ["--seeds", "1", "--points", "diloco-H30-avg,streaming-diloco-H30,diloco-H100-avg,budget"])
+    assert len(seen) == 1 + 3 + 3 * 3
     longer = [a for a in seen if a.count("--train-iters") == 2]
-    assert len(longer) == 6
+    assert len(longer) == 9
     for argv in longer:
         n = int(argv[len(argv) - 1 - argv[::-1].index("--train-iters") + 1])
         warmup = int(argv[len(argv) - 1 - argv[::-1].index("--lr-warmup-iters") + 1])
@@ -485,7 +485,8 @@ def test_budget_points_train_longer_and_stay_on_the_rungs_page(tmp_path, monkeyp
         assert evaluated == n  # the one evaluation at the run's end, not at the rung's iterations
     page = json.load(open(tmp_path / "quality-ladder-S.json"))
     assert page["budgets"]["diloco-H30-avg-x1.25"] == {"base": "diloco-H30-avg", "scale": 1.25}
-    assert sorted(page["budgets"]) == ["diloco-H30-avg-x1.25", "diloco-H30-avg-x1.5", "diloco-H30-avg-x2",
+    assert sorted(page["budgets"]) == ["diloco-H100-avg-x1.25", "diloco-H100-avg-x1.5", "diloco-H100-avg-x2",
+                                       "diloco-H30-avg-x1.25", "diloco-H30-avg-x1.5", "diloco-H30-avg-x2",
                                        "streaming-diloco-H30-x1.25", "streaming-diloco-H30-x1.5",
                                        "streaming-diloco-H30-x2"]
 
