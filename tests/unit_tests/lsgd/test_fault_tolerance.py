@@ -615,6 +615,14 @@ def test_a_quorum_that_never_forms_is_the_runs_one_error_line():
             lone.round_started()
 
 
+def _until(done, deadline_s: float) -> None:
+    import time
+
+    end = time.monotonic() + deadline_s
+    while not done() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def test_a_site_that_knows_no_other_says_it_waits_within_seconds(monkeypatch):
     # a blocking quorum (a lighthouse that holds it back) says so after ALONE_LINE_S, not
     # log_every, when the site has no other site in its last quorum (or none yet)
@@ -626,10 +634,13 @@ def test_a_site_that_knows_no_other_says_it_waits_within_seconds(monkeypatch):
     for present, lines in (([], 1), ([0], 1), ([0, 1], 0)):
         m = _lone("stop")
         m.present = present
-        m.manager.start_quorum = lambda timeout=None: time.sleep(1.0)  # 20x the line's delay: a watcher woken late still says it
+        if lines:  # held until the watcher speaks, at most 5 s: far before log_every (60 s here), the line it must beat
+            m.manager.start_quorum = lambda timeout=None, m=m: _until(lambda: m.lines, 5.0)
+        else:  # 20x the line's delay: long enough for a line that must not come
+            m.manager.start_quorum = lambda timeout=None: time.sleep(1.0)
         m._quorum()
         assert len(m.lines) == lines, (present, m.lines)
-        if lines:  # (the seconds waited: 0 on an idle machine, 1 where the watcher wakes late under load)
-            assert re.fullmatch(rf"site 0 waits for --lsgd-min-sites 2 sites \([01] s, no quorum yet\); sites of the "
+        if lines:  # (the seconds waited: 0 on an idle machine, more where the watcher wakes late under load)
+            assert re.fullmatch(rf"site 0 waits for --lsgd-min-sites 2 sites \(\d+ s, no quorum yet\); sites of the "
                                 rf"last round: {','.join(map(str, present)) or 'none'}; stops at --lsgd-ft-max-wait "
                                 rf"0\.05 s", m.lines[0]), m.lines
