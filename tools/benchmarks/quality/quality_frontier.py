@@ -588,7 +588,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--global-batch-size", type=positive_int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-iters", type=positive_int, default=20)
-    p.add_argument("--points", default=None, help="labels or families to run (default: all)")
+    p.add_argument("--points", default=None,
+                   help="labels or families to run (default: all; with --ladder, the rung's own points, and on "
+                        "request the families claims, frontier (issue 24's compressors) and budget (more tokens); "
+                        "a rung's page keeps every point its cache holds)")
     p.add_argument("--point", action="append", default=[], metavar="LABEL=FAMILY:FLAGS", help="add a point")
     p.add_argument("--extra-args", default="", help="flags for every run")
     p.add_argument("--smoke", action="store_true", help="tiny, fast: checks the pipeline, measures nothing")
