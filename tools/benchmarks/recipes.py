@@ -146,15 +146,15 @@ def _diloco_ladder_frontier() -> List[Point]:
     diloco-H30-avg is the compressor's: int4 (and at H = 100, toward 1000x fewer bytes),
     topk-2bit at 1/64 (SparseLoCo), low-rank int4 at rank 8 (every rung's matrices are at least
     48 wide), and MuLoCo (int4 with Muon inside the sites, against sync with Muon)."""
-    def point(label, family, flags, interval=30):
-        return Point(label, family, ["--lsgd-interval", str(interval)] + PLAIN + flags)
+    def point(label, flags, interval=30):
+        return Point(label, "frontier", ["--lsgd-interval", str(interval)] + PLAIN + flags)
 
-    return [point("diloco-H30-int4", "frontier", ["--lsgd-compression", "int4"]),
-            point("diloco-H100-int4", "frontier", ["--lsgd-compression", "int4"], 100),
-            point("sparseloco-H30-d0.0156", "frontier", ["--lsgd-compression", "topk-2bit", "--lsgd-topk-density",
-                                                         str(1 / 64), "--lsgd-ef-decay", "0.95"]),
-            point("diloco-H30-lowrank8", "frontier", ["--lsgd-compression", "lowrank-int4", "--lsgd-rank", "8"]),
-            point("muloco-H30-int4", "frontier", ["--lsgd-compression", "int4", "--optimizer", "muon"])]
+    return [point("diloco-H30-int4", ["--lsgd-compression", "int4"]),
+            point("diloco-H100-int4", ["--lsgd-compression", "int4"], 100),
+            point("sparseloco-H30-d0.0156", ["--lsgd-compression", "topk-2bit", "--lsgd-topk-density", str(1 / 64),
+                                             "--lsgd-ef-decay", "0.95"]),
+            point("diloco-H30-lowrank8", ["--lsgd-compression", "lowrank-int4", "--lsgd-rank", "8"]),
+            point("muloco-H30-int4", ["--lsgd-compression", "int4", "--optimizer", "muon"])]
 
 
 def _diloco_ladder(outer_lrs: Sequence[float]) -> List[Point]:
@@ -314,7 +314,8 @@ def quality_runs(k) -> Dict[str, List[str]]:
 
 
 def points(study: str, *args) -> List[Point]:
-    """Every recipe's points of a quality study ("frontier", "ladder", "claims" or "ladder_frontier"; `args` those of
-    the recipe's function), in the table's order, each run's flags --lsgd-algorithm first."""
+    """Every recipe's points of a quality study ("frontier", "ladder", "claims" or
+    "ladder_frontier"; `args` those of the recipe's function), in the table's order, each run's
+    flags --lsgd-algorithm first."""
     return [Point(p.label, p.family, ["--lsgd-algorithm", name] + p.flags)
             for name, r in RECIPES.items() for p in getattr(r, study)(*args)]

@@ -12,10 +12,11 @@ final training loss, over sync's tokens (from the logged training curves, the me
 seeds both ran). An algorithm that does not reach sync's loss within the measured run has no
 multiplier (`None`), only its final gap: nothing is extrapolated. A point whose label names a
 compressor (diloco-int4, dilocox-lowrank4, sparseloco-d0.0156) is kept apart from its
-algorithm's uncompressed figure (`figure_key`): it stands only for a row with that compressor. Where the page also trained
-the point on more tokens (its budget points, tools/benchmarks/quality/token_budgets.py), the
-multiplier is the one those runs measure (sync's final validation loss reached between two
-budgets), or, where none reached it, at least the largest budget (`at_least`).
+algorithm's uncompressed figure (`figure_key`): it stands only for a row with that compressor.
+Where the page also trained the point on more tokens (its budget points,
+tools/benchmarks/quality/token_budgets.py), the multiplier is the one those runs measure
+(sync's final validation loss reached between two budgets), or, where none reached it, at
+least the largest budget (`at_least`).
 """
 
 from __future__ import annotations
@@ -83,10 +84,6 @@ def compression_of(point: str) -> str:
     """The compressor a quality page's point label names (diloco-int4, dilocox-lowrank4,
     sparseloco-d0.0156, diloco-H200-int4), "none" where it names none."""
     return next((kind for mark, kind in COMPRESSION_MARKS if mark in point), "none")
-
-
-def compressed(point: str) -> bool:
-    return compression_of(point) != "none" or point.startswith(OTHER_INNER)
 
 
 def figure_key(algorithm: str, compression: str = "none") -> str:
