@@ -35,7 +35,8 @@ ladder's points, and its page docs/quality-ladder-RUNG.md, its cells in results/
 `--points` picks the points to train by label or family (comma-separated; default all; with
 `--ladder`, the rung's own points; the points run on request are `--points claims`, `--points
 frontier`: issue 24's compressors on diloco-H30-avg and dilocox's int4, and `--points budget`:
-diloco and streaming-diloco at 1.25x, 1.5x and 2x the tokens, token_budgets.py). A rung's page
+diloco (H = 30 and 100) and streaming-diloco at 1.25x, 1.5x and 2x the tokens,
+token_budgets.py). A rung's page
 keeps every point of the catalogue that the cache holds, read from it and not trained, so any
 `--points` run adds to the page and never drops what it did not train; `--point
 LABEL=FAMILY:FLAGS` adds one. Each finished run is kept under `--cache-dir` (named by a
