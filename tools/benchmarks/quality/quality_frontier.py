@@ -185,6 +185,11 @@ def ladder_page(rung: str, docs_dir: str = os.path.join(ROOT, "docs")) -> str:
     return os.path.join(docs_dir, f"quality-ladder-{rung}.md")
 
 
+def _rung_columns(rungs: Sequence[Rung]) -> List[str]:
+    """The header of a table with a row per point and a column per rung."""
+    return ["| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |", "|---|" + "---|" * len(rungs)]
+
+
 def _median_range(values: Sequence[float]) -> str:
     return f"{statistics.median(values):+.2f}% [{min(values):+.2f}, {max(values):+.2f}]"
 
@@ -222,8 +227,7 @@ def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
                   "optimizer): median [min, max] over the seeds "
                   "(their number after the slash); docs-corpus read once, validation on 163,840 tokens of held-out "
                   "documents.", "",
-              "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |",
-              "|---|" + "---|" * len(rungs)]
+              *_rung_columns(rungs)]
     longer = []  # budget points: their own table, as on a rung's page (not at sync's tokens)
     for pt in ladder_points() + on_request_points(1):
         if pt not in ladder_points() and not any(data[r.name]["results"].get(pt.label) for r in rungs):
@@ -239,7 +243,7 @@ def ladder_summary(docs_dir: str = os.path.join(ROOT, "docs")) -> str:
     if longer:
         lines += ["", "The same gap for the budget points, trained on more tokens than sync (1.25x, 1.5x, 2x; "
                       "tools/benchmarks/quality/token_budgets.py):", "",
-                  "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |", "|---|" + "---|" * len(rungs)]
+                  *_rung_columns(rungs)]
         lines += longer
     reach = tokens_to_reach_table(rungs, data)
     return "\n".join(lines + (["", reach] if reach else []))
@@ -273,8 +277,7 @@ def tokens_to_reach_table(rungs: Sequence[Rung], data: Dict[str, Dict]) -> str:
                       f"{', '.join(f'{s:g}x' for s in BUDGET_SCALES)} the tokens with its schedule stretched, "
                       f"interpolated between the budgets that bracket sync's loss (linearly in log tokens; "
                       f"tools/benchmarks/quality/token_budgets.py); median [min, max] over the seeds (after the "
-                      f"slash).", "", "| point | " + " | ".join(f"rung {r.name}" for r in rungs) + " |",
-                      "|---|" + "---|" * len(rungs)] + rows)
+                      f"slash).", "", *_rung_columns(rungs)] + rows)
 
 
 SMOKE_DIR = os.path.join(ROOT, "runs", "quality_smoke")  # ignored: a smoke run measures nothing
